@@ -1,0 +1,58 @@
+"""The one interface every accountant backend implements.
+
+An accountant composes events and answers epsilon(delta) and delta(epsilon). It checks that it can compose an event
+before changing any state, so a refused event leaves no trace (dp-accounting's habit).
+"""
+
+from __future__ import annotations
+
+import abc
+
+from accounting.errors import UnsupportedEventError
+from accounting.events import PrivacyEvent
+
+
+class Accountant(abc.ABC):
+    """Composes privacy events and converts the composition to (epsilon, delta)."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self._events: list[tuple[PrivacyEvent, int]] = []
+
+    @property
+    def events(self) -> tuple[tuple[PrivacyEvent, int], ...]:
+        """What has been composed so far, as (event, count) pairs."""
+        return tuple(self._events)
+
+    @abc.abstractmethod
+    def supports(self, event: PrivacyEvent) -> bool:
+        """Whether ``event`` can be composed by this accountant."""
+
+    @abc.abstractmethod
+    def _compose(self, event: PrivacyEvent, count: int) -> None:
+        """Update the state; called only with supported events."""
+
+    def compose(self, event: PrivacyEvent, count: int = 1) -> "Accountant":
+        """Compose ``event`` ``count`` times; raises :class:`UnsupportedEventError` with the state unchanged."""
+        from accounting.validation import check_count
+
+        count = check_count("count", count)
+        if not isinstance(event, PrivacyEvent):
+            raise UnsupportedEventError(f"expected a PrivacyEvent, got {type(event).__name__}")
+        if not self.supports(event):
+            raise UnsupportedEventError(
+                f"the {self.name!r} accountant cannot compose a {event.mechanism!r} event; "
+                f"choose an accountant that supports it (exact: unsampled Gaussians; pld/rdp: sampled Gaussians; "
+                f"zcdp: Gaussian and zCDP events)")
+        self._compose(event, count)
+        self._events.append((event, count))
+        return self
+
+    @abc.abstractmethod
+    def get_epsilon(self, delta: float) -> float:
+        """The smallest epsilon this accountant can certify at ``delta`` (inf if unbounded, never negative)."""
+
+    @abc.abstractmethod
+    def get_delta(self, epsilon: float) -> float:
+        """The smallest delta this accountant can certify at ``epsilon``."""

@@ -1,0 +1,232 @@
+"""Privacy events: small frozen records that describe a mechanism and hold no maths beyond their own parameters.
+
+An event is validated when it is constructed, so a NaN sigma or a negative rho never reaches an accountant or the
+ledger. Accountants (``accounting.accountants``) turn events into (epsilon, delta).
+
+Every event serialises to a plain dict (``to_dict``) and back (``event_from_dict``) so the ledger can store it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from accounting.errors import InvalidPrivacyParameter
+from accounting.validation import check_count, check_positive_finite, check_probability
+
+
+class PrivacyEvent:
+    """Base class. Subclasses are frozen dataclasses with a class-level ``kind`` used for serialisation."""
+
+    kind: str = "abstract"
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def mechanism(self) -> str:
+        """A short name of the mechanism, for ledgers and tables."""
+        return self.kind
+
+
+@dataclass(frozen=True)
+class GaussianEvent(PrivacyEvent):
+    """One release of the Gaussian mechanism: noise N(0, noise_std^2 I) on a value of L2 sensitivity ``sensitivity``.
+
+    It is exactly rho-zCDP with rho = sensitivity^2 / (2 noise_std^2), and exactly a mu-Gaussian-DP mechanism with
+    mu = sensitivity / noise_std (Dong, Roth and Su 2019).
+    """
+
+    sensitivity: float
+    noise_std: float
+    kind = "gaussian"
+
+    def __post_init__(self):
+        object.__setattr__(self, "sensitivity", check_positive_finite("sensitivity", self.sensitivity))
+        object.__setattr__(self, "noise_std", check_positive_finite("noise_std", self.noise_std))
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.noise_std / self.sensitivity
+
+    @property
+    def mu(self) -> float:
+        return self.sensitivity / self.noise_std
+
+    @property
+    def rho(self) -> float:
+        return self.sensitivity ** 2 / (2.0 * self.noise_std ** 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sensitivity": self.sensitivity, "noise_std": self.noise_std}
+
+
+@dataclass(frozen=True)
+class ZCDPEvent(PrivacyEvent):
+    """A mechanism known only to satisfy rho-zCDP (e.g. a sum of discrete Gaussians, Kairouz et al. 2021)."""
+
+    rho: float
+    label: str = "zcdp"
+    kind = "zcdp"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rho", check_positive_finite("rho", self.rho))
+        if not isinstance(self.label, str) or not self.label:
+            raise InvalidPrivacyParameter("label must be a non-empty string naming the mechanism")
+
+    @property
+    def mechanism(self) -> str:
+        return self.label
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rho": self.rho, "label": self.label}
+
+
+@dataclass(frozen=True)
+class PoissonSampledEvent(PrivacyEvent):
+    """``event`` applied to a Poisson sample of the population, each member included with probability q."""
+
+    sampling_rate: float
+    event: PrivacyEvent
+    kind = "poisson_sampled"
+
+    def __post_init__(self):
+        object.__setattr__(self, "sampling_rate", check_probability("sampling_rate", self.sampling_rate))
+        if not isinstance(self.event, PrivacyEvent):
+            raise InvalidPrivacyParameter(f"event must be a PrivacyEvent, got {type(self.event).__name__}")
+
+    @property
+    def mechanism(self) -> str:
+        return f"poisson({self.event.mechanism})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sampling_rate": self.sampling_rate, "event": self.event.to_dict()}
+
+
+@dataclass(frozen=True)
+class SelfComposedEvent(PrivacyEvent):
+    """``event`` applied ``count`` times (adaptively)."""
+
+    event: PrivacyEvent
+    count: int
+    kind = "self_composed"
+
+    def __post_init__(self):
+        if not isinstance(self.event, PrivacyEvent):
+            raise InvalidPrivacyParameter(f"event must be a PrivacyEvent, got {type(self.event).__name__}")
+        object.__setattr__(self, "count", check_count("count", self.count))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "count": self.count, "event": self.event.to_dict()}
+
+
+@dataclass(frozen=True)
+class ComposedEvent(PrivacyEvent):
+    """The adaptive composition of ``events``, in order."""
+
+    events: tuple[PrivacyEvent, ...] = field(default_factory=tuple)
+    kind = "composed"
+
+    def __post_init__(self):
+        events = tuple(self.events)
+        for e in events:
+            if not isinstance(e, PrivacyEvent):
+                raise InvalidPrivacyParameter(f"every composed event must be a PrivacyEvent, got {type(e).__name__}")
+        object.__setattr__(self, "events", events)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "events": [e.to_dict() for e in self.events]}
+
+
+@dataclass(frozen=True)
+class NoOpEvent(PrivacyEvent):
+    """A step that touches no private data (costs nothing)."""
+
+    kind = "noop"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+
+@dataclass(frozen=True)
+class NonPrivateEvent(PrivacyEvent):
+    """A release without noise (``--epsilon inf``): every accountant reports epsilon = inf for it."""
+
+    kind = "non_private"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+
+@dataclass(frozen=True)
+class UnsupportedEvent(PrivacyEvent):
+    """A mechanism whose privacy cost cannot be computed; every accountant refuses it, none guesses."""
+
+    reason: str = "unknown mechanism"
+    kind = "unsupported"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "reason": self.reason}
+
+
+def event_from_dict(d: dict[str, Any]) -> PrivacyEvent:
+    """Inverse of ``PrivacyEvent.to_dict``; validates as the constructors do."""
+    if not isinstance(d, dict) or "kind" not in d:
+        raise InvalidPrivacyParameter(f"not a serialised privacy event: {d!r}")
+    kind = d["kind"]
+    if kind == GaussianEvent.kind:
+        return GaussianEvent(d["sensitivity"], d["noise_std"])
+    if kind == ZCDPEvent.kind:
+        return ZCDPEvent(d["rho"], d.get("label", "zcdp"))
+    if kind == PoissonSampledEvent.kind:
+        return PoissonSampledEvent(d["sampling_rate"], event_from_dict(d["event"]))
+    if kind == SelfComposedEvent.kind:
+        return SelfComposedEvent(event_from_dict(d["event"]), d["count"])
+    if kind == ComposedEvent.kind:
+        return ComposedEvent(tuple(event_from_dict(e) for e in d["events"]))
+    if kind == NoOpEvent.kind:
+        return NoOpEvent()
+    if kind == NonPrivateEvent.kind:
+        return NonPrivateEvent()
+    if kind == UnsupportedEvent.kind:
+        return UnsupportedEvent(d.get("reason", "unknown mechanism"))
+    raise InvalidPrivacyParameter(f"unknown privacy event kind {kind!r}")
+
+
+def flatten(event: PrivacyEvent) -> list[tuple[PrivacyEvent, int]]:
+    """Expand compositions into a list of (leaf event, count), merging equal leaves; order is kept."""
+    counts: dict[PrivacyEvent, int] = {}
+
+    def walk(e: PrivacyEvent, times: int) -> None:
+        if isinstance(e, ComposedEvent):
+            for sub in e.events:
+                walk(sub, times)
+        elif isinstance(e, SelfComposedEvent):
+            walk(e.event, times * e.count)
+        elif isinstance(e, NoOpEvent):
+            return
+        else:
+            counts[e] = counts.get(e, 0) + times
+
+    walk(event, 1)
+    return list(counts.items())
+
+
+def rho_of(event: PrivacyEvent) -> float:
+    """The zCDP parameter of an event, if it has one (sampled and non-private events have none)."""
+    total = 0.0
+    for leaf, count in flatten(event):
+        if isinstance(leaf, (GaussianEvent, ZCDPEvent)):
+            total += count * leaf.rho
+        elif isinstance(leaf, NonPrivateEvent):
+            return math.inf
+        else:
+            raise InvalidPrivacyParameter(f"{leaf.mechanism} has no zCDP parameter")
+    return total
+
+
+__all__ = [
+    "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
+    "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
+]

@@ -1,0 +1,131 @@
+"""Clipping, and the L2 sensitivity that a clip guarantees.
+
+A clip is what makes a declared sensitivity true. Each function returns what it clipped together with the
+sensitivity of the statistic the caller will release, under an explicit adjacency:
+
+- ``add_remove``: neighbouring data sets differ by adding or removing one unit (record or client);
+- ``replace_one``: they differ by replacing one unit.
+
+Clip to norm C, then:
+- a sum of clipped units moves by C (add/remove) or 2C (replace one);
+- a sum of squares ``g (.) g`` or of outer products ``phi phi^T`` moves by C^2 (add/remove) or sqrt(2) C^2 (replace
+  one), since ||a (.) a||_2 <= ||a||_2^2 and, for non-negative a, b, ||a - b||^2 <= ||a||^2 + ||b||^2;
+- a sum of products ``phi * y`` with ||phi|| <= B, |y| <= B_y moves by B B_y (add/remove) or 2 B B_y (replace one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mechanisms.errors import InvalidRelease
+
+ADJACENCIES = ("add_remove", "replace_one")
+
+
+def check_adjacency(adjacency: str) -> str:
+    if adjacency not in ADJACENCIES:
+        raise InvalidRelease(f"adjacency must be one of {ADJACENCIES}, got {adjacency!r}")
+    return adjacency
+
+
+def check_bound(name: str, bound) -> float:
+    try:
+        bound = float(bound)
+    except (TypeError, ValueError):
+        raise InvalidRelease(f"{name} must be a number, got {bound!r}") from None
+    if not math.isfinite(bound) or bound <= 0:
+        raise InvalidRelease(f"{name} must be a finite number > 0, got {bound!r}")
+    return bound
+
+
+def check_finite(name: str, value) -> np.ndarray:
+    """Convert to a float64 array and refuse NaN/Inf (nothing non-finite is ever clipped or released)."""
+    arr = np.asarray(value, dtype=np.float64)
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+        raise InvalidRelease(f"{name} has {bad} non-finite entries (NaN or Inf); fix the computation that produced it "
+                             f"(e.g. lower the learning rate) — nothing was released")
+    return arr
+
+
+def sum_sensitivity(bound: float, adjacency: str = "add_remove") -> float:
+    """L2 sensitivity of a sum of vectors each clipped to ``bound``."""
+    bound = check_bound("clip bound", bound)
+    return bound if check_adjacency(adjacency) == "add_remove" else 2.0 * bound
+
+
+def squared_sum_sensitivity(bound: float, adjacency: str = "add_remove") -> float:
+    """L2 (Frobenius) sensitivity of a sum of ``g (.) g`` or ``phi phi^T`` with ||g|| <= ``bound``."""
+    bound = check_bound("clip bound", bound)
+    return bound ** 2 if check_adjacency(adjacency) == "add_remove" else math.sqrt(2.0) * bound ** 2
+
+
+def cross_sensitivity(bound: float, target_bound: float, adjacency: str = "add_remove") -> float:
+    """L2 sensitivity of a sum of ``phi * y`` with ||phi|| <= ``bound`` and |y| <= ``target_bound``."""
+    product = check_bound("clip bound", bound) * check_bound("target clip bound", target_bound)
+    return product if check_adjacency(adjacency) == "add_remove" else 2.0 * product
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """Clipped values, which units were clipped, their norms before clipping, and the sensitivity of their sum."""
+
+    value: np.ndarray
+    clipped: np.ndarray
+    norms: np.ndarray
+    bound: float
+    sensitivity: float
+
+    @property
+    def fraction_clipped(self) -> float:
+        return float(np.mean(self.clipped)) if self.clipped.size else 0.0
+
+
+def _scale_rows(rows: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    norms = np.linalg.norm(rows, axis=1)
+    over = norms > bound
+    scale = np.ones_like(norms)
+    np.divide(bound, norms, out=scale, where=over)
+    return rows * scale[:, None], over, norms
+
+
+def clip_per_client(value, bound: float, adjacency: str = "add_remove") -> ClipResult:
+    """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP)."""
+    arr = check_finite("client upload", value)
+    bound = check_bound("clip bound", bound)
+    flat, clipped, norms = _scale_rows(arr.reshape(1, -1), bound)
+    return ClipResult(flat.reshape(arr.shape), clipped, norms, bound, sum_sensitivity(bound, adjacency))
+
+
+def clip_per_example(per_example, bound: float, adjacency: str = "add_remove") -> ClipResult:
+    """Clip each example's term (first axis indexes examples) to L2 norm ``bound``; sensitivity is for their sum."""
+    arr = check_finite("per-example values", per_example)
+    if arr.ndim < 1:
+        raise InvalidRelease("per-example values need a leading axis of examples; got a scalar")
+    bound = check_bound("clip bound", bound)
+    rows, clipped, norms = _scale_rows(arr.reshape(arr.shape[0], -1), bound)
+    return ClipResult(rows.reshape(arr.shape), clipped, norms, bound, sum_sensitivity(bound, adjacency))
+
+
+def clip_rows(matrix, bound: float, adjacency: str = "add_remove") -> ClipResult:
+    """Clip each row of a 2-D matrix (e.g. feature rows phi_i) to L2 norm ``bound``.
+
+    The returned sensitivity is that of the row sum; for ``Phi^T Phi`` use :func:`squared_sum_sensitivity`.
+    """
+    arr = check_finite("matrix", matrix)
+    if arr.ndim != 2:
+        raise InvalidRelease(f"clip_rows needs a 2-D matrix (rows = records), got shape {arr.shape}")
+    bound = check_bound("clip bound", bound)
+    rows, clipped, norms = _scale_rows(arr, bound)
+    return ClipResult(rows, clipped, norms, bound, sum_sensitivity(bound, adjacency))
+
+
+def clip_values(values, bound: float, adjacency: str = "add_remove") -> ClipResult:
+    """Clip scalars (e.g. regression targets) to [-bound, bound]; sensitivity is for their sum."""
+    arr = check_finite("values", values)
+    bound = check_bound("clip bound", bound)
+    out = np.clip(arr, -bound, bound)
+    return ClipResult(out, np.abs(arr) > bound, np.abs(arr), bound, sum_sensitivity(bound, adjacency))

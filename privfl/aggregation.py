@@ -1,0 +1,53 @@
+"""Server-side aggregation over releases: weighted sums only, so secure aggregation can hide every upload.
+
+Central noise (a trusted aggregator) is added here, once per channel per round, to the weighted sum. With weights
+w_k the sum moves by at most max_k w_k times a client's sensitivity, so the central noise std is scaled by max_k w_k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from mechanisms import InvalidRelease, as_noise_source
+from mechanisms.gaussian import gaussian_noise
+from mechanisms.noise import NoiseSource
+from privfl.channels import Channel
+from privfl.release import Release
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The weighted sum of one channel's releases in one round, and what is publicly known about it."""
+
+    channel: str
+    total: np.ndarray
+    total_weight: float
+    participants: int
+    noise_std: float  # std of the Gaussian noise the sum carries, per coordinate (local + central)
+
+
+def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
+                  noise: NoiseSource | np.random.Generator | int | str = 0) -> dict[str, Aggregate]:
+    """Sum each channel's ``weight * value`` over clients and add central noise where the releases ask for it."""
+    source = as_noise_source(noise)
+    by_channel: dict[str, list[Release]] = {}
+    for r in releases:
+        by_channel.setdefault(r.channel, []).append(r)
+    out = {}
+    for name, rs in by_channel.items():
+        centrals = {r.central_noise_std for r in rs}
+        if len(centrals) != 1:
+            raise InvalidRelease(f"channel {name}: releases disagree on the central noise std {sorted(centrals)}")
+        weights = np.array([r.weight for r in rs])
+        total = np.zeros_like(rs[0].value)
+        for w, r in zip(weights, rs):
+            total += w * r.value
+        central = centrals.pop() * float(weights.max())
+        if central > 0:
+            total = total + gaussian_noise(total.shape, central, source, channels[name].symmetric)
+        local_var = float(np.sum(weights ** 2 * np.array([r.local_noise_std ** 2 for r in rs])))
+        out[name] = Aggregate(name, total, float(weights.sum()), len(rs), float(np.sqrt(local_var + central ** 2)))
+    return out

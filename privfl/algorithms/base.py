@@ -1,0 +1,59 @@
+"""The contract every federated algorithm implements.
+
+A client step returns its round's channel values (it never sends anything itself: the runtime hands the values to
+the client's release pipeline). A server step sees only :class:`privfl.aggregation.Aggregate` objects, weighted sums
+of releases, so secure aggregation can hide every upload without changing the algorithm.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from privfl.aggregation import Aggregate
+from privfl.channels import Channel, ClippedValue
+from privfl.config import FederationConfig, PrivacyConfig
+
+
+@dataclass
+class ClientOutput:
+    """One client's round: channel name -> value, the public weight of its release, and local diagnostics."""
+
+    values: dict[str, np.ndarray | ClippedValue]
+    weight: float = 1.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class FederatedAlgorithm(abc.ABC):
+    """A federated algorithm over channels. Subclasses set ``name`` and implement the five steps."""
+
+    name: str = "abstract"
+    #: whether a finite epsilon is meaningful for this algorithm (non-private baselines refuse one)
+    supports_privacy: bool = True
+
+    def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
+        self.fed = fed
+        self.privacy = privacy
+
+    @abc.abstractmethod
+    def setup(self, data, rng: np.random.Generator) -> None:
+        """Build the global state for ``data`` (a :class:`privfl.data.FederatedData`)."""
+
+    @abc.abstractmethod
+    def channels(self) -> list[Channel]:
+        """The channels every client releases each round (available after :meth:`setup`)."""
+
+    @abc.abstractmethod
+    def client_update(self, client: int, dataset, round: int, rng: np.random.Generator) -> ClientOutput:
+        """Local work of ``client`` on its ``dataset`` from the current global state."""
+
+    @abc.abstractmethod
+    def server_update(self, aggregates: Mapping[str, Aggregate], round: int) -> None:
+        """Update the global state from the round's weighted sums."""
+
+    @abc.abstractmethod
+    def evaluate(self, dataset) -> dict[str, float]:
+        """Metrics of the global model on ``dataset`` (accuracy, nll, ece for classification)."""

@@ -1,0 +1,32 @@
+"""DP-FedAvg with client-level privacy (McMahan et al., ICLR 2018): each client's model change is clipped to L2 norm C,
+the server adds Gaussian noise of std z * C to the unweighted sum and divides by the number of participants.
+
+The clip is the channel's :class:`NormClip`, applied by the release pipeline; the noise is added by the pipeline
+(``local`` placement) or by the aggregator (``central``, a trusted server, the paper's setting). Weights are uniform:
+example counts would make a client's influence, and hence the sensitivity, data-dependent.
+"""
+
+from __future__ import annotations
+
+from privfl.algorithms.fedavg import FedAvg
+from privfl.channels import Channel, NormClip, Unclipped
+from privfl.errors import ConfigurationError
+
+
+class DPFedAvg(FedAvg):
+    name = "dp_fedavg"
+    supports_privacy = True
+
+    def __init__(self, fed, privacy):
+        super().__init__(fed, privacy)
+        if privacy.private and privacy.unit != "client":
+            raise ConfigurationError("dp_fedavg gives client-level DP; set unit='client' (for record-level DP use "
+                                     "dpsgd_fedavg)")
+
+    def channels(self):
+        clip = NormClip(self.privacy.clip) if self.privacy.private else Unclipped()
+        return [Channel("update", (self.dim,), unit="client", clip=clip, adjacency=self.privacy.adjacency,
+                        description="local model change, clipped to C")]
+
+    def release_weight(self, dataset) -> float:
+        return 1.0

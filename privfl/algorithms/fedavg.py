@@ -1,0 +1,72 @@
+"""FedAvg (McMahan et al. 2017): clients run local SGD from the global model and upload their model change; the
+server averages the changes weighted by the clients' example counts.
+
+Non-private: the upload is released unclipped and charged as non-private (epsilon = inf).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.channels import Channel, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.metrics import classification_metrics
+from privfl.models import make_model
+from privfl.training import flat_parameters, load_flat_parameters, predict_proba, torch_generator, train_epochs
+
+
+class FedAvg(FederatedAlgorithm):
+    name = "fedavg"
+    supports_privacy = False
+
+    def __init__(self, fed, privacy):
+        super().__init__(fed, privacy)
+        if privacy.private and not self.supports_privacy:
+            raise ConfigurationError(f"{self.name} is a non-private baseline; run it with epsilon = inf or choose "
+                                     f"dp_fedavg for client-level DP")
+        self.model: torch.nn.Module | None = None
+        self.global_params: np.ndarray | None = None
+
+    def setup(self, data, rng):
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        self.model = make_model(self.fed.model, data.input_shape, data.num_classes)
+        self.global_params = flat_parameters(self.model)
+
+    @property
+    def dim(self) -> int:
+        return int(self.global_params.size)
+
+    def channels(self):
+        return [Channel("update", (self.dim,), unit="client", clip=Unclipped(), description="local model change")]
+
+    def local_train(self, model, dataset, rng) -> None:
+        x, y = dataset.tensors()
+        train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
+                     momentum=self.fed.momentum, rng=rng)
+
+    def release_weight(self, dataset) -> float:
+        return float(len(dataset))
+
+    def client_update(self, client, dataset, round, rng):
+        local = copy.deepcopy(self.model)
+        load_flat_parameters(local, self.global_params)
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        self.local_train(local, dataset, rng)
+        update = flat_parameters(local) - self.global_params
+        return ClientOutput({"update": update}, weight=self.release_weight(dataset),
+                            metrics={"update_norm": float(np.linalg.norm(update))})
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        agg = aggregates["update"]
+        self.global_params = self.global_params + self.fed.server_lr * agg.total / agg.total_weight
+
+    def evaluate(self, dataset):
+        load_flat_parameters(self.model, self.global_params)
+        x, y = dataset.tensors()
+        return classification_metrics(predict_proba(self.model, x), y.numpy())

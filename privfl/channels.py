@@ -1,0 +1,159 @@
+"""Channels: the named outputs a client sends, each declared once with its shape, privacy unit and clip.
+
+The clip is what makes the declared sensitivity true, so a channel's sensitivity is *derived* from its clip and the
+adjacency, never typed in by hand. Clip kinds:
+
+- :class:`NormClip`: the release pipeline clips the whole upload to an L2 norm (client-level DP, e.g. DP-FedAvg).
+- :class:`PreClipped`: the algorithm builds the value from per-record terms it clipped with ``mechanisms`` (e.g. a
+  Fisher diagonal from per-example gradients clipped to C); it hands the pipeline a :class:`ClippedValue` whose bound
+  must match the channel's.
+- :class:`RangeBound`: the value lives in a bounded set (probability vectors), which bounds the sensitivity.
+- :class:`Unclipped`: only for non-private runs (``epsilon = inf``); such a channel is charged a NonPrivateEvent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mechanisms import InvalidRelease, squared_sum_sensitivity, sum_sensitivity
+from mechanisms.clipping import check_adjacency, check_bound, clip_per_client
+
+UNITS = ("example", "client")
+
+
+@dataclass(frozen=True)
+class NormClip:
+    """Clip the whole value to L2 norm ``bound``; a sum over units moves by ``bound`` (add/remove)."""
+
+    bound: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "bound", check_bound("clip bound", self.bound))
+
+    def sensitivity(self, adjacency: str) -> float:
+        return sum_sensitivity(self.bound, adjacency)
+
+    def apply(self, value: np.ndarray) -> np.ndarray:
+        return clip_per_client(value, self.bound).value
+
+
+@dataclass(frozen=True)
+class PreClipped:
+    """The value is a sum of per-record terms clipped by the algorithm to ``bound``.
+
+    ``statistic``: ``"sum"`` (terms g_i), or ``"squared_sum"`` (terms g_i (.) g_i or phi_i phi_i^T).
+    """
+
+    bound: float
+    statistic: str = "sum"
+
+    def __post_init__(self):
+        object.__setattr__(self, "bound", check_bound("clip bound", self.bound))
+        if self.statistic not in ("sum", "squared_sum"):
+            raise InvalidRelease(f"statistic must be 'sum' or 'squared_sum', got {self.statistic!r}")
+
+    def sensitivity(self, adjacency: str) -> float:
+        if self.statistic == "sum":
+            return sum_sensitivity(self.bound, adjacency)
+        return squared_sum_sensitivity(self.bound, adjacency)
+
+    def apply(self, value) -> np.ndarray:
+        if not isinstance(value, ClippedValue):
+            raise InvalidRelease("a PreClipped channel takes a ClippedValue built from per-record clipped terms; "
+                                 "wrap the statistic with ClippedValue(value, bound, statistic)")
+        if value.bound > self.bound * (1 + 1e-12) or value.statistic != self.statistic:
+            raise InvalidRelease(f"value was clipped to {value.bound} ({value.statistic}) but the channel declares "
+                                 f"{self.bound} ({self.statistic}); clip to the declared bound")
+        return value.value
+
+
+@dataclass(frozen=True)
+class RangeBound:
+    """Values whose range bounds the sensitivity, whatever the adjacency: any two probability vectors are at most
+    sqrt(2) apart in L2, so ``rows`` probability vectors move by at most ``per_row_sensitivity * sqrt(rows)``."""
+
+    per_row_sensitivity: float
+    rows: int
+
+    def sensitivity(self, adjacency: str) -> float:
+        check_adjacency(adjacency)
+        return self.per_row_sensitivity * math.sqrt(self.rows)
+
+    def apply(self, value: np.ndarray) -> np.ndarray:
+        if value.ndim != 2 or np.any(value < -1e-9) or np.any(np.abs(value.sum(axis=1) - 1) > 1e-6):
+            raise InvalidRelease("a probability channel takes rows of non-negative numbers that sum to 1")
+        return value
+
+
+@dataclass(frozen=True)
+class Unclipped:
+    """No clip: the value is released as it is, and the release is charged as non-private (epsilon = inf)."""
+
+    def sensitivity(self, adjacency: str) -> float:
+        return math.inf
+
+    def apply(self, value: np.ndarray) -> np.ndarray:
+        return value
+
+
+@dataclass(frozen=True)
+class ClippedValue:
+    """A statistic built by the algorithm from terms it clipped to ``bound`` with ``mechanisms`` clipping."""
+
+    value: np.ndarray
+    bound: float
+    statistic: str = "sum"
+
+
+@dataclass(frozen=True)
+class Channel:
+    """A named output of a client: its shape, privacy unit, clip and share of the round's privacy budget."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    clip: NormClip | PreClipped | RangeBound | Unclipped
+    adjacency: str = "add_remove"
+    budget_share: float = 1.0
+    symmetric: bool = False
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise InvalidRelease(f"channel name must be an identifier such as 'update' or 'fisher_diag', "
+                                 f"got {self.name!r}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.unit not in UNITS:
+            raise InvalidRelease(f"channel {self.name}: unit must be one of {UNITS}, got {self.unit!r}")
+        check_adjacency(self.adjacency)
+        if not (isinstance(self.budget_share, (int, float)) and math.isfinite(self.budget_share)
+                and self.budget_share > 0):
+            raise InvalidRelease(f"channel {self.name}: budget_share must be > 0, got {self.budget_share!r}")
+        if self.symmetric and (len(self.shape) != 2 or self.shape[0] != self.shape[1]):
+            raise InvalidRelease(f"channel {self.name}: symmetric needs a square shape, got {self.shape}")
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 sensitivity of this channel, derived from its clip and adjacency."""
+        return self.clip.sensitivity(self.adjacency)
+
+    @property
+    def private(self) -> bool:
+        return not isinstance(self.clip, Unclipped)
+
+    def validate(self, value) -> np.ndarray | ClippedValue:
+        """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel."""
+        raw = value.value if isinstance(value, ClippedValue) else value
+        arr = np.asarray(raw, dtype=np.float64)
+        if arr.shape != self.shape:
+            raise InvalidRelease(f"channel {self.name}: expected shape {self.shape}, got {arr.shape}; nothing was "
+                                 f"released")
+        if not np.all(np.isfinite(arr)):
+            raise InvalidRelease(f"channel {self.name}: value has NaN or Inf entries; nothing was released "
+                                 f"(check the local training, e.g. lower the learning rate)")
+        if isinstance(value, ClippedValue):
+            return ClippedValue(arr, value.bound, value.statistic)
+        return arr

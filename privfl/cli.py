@@ -1,0 +1,198 @@
+"""The ``privfl`` command line: calibrate, run, audit.
+
+The flags and JSON keys documented in the README are contracts checked by automated tools; keep them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _dump(obj, path: str | None) -> None:
+    text = json.dumps(obj, indent=2, default=_json_default)
+    if path in (None, "-"):
+        print(text)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# -- calibrate ---------------------------------------------------------------------------------------------------
+
+def cmd_calibrate(args) -> int:
+    from accounting.calibration import calibrate
+
+    accountant = args.accountant or ("exact" if args.sampling_rate >= 1 else "pld")
+    cal = calibrate(args.epsilon, args.delta, args.rounds, sampling_rate=args.sampling_rate, accountant=accountant)
+    out = {"noise_multiplier": cal.noise_multiplier, "epsilon": cal.epsilon, "delta": cal.delta,
+           "accountant": cal.accountant, "rounds": args.rounds, "sampling_rate": args.sampling_rate,
+           "target_epsilon": args.epsilon}
+    if args.json:
+        _dump(out, None)
+    else:
+        print(f"noise multiplier {cal.noise_multiplier:.6g} (noise std / sensitivity, one release per round) "
+              f"gives epsilon {cal.epsilon:.6g} at delta {cal.delta:g} over {args.rounds} rounds "
+              f"(sampling rate {args.sampling_rate:g}, {cal.accountant} accountant)")
+    return 0
+
+
+# -- run ---------------------------------------------------------------------------------------------------------
+
+def cmd_run(args) -> int:
+    from privfl.algorithms import make_algorithm
+    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.data import make_federated
+    from privfl.runtime import Simulation
+
+    privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, clip=args.clip,
+                            accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
+                            secure_noise=args.secure_noise)
+    fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
+                           lr=args.lr, server_lr=args.server_lr, model=args.model, seed=args.seed)
+    algorithm = make_algorithm(args.algorithm, fed, privacy)
+    data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed)
+    if args.ledger and args.ledger != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
+
+    def show(rec):
+        m = rec.metrics
+        print(f"round {rec.round + 1:3d}/{fed.rounds}  accuracy {m.get('accuracy', float('nan')):.4f}  "
+              f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
+              f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else ""),
+              file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+
+    sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
+                     progress=None if args.quiet else show)
+    result = sim.run()
+    out = {
+        "algorithm": result.algorithm, "dataset": result.dataset, "clients": result.clients,
+        "rounds": result.rounds, "epsilon_target": result.epsilon_target, "delta": result.delta,
+        "accountant": result.accountant, "noise_multipliers": result.noise_multipliers,
+        "accuracy": result.final.get("accuracy"), "final": result.final,
+        "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
+        "epsilon_spent_per_round": [r.epsilon_max for r in result.history],
+        "epsilon_spent_max": result.audit["max_epsilon"],
+        "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
+        "ledger": result.ledger, "run_id": result.run_id,
+    }
+    if args.json:
+        _dump(out, args.json)
+    print(f"final accuracy {out['accuracy']:.4f}; max epsilon spent {out['epsilon_spent_max']:.4g} "
+          f"(target {args.epsilon:g}, delta {args.delta:g})", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+# -- audit -------------------------------------------------------------------------------------------------------
+
+def cmd_audit(args) -> int:
+    from accounting.ledger import PrivacyLedger
+
+    ledger = PrivacyLedger.open_existing(args.ledger, args.run_id)
+    report = ledger.audit(args.delta)
+    if args.json:
+        _dump(report, None)
+    else:
+        print(f"ledger {args.ledger}  run {report['run_id']}  accountant {report['accountant']}  "
+              f"delta {report['delta']:g}  budget {report['epsilon_budget']:g}")
+        print(f"{'client':>8} {'epsilon':>12} {'rho':>12} {'releases':>9} {'charges':>8}")
+        for cid, v in report["clients"].items():
+            rho = "n/a" if v["rho"] is None else f"{v['rho']:.6g}"
+            print(f"{cid:>8} {v['epsilon']:>12.6g} {rho:>12} {v['releases']:>9d} {v['charges']:>8d}")
+        print(f"max epsilon {report['max_epsilon']:.6g}")
+    if args.png:
+        from privfl.plots import plot_epsilon_per_client
+
+        plot_epsilon_per_client(ledger.epsilon_by_round(args.delta), args.png, delta=report["delta"],
+                                budget=report["epsilon_budget"])
+        if not args.json:
+            print(f"wrote {args.png}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("calibrate", help="smallest noise multiplier meeting (epsilon, delta) over R rounds")
+    c.add_argument("--epsilon", type=_float, required=True)
+    c.add_argument("--delta", type=_float, required=True)
+    c.add_argument("--rounds", type=int, required=True)
+    c.add_argument("--sampling-rate", type=_float, default=1.0)
+    c.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_calibrate)
+
+    r = sub.add_parser("run", help="run a federation and write its results and ledger")
+    r.add_argument("--algorithm", default="dp_fedavg")
+    r.add_argument("--dataset", default="mnist5k")
+    r.add_argument("--clients", type=int, default=10)
+    r.add_argument("--rounds", type=int, default=20)
+    r.add_argument("--epsilon", type=_float, default=3.0, help="per-client target; inf for a non-private run")
+    r.add_argument("--delta", type=_float, default=1e-5)
+    r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory)")
+    r.add_argument("--run-id", default=None)
+    r.add_argument("--json", default=None, metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
+    r.add_argument("--partition", default="dirichlet", choices=["iid", "dirichlet", "disjoint"])
+    r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
+    r.add_argument("--unit", default="client", choices=["client", "example"])
+    r.add_argument("--clip", type=_float, default=1.0)
+    r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
+    r.add_argument("--placement", choices=["local", "central"], default="central")
+    r.add_argument("--sampling-rate", type=_float, default=1.0)
+    r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
+    r.add_argument("--model", default="mlp")
+    r.add_argument("--local-epochs", type=int, default=1)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--lr", type=_float, default=0.05)
+    r.add_argument("--server-lr", type=_float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=cmd_run)
+
+    a = sub.add_parser("audit", help="per-client privacy spent, from a ledger")
+    a.add_argument("ledger")
+    a.add_argument("--delta", type=_float, default=None, help="delta to report at (default: the run's)")
+    a.add_argument("--run-id", default=None)
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG")
+    a.set_defaults(func=cmd_audit)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accounting.errors import PrivacyError
+    from mechanisms.errors import InvalidRelease
+    from privfl.errors import ConfigurationError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (PrivacyError, InvalidRelease, ConfigurationError, ValueError) as exc:
+        print(f"privfl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Frozen, validated configuration of a federated run and of its privacy guarantee (Flower's habit)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from accounting.validation import check_delta, check_epsilon, check_probability
+from mechanisms.clipping import ADJACENCIES
+from privfl.channels import UNITS
+from privfl.errors import ConfigurationError
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive_float(name: str, value, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value < 0 if allow_zero else value <= 0):
+        raise ConfigurationError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """The guarantee a run must meet, per client, and how it is met.
+
+    ``epsilon = inf`` is a non-private run: nothing is clipped or noised and every release is charged as non-private,
+    so the audit reports epsilon = inf honestly.
+    """
+
+    epsilon: float = math.inf
+    delta: float = 1e-5
+    unit: str = "client"
+    adjacency: str = "add_remove"
+    clip: float = 1.0
+    accountant: str | None = None
+    placement: str = "central"
+    sampling_rate: float = 1.0
+    secure_noise: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, allow_inf=True))
+        object.__setattr__(self, "delta", check_delta(self.delta))
+        object.__setattr__(self, "sampling_rate", check_probability("sampling_rate", self.sampling_rate))
+        if self.unit not in UNITS:
+            raise ConfigurationError(f"unit must be one of {UNITS}, got {self.unit!r}")
+        if self.adjacency not in ADJACENCIES:
+            raise ConfigurationError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
+        _positive_float("clip", self.clip)
+        if self.placement not in ("local", "central", "distributed"):
+            raise ConfigurationError(f"placement must be local, central or distributed, got {self.placement!r}")
+        if self.accountant is not None and self.accountant not in ("exact", "pld", "rdp", "zcdp"):
+            raise ConfigurationError(f"accountant must be exact, pld, rdp or zcdp, got {self.accountant!r}")
+        if self.accountant == "exact" and self.sampling_rate < 1:
+            raise ConfigurationError("the exact accountant composes unsampled Gaussians only; with --sampling-rate < 1 "
+                                     "use the pld or rdp accountant")
+
+    @property
+    def private(self) -> bool:
+        return math.isfinite(self.epsilon)
+
+    @property
+    def resolved_accountant(self) -> str:
+        if self.accountant is not None:
+            return self.accountant
+        return "exact" if self.sampling_rate >= 1 else "pld"
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """How the federation trains: rounds, local optimisation, model and seed."""
+
+    rounds: int = 20
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    server_lr: float = 1.0
+    model: str = "mlp"
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive_int("rounds", self.rounds)
+        _positive_int("local_epochs", self.local_epochs)
+        _positive_int("batch_size", self.batch_size)
+        _positive_float("lr", self.lr)
+        _positive_float("momentum", self.momentum, allow_zero=True)
+        _positive_float("server_lr", self.server_lr)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigurationError(f"seed must be an integer >= 0, got {self.seed!r}")

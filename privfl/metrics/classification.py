@@ -1,0 +1,21 @@
+"""Classification metrics: accuracy, NLL and calibration (expected calibration error)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> dict[str, float]:
+    """Accuracy, NLL and expected calibration error (equal-width confidence bins, Guo et al. 2017)."""
+    y = np.asarray(y)
+    pred = proba.argmax(axis=1)
+    correct = pred == y
+    p_true = np.clip(proba[np.arange(len(y)), y], 1e-12, 1.0)
+    conf = proba.max(axis=1)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    ece = 0.0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        in_bin = (conf > lo) & (conf <= hi)
+        if in_bin.any():
+            ece += in_bin.mean() * abs(correct[in_bin].mean() - conf[in_bin].mean())
+    return {"accuracy": float(correct.mean()), "nll": float(-np.log(p_true).mean()), "ece": float(ece)}

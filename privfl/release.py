@@ -1,0 +1,142 @@
+"""The release pipeline: the only way a value leaves a client.
+
+For each round, in this order (ARCHITECTURE.md, "the path of one value"):
+
+1. **validate** every channel value: finite, of the declared shape, else :class:`InvalidRelease` and nothing released;
+2. **clip**: the channel's clip makes its declared sensitivity true;
+3. **charge** the ledger for all the round's channels in one committed transaction; if the client's budget would be
+   exceeded, :class:`PrivacyBudgetExceeded` is raised, nothing is charged or released, the client sits the round out;
+4. **noise**: Gaussian noise of std ``noise_multiplier * sensitivity`` (``local`` placement), or the std the server must
+   add to the sum (``central`` placement: a trusted aggregator);
+5. (optional, ``privfl.secure``) quantise and mask for secure aggregation;
+6. hand the server :class:`Release` objects; the ledger row is marked released.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent
+from accounting.ledger import ChargeRequest, PrivacyLedger
+from mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
+from mechanisms.noise import NoiseSource
+from privfl.channels import Channel
+
+PLACEMENTS = ("local", "central", "distributed")
+
+
+@dataclass(frozen=True)
+class Release:
+    """What the server receives for one channel of one client in one round.
+
+    ``value`` already carries ``local_noise_std`` of noise; ``central_noise_std`` is the noise the aggregator must add
+    to the sum of this channel (central placement), the same for every client of the round.
+    """
+
+    client_id: str
+    round: int
+    channel: str
+    value: np.ndarray
+    weight: float
+    local_noise_std: float
+    central_noise_std: float
+    release_id: str
+
+
+class ReleasePipeline:
+    """One client's way out. Holds the client's channels, its noise multipliers, the ledger and the noise source.
+
+    Args:
+        client_id: the client this pipeline belongs to.
+        channels: the channels the client's algorithm declares.
+        ledger: where every release is charged before it is made.
+        noise_multipliers: channel name -> noise std / sensitivity; ``None`` for a non-private run (every channel must
+            then be :class:`privfl.channels.Unclipped`, and every release is charged as non-private).
+        placement: ``local`` (the client adds the noise) or ``central`` (the aggregator adds it to the sum).
+        sampling_rate: Poisson client-sampling rate q; each round's event is then a sampled Gaussian.
+        noise: a :class:`NoiseSource`, numpy Generator, int seed, or ``"secure"``.
+    """
+
+    def __init__(self, client_id: str, channels: Sequence[Channel], ledger: PrivacyLedger,
+                 noise_multipliers: Mapping[str, float] | None, *, placement: str = "local",
+                 sampling_rate: float = 1.0, noise: NoiseSource | np.random.Generator | int | str = 0):
+        self.client_id = str(client_id)
+        self.channels = {c.name: c for c in channels}
+        if len(self.channels) != len(channels):
+            raise InvalidRelease(f"duplicate channel names in {[c.name for c in channels]}")
+        if placement not in PLACEMENTS[:2]:
+            raise InvalidRelease(f"placement must be 'local' or 'central' here, got {placement!r} "
+                                 f"(distributed noise needs secure aggregation: privfl.secure)")
+        self.placement = placement
+        self.sampling_rate = float(sampling_rate)
+        self.ledger = ledger
+        self.noise = as_noise_source(noise)
+        self.mechanisms: dict[str, GaussianMechanism | None] = {}
+        for name, ch in self.channels.items():
+            if noise_multipliers is None:
+                if ch.private:
+                    raise InvalidRelease(f"channel {name} is clipped for privacy but no noise multiplier was given")
+                self.mechanisms[name] = None
+                continue
+            if not ch.private:
+                raise InvalidRelease(f"channel {name} is unclipped; a private run needs a clip on every channel")
+            if name not in noise_multipliers:
+                raise InvalidRelease(f"no noise multiplier for channel {name}; calibrate one per channel")
+            self.mechanisms[name] = GaussianMechanism(ch.sensitivity, noise_multipliers[name])
+
+    def event_for(self, name: str) -> PrivacyEvent:
+        """The event one release of channel ``name`` costs (the ledger charges exactly this)."""
+        mech = self.mechanisms[name]
+        if mech is None:
+            return NonPrivateEvent()
+        event: PrivacyEvent = GaussianEvent(mech.sensitivity, mech.noise_std)
+        if self.sampling_rate < 1.0:
+            event = PoissonSampledEvent(self.sampling_rate, event)
+        return event
+
+    def _requests(self) -> list[ChargeRequest]:
+        return [ChargeRequest(name, self.event_for(name), ch.unit) for name, ch in self.channels.items()]
+
+    def charge_only(self, round: int) -> None:
+        """Charge a round in which Poisson sampling left this client out.
+
+        Amplification by sampling accounts for every round of every member of the population, sampled or not; the
+        ledger must hold those rounds too or it would under-count.
+        """
+        if self.sampling_rate >= 1.0:
+            raise ReleaseMisuse("charge_only is for Poisson-sampled runs (sampling_rate < 1)")
+        self.ledger.charge_all(self.client_id, round, self._requests())
+
+    def release(self, round: int, values: Mapping[str, object], weight: float = 1.0) -> dict[str, Release]:
+        """Validate, clip, charge, noise and release every channel of one round (all or nothing)."""
+        missing = set(self.channels) - set(values)
+        extra = set(values) - set(self.channels)
+        if missing or extra:
+            raise InvalidRelease(f"round values must cover exactly the declared channels {sorted(self.channels)}; "
+                                 f"missing {sorted(missing)}, undeclared {sorted(extra)}")
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
+        # 1. validate, 2. clip — before anything is charged.
+        clipped = {name: ch.clip.apply(ch.validate(values[name])) for name, ch in self.channels.items()}
+        # 3. charge, atomically for the round.
+        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests())}
+        releases = {}
+        for name, ch in self.channels.items():
+            mech = self.mechanisms[name]
+            value = np.asarray(clipped[name], dtype=np.float64)
+            local_std = central_std = 0.0
+            if mech is not None:
+                if self.placement == "local":
+                    value = value + mech.noise(value.shape, self.noise, symmetric=ch.symmetric)
+                    local_std = mech.noise_std
+                else:
+                    central_std = mech.noise_std
+            # 6. the row is marked released just before the value is handed over (never twice).
+            self.ledger.mark_released(charges[name])
+            releases[name] = Release(self.client_id, round, name, value, float(weight), local_std, central_std,
+                                     charges[name].release_id)
+        return releases
