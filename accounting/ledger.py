@@ -186,8 +186,9 @@ class PrivacyLedger:
         return [r[0] for r in self._conn.execute(
             "SELECT DISTINCT client_id FROM charges WHERE run_id=? ORDER BY client_id", (self.run_id,))]
 
-    def _epsilon_of(self, events: Iterable[PrivacyEvent], delta: float) -> float:
-        merged = flatten(ComposedEvent(tuple(events)))
+    def _epsilon_of(self, charged: Iterable[tuple[int, PrivacyEvent]], delta: float) -> float:
+        """Epsilon of a client's (round, event) charges: the round's mechanisms composed over rounds."""
+        merged = flatten(ComposedEvent(tuple(round_events(charged))))
         if not merged:
             return 0.0
         if any(isinstance(e, NonPrivateEvent) for e, _ in merged):
@@ -200,7 +201,7 @@ class PrivacyLedger:
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
         """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta)."""
         delta = self.delta if delta is None else check_delta(delta)
-        return self._epsilon_of((c.event for c in self._rows(str(client_id))), delta)
+        return self._epsilon_of(((c.round, c.event) for c in self._rows(str(client_id))), delta)
 
     def remaining(self, client_id: str) -> float:
         return self.epsilon_budget - self.epsilon(client_id)
@@ -246,8 +247,8 @@ class PrivacyLedger:
                         f"release {self.run_id}/{client_id}/{round}/{r.channel} was already charged as "
                         f"{old.event.to_dict()} ({old.unit}); a replay must carry the same event")
             if new:
-                history = [c.event for c in self._rows(client_id, conn)]
-                after = self._epsilon_of(history + [r.event for r in new], self.delta)
+                history = [(c.round, c.event) for c in self._rows(client_id, conn)]
+                after = self._epsilon_of(history + [(round, r.event) for r in new], self.delta)
                 if after > self.epsilon_budget * (1 + _BUDGET_RTOL):
                     raise PrivacyBudgetExceeded(
                         f"client {client_id} would spend epsilon={after:.4g} (delta={self.delta:g}) after round "
@@ -292,10 +293,10 @@ class PrivacyLedger:
             by_client.setdefault(c.client_id, []).append(c)
         clients = {}
         for cid in sorted(by_client, key=_natural_key):
-            events = [c.event for c in by_client[cid]]
+            events = [(c.round, c.event) for c in by_client[cid]]
             clients[cid] = {
                 "epsilon": self._epsilon_of(events, delta),
-                "rho": _rho_upper_bound(events),
+                "rho": _rho_upper_bound([e for _, e in events]),
                 "releases": sum(c.released for c in by_client[cid]),
                 "charges": len(events),
             }
@@ -311,10 +312,10 @@ class PrivacyLedger:
         for c in self._rows():
             by_client.setdefault(c.client_id, {}).setdefault(c.round, []).append(c.event)
         for cid in sorted(by_client, key=_natural_key):
-            history: list[PrivacyEvent] = []
+            history: list[tuple[int, PrivacyEvent]] = []
             series = []
             for rnd in sorted(by_client[cid]):
-                history.extend(by_client[cid][rnd])
+                history.extend((rnd, e) for e in by_client[cid][rnd])
                 series.append((rnd, self._epsilon_of(history, delta)))
             out[cid] = series
         return out
@@ -327,6 +328,29 @@ class PrivacyLedger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def round_events(charged: Iterable[tuple[int, PrivacyEvent]]) -> list[PrivacyEvent]:
+    """The mechanisms a client's charges describe, one list entry per round's mechanism.
+
+    A round's channels released on one Poisson sample share one sampling coin: ``PoissonSampled(q, A)`` and
+    ``PoissonSampled(q, B)`` charged in the same round are the mechanism ``PoissonSampled(q, Composed(A, B))``, which
+    is what calibration composes (charging them as two independent samples would be a different mechanism).
+    """
+    by_round: dict[int, list[PrivacyEvent]] = {}
+    for rnd, event in charged:
+        by_round.setdefault(rnd, []).append(event)
+    out: list[PrivacyEvent] = []
+    for rnd in sorted(by_round):
+        sampled: dict[float, list[PrivacyEvent]] = {}
+        for event in by_round[rnd]:
+            if isinstance(event, PoissonSampledEvent):
+                sampled.setdefault(event.sampling_rate, []).append(event.event)
+            else:
+                out.append(event)
+        for q, inner in sampled.items():
+            out.append(PoissonSampledEvent(q, inner[0] if len(inner) == 1 else ComposedEvent(tuple(inner))))
+    return out
 
 
 def _rho_upper_bound(events: list[PrivacyEvent]) -> float | None:

@@ -19,6 +19,13 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 100,50, got {text!r}") from None
+
+
 def _dump(obj, path: str | None) -> None:
     text = json.dumps(obj, indent=2, default=_json_default)
     if path in (None, "-"):
@@ -70,7 +77,8 @@ def cmd_run(args) -> int:
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
                             secure_noise=args.secure_noise)
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                           lr=args.lr, server_lr=args.server_lr, model=args.model, seed=args.seed)
+                           lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden,
+                           seed=args.seed)
     algorithm = make_algorithm(args.algorithm, fed, privacy)
     data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed)
     if args.ledger and args.ledger != ":memory:":
@@ -154,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--json", default=None, metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    r.add_argument("--partition", default="dirichlet", choices=["iid", "dirichlet", "disjoint"])
+    r.add_argument("--partition", default="dirichlet", choices=["iid", "dirichlet", "disjoint_class"])
     r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
     r.add_argument("--unit", default="client", choices=["client", "example"])
     r.add_argument("--clip", type=_float, default=1.0)
@@ -163,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sampling-rate", type=_float, default=1.0)
     r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
     r.add_argument("--model", default="mlp")
+    r.add_argument("--hidden", type=_widths, default=None,
+                   help="MLP hidden widths, comma-separated ('' for logistic regression)")
     r.add_argument("--local-epochs", type=int, default=1)
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=_float, default=0.05)

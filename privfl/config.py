@@ -72,7 +72,10 @@ class PrivacyConfig:
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """How the federation trains: rounds, local optimisation, model and seed."""
+    """How the federation trains: rounds, local optimisation, model and seed.
+
+    ``hidden``: hidden-layer widths of an MLP (``()`` is multinomial logistic regression; None: the model's default).
+    """
 
     rounds: int = 20
     local_epochs: int = 1
@@ -81,6 +84,7 @@ class FederationConfig:
     momentum: float = 0.0
     server_lr: float = 1.0
     model: str = "mlp"
+    hidden: tuple[int, ...] | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -90,5 +94,9 @@ class FederationConfig:
         _positive_float("lr", self.lr)
         _positive_float("momentum", self.momentum, allow_zero=True)
         _positive_float("server_lr", self.server_lr)
+        if self.hidden is not None:
+            if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in self.hidden):
+                raise ConfigurationError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
+            object.__setattr__(self, "hidden", tuple(self.hidden))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigurationError(f"seed must be an integer >= 0, got {self.seed!r}")

@@ -25,7 +25,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 __all__ = [
     "PROTOCOL_LABEL", "InvalidTag", "KEY_BYTES", "SEED_BYTES",
-    "generate_private_key", "public_bytes", "private_bytes", "private_key_from_bytes", "key_agreement", "hkdf",
+    "generate_private_key", "public_bytes", "private_bytes", "private_key_from_bytes", "load_public_key",
+    "key_agreement", "hkdf",
     "pairwise_mask_key", "self_mask_key", "share_encryption_key", "encode_id",
     "word_dtype", "reduce_mod", "MaskExpander", "prg_mask", "encrypt_share", "decrypt_share", "random_seed",
 ]
@@ -59,11 +60,18 @@ def private_key_from_bytes(raw: bytes) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(raw)
 
 
-def key_agreement(private_key: X25519PrivateKey, peer_public: bytes) -> bytes:
-    """X25519 shared secret (32 bytes). Raises ValueError for a malformed or low-order peer key."""
-    if not isinstance(peer_public, (bytes, bytearray)) or len(peer_public) != KEY_BYTES:
+def load_public_key(raw: bytes) -> X25519PublicKey:
+    """Parse a 32-byte X25519 public key (ValueError if malformed)."""
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != KEY_BYTES:
         raise ValueError("an X25519 public key is 32 raw bytes")
-    return private_key.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
+    return X25519PublicKey.from_public_bytes(bytes(raw))
+
+
+def key_agreement(private_key: X25519PrivateKey, peer_public: bytes | X25519PublicKey) -> bytes:
+    """X25519 shared secret (32 bytes). Raises ValueError for a malformed or low-order peer key."""
+    if not isinstance(peer_public, X25519PublicKey):
+        peer_public = load_public_key(peer_public)
+    return private_key.exchange(peer_public)
 
 
 def hkdf(secret: bytes, *, salt: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:

@@ -24,7 +24,7 @@ _MAX_BRACKET_STEPS = 200
 
 
 def gaussian_log_delta(mu: float, epsilon: float) -> float:
-    """log delta(epsilon) of a mu-GDP mechanism (Balle and Wang 2018, Thm 8), for mu >= 0, epsilon >= 0; -inf for delta = 0."""
+    """log delta(epsilon) of a mu-GDP mechanism (Balle and Wang 2018, Thm 8); mu, epsilon >= 0; -inf when delta = 0."""
     if mu == 0.0:
         return -math.inf
     if math.isinf(mu):

@@ -35,7 +35,8 @@ class FedAvg(FederatedAlgorithm):
 
     def setup(self, data, rng):
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = make_model(self.fed.model, data.input_shape, data.num_classes)
+        kw = {} if self.fed.hidden is None else {"hidden": self.fed.hidden}
+        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **kw)
         self.global_params = flat_parameters(self.model)
 
     @property

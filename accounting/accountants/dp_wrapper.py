@@ -1,0 +1,58 @@
+"""The common shell of the backends that delegate to a dp-accounting ``PrivacyAccountant`` (``rdp``, ``pld``).
+
+Events are translated (``dp_events.to_dp_event``) and checked by both this shell and dp-accounting before any state
+changes, so a refused event leaves no trace. ``count`` is passed down as a self-composition, never a Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+
+from accounting.accountants.base import Accountant
+from accounting.accountants.dp_events import to_dp_event
+from accounting.errors import InvalidPrivacyParameter
+from accounting.events import PrivacyEvent
+from accounting.validation import check_delta, check_non_negative_finite
+
+
+class DpAccountingAccountant(Accountant):
+    """An :class:`Accountant` whose maths is a dp-accounting ``PrivacyAccountant`` (``self._inner``)."""
+
+    allow_zcdp: bool = False
+
+    def __init__(self, inner: dp_accounting.PrivacyAccountant) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def _translate(self, event: PrivacyEvent) -> dp_accounting.DpEvent | None:
+        if not isinstance(event, PrivacyEvent):
+            return None
+        return to_dp_event(event, allow_zcdp=self.allow_zcdp)
+
+    def supports(self, event: PrivacyEvent) -> bool:
+        dp_event = self._translate(event)
+        return dp_event is not None and self._inner.supports(dp_event)
+
+    def _compose(self, event: PrivacyEvent, count: int) -> None:
+        self._inner.compose(self._translate(event), count)
+
+    def get_epsilon(self, delta: float) -> float:
+        delta = check_delta(delta)
+        return _clean("epsilon", self._inner.get_epsilon(delta), upper=math.inf)
+
+    def get_delta(self, epsilon: float) -> float:
+        epsilon = check_non_negative_finite("epsilon", epsilon)
+        return _clean("delta", self._inner.get_delta(epsilon), upper=1.0)
+
+
+def _clean(name: str, value, *, upper: float) -> float:
+    """Clamp a backend's answer into [0, upper]; a NaN is an error, never a silent zero."""
+    value = float(value)
+    if math.isnan(value):
+        raise InvalidPrivacyParameter(f"the accountant produced a NaN {name}; the composed events are out of its range")
+    return min(upper, max(0.0, value))
+
+
+__all__ = ["DpAccountingAccountant"]

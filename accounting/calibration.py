@@ -1,0 +1,257 @@
+"""Calibration: the smallest noise that meets a target (epsilon, delta) over a number of rounds.
+
+Each round, every channel c releases once with noise multiplier z_c = noise_std / sensitivity; with client sampling at
+rate q < 1, the whole round (all channels) is one Poisson-sampled event, since a sampled client sends every channel.
+Budget shares split one scalar s across channels, z_c = s / sqrt(share_c): under zCDP or Gaussian DP, channel c then
+carries share_c of the total rho (or mu^2), and the round as a whole is a Gaussian with noise multiplier exactly s.
+
+Calibration sees only events and accountants (a factory in, a number out). It bisects s, keeping the end that meets
+the target, so the returned noise never overshoots the target and lies within ``tol`` (relative) of the smallest noise
+the accountant accepts. Without sampling under ``exact`` the answer has a closed form: solve the analytic Gaussian for
+mu at (epsilon, delta) (Balle and Wang 2018), then s = sqrt(rounds) / mu.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from accounting.accountants import ACCOUNTANTS, Accountant, make_accountant
+from accounting.accountants.analytic_gaussian import gaussian_mu
+from accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
+from accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
+from accounting.validation import (check_count, check_delta, check_epsilon, check_non_negative_finite,
+                                   check_positive_finite, check_probability)
+
+DEFAULT_CHANNELS: Mapping[str, float] = MappingProxyType({"update": 1.0})
+DEFAULT_TOL = 1e-3
+_MIN_NOISE, _MAX_NOISE = 1e-6, 1e9  # bounds of the bracket search on s
+_MAX_BISECTIONS = 200
+
+AccountantSpec = str | Callable[[], Accountant] | None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The result of :func:`calibrate`.
+
+    ``noise_multipliers``: noise std / sensitivity per channel (one release per channel per round); ``epsilon``: the
+    epsilon the accountant certifies for them at ``delta`` (never above ``target_epsilon``); ``accountant``: its name.
+    """
+
+    noise_multipliers: dict[str, float]
+    epsilon: float
+    delta: float
+    accountant: str
+    rounds: int = 1
+    sampling_rate: float = 1.0
+    target_epsilon: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.noise_multipliers, Mapping):
+            raise InvalidPrivacyParameter("noise_multipliers must map channel name -> noise multiplier")
+        object.__setattr__(self, "noise_multipliers", _check_noise_multipliers(self.noise_multipliers))
+        object.__setattr__(self, "epsilon", check_non_negative_finite("epsilon", self.epsilon))
+        object.__setattr__(self, "delta", check_delta(self.delta))
+        object.__setattr__(self, "rounds", check_count("rounds", self.rounds))
+        object.__setattr__(self, "sampling_rate", check_probability("sampling_rate", self.sampling_rate))
+        if not isinstance(self.accountant, str) or not self.accountant:
+            raise InvalidPrivacyParameter("accountant must be the non-empty name of the accountant used")
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The single channel's noise multiplier; an error when there are several channels."""
+        if len(self.noise_multipliers) != 1:
+            raise InvalidPrivacyParameter(
+                f"this calibration has {len(self.noise_multipliers)} channels "
+                f"({', '.join(self.noise_multipliers)}); read noise_multipliers[name] instead")
+        return next(iter(self.noise_multipliers.values()))
+
+
+def _check_channels(channels: Mapping[str, float] | None) -> dict[str, float]:
+    """Validate budget shares and normalise them to sum to 1."""
+    if channels is None:
+        channels = DEFAULT_CHANNELS
+    if not isinstance(channels, Mapping) or not channels:
+        raise InvalidPrivacyParameter("channels must be a non-empty mapping of channel name -> budget share, "
+                                      "e.g. {'natural_mean': 0.7, 'precision': 0.3}")
+    shares = {}
+    for name, share in channels.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidPrivacyParameter(f"channel names must be non-empty strings, got {name!r}")
+        shares[name] = check_positive_finite(f"budget share of channel {name!r}", share)
+    total = math.fsum(shares.values())
+    return {name: share / total for name, share in shares.items()}
+
+
+def _check_noise_multipliers(noise_multipliers: Mapping[str, float] | float) -> dict[str, float]:
+    if not isinstance(noise_multipliers, Mapping):
+        return {"update": check_positive_finite("noise_multiplier", noise_multipliers)}
+    if not noise_multipliers:
+        raise InvalidPrivacyParameter("noise_multipliers must name at least one channel")
+    return {str(name): check_positive_finite(f"noise multiplier of channel {name!r}", z)
+            for name, z in noise_multipliers.items()}
+
+
+def _resolve_accountant(accountant: AccountantSpec, sampling_rate: float) -> tuple[Callable[[], Accountant], str]:
+    """(factory of fresh accountants, name). Default: ``exact`` without sampling, ``pld`` with it."""
+    if accountant is None:
+        accountant = "exact" if sampling_rate == 1.0 else "pld"
+    if isinstance(accountant, str):
+        make_accountant(accountant)  # a clear error for unknown names
+        name = accountant
+        factory = ACCOUNTANTS[name]
+    elif callable(accountant):
+        factory = accountant
+        probe = factory()
+        if not isinstance(probe, Accountant):
+            raise InvalidPrivacyParameter(f"the accountant factory returned {type(probe).__name__}, not an Accountant")
+        if probe.events:
+            raise InvalidPrivacyParameter("the accountant factory must return a fresh, empty accountant")
+        name = probe.name
+    else:
+        raise InvalidPrivacyParameter(
+            f"accountant must be a name ({', '.join(sorted(ACCOUNTANTS))}), a factory or None, got {accountant!r}")
+    if name == "exact" and sampling_rate < 1.0:
+        raise InvalidPrivacyParameter(
+            f"the exact accountant cannot account for client sampling (sampling_rate={sampling_rate}); "
+            "use accountant='pld' (tightest) or accountant='rdp'")
+    return factory, name
+
+
+def round_event(noise_multipliers: Mapping[str, float] | float, sampling_rate: float = 1.0) -> PrivacyEvent:
+    """The event of one round: one unit-sensitivity Gaussian release per channel, Poisson-sampled together if q < 1."""
+    zs = _check_noise_multipliers(noise_multipliers)
+    sampling_rate = check_probability("sampling_rate", sampling_rate)
+    releases = [GaussianEvent(1.0, zs[name]) for name in zs]
+    event: PrivacyEvent = releases[0] if len(releases) == 1 else ComposedEvent(tuple(releases))
+    return event if sampling_rate == 1.0 else PoissonSampledEvent(sampling_rate, event)
+
+
+def _epsilon_of(factory: Callable[[], Accountant], event: PrivacyEvent, rounds: int, delta: float) -> float:
+    accountant = factory()
+    try:
+        accountant.compose(event, count=rounds)
+    except UnsupportedEventError as err:
+        raise InvalidPrivacyParameter(f"the {accountant.name!r} accountant cannot account for these rounds: {err}") \
+            from err
+    return accountant.get_epsilon(delta)
+
+
+def epsilon_for(noise_multipliers: Mapping[str, float] | float, rounds: int, sampling_rate: float = 1.0,
+                delta: float = 1e-5, accountant: AccountantSpec = None) -> float:
+    """The epsilon at ``delta`` of ``rounds`` rounds with these noise multipliers, built from the same events as
+    :func:`calibrate` (so a ledger or the CLI can recompute what a calibration promised)."""
+    rounds = check_count("rounds", rounds)
+    sampling_rate = check_probability("sampling_rate", sampling_rate)
+    delta = check_delta(delta)
+    factory, _ = _resolve_accountant(accountant, sampling_rate)
+    return _epsilon_of(factory, round_event(noise_multipliers, sampling_rate), rounds, delta)
+
+
+def calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling_rate: float = 1.0,
+              channels: Mapping[str, float] | None = None, accountant: AccountantSpec = None,
+              tol: float = DEFAULT_TOL) -> Calibration:
+    """The smallest noise multipliers meeting (target_epsilon, target_delta) after ``rounds`` rounds.
+
+    ``channels`` maps channel name -> budget share (positive; normalised); channel c gets z_c = s / sqrt(share_c).
+    ``accountant``: a backend name, a factory of fresh accountants, or None (``exact`` if sampling_rate == 1, else
+    ``pld``). ``tol``: relative precision of s; the result meets the target and is at most (1 + tol) times the
+    smallest s the accountant accepts.
+    """
+    target_epsilon = check_epsilon(target_epsilon)
+    target_delta = check_delta(target_delta)
+    rounds = check_count("rounds", rounds)
+    sampling_rate = check_probability("sampling_rate", sampling_rate)
+    shares = _check_channels(channels)
+    tol = check_positive_finite("tol", tol)
+    if tol > 0.01:
+        raise InvalidPrivacyParameter(f"tol must be at most 0.01 (1%), got {tol}")
+    if sampling_rate < 1.0 and sampling_rate <= target_delta:
+        raise InvalidPrivacyParameter(
+            f"sampling_rate={sampling_rate} is not above delta={target_delta}: the target would hold with almost no "
+            "noise; choose delta much smaller than the sampling rate (e.g. delta < 1/n for n clients)")
+    factory, name = _resolve_accountant(accountant, sampling_rate)
+
+    def multipliers(s: float) -> dict[str, float]:
+        return {c: s / math.sqrt(share) for c, share in shares.items()}
+
+    def epsilon_at(s: float) -> float:
+        return _epsilon_of(factory, round_event(multipliers(s), sampling_rate), rounds, target_delta)
+
+    found = None
+    if name == "exact":
+        found = _closed_form_exact(target_epsilon, target_delta, rounds, epsilon_at)
+    if found is None:
+        found = _bisect(target_epsilon, epsilon_at, tol, guess=_initial_guess(target_epsilon, target_delta, rounds,
+                                                                             sampling_rate))
+    s, epsilon = found
+    return Calibration(noise_multipliers=multipliers(s), epsilon=epsilon, delta=target_delta, accountant=name,
+                       rounds=rounds, sampling_rate=sampling_rate, target_epsilon=target_epsilon)
+
+
+def _closed_form_exact(target_epsilon: float, target_delta: float, rounds: int,
+                       epsilon_at: Callable[[float], float]) -> tuple[float, float] | None:
+    """s = sqrt(rounds) / mu*, with mu* the largest Gaussian-DP parameter meeting the target (Balle and Wang 2018);
+    nudged up by a few ulps if rounding put the check a hair above the target. None if that fails (then bisect)."""
+    mu = gaussian_mu(target_epsilon, target_delta)
+    if not (math.isfinite(mu) and mu > 0):
+        return None
+    s = math.sqrt(rounds) / mu
+    for _ in range(20):
+        if not _MIN_NOISE <= s <= _MAX_NOISE:
+            return None
+        epsilon = epsilon_at(s)
+        if epsilon <= target_epsilon:
+            return s, epsilon
+        s *= 1.0 + 1e-12
+    return None
+
+
+def _initial_guess(target_epsilon: float, target_delta: float, rounds: int, sampling_rate: float) -> float:
+    """A starting point for the bracket: the unsampled exact answer, scaled by q (amplification is roughly linear)."""
+    s = math.sqrt(rounds) / gaussian_mu(target_epsilon, target_delta)
+    return min(max(s * max(sampling_rate, 1e-3), 0.3), _MAX_NOISE / 10)
+
+
+def _bisect(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float,
+            guess: float) -> tuple[float, float]:
+    """Bisect s in log space; invariant: epsilon_at(hi) <= target < epsilon_at(lo). Returns (hi, epsilon_at(hi))."""
+    eps_guess = epsilon_at(guess)
+    if eps_guess <= target_epsilon:
+        hi, eps_hi = guess, eps_guess
+        while True:
+            lo = hi / 2.0
+            eps_lo = epsilon_at(lo)
+            if eps_lo > target_epsilon:
+                break
+            hi, eps_hi = lo, eps_lo
+            if hi < _MIN_NOISE:
+                return hi, eps_hi  # even vanishing noise meets the target (only for degenerate accountants)
+    else:
+        lo = guess
+        hi = 2.0 * lo
+        while True:
+            if hi > _MAX_NOISE:
+                raise InvalidPrivacyParameter(
+                    f"no noise multiplier up to {_MAX_NOISE:g} meets epsilon={target_epsilon}; the accountant cannot "
+                    "certify so small an epsilon (with pld, try a finer value_discretization_interval)")
+            eps_hi = epsilon_at(hi)
+            if eps_hi <= target_epsilon:
+                break
+            lo, hi = hi, 2.0 * hi
+    for _ in range(_MAX_BISECTIONS):
+        if hi <= lo * (1.0 + tol):
+            break
+        mid = math.sqrt(lo * hi)
+        eps_mid = epsilon_at(mid)
+        if eps_mid <= target_epsilon:
+            hi, eps_hi = mid, eps_mid
+        else:
+            lo = mid
+    return hi, eps_hi
+
+
+__all__ = ["Calibration", "calibrate", "epsilon_for", "round_event", "DEFAULT_TOL"]

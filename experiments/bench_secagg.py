@@ -1,0 +1,274 @@
+"""Benchmark of privfl's secure aggregation (``secure_agg``), printed as ``key=value`` lines.
+
+Measured side by side in one run on this machine:
+
+- ``client_mask_ms``: one client's masked-input step (``ClientSession.masked_input``) in a complete graph of N clients
+  (N - 1 pairwise masks and one self mask, each HKDF + X25519 + AES-CTR + add), d coordinates;
+- ``keystream_bound_ms``: N x (X25519 key agreement + AES-CTR keystream of d words + numpy add), the raw cost of the
+  same work with nothing else; ``mask_over_bound`` is their ratio (goal <= 1.2). Medians over interleaved repeats;
+- ``round_s``: a full protocol round in process (quantise N float vectors, the four stages, decode) for N clients,
+  d coordinates and a dropout fraction of clients that drop after sharing keys, before sending their masked input
+  (every such dropout forces the server to reconstruct a key and regenerate its pairwise masks); ``round_spread_s``
+  spreads the same number of dropouts over the share-keys, masked-input and unmask stages;
+- ``flower_round_s``: the same round (same N, d, dropouts, share-holder count and threshold) through Flower's SecAgg+
+  (``SecAggPlusWorkflow`` + ``secaggplus_mod``) over an in-process loopback grid, when ``flwr`` is importable, and
+  ``flower_over_privfl`` = flower_round_s / round_s (goal >= 5). Flower is a comparison only, not a dependency.
+
+Usage: python experiments/bench_secagg.py [--n 100] [--d 100000] [--dropout 0.2] [--bits 32] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from secure_agg import ClientSession, Quantiser, SessionConfig, run_round
+from secure_agg import messages as M
+from secure_agg import primitives as P
+
+
+def emit(key: str, value) -> None:
+    if isinstance(value, float):
+        value = f"{value:.6g}"
+    print(f"{key}={value}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- masking micro-bench
+def _client_ready_to_mask(n: int, d: int, bits: int) -> ClientSession:
+    """Client 1 of a complete graph of n, with its key directory and share delivery from all n - 1 peers."""
+    config = SessionConfig.create(range(1, n + 1), bits=bits, dimension=d, degree=n - 1)
+    rng = np.random.default_rng(0)
+    client = ClientSession(config, 1, rng.integers(0, 2 ** bits, size=d, dtype=np.uint64))
+    client.advertise_keys()
+    peers = range(2, n + 1)
+    keys = tuple(M.PublicKeys(c, P.public_bytes(P.generate_private_key()), P.public_bytes(P.generate_private_key()))
+                 for c in peers)
+    client.share_keys(M.KeyDirectory(session_id=config.session_id, recipient=1, keys=keys))
+    # masked_input does not open the ciphertexts (that happens at unmasking), so placeholders suffice here
+    shares = tuple(M.EncryptedShare(sender=c, recipient=1, ciphertext=b"\0" * 60) for c in peers)
+    client._bench_delivery = M.ShareDelivery(session_id=config.session_id, recipient=1, shares=shares)
+    return client
+
+
+def _keystream_bound(n: int, d: int, bits: int) -> float:
+    """Seconds for n x (X25519 exchange + AES-CTR keystream of d words + add), with nothing else."""
+    dtype = P.word_dtype(bits)
+    zeros = bytes(d * dtype.itemsize)
+    out = bytearray(len(zeros) + 15)
+    view = np.frombuffer(out, dtype=dtype, count=d)
+    acc = np.zeros(d, dtype=dtype)
+    me = X25519PrivateKey.generate()
+    peers = [X25519PrivateKey.generate().public_key() for _ in range(n)]
+    start = time.perf_counter()
+    for peer in peers:
+        key = me.exchange(peer)
+        Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update_into(zeros, out)
+        np.add(acc, view, out=acc)
+    return time.perf_counter() - start
+
+
+def bench_masking(n: int, d: int, bits: int, repeats: int) -> None:
+    client_times, bound_times = [], []
+    for _ in range(repeats):
+        client = _client_ready_to_mask(n, d, bits)
+        start = time.perf_counter()
+        client.masked_input(client._bench_delivery)
+        client_times.append(time.perf_counter() - start)
+        bound_times.append(_keystream_bound(n, d, bits))
+    client_ms = 1e3 * statistics.median(client_times)
+    bound_ms = 1e3 * statistics.median(bound_times)
+    emit("mask_peers", n - 1)
+    emit("client_mask_ms", client_ms)
+    emit("keystream_bound_ms", bound_ms)
+    emit("mask_over_bound", client_ms / bound_ms)
+
+
+# ---------------------------------------------------------------------------------------------- full round
+def _dropouts(keys, fraction: float, spread: bool) -> dict:
+    k = int(round(fraction * len(keys)))
+    gone = list(keys[:k])
+    if not spread:
+        return {"masked_input": gone}
+    a, b = k // 3 + (k % 3 > 0), k // 3 + (k % 3 > 1)
+    return {"share_keys": gone[:a], "masked_input": gone[a:a + b], "unmask": gone[a + b:]}
+
+
+def privfl_round(vectors: dict, bits: int, clip: float, drop_at: dict, degree: int, threshold: int):
+    rng = np.random.default_rng(1)
+    start = time.perf_counter()
+    q = Quantiser(low=-clip, high=clip, bits=bits, n_clients=len(vectors))
+    words = {k: q.quantise(v, rng) for k, v in vectors.items()}
+    result = run_round(words, bits=bits, degree=degree, threshold=threshold, drop_at=drop_at)
+    mean = q.decode_sum(result.sum, len(result.included)) / len(result.included)
+    elapsed = time.perf_counter() - start
+    plain = np.zeros(len(next(iter(words.values()))), dtype=np.uint64)
+    for k in result.included:
+        plain += words[k]
+    exact = np.array_equal(result.sum, plain & np.uint64((1 << bits) - 1))
+    error = float(np.abs(mean - np.mean([vectors[k] for k in result.included], axis=0)).max())
+    return elapsed, exact, error, len(result.included)
+
+
+# ---------------------------------------------------------------------------------------------- Flower SecAgg+
+def flower_round(vectors: dict, clip: float, drop_after_share: set, num_shares: int, threshold: int):
+    """One SecAgg+ round with Flower's own workflow and client mod, over an in-process loopback grid."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.client import NumPyClient
+    from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp import ClientApp
+    from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.common.logger import FLOWER_LOGGER
+    from flwr.compat.common import recorddict_compat as compat
+    from flwr.server import Grid, LegacyContext, ServerConfig, SimpleClientManager
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.supercore.task_identity import TaskIdentity
+
+    FLOWER_LOGGER.setLevel(logging.ERROR)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+    class Loopback(Grid):
+        """Delivers each message to its ClientApp in this process; dropped nodes never answer."""
+
+        def __init__(self, apps):
+            self.apps, self.gone = apps, set()
+
+        def set_run(self, run):
+            pass
+
+        @property
+        def run(self):
+            return None
+
+        def create_message(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def get_node_ids(self):
+            return list(self.apps)
+
+        def push_messages(self, messages):
+            raise NotImplementedError
+
+        def pull_messages(self, message_ids):
+            raise NotImplementedError
+
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = []
+            for message in messages:
+                stage = message.content.config_records["secaggplus_configs"]["stage"]
+                if stage == "collect_masked_vectors":
+                    self.gone |= drop_after_share
+                node = message.metadata.dst_node_id
+                if node in self.gone:
+                    continue
+                message = copy.deepcopy(message)  # a real transport serialises; the workflow shares one content
+                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                app, context = self.apps[node]
+                replies.append(app(message, context))
+            return replies
+
+    class Client(NumPyClient):
+        def __init__(self, node):
+            self.node = node
+
+        def fit(self, parameters, config):
+            return [vectors[self.node]], 1, {}
+
+    app = ClientApp(client_fn=lambda ctx: Client(ctx.node_id).to_client(), mods=[secaggplus_mod])
+    apps = {node: (app, Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}))
+            for node in vectors}
+    grid = Loopback(apps)
+    n, d = len(vectors), len(next(iter(vectors.values())))
+    start = time.perf_counter()
+    context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                            config=ServerConfig(num_rounds=1),
+                            strategy=FedAvg(fraction_fit=1.0, min_fit_clients=n, min_available_clients=n),
+                            client_manager=SimpleClientManager())
+    for node in vectors:
+        context.client_manager.register(GridClientProxy(node, grid, 1))
+    context.state.config_records["config"] = ConfigRecord({"current_round": 1})
+    context.state.array_records["parameters"] = compat.parameters_to_arrayrecord(
+        ndarrays_to_parameters([np.zeros(d)]), True)
+    SecAggPlusWorkflow(num_shares=num_shares, reconstruction_threshold=threshold, clipping_range=clip)(grid, context)
+    elapsed = time.perf_counter() - start
+    out = parameters_to_ndarrays(compat.arrayrecord_to_parameters(context.state.array_records["parameters"], True))[0]
+    alive = [vectors[k] for k in vectors if k not in drop_after_share]
+    return elapsed, float(np.abs(out - np.mean(alive, axis=0)).max())
+
+
+def flower_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        import flwr  # noqa: F401
+        return version("flwr")
+    except Exception:  # flwr absent or broken: no comparison
+        return None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--d", type=int, default=100_000)
+    parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--bits", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--no-flower", action="store_true")
+    args = parser.parse_args(argv)
+
+    emit("python", platform.python_version())
+    emit("cpus", os.cpu_count())
+    emit("n", args.n)
+    emit("d", args.d)
+    emit("bits", args.bits)
+    emit("mask_word_bits", 8 * P.word_dtype(args.bits).itemsize)
+    emit("dropout", args.dropout)
+
+    bench_masking(args.n, args.d, args.bits, args.repeats)
+
+    rng = np.random.default_rng(0)
+    vectors = {node: rng.uniform(-args.clip, args.clip, size=args.d) for node in range(1001, 1001 + args.n)}
+    keys = list(vectors)
+    probe = SessionConfig.create(range(1, args.n + 1), bits=args.bits, dimension=1)
+    emit("degree", probe.degree)
+    emit("threshold", probe.threshold)
+    drop = _dropouts(keys, args.dropout, spread=False)
+    elapsed, exact, error, included = privfl_round(vectors, args.bits, args.clip, drop, probe.degree, probe.threshold)
+    emit("round_s", elapsed)
+    emit("round_included", included)
+    emit("round_sum_exact", str(exact).lower())
+    emit("round_mean_max_abs_error", error)
+    spread = _dropouts(keys, args.dropout, spread=True)
+    elapsed, exact, _, included = privfl_round(vectors, args.bits, args.clip, spread, probe.degree, probe.threshold)
+    emit("round_spread_s", elapsed)
+    emit("round_spread_sum_exact", str(exact).lower())
+
+    version = None if args.no_flower else flower_version()
+    if version is None:
+        emit("flower_round_s", "unavailable (flwr not installed)" if not args.no_flower else "skipped")
+        emit("flower_over_privfl", "unavailable")
+        return
+    emit("flower_version", version)
+    round_s = privfl_round(vectors, args.bits, args.clip, drop, probe.degree, probe.threshold)[0]
+    flower_s, flower_error = flower_round(vectors, args.clip, set(drop["masked_input"]), probe.degree + 1,
+                                          probe.threshold)
+    emit("flower_round_s", flower_s)
+    emit("flower_mean_max_abs_error", flower_error)
+    emit("round_s_same_run", round_s)
+    emit("flower_over_privfl", flower_s / round_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Data for federated experiments: in-memory data sets, offline and download-and-cache loaders, seeded splits and
+client partitions, and ``make_federated``, the single entry point. Nothing here touches the network unless a
+caller passes ``download=True``."""
+
+from privfl.data.cache import CACHE_ENV, default_cache_dir
+from privfl.data.dataset import ArrayDataset, FederatedData
+from privfl.data.errors import DatasetError, DatasetNotFoundError, PartitionError
+from privfl.data.federated import DATASETS, make_federated
+from privfl.data.offline import load_diabetes, load_digits, load_mnist5k, synthetic1d, synthetic1d_function
+from privfl.data.partition import (EXAMPLES_PER_CLASS_PRESETS, PARTITIONS, PartitionWarning, dirichlet_partition,
+                                   disjoint_class_partition, iid_partition, most_correlated_feature,
+                                   sorted_chunk_partition)
+from privfl.data.split import Standardizer, standardize, train_test_split_indices
+from privfl.data.torchvision_sets import TORCHVISION_DATASETS, load_torchvision
+from privfl.data.uci import UCI_DATASETS, load_uci
+
+__all__ = [
+    "ArrayDataset", "CACHE_ENV", "DATASETS", "DatasetError", "DatasetNotFoundError", "EXAMPLES_PER_CLASS_PRESETS",
+    "FederatedData", "PARTITIONS", "PartitionError", "PartitionWarning", "Standardizer", "TORCHVISION_DATASETS",
+    "UCI_DATASETS", "default_cache_dir", "dirichlet_partition", "disjoint_class_partition", "iid_partition",
+    "load_diabetes", "load_digits", "load_mnist5k", "load_torchvision", "load_uci", "make_federated",
+    "most_correlated_feature", "sorted_chunk_partition", "standardize", "synthetic1d", "synthetic1d_function",
+    "train_test_split_indices",
+]

@@ -1,0 +1,228 @@
+"""Protocol messages: frozen dataclasses that carry only bytes and integers.
+
+Every message names its session; client-to-server messages name their ``sender``, server-to-client messages their
+``recipient``. ``to_dict``/``from_dict`` give JSON-compatible dicts and ``to_bytes``/``from_bytes`` JSON bytes, so any
+transport (the in-process runtime, Flower, gRPC, a queue) can carry them. ``message_from_dict`` dispatches on the
+``"type"`` key. Construction checks shapes (32-byte keys, positive ids); protocol rules are checked by the parties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from secure_agg import codec
+from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, UNMASK
+from secure_agg.shamir import PRIME
+
+__all__ = ["AdvertiseKeys", "PublicKeys", "KeyDirectory", "EncryptedShare", "ShareKeys", "ShareDelivery",
+           "MaskedInput", "UnmaskRequest", "RevealedShare", "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
+
+
+def _check_id(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2 ** 63:
+        raise ValueError(f"{name} must be a client id (integer in [1, 2^63)), got {value!r}")
+
+
+def _check_bytes(name: str, value, length: int | None = None) -> None:
+    if not isinstance(value, bytes):
+        raise ValueError(f"{name} must be bytes")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{name} must be {length} bytes, got {len(value)}")
+
+
+class _Message:
+    stage: str = ""
+
+    def _check_session(self):
+        _check_bytes("session_id", self.session_id)
+
+    def to_dict(self) -> dict:
+        return codec.to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        return codec.from_plain(cls, data)
+
+    def to_bytes(self) -> bytes:
+        return codec.to_json_bytes(self)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes):
+        return codec.from_json_bytes(cls, raw)
+
+
+@dataclass(frozen=True)
+class AdvertiseKeys(_Message):
+    """Stage 1, client -> server: the client's two X25519 public keys."""
+
+    session_id: bytes
+    sender: int
+    encryption_key: bytes
+    mask_key: bytes
+    stage = ADVERTISE_KEYS
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("sender", self.sender)
+        _check_bytes("encryption_key", self.encryption_key, 32)
+        _check_bytes("mask_key", self.mask_key, 32)
+
+
+@dataclass(frozen=True)
+class PublicKeys:
+    client_id: int
+    encryption_key: bytes
+    mask_key: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("encryption_key", self.encryption_key, 32)
+        _check_bytes("mask_key", self.mask_key, 32)
+
+
+@dataclass(frozen=True)
+class KeyDirectory(_Message):
+    """Server -> client after stage 1: the public keys of the recipient's neighbours that advertised keys."""
+
+    session_id: bytes
+    recipient: int
+    keys: tuple[PublicKeys, ...]
+    stage = ADVERTISE_KEYS
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("recipient", self.recipient)
+        if not all(isinstance(k, PublicKeys) for k in self.keys):
+            raise ValueError("keys must be PublicKeys entries")
+        object.__setattr__(self, "keys", tuple(self.keys))
+
+
+@dataclass(frozen=True)
+class EncryptedShare:
+    """AES-GCM ciphertext of the sender's shares for one holder; only the recipient can open it."""
+
+    sender: int
+    recipient: int
+    ciphertext: bytes
+
+    def __post_init__(self):
+        _check_id("sender", self.sender)
+        _check_id("recipient", self.recipient)
+        _check_bytes("ciphertext", self.ciphertext)
+
+
+@dataclass(frozen=True)
+class ShareKeys(_Message):
+    """Stage 2, client -> server: one encrypted share per neighbour."""
+
+    session_id: bytes
+    sender: int
+    shares: tuple[EncryptedShare, ...]
+    stage = SHARE_KEYS
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("sender", self.sender)
+        if not all(isinstance(s, EncryptedShare) for s in self.shares):
+            raise ValueError("shares must be EncryptedShare entries")
+        object.__setattr__(self, "shares", tuple(self.shares))
+
+
+@dataclass(frozen=True)
+class ShareDelivery(_Message):
+    """Server -> client after stage 2: the ciphertexts addressed to the recipient (their senders form U2 locally)."""
+
+    session_id: bytes
+    recipient: int
+    shares: tuple[EncryptedShare, ...]
+    stage = SHARE_KEYS
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("recipient", self.recipient)
+        if not all(isinstance(s, EncryptedShare) for s in self.shares):
+            raise ValueError("shares must be EncryptedShare entries")
+        object.__setattr__(self, "shares", tuple(self.shares))
+
+
+@dataclass(frozen=True)
+class MaskedInput(_Message):
+    """Stage 3, client -> server: the masked vector as little-endian words (uint32 if bits <= 32, else uint64)."""
+
+    session_id: bytes
+    sender: int
+    masked: bytes
+    stage = MASKED_INPUT
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("sender", self.sender)
+        _check_bytes("masked", self.masked)
+
+
+@dataclass(frozen=True)
+class UnmaskRequest(_Message):
+    """Server -> clients after stage 3: whose input is in the sum (alive) and who shared keys but dropped."""
+
+    session_id: bytes
+    alive: tuple[int, ...]
+    dropped: tuple[int, ...]
+    stage = MASKED_INPUT
+
+    def __post_init__(self):
+        self._check_session()
+        for c in tuple(self.alive) + tuple(self.dropped):
+            _check_id("listed id", c)
+        object.__setattr__(self, "alive", tuple(self.alive))
+        object.__setattr__(self, "dropped", tuple(self.dropped))
+
+
+@dataclass(frozen=True)
+class RevealedShare:
+    """The share (x = holder id, y) of one secret of ``owner``."""
+
+    owner: int
+    x: int
+    y: bytes
+
+    def __post_init__(self):
+        _check_id("owner", self.owner)
+        _check_id("x", self.x)
+        _check_bytes("y", self.y)
+        if int.from_bytes(self.y, "big") >= PRIME:
+            raise ValueError("share value out of the field")
+
+    @property
+    def value(self) -> int:
+        return int.from_bytes(self.y, "big")
+
+
+@dataclass(frozen=True)
+class UnmaskShares(_Message):
+    """Stage 4, client -> server: self-seed shares of alive neighbours, mask-key shares of dropped ones."""
+
+    session_id: bytes
+    sender: int
+    self_mask_shares: tuple[RevealedShare, ...]
+    mask_key_shares: tuple[RevealedShare, ...]
+    stage = UNMASK
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("sender", self.sender)
+        for s in tuple(self.self_mask_shares) + tuple(self.mask_key_shares):
+            if not isinstance(s, RevealedShare):
+                raise ValueError("shares must be RevealedShare entries")
+        object.__setattr__(self, "self_mask_shares", tuple(self.self_mask_shares))
+        object.__setattr__(self, "mask_key_shares", tuple(self.mask_key_shares))
+
+
+MESSAGE_TYPES = {cls.__name__: cls for cls in (AdvertiseKeys, KeyDirectory, ShareKeys, ShareDelivery, MaskedInput,
+                                               UnmaskRequest, UnmaskShares)}
+
+
+def message_from_dict(data: dict):
+    """Rebuild any protocol message from ``to_dict`` output (dispatch on ``"type"``)."""
+    if not isinstance(data, dict) or data.get("type") not in MESSAGE_TYPES:
+        raise ValueError(f"not a secure-aggregation message: type={data.get('type') if isinstance(data, dict) else None!r}")
+    return MESSAGE_TYPES[data["type"]].from_dict(data)

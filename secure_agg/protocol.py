@@ -1,0 +1,141 @@
+"""The protocol's stages and its public session configuration.
+
+Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their order and names:
+
+1. ``advertise_keys``  each client sends two X25519 public keys (one for share encryption, one for masks);
+2. ``share_keys``      each client Shamir-shares its mask private key and a fresh self-mask seed among its
+                       neighbours (Bell et al. CCS 2020) and sends each share encrypted to its holder;
+3. ``masked_input``    each client sends y = x + PRG(self seed) + sum_v +-PRG(pairwise key with v)  mod 2^k;
+4. ``unmask``          survivors reveal, for every neighbour, the self-seed share if it is alive or the mask-key share
+                       if it dropped - never both - and the server removes all masks.
+
+``SessionConfig`` is everything public that all parties must agree on before the round: session id, roster, k, d,
+threshold and the neighbour graph (derived from a public seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from secure_agg import codec
+from secure_agg.graph import default_degree, neighbour_graph
+from secure_agg.primitives import random_seed, word_dtype
+
+__all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "UNMASK", "DONE", "SessionConfig",
+           "default_threshold"]
+
+ADVERTISE_KEYS = "advertise_keys"
+SHARE_KEYS = "share_keys"
+MASKED_INPUT = "masked_input"
+UNMASK = "unmask"
+DONE = "done"
+STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, UNMASK, DONE)
+
+_MAX_ID = 2 ** 63 - 1
+
+
+def default_threshold(degree: int) -> int:
+    """A strict majority of the degree + 1 share holders of each client (the client itself and its neighbours)."""
+    return (degree + 1) // 2 + 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Public parameters of one secure-aggregation round; validated at construction.
+
+    - ``client_ids``: distinct integers in [1, 2^63) (also the Shamir x-coordinates);
+    - ``bits``: inputs and the sum live in Z_{2^bits}, 1 <= bits <= 64;
+    - ``threshold``: shares needed to recover a secret; must be a strict majority of the degree + 1 holders, so two
+      disjoint groups of survivors can never both reach it (the reason a client never reveals both of a peer's shares);
+    - ``degree``: neighbours per client (n - 1 means the complete graph of Bonawitz et al.);
+    - ``min_inputs``: the round aborts unless at least this many inputs are in the sum (e.g. the minimum number of
+      noise shares a distributed DP guarantee needs); the effective minimum is max(threshold, min_inputs).
+    """
+
+    session_id: bytes
+    client_ids: tuple[int, ...]
+    bits: int
+    dimension: int
+    threshold: int
+    degree: int
+    graph_seed: bytes
+    min_inputs: int
+    _graph: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.session_id, bytes) or not 16 <= len(self.session_id) <= 64:
+            raise ValueError("session_id must be 16 to 64 random bytes")
+        if not isinstance(self.graph_seed, bytes) or len(self.graph_seed) < 16:
+            raise ValueError("graph_seed must be at least 16 random bytes")
+        ids = tuple(self.client_ids)
+        if not all(_is_int(c) and 1 <= c <= _MAX_ID for c in ids):
+            raise ValueError("client ids must be integers in [1, 2^63)")
+        if len(set(ids)) != len(ids):
+            raise ValueError("client ids must be distinct")
+        n = len(ids)
+        if n < 2:
+            raise ValueError("secure aggregation needs at least 2 clients")
+        object.__setattr__(self, "client_ids", tuple(sorted(ids)))
+        if not _is_int(self.bits):
+            raise ValueError(f"bits must be an integer, got {self.bits!r}")
+        word_dtype(self.bits)  # validates 1 <= bits <= 64
+        if not _is_int(self.dimension) or self.dimension < 1:
+            raise ValueError(f"dimension must be a positive integer, got {self.dimension!r}")
+        if not _is_int(self.degree) or self.degree < 1:
+            raise ValueError(f"degree must be a positive integer, got {self.degree!r}")
+        degree = min(self.degree, n - 1)
+        object.__setattr__(self, "degree", degree)
+        holders = degree + 1
+        if not _is_int(self.threshold) or not (2 * self.threshold > holders and self.threshold <= holders):
+            raise ValueError(f"threshold must be an integer with {holders // 2 + 1} <= threshold <= {holders} (a strict "
+                             f"majority of the {holders} share holders of each client), got {self.threshold!r}")
+        if not _is_int(self.min_inputs) or not 1 <= self.min_inputs <= n:
+            raise ValueError(f"min_inputs must be an integer in [1, {n}], got {self.min_inputs!r}")
+        object.__setattr__(self, "_graph", neighbour_graph(self.client_ids, degree, self.graph_seed))
+
+    @classmethod
+    def create(cls, client_ids, *, bits: int, dimension: int, threshold: int | None = None,
+               degree: int | None = None, min_inputs: int | None = None) -> SessionConfig:
+        """A fresh session: random 32-byte session id and graph seed, default degree and threshold if not given."""
+        ids = tuple(client_ids)
+        n = len(ids)
+        if degree is None:
+            degree = default_degree(n)
+        elif _is_int(degree):
+            degree = min(degree, n - 1) if n >= 2 else degree
+        if threshold is None:
+            threshold = default_threshold(degree)
+        if min_inputs is None:
+            min_inputs = threshold if _is_int(threshold) else 1
+        return cls(session_id=random_seed(), client_ids=ids, bits=bits, dimension=dimension, threshold=threshold,
+                   degree=degree, graph_seed=random_seed(), min_inputs=min_inputs)
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.client_ids)
+
+    @property
+    def required_inputs(self) -> int:
+        return max(self.threshold, self.min_inputs)
+
+    def neighbours(self, client_id: int) -> frozenset[int]:
+        return self._graph[client_id]
+
+    def holders(self, client_id: int) -> frozenset[int]:
+        """Who holds shares of ``client_id``'s secrets: its neighbours and itself."""
+        return self._graph[client_id] | {client_id}
+
+    def to_dict(self) -> dict:
+        return codec.to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SessionConfig:
+        return codec.from_plain(cls, data)
+
+    def replace(self, **changes) -> SessionConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,112 @@
+"""In-process driver: one full round between a ``ServerSession`` and ``ClientSession`` objects in this process.
+
+Messages pass through ``to_bytes``/``from_bytes`` only if ``serialise=True`` (a transport check); otherwise the objects
+are handed over directly. Dropouts are simulated per stage: a client in ``drop_at[stage]`` sends nothing from that
+stage on. A client that aborts (``ProtocolAbort``) also stops talking, exactly like a dropout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from secure_agg.client import ClientSession
+from secure_agg.errors import ProtocolAbort
+from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+from secure_agg.server import ServerSession
+
+__all__ = ["run_round", "RoundResult"]
+
+_DROP_STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, UNMASK)
+
+
+@dataclass(frozen=True, eq=False)
+class RoundResult:
+    """``sum``: the modular sum (uint64, entries < 2^bits) of the inputs of ``included`` (the caller's keys).
+
+    ``dropped`` are the other clients; ``client_aborts`` maps a key to the ``ProtocolAbort`` of a client that stopped
+    on its own; ``config`` is the session's public configuration.
+    """
+
+    sum: np.ndarray
+    included: tuple
+    dropped: tuple
+    bits: int
+    config: SessionConfig
+    client_aborts: dict = field(default_factory=dict)
+
+
+def _transport(message, serialise: bool):
+    return type(message).from_bytes(message.to_bytes()) if serialise else message
+
+
+def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: int | None = None,
+              degree: int | None = None, min_inputs: int | None = None,
+              drop_at: Mapping[str, Iterable[Hashable]] | None = None, serialise: bool = False) -> RoundResult:
+    """Securely sum ``values`` (client key -> 1-D integer vector mod 2^bits) with the full protocol, in process.
+
+    ``threshold``/``degree`` default to a strict majority of a O(log n)-degree neighbour graph (see
+    ``SessionConfig.create``); ``min_inputs`` makes the round abort unless that many inputs are in the sum.
+    ``drop_at`` maps a stage name (``"advertise_keys"``, ``"share_keys"``, ``"masked_input"``, ``"unmask"``) to the
+    clients that drop before sending that stage's message. Raises ``ProtocolAbort`` when the server cannot finish
+    without revealing something it must not (then no sum is returned).
+    """
+    if not isinstance(values, Mapping) or len(values) < 2:
+        raise ValueError("values must map at least 2 client keys to vectors")
+    keys = list(values)
+    ids = {key: i + 1 for i, key in enumerate(keys)}
+    dims = {np.asarray(v).shape for v in values.values()}
+    if len(dims) != 1 or len(next(iter(dims))) != 1:
+        raise ValueError(f"all values must be 1-D vectors of one length, got shapes {sorted(dims)}")
+    dimension = next(iter(dims))[0]
+    drops: dict[str, set[int]] = {s: set() for s in _DROP_STAGES}
+    for stage, who in (drop_at or {}).items():
+        if stage not in _DROP_STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages are {_DROP_STAGES}")
+        for key in who:
+            if key not in ids:
+                raise ValueError(f"drop_at[{stage!r}] names unknown client {key!r}")
+            drops[stage].add(ids[key])
+
+    config = SessionConfig.create(sorted(ids.values()), bits=bits, dimension=dimension, threshold=threshold,
+                                  degree=degree, min_inputs=min_inputs)
+    server = ServerSession(config)
+    clients = {ids[k]: ClientSession(config, ids[k], values[k]) for k in keys}
+    gone: set[int] = set()
+    aborts: dict[int, ProtocolAbort] = {}
+
+    def talking(stage: str) -> list[int]:
+        gone.update(drops[stage])
+        return [c for c in sorted(clients) if c not in gone]
+
+    def step(c: int, call, *args):
+        try:
+            message = call(*(_transport(a, serialise) for a in args))
+        except ProtocolAbort as exc:
+            aborts[c] = exc
+            gone.add(c)
+            return
+        server.receive(_transport(message, serialise))
+
+    for c in talking(ADVERTISE_KEYS):
+        step(c, clients[c].advertise_keys)
+    directories = server.key_directories()
+    for c in talking(SHARE_KEYS):
+        if c in directories:
+            step(c, clients[c].share_keys, directories[c])
+    deliveries = server.share_deliveries()
+    for c in talking(MASKED_INPUT):
+        if c in deliveries:
+            step(c, clients[c].masked_input, deliveries[c])
+    request = server.unmask_request()
+    for c in talking(UNMASK):
+        if c in request.alive:
+            step(c, clients[c].unmask, request)
+    result = server.finalize()
+
+    back = {i: k for k, i in ids.items()}
+    return RoundResult(sum=result.sum, included=tuple(back[i] for i in result.included),
+                       dropped=tuple(back[i] for i in result.dropped), bits=bits, config=config,
+                       client_aborts={back[i]: e for i, e in aborts.items()})

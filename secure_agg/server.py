@@ -1,0 +1,258 @@
+"""The server's side of the protocol as a state machine.
+
+The server collects one message per client per stage (``receive``), then closes the stage with the matching method
+(``key_directories``, ``share_deliveries``, ``unmask_request``, ``finalize``), which fixes the set of survivors and
+produces the next messages. Messages for another session, from unknown clients, duplicated, malformed, for a stage that
+is not the current one, or from a client already declared dropped are ignored (``receive`` returns False and records
+why in ``ignored``): in particular a masked input that arrives after its sender was declared dropped never enters the
+sum, and double masking means the server could not unmask it anyway.
+
+The server aborts (``ProtocolAbort``) rather than reveal anything when fewer than ``threshold`` (or ``min_inputs``)
+clients remain, or when some secret needed to remove a mask has fewer than ``threshold`` shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from secure_agg import primitives as P
+from secure_agg import shamir
+from secure_agg.errors import ProtocolAbort
+from secure_agg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys,
+                                 UnmaskRequest, UnmaskShares)
+from secure_agg.protocol import ADVERTISE_KEYS, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+
+__all__ = ["ServerSession", "AggregateResult"]
+
+
+@dataclass(frozen=True, eq=False)
+class AggregateResult:
+    """The unmasked sum mod 2^bits (uint64) of the inputs of ``included``; ``dropped`` lists the other roster ids."""
+
+    sum: np.ndarray
+    included: tuple[int, ...]
+    dropped: tuple[int, ...]
+    bits: int
+
+
+class ServerSession:
+    """The server in one round; it never sees an individual input in the clear."""
+
+    def __init__(self, config: SessionConfig):
+        if not isinstance(config, SessionConfig):
+            raise TypeError("config must be a SessionConfig")
+        self.config = config
+        self._stage = 0
+        self._roster = set(config.client_ids)
+        self._keys: dict[int, AdvertiseKeys] = {}
+        self._seen_public_keys: set[bytes] = set()
+        self._share_msgs: dict[int, ShareKeys] = {}
+        self._inputs: set[int] = set()
+        self._sum = np.zeros(config.dimension, dtype=P.word_dtype(config.bits))
+        self._unmask: dict[int, UnmaskShares] = {}
+        self.u1: frozenset[int] = frozenset()  # advertised keys (after pruning)
+        self.u2: frozenset[int] = frozenset()  # shared keys (after pruning)
+        self.u3: frozenset[int] = frozenset()  # sent masked inputs: the inputs in the sum
+        self.ignored: list[tuple[str, object, str]] = []
+        self._aborted: ProtocolAbort | None = None
+
+    @property
+    def stage(self) -> str:
+        """The stage whose messages the server accepts now; ``"aborted"`` after an abort."""
+        return "aborted" if self._aborted is not None else STAGES[self._stage]
+
+    @property
+    def aborted(self) -> ProtocolAbort | None:
+        return self._aborted
+
+    def _abort(self, reason: str, stage: str | None = None):
+        """Abort for good; ``stage`` defaults to the stage being closed."""
+        self._aborted = ProtocolAbort(reason, party="server", stage=stage or STAGES[max(self._stage - 1, 0)])
+        self._sum = None
+        raise self._aborted
+
+    def _close(self, stage: str) -> None:
+        if self._aborted is not None:
+            raise ProtocolAbort(f"server already aborted: {self._aborted.reason}", party="server", stage=stage)
+        if STAGES[self._stage] != stage:
+            self._abort(f"cannot close stage {stage!r} while in stage {self.stage!r}", stage=stage)
+        self._stage += 1
+
+    # ------------------------------------------------------------------ receiving
+    def _ignore(self, message, reason: str) -> bool:
+        self.ignored.append((type(message).__name__, getattr(message, "sender", None), reason))
+        return False
+
+    def receive(self, message) -> bool:
+        """Accept a client message for the current stage; returns False (and records why) if it is ignored."""
+        if self._aborted is not None:
+            return self._ignore(message, "server aborted")
+        kinds = {AdvertiseKeys: ADVERTISE_KEYS, ShareKeys: SHARE_KEYS, MaskedInput: MASKED_INPUT,
+                 UnmaskShares: UNMASK}
+        stage = kinds.get(type(message))
+        if stage is None:
+            return self._ignore(message, "not a client message")
+        if message.session_id != self.config.session_id:
+            return self._ignore(message, "other session")
+        sender = message.sender
+        if sender not in self._roster:
+            return self._ignore(message, "unknown sender")
+        if stage != self.stage:
+            return self._ignore(message, f"stage {stage!r} is not the current stage {self.stage!r} (late or early)")
+        eligible = {ADVERTISE_KEYS: self._roster, SHARE_KEYS: self.u1, MASKED_INPUT: self.u2, UNMASK: self.u3}[stage]
+        if sender not in eligible:
+            return self._ignore(message, "sender was declared dropped")
+        if stage == ADVERTISE_KEYS:
+            return self._receive_keys(message)
+        if stage == SHARE_KEYS:
+            return self._receive_shares(message)
+        if stage == MASKED_INPUT:
+            return self._receive_input(message)
+        return self._receive_unmask(message)
+
+    def _receive_keys(self, message: AdvertiseKeys) -> bool:
+        if message.sender in self._keys:
+            return self._ignore(message, "duplicate")
+        keys = {message.encryption_key, message.mask_key}
+        if len(keys) < 2 or keys & self._seen_public_keys:
+            return self._ignore(message, "public key already in use")
+        self._seen_public_keys |= keys
+        self._keys[message.sender] = message
+        return True
+
+    def _receive_shares(self, message: ShareKeys) -> bool:
+        if message.sender in self._share_msgs:
+            return self._ignore(message, "duplicate")
+        expected = self.config.neighbours(message.sender) & self.u1
+        recipients = [s.recipient for s in message.shares]
+        if any(s.sender != message.sender for s in message.shares) or len(set(recipients)) != len(recipients) \
+                or set(recipients) != expected:
+            return self._ignore(message, "shares not addressed to exactly the live neighbours")
+        self._share_msgs[message.sender] = message
+        return True
+
+    def _receive_input(self, message: MaskedInput) -> bool:
+        if message.sender in self._inputs:
+            return self._ignore(message, "duplicate")
+        if len(message.masked) != self._sum.nbytes:
+            return self._ignore(message, "wrong length")
+        words = np.frombuffer(message.masked, dtype=self._sum.dtype)
+        if self.config.bits < 8 * self._sum.itemsize and int(words.max()) >> self.config.bits:
+            return self._ignore(message, f"entries not reduced mod 2^{self.config.bits}")
+        np.add(self._sum, words, out=self._sum)
+        self._inputs.add(message.sender)
+        return True
+
+    def _receive_unmask(self, message: UnmaskShares) -> bool:
+        if message.sender in self._unmask:
+            return self._ignore(message, "duplicate")
+        self._unmask[message.sender] = message
+        return True
+
+    # ------------------------------------------------------------------ closing stages
+    def _prune(self, alive: set[int]) -> frozenset[int]:
+        """Drop, until stable, clients with fewer than ``threshold`` live share holders (they would abort anyway)."""
+        alive = set(alive)
+        t = self.config.threshold
+        changed = True
+        while changed:
+            changed = False
+            for c in sorted(alive):
+                if len(self.config.holders(c) & alive) < t:
+                    alive.discard(c)
+                    changed = True
+        return frozenset(alive)
+
+    def _require(self, survivors, what: str) -> None:
+        need = self.config.required_inputs
+        if len(survivors) < need:
+            self._abort(f"only {len(survivors)} clients {what}; at least {need} are required")
+
+    def key_directories(self) -> dict[int, KeyDirectory]:
+        """Close stage 1: each live client gets its live neighbours' public keys."""
+        self._close(ADVERTISE_KEYS)
+        self.u1 = self._prune(set(self._keys))
+        self._require(self.u1, "advertised keys")
+        out = {}
+        for c in sorted(self.u1):
+            entries = tuple(PublicKeys(client_id=v, encryption_key=self._keys[v].encryption_key,
+                                       mask_key=self._keys[v].mask_key)
+                            for v in sorted(self.config.neighbours(c) & self.u1))
+            out[c] = KeyDirectory(session_id=self.config.session_id, recipient=c, keys=entries)
+        return out
+
+    def share_deliveries(self) -> dict[int, ShareDelivery]:
+        """Close stage 2: forward each ciphertext to its holder."""
+        self._close(SHARE_KEYS)
+        self.u2 = self._prune(set(self._share_msgs))
+        self._require(self.u2, "shared their keys")
+        inbox: dict[int, list] = {c: [] for c in self.u2}
+        for sender in sorted(self.u2):
+            for share in self._share_msgs[sender].shares:
+                if share.recipient in inbox:
+                    inbox[share.recipient].append(share)
+        return {c: ShareDelivery(session_id=self.config.session_id, recipient=c, shares=tuple(inbox[c]))
+                for c in sorted(self.u2)}
+
+    def unmask_request(self) -> UnmaskRequest:
+        """Close stage 3: fix the inputs in the sum and ask for the shares that remove the masks."""
+        self._close(MASKED_INPUT)
+        self.u3 = frozenset(self._inputs)
+        self._require(self.u3, "sent masked inputs")
+        t = self.config.threshold
+        for c in sorted(self.u2):
+            if c not in self.u3 and not (self.config.neighbours(c) & self.u3):
+                continue  # dropped, and nobody in the sum masked with it
+            live = len(self.config.holders(c) & self.u3)
+            if live < t:
+                self._abort(f"the masks of client {c} cannot be removed: only {live} of its share holders are alive "
+                            f"(threshold {t})")
+        return UnmaskRequest(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
+                             dropped=tuple(sorted(self.u2 - self.u3)))
+
+    def finalize(self) -> AggregateResult:
+        """Close stage 4: reconstruct the secrets, remove all masks, return the sum of the alive clients' inputs."""
+        self._close(UNMASK)
+        t, cfg = self.config.threshold, self.config
+        seed_shares: dict[int, dict[int, int]] = {c: {} for c in self.u3}
+        key_shares: dict[int, dict[int, int]] = {c: {} for c in self.u2 - self.u3}
+        for responder, message in self._unmask.items():
+            for pool, shares in ((seed_shares, message.self_mask_shares), (key_shares, message.mask_key_shares)):
+                for s in shares:
+                    if s.owner in pool and s.x == responder and responder in cfg.holders(s.owner):
+                        pool[s.owner][s.x] = s.value
+
+        expander = P.MaskExpander(cfg.dimension, cfg.bits)
+        total = self._sum.copy()
+        for owner in sorted(self.u3):
+            seed = self._reconstruct(owner, seed_shares[owner], "self-mask seed")
+            expander.add(total, P.self_mask_key(seed, cfg.session_id, owner), -1)
+        for owner in sorted(self.u2 - self.u3):
+            alive_neighbours = sorted(cfg.neighbours(owner) & self.u3)
+            if not alive_neighbours:
+                continue
+            raw = self._reconstruct(owner, key_shares[owner], "mask key")
+            private = P.private_key_from_bytes(raw)
+            if P.public_bytes(private) != self._keys[owner].mask_key:
+                self._abort(f"reconstructed mask key of client {owner} does not match its public key")
+            for u in alive_neighbours:
+                shared = P.key_agreement(private, self._keys[u].mask_key)
+                key = P.pairwise_mask_key(shared, cfg.session_id, u, owner)
+                # u added +PRG if u < owner, -PRG otherwise; undo it
+                expander.add(total, key, -1 if u < owner else +1)
+        P.reduce_mod(total, cfg.bits)
+        self._sum = None
+        return AggregateResult(sum=total.astype(np.uint64), included=tuple(sorted(self.u3)),
+                               dropped=tuple(sorted(self._roster - self.u3)), bits=cfg.bits)
+
+    def _reconstruct(self, owner: int, shares: dict[int, int], what: str) -> bytes:
+        t = self.config.threshold
+        if len(shares) < t:
+            self._abort(f"cannot remove the masks of client {owner}: {len(shares)} shares of its {what}, "
+                        f"threshold {t}")
+        try:
+            return shamir.int_to_bytes(shamir.combine(shares, t), P.SEED_BYTES)
+        except ValueError as exc:
+            self._abort(f"shares of the {what} of client {owner} are inconsistent: {exc}")
