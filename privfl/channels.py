@@ -8,6 +8,9 @@ adjacency, never typed in by hand. Clip kinds:
   Fisher diagonal from per-example gradients clipped to C); it hands the pipeline a :class:`ClippedValue` whose bound
   must match the channel's.
 - :class:`RangeBound`: the value lives in a bounded set (probability vectors), which bounds the sensitivity.
+- :class:`TrainedPrivately`: the value is a function of a model trained with DP-SGD (opacus); it is post-processing
+  of that training, which the algorithm hands over as a :class:`PrivatizedValue` carrying the training's event. The
+  pipeline charges that event and adds no noise.
 - :class:`Unclipped`: only for non-private runs (``epsilon = inf``); such a channel is charged a NonPrivateEvent.
 """
 
@@ -89,6 +92,21 @@ class RangeBound:
 
 
 @dataclass(frozen=True)
+class TrainedPrivately:
+    """Post-processing of DP-SGD local training: the pipeline charges the training's event, adds no noise."""
+
+    def sensitivity(self, adjacency: str) -> float:
+        check_adjacency(adjacency)
+        return math.nan  # not a noised statistic: its cost is the training's event
+
+    def apply(self, value) -> np.ndarray:
+        if not isinstance(value, PrivatizedValue):
+            raise InvalidRelease("a TrainedPrivately channel takes a PrivatizedValue(value, event) whose event is the "
+                                 "DP-SGD training's privacy event")
+        return value.value
+
+
+@dataclass(frozen=True)
 class Unclipped:
     """No clip: the value is released as it is, and the release is charged as non-private (epsilon = inf)."""
 
@@ -109,13 +127,27 @@ class ClippedValue:
 
 
 @dataclass(frozen=True)
+class PrivatizedValue:
+    """A value already made private by its computation (DP-SGD training) and the event that computation cost."""
+
+    value: np.ndarray
+    event: object  # accounting.events.PrivacyEvent
+
+    def __post_init__(self):
+        from accounting.events import NonPrivateEvent, PrivacyEvent
+
+        if not isinstance(self.event, PrivacyEvent) or isinstance(self.event, NonPrivateEvent):
+            raise InvalidRelease("PrivatizedValue.event must be the privacy event of the training that produced it")
+
+
+@dataclass(frozen=True)
 class Channel:
     """A named output of a client: its shape, privacy unit, clip and share of the round's privacy budget."""
 
     name: str
     shape: tuple[int, ...]
     unit: str
-    clip: NormClip | PreClipped | RangeBound | Unclipped
+    clip: NormClip | PreClipped | RangeBound | TrainedPrivately | Unclipped
     adjacency: str = "add_remove"
     budget_share: float = 1.0
     symmetric: bool = False
@@ -146,7 +178,7 @@ class Channel:
 
     def validate(self, value) -> np.ndarray | ClippedValue:
         """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel."""
-        raw = value.value if isinstance(value, ClippedValue) else value
+        raw = value.value if isinstance(value, (ClippedValue, PrivatizedValue)) else value
         arr = np.asarray(raw, dtype=np.float64)
         if arr.shape != self.shape:
             raise InvalidRelease(f"channel {self.name}: expected shape {self.shape}, got {arr.shape}; nothing was "
@@ -156,4 +188,6 @@ class Channel:
                                  f"(check the local training, e.g. lower the learning rate)")
         if isinstance(value, ClippedValue):
             return ClippedValue(arr, value.bound, value.statistic)
+        if isinstance(value, PrivatizedValue):
+            return PrivatizedValue(arr, value.event)
         return arr

@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
                             secure_noise=args.secure_noise)
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
-                           lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden,
+                           lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
                            seed=args.seed)
     algorithm = make_algorithm(args.algorithm, fed, privacy)
     data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed)
@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
     r.add_argument("--model", default="mlp")
     r.add_argument("--hidden", type=_widths, default=None,
-                   help="MLP hidden widths, comma-separated ('' for logistic regression)")
+                   help="MLP hidden widths, comma-separated ('' for logistic regression); default: the model's")
+    r.add_argument("--pool", type=int, default=1, help="average-pool image inputs by this factor (MLP only)")
     r.add_argument("--local-epochs", type=int, default=1)
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=_float, default=0.05)

@@ -75,6 +75,7 @@ class FederationConfig:
     """How the federation trains: rounds, local optimisation, model and seed.
 
     ``hidden``: hidden-layer widths of an MLP (``()`` is multinomial logistic regression; None: the model's default).
+    ``pool``: average-pool image inputs by this factor before the MLP (fewer weights, less total DP noise).
     """
 
     rounds: int = 20
@@ -85,6 +86,7 @@ class FederationConfig:
     server_lr: float = 1.0
     model: str = "mlp"
     hidden: tuple[int, ...] | None = None
+    pool: int = 1
     seed: int = 0
 
     def __post_init__(self):
@@ -98,5 +100,6 @@ class FederationConfig:
             if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in self.hidden):
                 raise ConfigurationError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
             object.__setattr__(self, "hidden", tuple(self.hidden))
+        _positive_int("pool", self.pool)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigurationError(f"seed must be an integer >= 0, got {self.seed!r}")

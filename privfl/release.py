@@ -24,7 +24,7 @@ from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEven
 from accounting.ledger import ChargeRequest, PrivacyLedger
 from mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from mechanisms.noise import NoiseSource
-from privfl.channels import Channel
+from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
 
 PLACEMENTS = ("local", "central", "distributed")
 
@@ -84,13 +84,20 @@ class ReleasePipeline:
                 continue
             if not ch.private:
                 raise InvalidRelease(f"channel {name} is unclipped; a private run needs a clip on every channel")
+            if isinstance(ch.clip, TrainedPrivately):
+                self.mechanisms[name] = None  # charged with the training's own event, no noise here
+                continue
             if name not in noise_multipliers:
                 raise InvalidRelease(f"no noise multiplier for channel {name}; calibrate one per channel")
             self.mechanisms[name] = GaussianMechanism(ch.sensitivity, noise_multipliers[name])
 
-    def event_for(self, name: str) -> PrivacyEvent:
+    def event_for(self, name: str, value: object = None) -> PrivacyEvent:
         """The event one release of channel ``name`` costs (the ledger charges exactly this)."""
         mech = self.mechanisms[name]
+        if isinstance(self.channels[name].clip, TrainedPrivately):
+            if not isinstance(value, PrivatizedValue):
+                raise ReleaseMisuse(f"channel {name} is charged with its training's event; none was given")
+            return value.event
         if mech is None:
             return NonPrivateEvent()
         event: PrivacyEvent = GaussianEvent(mech.sensitivity, mech.noise_std)
@@ -98,8 +105,10 @@ class ReleasePipeline:
             event = PoissonSampledEvent(self.sampling_rate, event)
         return event
 
-    def _requests(self) -> list[ChargeRequest]:
-        return [ChargeRequest(name, self.event_for(name), ch.unit) for name, ch in self.channels.items()]
+    def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
+        values = values or {}
+        return [ChargeRequest(name, self.event_for(name, values.get(name)), ch.unit)
+                for name, ch in self.channels.items()]
 
     def charge_only(self, round: int) -> None:
         """Charge a round in which Poisson sampling left this client out.
@@ -109,6 +118,9 @@ class ReleasePipeline:
         """
         if self.sampling_rate >= 1.0:
             raise ReleaseMisuse("charge_only is for Poisson-sampled runs (sampling_rate < 1)")
+        if any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
+            raise ReleaseMisuse("client sampling with DP-SGD-trained channels is not supported: the training's "
+                                "event is only known once the client has trained")
         self.ledger.charge_all(self.client_id, round, self._requests())
 
     def release(self, round: int, values: Mapping[str, object], weight: float = 1.0) -> dict[str, Release]:
@@ -121,9 +133,10 @@ class ReleasePipeline:
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
         # 1. validate, 2. clip — before anything is charged.
-        clipped = {name: ch.clip.apply(ch.validate(values[name])) for name, ch in self.channels.items()}
+        validated = {name: ch.validate(values[name]) for name, ch in self.channels.items()}
+        clipped = {name: ch.clip.apply(validated[name]) for name, ch in self.channels.items()}
         # 3. charge, atomically for the round.
-        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests())}
+        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated))}
         releases = {}
         for name, ch in self.channels.items():
             mech = self.mechanisms[name]

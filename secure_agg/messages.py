@@ -224,5 +224,6 @@ MESSAGE_TYPES = {cls.__name__: cls for cls in (AdvertiseKeys, KeyDirectory, Shar
 def message_from_dict(data: dict):
     """Rebuild any protocol message from ``to_dict`` output (dispatch on ``"type"``)."""
     if not isinstance(data, dict) or data.get("type") not in MESSAGE_TYPES:
-        raise ValueError(f"not a secure-aggregation message: type={data.get('type') if isinstance(data, dict) else None!r}")
+        kind = data.get("type") if isinstance(data, dict) else None
+        raise ValueError(f"not a secure-aggregation message: type={kind!r}")
     return MESSAGE_TYPES[data["type"]].from_dict(data)

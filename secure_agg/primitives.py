@@ -164,7 +164,7 @@ def encrypt_share(key: bytes, plaintext: bytes, *, session_id: bytes, sender: in
 
 
 def decrypt_share(key: bytes, ciphertext: bytes, *, session_id: bytes, sender: int, recipient: int) -> bytes:
-    """Inverse of ``encrypt_share``; raises ``InvalidTag`` if anything (key, session, sender, recipient, bytes) differs."""
+    """Inverse of ``encrypt_share``; raises ``InvalidTag`` if the key, session, sender, recipient or bytes differ."""
     if len(ciphertext) < _NONCE_BYTES + 16:
         raise InvalidTag()
     return AESGCM(key).decrypt(ciphertext[:_NONCE_BYTES], ciphertext[_NONCE_BYTES:],

@@ -92,8 +92,8 @@ class SessionConfig:
         object.__setattr__(self, "degree", degree)
         holders = degree + 1
         if not _is_int(self.threshold) or not (2 * self.threshold > holders and self.threshold <= holders):
-            raise ValueError(f"threshold must be an integer with {holders // 2 + 1} <= threshold <= {holders} (a strict "
-                             f"majority of the {holders} share holders of each client), got {self.threshold!r}")
+            raise ValueError(f"threshold must be an integer with {holders // 2 + 1} <= threshold <= {holders} (a "
+                             f"strict majority of the {holders} share holders of each client), got {self.threshold!r}")
         if not _is_int(self.min_inputs) or not 1 <= self.min_inputs <= n:
             raise ValueError(f"min_inputs must be an integer in [1, {n}], got {self.min_inputs!r}")
         object.__setattr__(self, "_graph", neighbour_graph(self.client_ids, degree, self.graph_seed))

@@ -14,7 +14,7 @@ import numpy as np
 
 from secure_agg.client import ClientSession
 from secure_agg.errors import ProtocolAbort
-from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
 from secure_agg.server import ServerSession
 
 __all__ = ["run_round", "RoundResult"]

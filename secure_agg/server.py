@@ -22,7 +22,7 @@ from secure_agg import shamir
 from secure_agg.errors import ProtocolAbort
 from secure_agg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys,
                                  UnmaskRequest, UnmaskShares)
-from secure_agg.protocol import ADVERTISE_KEYS, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
 
 __all__ = ["ServerSession", "AggregateResult"]
 
@@ -215,7 +215,7 @@ class ServerSession:
     def finalize(self) -> AggregateResult:
         """Close stage 4: reconstruct the secrets, remove all masks, return the sum of the alive clients' inputs."""
         self._close(UNMASK)
-        t, cfg = self.config.threshold, self.config
+        cfg = self.config
         seed_shares: dict[int, dict[int, int]] = {c: {} for c in self.u3}
         key_shares: dict[int, dict[int, int]] = {c: {} for c in self.u2 - self.u3}
         for responder, message in self._unmask.items():

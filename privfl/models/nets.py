@@ -89,15 +89,25 @@ class MLP(PrivflNet):
     """Fully connected ReLU net: in_features -> hidden... -> num_classes (FOLA: 784-500-300-10)."""
 
     def __init__(self, in_features: int | Sequence[int], hidden: Sequence[int] = (500, 300), num_classes: int = 10,
-                 *, bayesian: bool = False, **bayes_kw) -> None:
+                 *, pool: int = 1, bayesian: bool = False, **bayes_kw) -> None:
         shape = (in_features,) if isinstance(in_features, int) else tuple(in_features)
         if not shape or not all(isinstance(s, int) and s >= 1 for s in shape):
             raise ModelConfigError(f"in_features must be a positive int or an input shape, got {in_features!r}")
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            raise ModelConfigError(f"pool must be an integer >= 1, got {pool!r}")
+        if pool > 1 and (len(shape) != 3 or shape[1] < pool or shape[2] < pool):
+            raise ModelConfigError(f"pool={pool} needs an image input (C, H, W) at least {pool}x{pool}, got {shape}")
         super().__init__(shape, num_classes)
         linear, _ = _layer_kit(bayesian, bayes_kw)
-        self.in_features = math.prod(shape)
+        pooled = shape if pool == 1 else (shape[0], shape[1] // pool, shape[2] // pool)
+        self.pool = pool
+        self.in_features = math.prod(pooled)
         self.hidden = _check_hidden(hidden)
         self.net = _mlp_layers(self.in_features, self.hidden, self.num_classes, linear)
+        if pool > 1:
+            # A fixed, data-independent average pooling: fewer weights, so less DP noise in total (client-level DP
+            # noise grows with the square root of the number of parameters).
+            self.net = nn.Sequential(nn.AvgPool2d(pool), *self.net)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -211,7 +221,8 @@ def make_model(name: str, input_shape: Sequence[int], num_classes: int, *, bayes
                **kw) -> PrivflNet:
     """Build ``name`` (``"mlp"``, ``"lenet5"``, ``"cnn1"``, ``"cnn2"``) for ``input_shape`` and ``num_classes``.
 
-    ``kw``: ``hidden`` (all), ``padding`` (conv nets), and with ``bayesian=True`` ``init_rho`` and
+    ``kw``: ``hidden`` (all), ``pool`` (MLP: average-pool image inputs by this factor first), ``padding`` (conv
+    nets), and with ``bayesian=True`` ``init_rho`` and
     ``reparameterization``.
     """
     key = str(name).lower()

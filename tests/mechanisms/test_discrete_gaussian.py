@@ -12,6 +12,8 @@ from mechanisms.discrete_gaussian import (discrete_gaussian_pmf, discrete_gaussi
                                           distributed_discrete_gaussian_event, distributed_noise_rho, kls_tau,
                                           local_sigma, sample_discrete_gaussian, sample_discrete_gaussian_exact)
 
+pytestmark = pytest.mark.timeout(120)
+
 
 def _kl_and_g_test(samples: np.ndarray, sigma: float) -> tuple[float, float]:
     """KL(empirical || true pmf) and the p-value of a G-test with tails pooled to expected counts >= 5."""

@@ -198,3 +198,21 @@ def test_no_release_exists_without_a_ledger_row(tmp_path):
     rows = {c.release_id: c for c in PrivacyLedger.open_existing(ledger_path).charges()}
     assert released == ["run/0/0/update", "run/0/1/update", "run/0/2/update"]
     assert all(rid in rows and rows[rid].released for rid in released)
+
+
+def test_dpsgd_trained_channel_is_charged_with_its_training_event(tmp_path):
+    from accounting.events import PoissonSampledEvent, SelfComposedEvent
+    from privfl.channels import PrivatizedValue, TrainedPrivately
+
+    chans = [Channel("update", (3,), unit="example", clip=TrainedPrivately())]
+    led = PrivacyLedger(tmp_path / "l.sqlite", "run", delta=1e-5, epsilon_budget=10.0, accountant="rdp")
+    pipe = ReleasePipeline("0", chans, led, {})
+    training = SelfComposedEvent(PoissonSampledEvent(0.1, GaussianEvent(1.0, 1.1)), 50)
+    with pytest.raises(InvalidRelease, match="PrivatizedValue"):
+        pipe.release(0, {"update": np.ones(3)})
+    assert led.charges() == []
+    out = pipe.release(0, {"update": PrivatizedValue(np.ones(3), training)})["update"]
+    np.testing.assert_array_equal(out.value, np.ones(3))  # post-processing: no extra noise
+    assert led.charges()[0].event == training
+    with pytest.raises(InvalidRelease):
+        PrivatizedValue(np.ones(3), "not an event")

@@ -8,6 +8,8 @@ import pytest
 from secure_agg import ProtocolAbort
 from secure_agg import messages as M
 
+pytestmark = pytest.mark.timeout(120)
+
 
 def _at_share_keys(harness, **kwargs):
     h = harness(**kwargs)

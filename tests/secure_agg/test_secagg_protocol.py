@@ -10,6 +10,8 @@ from secure_agg import messages as M
 from secure_agg import primitives as P
 from secure_agg import shamir
 
+pytestmark = pytest.mark.timeout(120)
+
 STAGES4 = ("advertise_keys", "share_keys", "masked_input", "unmask")
 
 

@@ -8,6 +8,8 @@ import pytest
 from secure_agg import ProtocolAbort
 from secure_agg import messages as M
 
+pytestmark = pytest.mark.timeout(120)
+
 
 def test_server_ignores_other_sessions_unknown_senders_duplicates_and_early_messages(harness):
     h = harness(n=5, d=8, bits=16)
