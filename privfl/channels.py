@@ -142,7 +142,11 @@ class PrivatizedValue:
 
 @dataclass(frozen=True)
 class Channel:
-    """A named output of a client: its shape, privacy unit, clip and share of the round's privacy budget."""
+    """A named output of a client: its shape, privacy unit, clip and share of the round's privacy budget.
+
+    ``value_bound``: a public bound on every coordinate's magnitude (before noise), used to size the quantisation
+    range under secure aggregation; a :class:`NormClip` implies it (C).
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -151,6 +155,7 @@ class Channel:
     adjacency: str = "add_remove"
     budget_share: float = 1.0
     symmetric: bool = False
+    value_bound: float | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -164,6 +169,9 @@ class Channel:
         if not (isinstance(self.budget_share, (int, float)) and math.isfinite(self.budget_share)
                 and self.budget_share > 0):
             raise InvalidRelease(f"channel {self.name}: budget_share must be > 0, got {self.budget_share!r}")
+        if self.value_bound is not None and not (isinstance(self.value_bound, (int, float))
+                                                 and math.isfinite(self.value_bound) and self.value_bound > 0):
+            raise InvalidRelease(f"channel {self.name}: value_bound must be a finite number > 0 or None")
         if self.symmetric and (len(self.shape) != 2 or self.shape[0] != self.shape[1]):
             raise InvalidRelease(f"channel {self.name}: symmetric needs a square shape, got {self.shape}")
 
@@ -171,6 +179,15 @@ class Channel:
     def sensitivity(self) -> float:
         """L2 sensitivity of this channel, derived from its clip and adjacency."""
         return self.clip.sensitivity(self.adjacency)
+
+    @property
+    def coordinate_bound(self) -> float | None:
+        """A public bound on |coordinate| of the clipped value, if the channel has one."""
+        if self.value_bound is not None:
+            return float(self.value_bound)
+        if isinstance(self.clip, NormClip):
+            return self.clip.bound
+        return None
 
     @property
     def private(self) -> bool:

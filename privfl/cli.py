@@ -73,6 +73,15 @@ def cmd_run(args) -> int:
     from privfl.data import make_federated
     from privfl.runtime import Simulation
 
+    from privfl.algorithms import ALGORITHMS
+
+    if args.algorithm in ALGORITHMS:
+        for key, value in ALGORITHMS[args.algorithm].defaults.items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+    for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "pool": 1}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, clip=args.clip,
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
                             secure_noise=args.secure_noise)
@@ -91,8 +100,11 @@ def cmd_run(args) -> int:
               f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else ""),
               file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
 
+    from privfl.secure import SecureAggregation
+
+    secure = SecureAggregation(bits=args.secagg_bits, dropout=args.dropout) if args.secure_agg else None
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
-                     progress=None if args.quiet else show)
+                     progress=None if args.quiet else show, secure=secure)
     result = sim.run()
     out = {
         "algorithm": result.algorithm, "dataset": result.dataset, "clients": result.clients,
@@ -162,21 +174,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--json", default=None, metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    r.add_argument("--partition", default="dirichlet", choices=["iid", "dirichlet", "disjoint_class"])
+    r.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "disjoint_class"])
     r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
     r.add_argument("--unit", default="client", choices=["client", "example"])
-    r.add_argument("--clip", type=_float, default=1.0)
+    r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")
     r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
     r.add_argument("--placement", choices=["local", "central"], default="central")
     r.add_argument("--sampling-rate", type=_float, default=1.0)
     r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
+    r.add_argument("--secure-agg", action="store_true", help="aggregate through pairwise-masked secure aggregation")
+    r.add_argument("--secagg-bits", type=int, default=48)
+    r.add_argument("--dropout", type=_float, default=0.0, help="simulated fraction of clients dropping per round")
     r.add_argument("--model", default="mlp")
     r.add_argument("--hidden", type=_widths, default=None,
                    help="MLP hidden widths, comma-separated ('' for logistic regression); default: the model's")
-    r.add_argument("--pool", type=int, default=1, help="average-pool image inputs by this factor (MLP only)")
-    r.add_argument("--local-epochs", type=int, default=1)
+    r.add_argument("--pool", type=int, default=None, help="average-pool image inputs by this factor (MLP only)")
+    r.add_argument("--local-epochs", type=int, default=None)
     r.add_argument("--batch-size", type=int, default=32)
-    r.add_argument("--lr", type=_float, default=0.05)
+    r.add_argument("--lr", type=_float, default=None)
     r.add_argument("--server-lr", type=_float, default=1.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quiet", action="store_true")

@@ -21,11 +21,14 @@ from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import ReleasePipeline
+from privfl.secure import SecureAggregation, secure_weighted_sums
+from secure_agg import ProtocolAbort
 
 
 @dataclass
 class RoundRecord:
     round: int
+    aborted: bool
     participants: int
     sat_out: list[str]
     metrics: dict[str, float]
@@ -78,12 +81,13 @@ class Simulation:
 
     def __init__(self, algorithm: FederatedAlgorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
                  ledger_path: str = ":memory:", run_id: str | None = None,
-                 progress: Callable[[RoundRecord], None] | None = None):
+                 progress: Callable[[RoundRecord], None] | None = None, secure: SecureAggregation | None = None):
         self.algorithm = algorithm
         self.data = data
         self.fed = fed
         self.privacy = privacy
         self.progress = progress
+        self.secure = secure
         self.run_id = run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"
         self.ledger = PrivacyLedger(ledger_path, self.run_id, delta=privacy.delta, epsilon_budget=privacy.epsilon,
                                     accountant=privacy.resolved_accountant,
@@ -96,7 +100,8 @@ class Simulation:
     def run(self) -> RunResult:
         fed, privacy, alg = self.fed, self.privacy, self.algorithm
         root = np.random.SeedSequence(fed.seed)
-        setup_seq, sample_seq, server_seq, client_root = root.spawn(4)
+        setup_seq, sample_seq, server_seq, client_root, secure_seq = root.spawn(5)
+        secure_rng = np.random.default_rng(secure_seq)
         n_clients = len(self.data.train_parts)
         client_seqs = client_root.spawn(n_clients)
         train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
@@ -121,7 +126,7 @@ class Simulation:
             else:
                 selected = np.arange(n_clients)
             chosen = set(selected.tolist())
-            releases, sat_out = [], []
+            releases, sat_out, aborted = [], [], False
             for k in range(n_clients):
                 if k in exhausted:
                     sat_out.append(str(k))
@@ -136,11 +141,18 @@ class Simulation:
                     exhausted.add(k)
                     sat_out.append(str(k))
             if releases:
-                alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
+                try:
+                    if self.secure is not None:
+                        aggregates = secure_weighted_sums(releases, by_name, self.secure, secure_rng, server_noise)
+                    else:
+                        aggregates = weighted_sums(releases, by_name, server_noise)
+                    alg.server_update(aggregates, rnd)
+                except ProtocolAbort:
+                    aborted = True  # too few survivors: nothing is revealed, the global state stays as it was
             metrics = alg.evaluate(self.data.test)
             audit = self.ledger.audit()
             eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]
-            record = RoundRecord(rnd, len({r.client_id for r in releases}), sat_out, metrics,
+            record = RoundRecord(rnd, aborted, len({r.client_id for r in releases}), sat_out, metrics,
                                  float(max(eps)), float(np.mean(eps)), time.perf_counter() - start)
             result.history.append(record)
             if self.progress is not None:

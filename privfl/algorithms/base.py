@@ -33,6 +33,8 @@ class FederatedAlgorithm(abc.ABC):
     name: str = "abstract"
     #: whether a finite epsilon is meaningful for this algorithm (non-private baselines refuse one)
     supports_privacy: bool = True
+    #: settings ``privfl run`` uses for flags the user leaves out (FederationConfig / PrivacyConfig field names)
+    defaults: dict = {"hidden": (100,), "local_epochs": 2, "lr": 0.05, "clip": 1.0}
 
     def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
         self.fed = fed
