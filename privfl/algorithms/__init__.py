@@ -5,9 +5,10 @@ from __future__ import annotations
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.algorithms.dp_fedavg import DPFedAvg
 from privfl.algorithms.fedavg import FedAvg
+from privfl.algorithms.hbfl import HBFL
 from privfl.errors import ConfigurationError
 
-ALGORITHMS: dict[str, type[FederatedAlgorithm]] = {cls.name: cls for cls in (FedAvg, DPFedAvg)}
+ALGORITHMS: dict[str, type[FederatedAlgorithm]] = {cls.name: cls for cls in (FedAvg, DPFedAvg, HBFL)}
 
 
 def make_algorithm(name: str, fed, privacy) -> FederatedAlgorithm:

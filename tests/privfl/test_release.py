@@ -216,3 +216,28 @@ def test_dpsgd_trained_channel_is_charged_with_its_training_event(tmp_path):
     assert led.charges()[0].event == training
     with pytest.raises(InvalidRelease):
         PrivatizedValue(np.ones(3), "not an event")
+
+
+def test_range_bound_sensitivity_holds_for_any_two_probability_tables():
+    rng = np.random.default_rng(0)
+    ch = Channel("alignment_probs", (20, 10), unit="example", clip=RangeBound(math.sqrt(2), 20))
+    worst = 0.0
+    for _ in range(2000):
+        p = rng.dirichlet(np.full(10, rng.uniform(0.01, 2)), size=20)
+        q = rng.dirichlet(np.full(10, rng.uniform(0.01, 2)), size=20)
+        worst = max(worst, np.linalg.norm(p - q))
+    one_hot = np.eye(10)[np.zeros(20, int)], np.eye(10)[np.ones(20, int)]
+    assert np.linalg.norm(one_hot[0] - one_hot[1]) == pytest.approx(ch.sensitivity)  # the bound is attained
+    assert worst <= ch.sensitivity
+
+
+def test_norm_clip_channel_sensitivity_on_neighbouring_federations():
+    rng = np.random.default_rng(1)
+    for adjacency in ("add_remove", "replace_one"):
+        ch = Channel("update", (30,), unit="client", clip=NormClip(0.5), adjacency=adjacency)
+        for _ in range(200):
+            uploads = rng.normal(scale=rng.uniform(0.01, 3), size=(8, 30))
+            other = uploads[1:] if adjacency == "add_remove" else np.vstack([rng.normal(size=(1, 30)) * 5,
+                                                                             uploads[1:]])
+            moved = np.linalg.norm(sum(ch.clip.apply(u) for u in uploads) - sum(ch.clip.apply(u) for u in other))
+            assert moved <= ch.sensitivity * (1 + 1e-12)

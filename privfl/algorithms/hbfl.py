@@ -1,0 +1,415 @@
+"""HBFL: Bayesian federated learning with knowledge distillation (Yang, Yan and Ren 2023).
+
+Each round every client forks a *meme* model, a mean-field Gaussian Bayesian net, from the global mean, trains it
+by Bayes-by-Backprop towards its tempered local likelihood (eq. 4.1), and trains its own *local* model, of any
+architecture, by distillation from the meme model: L = a CE + (1 - a) KL(q_meme || q_local) (eq. 4.2). It uploads
+the meme posterior's natural parameters; the server multiplies the clients' Gaussians (Algorithm 1, line 5):
+Lambda = sum_k q_k Lambda_k, mu = Lambda^-1 sum_k q_k Lambda_k mu_k.
+
+How privfl reads eq. 4.1. KL(q || p(D_k|theta)^(1/T) / gamma_k) = -H(q) - E_q[log p(D_k|theta)] / T + const; times
+T/n_k, the meme loss is E_q[mean NLL] - (T/n_k) H(q), with no prior. At its optimum, in the quadratic regime, the
+precision is Lambda_k = H_k / T (H_k the Hessian diagonal of the summed NLL): T scales every client's precision by
+the same factor, so it cancels in the aggregated mean.
+
+Choices the paper leaves open (PAPERS.md), made here:
+
+- Uploads are in *untempered units*, T Lambda (and T Lambda mu), as changes from the global natural parameters:
+  ``natural_mean`` = T (Lambda_k mu_k - Lambda mu) and ``precision`` = T (Lambda_k - Lambda). T and the global state
+  are public, so this is an invertible relabelling; it makes the numbers O(1), so a client-level clip bound C means
+  what it means for DP-FedAvg (with unchanged precisions the natural-mean change is exactly the model change).
+- Initial variance: each round the meme's std is reset to sqrt(T / init_precision) (Algorithm 1, ClientUpdate line
+  1: "initialize ... Sigma_k"); ``carry_precision=True`` starts it from the global precision instead.
+- Optimisers: Adam (``meme_lr``, the paper's 1e-3) for the meme model; SGD (``fed.lr``, ``fed.momentum``) for the
+  local model; no weight decay; fresh optimiser state each round. Teacher and student take a step on the same
+  mini-batch, meme first (Algorithm 1 lines 6-8). The teacher's soft labels come from the meme's means ("q_meme from
+  the local mu_k"), a plain softmax by default (``distill_temperature=1``; other values soften both sides and scale
+  the KL by tau^2, Hinton et al.).
+- Post-processing on the server: with noise, the aggregated precision is floored at ``precision_floor`` times the
+  initial precision before mu = Lambda^-1 (Lambda mu); the floor is public, so it costs nothing.
+
+Privacy:
+
+- ``client`` unit: the pipeline clips each channel to its own L2 bound (``clip`` for the natural mean,
+  ``precision_clip`` for the precision), splits the budget by ``budget_shares``, and the server adds noise to the
+  unweighted sums (uniform weights: example counts would make the sensitivity data-dependent).
+- ``example`` unit: the meme model is trained with DP-SGD (Poisson-sampled batches at rate B/n_k, each example's
+  gradient clipped to ``clip``, Gaussian noise of std z * clip on the sum; Abadi et al. 2016), z calibrated so the
+  client's rounds meet the target under the run's accountant. Both uploads are post-processing of that training:
+  ``natural_mean`` carries the training's event SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps);
+  ``precision`` is computed from the same trained model, so it carries a NoOpEvent (charging the training twice
+  would count it twice). Opacus is not used: its per-sample gradients run the model under ``vmap`` without
+  randomness, which the Bayesian layers' sampling needs; privfl computes them with ``torch.func`` instead.
+- The local models never leave their clients and are not released; ``evaluate`` reports their test accuracy as a
+  simulation diagnostic, as the paper does.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from accounting import GaussianEvent, NoOpEvent, PoissonSampledEvent, SelfComposedEvent, make_accountant
+from mechanisms import SecureNoise, SeededNoise
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.metrics import classification_metrics
+from privfl.models import (MODELS, bayes_modules, deterministic, get_mean_precision, make_bayesian_model,
+                           make_model, set_mean_precision, softplus)
+from privfl.training import batches, predict_proba
+
+TEMPERATURE = 1e-4  # the paper's T (Sec. 5.1.1, after Ashukha et al. 2020)
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, y: torch.Tensor, *,
+                      weight: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """Eq. 4.2: ``weight`` * CE(y, student) + (1 - ``weight``) * KL(teacher || student), batch means.
+
+    ``teacher_probs`` are the teacher's class probabilities at ``temperature``; the student is softened by the same
+    temperature inside the KL, which is then scaled by temperature^2 so its gradients keep their size.
+    """
+    ce = F.cross_entropy(student_logits, y)
+    log_student = F.log_softmax(student_logits / temperature, dim=1)
+    kl = F.kl_div(log_student, teacher_probs, reduction="batchmean") * temperature ** 2
+    return weight * ce + (1.0 - weight) * kl
+
+
+def meme_regulariser(model: nn.Module, temperature: float, n: int) -> torch.Tensor:
+    """-(T / n) H(q) up to a constant: the entropy part of eq. 4.1 per example, (T / n) * -sum log std."""
+    total = None
+    for _, m in bayes_modules(model):
+        for _, (_, rho) in m.gaussian_parameters().items():
+            part = -torch.log(softplus(rho)).sum()
+            total = part if total is None else total + part
+    return total * (temperature / n)
+
+
+class HBFL(FederatedAlgorithm):
+    """HBFL over channels ``natural_mean`` and ``precision`` (changes from the global state, untempered units).
+
+    Args (besides the federation and privacy configurations):
+        local_models: the clients' local architectures (names of ``privfl.models.MODELS``), cycled over clients;
+            default: every client uses ``fed.model``. MLPs take ``fed.hidden`` and ``fed.pool``; conv nets their
+            paper defaults.
+        temperature: T of eq. 4.1.
+        distill_weight: a of eq. 4.2. distill_temperature: softmax temperature of the distillation.
+        init_precision: untempered precision T * Lambda every meme std starts from each round.
+        carry_precision: start each round's meme std from the global precision instead.
+        meme_lr: Adam step size of the meme model.
+        precision_floor: noisy aggregated precisions are floored at this fraction of ``init_precision``.
+        precision_clip: client-unit clip bound of the precision channel (default: ``privacy.clip``).
+        budget_shares: (natural_mean, precision) shares of the client-unit budget.
+    """
+
+    name = "hbfl"
+    supports_privacy = True
+    defaults = {"hidden": (32,), "local_epochs": 2, "lr": 0.05, "clip": 1.0}
+
+    def __init__(self, fed, privacy, *, local_models: Sequence[str] | None = None, temperature: float = TEMPERATURE,
+                 distill_weight: float = 0.5, distill_temperature: float = 1.0, init_precision: float = 1.0,
+                 carry_precision: bool = False, meme_lr: float = 1e-3, precision_floor: float = 0.1,
+                 precision_clip: float | None = None, budget_shares: tuple[float, float] = (0.7, 0.3)):
+        super().__init__(fed, privacy)
+        self.local_models = self._check_local_models(local_models if local_models is not None else (fed.model,))
+        self.temperature = _positive("temperature", temperature)
+        if not (isinstance(distill_weight, (int, float)) and 0.0 <= distill_weight <= 1.0):
+            raise ConfigurationError(f"distill_weight (a of eq. 4.2) must be in [0, 1], got {distill_weight!r}")
+        self.distill_weight = float(distill_weight)
+        self.distill_temperature = _positive("distill_temperature", distill_temperature)
+        self.init_precision = _positive("init_precision", init_precision)
+        self.carry_precision = bool(carry_precision)
+        self.meme_lr = _positive("meme_lr", meme_lr)
+        self.precision_floor = _positive("precision_floor", precision_floor)
+        self.precision_clip = privacy.clip if precision_clip is None else _positive("precision_clip", precision_clip)
+        if len(budget_shares) != 2:
+            raise ConfigurationError(f"budget_shares is (natural_mean, precision), got {budget_shares!r}")
+        self.budget_shares = tuple(_positive("budget share", s) for s in budget_shares)
+        if privacy.private and privacy.unit == "example":
+            self._check_example_unit(privacy)
+        self.meme: nn.Module | None = None
+        self.global_natural_mean: np.ndarray | None = None  # T Lambda mu
+        self.global_precision: np.ndarray | None = None  # T Lambda
+        self.global_mean: np.ndarray | None = None
+        self.client_models: dict[int, nn.Module] = {}  # client-held local models (never released)
+        self._input_shape: tuple[int, ...] = ()
+        self._num_classes = 0
+        self._dpsgd_noise: dict[tuple[float, int], float] = {}
+
+    # -- configuration -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_local_models(names: Sequence[str]) -> tuple[str, ...]:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not names or not all(isinstance(n, str) and n.lower() in MODELS for n in names):
+            raise ConfigurationError(f"local_models must name architectures among {sorted(MODELS)}, got {names!r}")
+        return tuple(n.lower() for n in names)
+
+    @staticmethod
+    def _check_example_unit(privacy) -> None:
+        if privacy.resolved_accountant not in ("pld", "rdp"):
+            raise ConfigurationError("hbfl with unit='example' trains the meme model with Poisson-sampled DP-SGD; "
+                                     "account for it with accountant='pld' or 'rdp'")
+        if privacy.sampling_rate < 1:
+            raise ConfigurationError("hbfl with unit='example' does not support client sampling (the DP-SGD event "
+                                     "is only known once a client has trained); use sampling_rate=1")
+        if privacy.adjacency != "add_remove":
+            raise ConfigurationError("DP-SGD with Poisson sampling is accounted under add/remove adjacency; set "
+                                     "adjacency='add_remove'")
+
+    # -- global state --------------------------------------------------------------------------------------------
+
+    def _model_kwargs(self, name: str) -> dict:
+        kw: dict = {}
+        if name == "mlp":
+            if self.fed.hidden is not None:
+                kw["hidden"] = self.fed.hidden
+            if self.fed.pool > 1:
+                kw["pool"] = self.fed.pool
+        return kw
+
+    def setup(self, data, rng):
+        if getattr(data, "task", "classification") != "classification":
+            raise ConfigurationError("hbfl distils class probabilities; it needs a classification data set")
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        self._input_shape, self._num_classes = tuple(data.input_shape), int(data.num_classes)
+        self.meme = make_bayesian_model(self.fed.model, self._input_shape, self._num_classes,
+                                        **self._model_kwargs(self.fed.model))
+        mean, _ = get_mean_precision(self.meme)
+        self.global_mean = mean
+        self.global_precision = np.full_like(mean, self.init_precision)
+        self.global_natural_mean = self.global_precision * mean
+        self.client_models = {}
+        self._dpsgd_noise = {}
+
+    @property
+    def dim(self) -> int:
+        return int(self.global_mean.size)
+
+    def channels(self):
+        p = self.privacy
+        if not p.private:
+            clips = (Unclipped(), Unclipped())
+        elif p.unit == "client":
+            clips = (NormClip(p.clip), NormClip(self.precision_clip))
+        else:
+            clips = (TrainedPrivately(), TrainedPrivately())
+        unit = p.unit if p.private else "client"
+        return [
+            Channel("natural_mean", (self.dim,), unit=unit, clip=clips[0], adjacency=p.adjacency,
+                    budget_share=self.budget_shares[0],
+                    description="T (Lambda_k mu_k - Lambda mu): change of the meme's natural mean"),
+            Channel("precision", (self.dim,), unit=unit, clip=clips[1], adjacency=p.adjacency,
+                    budget_share=self.budget_shares[1],
+                    description="T (Lambda_k - Lambda): change of the meme's diagonal precision"),
+        ]
+
+    def set_global(self, mean: np.ndarray, precision: np.ndarray) -> None:
+        """Set the global posterior from its mean and its *untempered* precision T Lambda."""
+        self.global_mean = np.asarray(mean, dtype=np.float64).copy()
+        self.global_precision = np.asarray(precision, dtype=np.float64).copy()
+        self.global_natural_mean = self.global_precision * self.global_mean
+
+    def global_model(self) -> nn.Module:
+        """The meme model at the global posterior (tempered precision Lambda = untempered / T)."""
+        model = copy.deepcopy(self.meme)
+        set_mean_precision(model, self.global_mean, self.global_precision / self.temperature)
+        return model
+
+    # -- client --------------------------------------------------------------------------------------------------
+
+    def local_model(self, client: int) -> nn.Module:
+        """Client ``client``'s personalised model, built on first use and kept by the client across rounds."""
+        if client not in self.client_models:
+            name = self.local_models[client % len(self.local_models)]
+            self.client_models[client] = make_model(name, self._input_shape, self._num_classes,
+                                                    **self._model_kwargs(name))
+        return self.client_models[client]
+
+    def _fork_meme(self) -> nn.Module:
+        meme = copy.deepcopy(self.meme)
+        start = self.global_precision if self.carry_precision else np.full_like(self.global_mean,
+                                                                                 self.init_precision)
+        set_mean_precision(meme, self.global_mean, start / self.temperature)
+        return meme
+
+    def release_weight(self, dataset) -> float:
+        return 1.0 if self.privacy.private else float(len(dataset))
+
+    def client_update(self, client, dataset, round, rng):
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        x, y = dataset.tensors()
+        n = len(x)
+        meme, local = self._fork_meme(), self.local_model(client)
+        meme_opt = torch.optim.Adam(meme.parameters(), lr=self.meme_lr)
+        local_opt = torch.optim.SGD(local.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
+        dp = self.privacy.private and self.privacy.unit == "example"
+        if dp:
+            q = min(1.0, self.fed.batch_size / n)
+            steps = self.fed.local_epochs * math.ceil(n / self.fed.batch_size)
+            z = self.dpsgd_noise_multiplier(q, steps)
+            noise = SecureNoise() if self.privacy.secure_noise else SeededNoise(rng)
+            schedule = (np.flatnonzero(rng.random(n) < q) for _ in range(steps))
+        else:
+            schedule = (idx for _ in range(self.fed.local_epochs) for idx in batches(n, self.fed.batch_size, rng))
+        meme.train()
+        local.train()
+        meme_loss = local_loss = 0.0
+        for idx in schedule:
+            xb, yb = x[torch.as_tensor(idx, dtype=torch.long)], y[torch.as_tensor(idx, dtype=torch.long)]
+            meme_opt.zero_grad(set_to_none=True)
+            if dp:
+                dpsgd_gradients(meme, xb, yb, clip=self.privacy.clip, noise_multiplier=z,
+                                expected_batch=q * n, noise=noise)
+                reg = meme_regulariser(meme, self.temperature, n)
+                reg.backward()
+            else:
+                loss = F.cross_entropy(meme(xb), yb) + meme_regulariser(meme, self.temperature, n)
+                loss.backward()
+                meme_loss = float(loss.detach())
+            meme_opt.step()
+            if len(idx) == 0:
+                continue
+            with torch.no_grad(), deterministic(meme):
+                teacher = torch.softmax(meme(xb) / self.distill_temperature, dim=1)
+            local_opt.zero_grad(set_to_none=True)
+            loss = distillation_loss(local(xb), teacher, yb, weight=self.distill_weight,
+                                     temperature=self.distill_temperature)
+            loss.backward()
+            local_opt.step()
+            local_loss = float(loss.detach())
+        mean, precision = get_mean_precision(meme)
+        precision = precision * self.temperature  # untempered units
+        values: dict[str, object] = {"natural_mean": precision * mean - self.global_natural_mean,
+                                     "precision": precision - self.global_precision}
+        if dp:
+            event = SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(1.0, z)), steps)
+            values = {"natural_mean": PrivatizedValue(values["natural_mean"], event),
+                      "precision": PrivatizedValue(values["precision"], NoOpEvent())}
+        metrics = {"local_loss": local_loss,
+                   "precision_change_norm": float(np.linalg.norm(precision - self.global_precision))}
+        if not dp:
+            metrics["meme_loss"] = meme_loss
+        return ClientOutput(values, weight=self.release_weight(dataset), metrics=metrics)
+
+    def dpsgd_noise_multiplier(self, sampling_rate: float, steps: int) -> float:
+        """The smallest z (within 0.1%) whose ``fed.rounds`` rounds of ``steps`` Poisson-sampled Gaussian steps meet
+        the target (epsilon, delta) under the run's accountant (cached per (rate, steps))."""
+        key = (float(sampling_rate), int(steps))
+        if key not in self._dpsgd_noise:
+            self._dpsgd_noise[key] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, sampling_rate, steps,
+                                                     self.fed.rounds, self.privacy.resolved_accountant)
+        return self._dpsgd_noise[key]
+
+    # -- server --------------------------------------------------------------------------------------------------
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        """Gaussian product (Algorithm 1, line 5) from the weighted sums of the clients' changes."""
+        nat, prec = aggregates["natural_mean"], aggregates["precision"]
+        natural_mean, precision = gaussian_product_from_changes(
+            nat, prec, self.global_natural_mean, self.global_precision,
+            floor=self.precision_floor * self.init_precision)
+        self.global_natural_mean, self.global_precision = natural_mean, precision
+        self.global_mean = natural_mean / precision
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+
+    def evaluate(self, dataset):
+        """Global model (meme at the global mean): ``accuracy_global``, ``nll``, ``ece``; the clients' local models:
+        ``accuracy_local`` (their mean); ``accuracy``: the better of the two (the paper's convention)."""
+        x, y = dataset.tensors()
+        model = self.global_model()
+        with deterministic(model):
+            out = classification_metrics(predict_proba(model, x), y.numpy())
+        out["accuracy_global"] = out["accuracy"]
+        if self.client_models:
+            accs = [classification_metrics(predict_proba(m, x), y.numpy())["accuracy"]
+                    for _, m in sorted(self.client_models.items())]
+            out["accuracy_local"] = float(np.mean(accs))
+            out["accuracy"] = max(out["accuracy_global"], out["accuracy_local"])
+        return out
+
+
+def gaussian_product_from_changes(natural_mean: Aggregate, precision: Aggregate, global_natural_mean: np.ndarray,
+                                  global_precision: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(sum_k q_k Lambda_k mu_k, sum_k q_k Lambda_k) with q_k = w_k / sum w, from sums of changes w_k (x_k - x).
+
+    sum_k q_k x_k = x + sum_k w_k (x_k - x) / sum_k w_k. A noisy precision is floored at ``floor`` (post-processing).
+    """
+    nat = global_natural_mean + natural_mean.total / natural_mean.total_weight
+    prec = global_precision + precision.total / precision.total_weight
+    if precision.noise_std > 0:
+        prec = np.maximum(prec, floor)
+    elif not np.all(prec > 0):  # pragma: no cover - a positive combination of positive precisions
+        raise ConfigurationError("the aggregated precision is not positive; check the clients' uploads")
+    return nat, prec
+
+
+def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
+                    expected_batch: float, noise) -> None:
+    """One DP-SGD gradient of the mean cross-entropy into ``p.grad`` (Abadi et al. 2016): per-example gradients
+    (``torch.func``; the Bayesian layers draw their noise independently per example), each clipped to L2 norm
+    ``clip``, summed, plus N(0, (noise_multiplier * clip)^2) per coordinate, divided by the expected batch size."""
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    if len(x):
+        def example_loss(p, xi, yi):
+            return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+        per_example = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
+        flat = torch.cat([per_example[n].reshape(len(x), -1) for n in names], dim=1)
+        scale = (clip / flat.norm(dim=1).clamp_min(1e-12)).clamp(max=1.0)
+        summed = (flat * scale[:, None]).sum(dim=0)
+    else:
+        summed = torch.zeros(sum(p.numel() for p in params.values()))
+    noisy = summed + noise_multiplier * clip * torch.from_numpy(noise.standard_normal(summed.shape)).to(summed)
+    noisy = noisy / expected_batch
+    offset = 0
+    for n, p in model.named_parameters():
+        k = p.numel()
+        g = noisy[offset:offset + k].reshape(p.shape).to(p.dtype)
+        p.grad = g if p.grad is None else p.grad + g
+        offset += k
+
+
+def calibrate_dpsgd(epsilon: float, delta: float, sampling_rate: float, steps: int, rounds: int,
+                    accountant: str, tol: float = 1e-3) -> float:
+    """Smallest noise multiplier z (to ``tol``, never above the target) such that ``rounds`` compositions of
+    SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps) meet (epsilon, delta) under ``accountant``."""
+    def eps(z: float) -> float:
+        acc = make_accountant(accountant)
+        acc.compose(SelfComposedEvent(PoissonSampledEvent(sampling_rate, GaussianEvent(1.0, z)), steps), rounds)
+        return acc.get_epsilon(delta)
+
+    hi = 1.0
+    while eps(hi) > epsilon:
+        hi *= 2.0
+        if hi > 1e6:
+            raise ConfigurationError(f"no DP-SGD noise multiplier up to 1e6 meets epsilon={epsilon}")
+    lo = hi / 2.0
+    while lo > 1e-3 and eps(lo) <= epsilon:
+        hi, lo = lo, lo / 2.0
+    while hi > lo * (1.0 + tol):
+        mid = math.sqrt(lo * hi)
+        if eps(mid) <= epsilon:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+__all__ = ["HBFL", "TEMPERATURE", "calibrate_dpsgd", "distillation_loss", "dpsgd_gradients",
+           "gaussian_product_from_changes", "meme_regulariser"]
