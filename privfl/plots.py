@@ -19,6 +19,9 @@ def plot_epsilon_per_client(series: dict[str, list[tuple[int, float]]], path: st
         ax.plot(rounds, [e for _, e in points], marker=".", linewidth=1, label=f"client {cid}")
     if budget is not None and math.isfinite(budget):
         ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget ε = {budget:g}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel(f"cumulative ε spent (δ = {delta:g})")
     ax.set_title("Privacy spent per client")

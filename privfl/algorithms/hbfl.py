@@ -16,7 +16,8 @@ Choices the paper leaves open (PAPERS.md), made here:
 - Uploads are in *untempered units*, T Lambda (and T Lambda mu), as changes from the global natural parameters:
   ``natural_mean`` = T (Lambda_k mu_k - Lambda mu) and ``precision`` = T (Lambda_k - Lambda). T and the global state
   are public, so this is an invertible relabelling; it makes the numbers O(1), so a client-level clip bound C means
-  what it means for DP-FedAvg (with unchanged precisions the natural-mean change is exactly the model change).
+  what it means for DP-FedAvg (while every precision stays at ``init_precision`` = 1, the natural-mean change is
+  exactly the model change).
 - Initial variance: each round the meme's std is reset to sqrt(T / init_precision) (Algorithm 1, ClientUpdate line
   1: "initialize ... Sigma_k"); ``carry_precision=True`` starts it from the global precision instead.
 - Optimisers: Adam (``meme_lr``, the paper's 1e-3) for the meme model; SGD (``fed.lr``, ``fed.momentum``) for the
@@ -25,7 +26,9 @@ Choices the paper leaves open (PAPERS.md), made here:
   the local mu_k"), a plain softmax by default (``distill_temperature=1``; other values soften both sides and scale
   the KL by tau^2, Hinton et al.).
 - Post-processing on the server: with noise, the aggregated precision is floored at ``precision_floor`` times the
-  initial precision before mu = Lambda^-1 (Lambda mu); the floor is public, so it costs nothing.
+  initial precision (default 1: the precision every meme starts from, the nearest thing HBFL has to a prior, which is
+  where PAPERS.md floors noisy precisions) before mu = Lambda^-1 (Lambda mu); the floor is public, so it costs
+  nothing, and it keeps a noisy precision near zero from blowing up the mean.
 
 Privacy:
 
@@ -104,7 +107,7 @@ class HBFL(FederatedAlgorithm):
         init_precision: untempered precision T * Lambda every meme std starts from each round.
         carry_precision: start each round's meme std from the global precision instead.
         meme_lr: Adam step size of the meme model.
-        precision_floor: noisy aggregated precisions are floored at this fraction of ``init_precision``.
+        precision_floor: noisy aggregated precisions are floored at this multiple of ``init_precision``.
         precision_clip: client-unit clip bound of the precision channel (default: ``privacy.clip``).
         budget_shares: (natural_mean, precision) shares of the client-unit budget.
     """
@@ -115,7 +118,7 @@ class HBFL(FederatedAlgorithm):
 
     def __init__(self, fed, privacy, *, local_models: Sequence[str] | None = None, temperature: float = TEMPERATURE,
                  distill_weight: float = 0.5, distill_temperature: float = 1.0, init_precision: float = 1.0,
-                 carry_precision: bool = False, meme_lr: float = 1e-3, precision_floor: float = 0.1,
+                 carry_precision: bool = False, meme_lr: float = 1e-3, precision_floor: float = 1.0,
                  precision_clip: float | None = None, budget_shares: tuple[float, float] = (0.7, 0.3)):
         super().__init__(fed, privacy)
         self.local_models = self._check_local_models(local_models if local_models is not None else (fed.model,))
@@ -217,10 +220,14 @@ class HBFL(FederatedAlgorithm):
         self.global_precision = np.asarray(precision, dtype=np.float64).copy()
         self.global_natural_mean = self.global_precision * self.global_mean
 
+    def global_model_precision(self) -> np.ndarray:
+        """The global posterior's (tempered) precision Lambda = (T Lambda) / T."""
+        return self.global_precision / self.temperature
+
     def global_model(self) -> nn.Module:
         """The meme model at the global posterior (tempered precision Lambda = untempered / T)."""
         model = copy.deepcopy(self.meme)
-        set_mean_precision(model, self.global_mean, self.global_precision / self.temperature)
+        set_mean_precision(model, self.global_mean, self.global_model_precision())
         return model
 
     # -- client --------------------------------------------------------------------------------------------------
@@ -285,19 +292,22 @@ class HBFL(FederatedAlgorithm):
             loss.backward()
             local_opt.step()
             local_loss = float(loss.detach())
-        mean, precision = get_mean_precision(meme)
-        precision = precision * self.temperature  # untempered units
-        values: dict[str, object] = {"natural_mean": precision * mean - self.global_natural_mean,
-                                     "precision": precision - self.global_precision}
+        values: dict[str, object] = self.encode_posterior(*get_mean_precision(meme))
         if dp:
             event = SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(1.0, z)), steps)
             values = {"natural_mean": PrivatizedValue(values["natural_mean"], event),
                       "precision": PrivatizedValue(values["precision"], NoOpEvent())}
-        metrics = {"local_loss": local_loss,
-                   "precision_change_norm": float(np.linalg.norm(precision - self.global_precision))}
+        metrics = {"local_loss": local_loss}
         if not dp:
             metrics["meme_loss"] = meme_loss
         return ClientOutput(values, weight=self.release_weight(dataset), metrics=metrics)
+
+    def encode_posterior(self, mean: np.ndarray, precision: np.ndarray) -> dict[str, np.ndarray]:
+        """The channel values of a meme posterior N(``mean``, diag(``precision``)^-1), ``precision`` the tempered
+        Lambda_k: its natural parameters in untempered units (times T), as changes from the global ones."""
+        untempered = np.asarray(precision, dtype=np.float64) * self.temperature
+        return {"natural_mean": untempered * np.asarray(mean, dtype=np.float64) - self.global_natural_mean,
+                "precision": untempered - self.global_precision}
 
     def dpsgd_noise_multiplier(self, sampling_rate: float, steps: int) -> float:
         """The smallest z (within 0.1%) whose ``fed.rounds`` rounds of ``steps`` Poisson-sampled Gaussian steps meet
