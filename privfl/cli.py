@@ -102,7 +102,8 @@ def cmd_run(args) -> int:
 
     from privfl.secure import SecureAggregation
 
-    secure = SecureAggregation(bits=args.secagg_bits, dropout=args.dropout) if args.secure_agg else None
+    secure = (SecureAggregation(bits=args.secagg_bits, dropout=args.dropout, min_survivors=args.min_survivors)
+              if args.secure_agg else None)
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
                      progress=None if args.quiet else show, secure=secure)
     result = sim.run()
@@ -179,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--unit", default="client", choices=["client", "example"])
     r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")
     r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
-    r.add_argument("--placement", choices=["local", "central"], default="central")
+    r.add_argument("--placement", choices=["local", "central", "distributed"], default="central",
+                   help="who adds the noise: each client (local), a trusted aggregator (central), or each client a "
+                        "discrete Gaussian share under secure aggregation (distributed)")
+    r.add_argument("--min-survivors", type=int, default=None,
+                   help="secure aggregation: abort a round with fewer survivors (distributed noise is charged for it)")
     r.add_argument("--sampling-rate", type=_float, default=1.0)
     r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
     r.add_argument("--secure-agg", action="store_true", help="aggregate through pairwise-masked secure aggregation")

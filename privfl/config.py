@@ -55,6 +55,9 @@ class PrivacyConfig:
             raise ConfigurationError(f"placement must be local, central or distributed, got {self.placement!r}")
         if self.accountant is not None and self.accountant not in ("exact", "pld", "rdp", "zcdp"):
             raise ConfigurationError(f"accountant must be exact, pld, rdp or zcdp, got {self.accountant!r}")
+        if self.placement == "distributed" and self.accountant in ("exact", "pld"):
+            raise ConfigurationError("distributed discrete Gaussian noise is charged as a zCDP event; use the zcdp or "
+                                     "rdp accountant")
         if self.accountant == "exact" and self.sampling_rate < 1:
             raise ConfigurationError("the exact accountant composes unsampled Gaussians only; with --sampling-rate < 1 "
                                      "use the pld or rdp accountant")
@@ -67,6 +70,8 @@ class PrivacyConfig:
     def resolved_accountant(self) -> str:
         if self.accountant is not None:
             return self.accountant
+        if self.placement == "distributed":
+            return "zcdp"
         return "exact" if self.sampling_rate >= 1 else "pld"
 
 

@@ -193,13 +193,13 @@ class GradientRecorder:
         return BatchFisher(torch.cat(flat), norms, w)
 
 
-def _fisher_hooks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None,
-                  loss_fn: LossFn) -> BatchFisher:
+def _fisher_hooks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None, loss_fn: LossFn,
+                  weights: torch.Tensor | None) -> BatchFisher:
     params = [p for p in model.parameters() if p.requires_grad]
     with GradientRecorder(model) as rec, torch.enable_grad():
         loss = loss_fn(model(x), y).sum()
         torch.autograd.grad(loss, params)
-        return rec.batch_fisher(clip)
+        return rec.batch_fisher(clip, weights=weights)
 
 
 def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -220,17 +220,20 @@ def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return torch.cat([grads[n].reshape(len(x), -1) for n in names], dim=1)
 
 
-def _fisher_func(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None,
-                 loss_fn: LossFn) -> BatchFisher:
+def _fisher_func(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None, loss_fn: LossFn,
+                 weights: torch.Tensor | None) -> BatchFisher:
     g = per_example_gradients(model, x, y, loss_fn)
     norms = g.norm(dim=1)
     w = clip_factors(norms, clip).pow(2)
+    if weights is not None:
+        w = w * weights.to(w.dtype)
     return BatchFisher((w[:, None] * g.pow(2)).sum(dim=0), norms, w)
 
 
 def per_example_fisher(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float | None = None,
-                       loss_fn: LossFn = _per_example_loss, method: str = "auto") -> BatchFisher:
-    """sum_i c_i^2 (grad l_i)^2 over the batch (x, y), flat in ``model.parameters()`` order.
+                       loss_fn: LossFn = _per_example_loss, method: str = "auto",
+                       weights: torch.Tensor | None = None) -> BatchFisher:
+    """sum_i w_i c_i^2 (grad l_i)^2 over the batch (x, y), flat in ``model.parameters()`` order (w_i = 1 by default).
 
     ``loss_fn(logits, y)`` returns per-example losses (default: cross-entropy). ``clip``: per-example gradient norm
     bound C (None: no clipping). ``method``: ``"hooks"`` (no per-example gradients for Linear layers), ``"func"``
@@ -241,8 +244,8 @@ def per_example_fisher(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, cl
     if method == "auto":
         method = "func" if unsupported_parameters(model) else "hooks"
     if method == "hooks":
-        return _fisher_hooks(model, x, y, clip, loss_fn)
-    return _fisher_func(model, x, y, clip, loss_fn)
+        return _fisher_hooks(model, x, y, clip, loss_fn, weights)
+    return _fisher_func(model, x, y, clip, loss_fn, weights)
 
 
 class FisherAccumulator:
@@ -292,12 +295,8 @@ class FisherAccumulator:
     def add(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, record_ids, *,
             loss_fn: LossFn = _per_example_loss) -> BatchFisher:
         """Run a Fisher pass on (x, y) at the model's current parameters and add it (without training)."""
-        weights = self.admit(record_ids)
-        batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn)
-        squared = (batch.squared if weights.all() else
-                   per_example_fisher(model, x[weights > 0], y[weights > 0], clip=self.clip,
-                                      loss_fn=loss_fn).squared)
-        self.total += squared.to(self.total.dtype)
+        batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn, weights=self.admit(record_ids))
+        self.total += batch.squared.to(self.total.dtype)
         self.steps += 1
         return batch
 

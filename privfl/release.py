@@ -7,7 +7,8 @@ For each round, in this order (ARCHITECTURE.md, "the path of one value"):
 3. **charge** the ledger for all the round's channels in one committed transaction; if the client's budget would be
    exceeded, :class:`PrivacyBudgetExceeded` is raised, nothing is charged or released, the client sits the round out;
 4. **noise**: Gaussian noise of std ``noise_multiplier * sensitivity`` (``local`` placement), or the std the server must
-   add to the sum (``central`` placement: a trusted aggregator);
+   add to the sum (``central`` placement: a trusted aggregator), or nothing yet (``distributed``: each client adds a
+   discrete Gaussian share after quantisation, in ``privfl.secure``; the ledger is charged the distributed event);
 5. (optional, ``privfl.secure``) quantise and mask for secure aggregation;
 6. hand the server :class:`Release` objects; the ledger row is marked released.
 """
@@ -63,15 +64,22 @@ class ReleasePipeline:
 
     def __init__(self, client_id: str, channels: Sequence[Channel], ledger: PrivacyLedger,
                  noise_multipliers: Mapping[str, float] | None, *, placement: str = "local",
-                 sampling_rate: float = 1.0, noise: NoiseSource | np.random.Generator | int | str = 0):
+                 sampling_rate: float = 1.0, noise: NoiseSource | np.random.Generator | int | str = 0,
+                 distributed_events: Mapping[str, PrivacyEvent] | None = None):
         self.client_id = str(client_id)
         self.channels = {c.name: c for c in channels}
         if len(self.channels) != len(channels):
             raise InvalidRelease(f"duplicate channel names in {[c.name for c in channels]}")
-        if placement not in PLACEMENTS[:2]:
-            raise InvalidRelease(f"placement must be 'local' or 'central' here, got {placement!r} "
-                                 f"(distributed noise needs secure aggregation: privfl.secure)")
+        if placement not in PLACEMENTS:
+            raise InvalidRelease(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if placement == "distributed":
+            if distributed_events is None or noise_multipliers is None:
+                raise InvalidRelease("distributed placement needs the events of the planned distributed noise "
+                                     "(privfl.secure.plan_distributed_noise) and a private run")
+            if sampling_rate < 1.0:
+                raise InvalidRelease("distributed noise with client sampling is not supported; use sampling_rate=1")
         self.placement = placement
+        self.distributed_events = dict(distributed_events or {})
         self.sampling_rate = float(sampling_rate)
         self.ledger = ledger
         self.noise = as_noise_source(noise)
@@ -100,6 +108,10 @@ class ReleasePipeline:
             return value.event
         if mech is None:
             return NonPrivateEvent()
+        if self.placement == "distributed":
+            if name not in self.distributed_events:
+                raise InvalidRelease(f"no distributed-noise event planned for channel {name}")
+            return self.distributed_events[name]
         event: PrivacyEvent = GaussianEvent(mech.sensitivity, mech.noise_std)
         if self.sampling_rate < 1.0:
             event = PoissonSampledEvent(self.sampling_rate, event)
@@ -146,8 +158,9 @@ class ReleasePipeline:
                 if self.placement == "local":
                     value = value + mech.noise(value.shape, self.noise, symmetric=ch.symmetric)
                     local_std = mech.noise_std
-                else:
+                elif self.placement == "central":
                     central_std = mech.noise_std
+                # distributed: integer noise shares are added after quantisation (privfl.secure)
             # 6. the row is marked released just before the value is handed over (never twice).
             self.ledger.mark_released(charges[name])
             releases[name] = Release(self.client_id, round, name, value, float(weight), local_std, central_std,

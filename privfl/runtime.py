@@ -21,7 +21,8 @@ from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import ReleasePipeline
-from privfl.secure import SecureAggregation, secure_weighted_sums
+from privfl.errors import ConfigurationError
+from privfl.secure import SecureAggregation, calibrate_distributed, secure_weighted_sums
 from secure_agg import ProtocolAbort
 
 
@@ -107,10 +108,21 @@ class Simulation:
         train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
         alg.setup(self.data, np.random.default_rng(setup_seq))
         channels = alg.channels()
-        multipliers = noise_multipliers_for(alg, privacy, fed.rounds)
-        placement = "local" if privacy.placement == "local" else "central"
+        plans, distributed_events = None, None
+        if privacy.placement == "distributed" and privacy.private:
+            if self.secure is None:
+                raise ConfigurationError("distributed noise is added by the clients under secure aggregation; turn "
+                                         "secure aggregation on (--secure-agg) or choose local/central placement")
+            plans = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients, self.secure)
+            multipliers = {name: p.noise_multiplier for name, p in plans.items()}
+            distributed_events = {name: p.event for name, p in plans.items()}
+            placement = "distributed"
+        else:
+            multipliers = noise_multipliers_for(alg, privacy, fed.rounds)
+            placement = "local" if privacy.placement == "local" else "central"
         pipelines = [ReleasePipeline(str(k), channels, self.ledger, multipliers, placement=placement,
-                                     sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]))
+                                     sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]),
+                                     distributed_events=distributed_events)
                      for k in range(n_clients)]
         server_noise = self._noise(server_seq)
         sampler = np.random.default_rng(sample_seq)
@@ -143,7 +155,8 @@ class Simulation:
             if releases:
                 try:
                     if self.secure is not None:
-                        aggregates = secure_weighted_sums(releases, by_name, self.secure, secure_rng, server_noise)
+                        aggregates = secure_weighted_sums(releases, by_name, self.secure, secure_rng, server_noise,
+                                                          distributed=plans)
                     else:
                         aggregates = weighted_sums(releases, by_name, server_noise)
                     alg.server_update(aggregates, rnd)

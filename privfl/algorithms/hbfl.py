@@ -40,8 +40,9 @@ Privacy:
   client's rounds meet the target under the run's accountant. Both uploads are post-processing of that training:
   ``natural_mean`` carries the training's event SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps);
   ``precision`` is computed from the same trained model, so it carries a NoOpEvent (charging the training twice
-  would count it twice). Opacus is not used: its per-sample gradients run the model under ``vmap`` without
-  randomness, which the Bayesian layers' sampling needs; privfl computes them with ``torch.func`` instead.
+  would count it twice). The client's size n_k is treated as public, as DP-SGD's sampling rate B/n_k always is.
+  Opacus is not used: its per-sample gradients run the model under ``vmap`` without randomness, which the Bayesian
+  layers' sampling needs; privfl computes them with ``torch.func`` instead.
 - The local models never leave their clients and are not released; ``evaluate`` reports their test accuracy as a
   simulation diagnostic, as the paper does.
 """
@@ -323,7 +324,7 @@ class HBFL(FederatedAlgorithm):
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         """Gaussian product (Algorithm 1, line 5) from the weighted sums of the clients' changes."""
         nat, prec = aggregates["natural_mean"], aggregates["precision"]
-        natural_mean, precision = gaussian_product_from_changes(
+        natural_mean, precision = _gaussian_product_from_changes(
             nat, prec, self.global_natural_mean, self.global_precision,
             floor=self.precision_floor * self.init_precision)
         self.global_natural_mean, self.global_precision = natural_mean, precision
@@ -347,7 +348,7 @@ class HBFL(FederatedAlgorithm):
         return out
 
 
-def gaussian_product_from_changes(natural_mean: Aggregate, precision: Aggregate, global_natural_mean: np.ndarray,
+def _gaussian_product_from_changes(natural_mean: Aggregate, precision: Aggregate, global_natural_mean: np.ndarray,
                                   global_precision: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
     """(sum_k q_k Lambda_k mu_k, sum_k q_k Lambda_k) with q_k = w_k / sum w, from sums of changes w_k (x_k - x).
 
@@ -421,5 +422,4 @@ def _positive(name: str, value) -> float:
     return float(value)
 
 
-__all__ = ["HBFL", "TEMPERATURE", "calibrate_dpsgd", "distillation_loss", "dpsgd_gradients",
-           "gaussian_product_from_changes", "meme_regulariser"]
+__all__ = ["HBFL", "TEMPERATURE", "calibrate_dpsgd", "distillation_loss", "dpsgd_gradients", "meme_regulariser"]

@@ -81,3 +81,60 @@ def test_runs_with_and_without_secure_aggregation_agree(algorithm, epsilon):
         models.append(alg.global_params)
     # same seeds, same noise: only the stochastic rounding differs (steps of ~1e-12 at 48 bits)
     np.testing.assert_allclose(models[0], models[1], atol=1e-6)
+
+
+def test_distributed_plan_meets_the_target_and_never_undercharges():
+    from accounting.accountants import make_accountant
+    from privfl.secure import calibrate_distributed
+
+    ch = Channel("update", (200,), unit="client", clip=NormClip(0.5))
+    plans = calibrate_distributed([ch], epsilon=3.0, delta=1e-5, rounds=10, n_clients=10,
+                                  config=SecureAggregation(bits=48, min_survivors=8))
+    plan = plans["update"]
+    acc = make_accountant("zcdp").compose(plan.event, 10)
+    assert acc.get_epsilon(1e-5) <= 3.0
+    # the distributed rho is never below the continuous Gaussian rho of the same noise on n_min shares
+    assert plan.event.rho >= 1 / (2 * plan.noise_multiplier ** 2) * (1 - 1e-9)
+    assert plan.noise_std(8) == pytest.approx(plan.noise_multiplier * 0.5, rel=1e-9)
+
+
+@pytest.mark.timeout(240)
+def test_distributed_noise_run_charges_the_distributed_event_and_aborts_below_n_min(tmp_path):
+    data = make_federated("digits", 5, partition="iid", seed=0)
+    fed = FederationConfig(rounds=2, hidden=(), local_epochs=1, lr=0.05)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, clip=1.0, placement="distributed")
+    alg = make_algorithm("dp_fedavg", fed, privacy)
+    res = Simulation(alg, data, fed, privacy, ledger_path=str(tmp_path / "l.sqlite"),
+                     secure=SecureAggregation(bits=48, min_survivors=4)).run()
+    assert res.accountant == "zcdp" and 0 < res.audit["max_epsilon"] <= 4.0
+    led = PrivacyLedger.open_existing(tmp_path / "l.sqlite")
+    assert {c.event.mechanism for c in led.charges()} == {"distributed_discrete_gaussian"}
+    # the summed noise is the calibrated one: measure it on a zero-valued channel
+    ch = Channel("update", (20_000,), unit="client", clip=NormClip(1.0))
+    from privfl.secure import calibrate_distributed
+
+    plan = calibrate_distributed([ch], 4.0, 1e-5, 2, 5, SecureAggregation(bits=48, min_survivors=4))
+    rels = []
+    led2 = PrivacyLedger(":memory:", "r", epsilon_budget=4.0, accountant="zcdp")
+    for k in range(5):
+        pipe = ReleasePipeline(str(k), [ch], led2, {"update": plan["update"].noise_multiplier},
+                               placement="distributed", distributed_events={"update": plan["update"].event})
+        rels += pipe.release(0, {"update": np.zeros(20_000)}).values()
+    agg = secure_weighted_sums(rels, {"update": ch}, SecureAggregation(bits=48, min_survivors=4),
+                               np.random.default_rng(0), distributed=plan)["update"]
+    assert agg.total.std() == pytest.approx(plan["update"].noise_std(5), rel=0.03)
+    with pytest.raises(ProtocolAbort):
+        secure_weighted_sums(rels, {"update": ch}, SecureAggregation(bits=48, dropout=0.4, min_survivors=4),
+                             np.random.default_rng(0), distributed=plan)
+
+
+def test_distributed_placement_needs_secure_aggregation():
+    from privfl.errors import ConfigurationError
+
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    fed = FederationConfig(rounds=1, hidden=())
+    privacy = PrivacyConfig(epsilon=4.0, placement="distributed")
+    with pytest.raises(ConfigurationError, match="secure aggregation"):
+        Simulation(make_algorithm("dp_fedavg", fed, privacy), data, fed, privacy).run()
+    with pytest.raises(ConfigurationError, match="zcdp"):
+        PrivacyConfig(epsilon=4.0, placement="distributed", accountant="exact")

@@ -19,7 +19,7 @@ from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
-from privfl.models import CNN1, MLP, LeNet5, get_mean_precision, make_bayesian_model
+from privfl.models import CNN1, MLP, LeNet5, make_bayesian_model
 from privfl.release import ReleasePipeline
 from privfl.runtime import Simulation
 
@@ -276,5 +276,13 @@ def test_privatized_values_carry_the_training_event(digits):
     assert all(isinstance(v, PrivatizedValue) for v in out.values.values())
     assert out.weight == 1.0  # uniform weights: n_k is not protected by the training's event
     assert isinstance(out.values["natural_mean"].event, SelfComposedEvent)
-    mean, _ = get_mean_precision(alg.meme)
-    assert np.all(np.isfinite(out.values["natural_mean"].value)) and mean.shape == out.values["precision"].value.shape
+    assert all(v.value.shape == (alg.dim,) and np.all(np.isfinite(v.value)) for v in out.values.values())
+
+
+def test_carry_precision_starts_the_meme_from_the_global_precision(digits):
+    reset, carry = _ready(digits), _ready(digits, carry_precision=True)
+    for alg in (reset, carry):
+        alg.set_global(alg.global_mean, np.full(alg.dim, 8.0))
+    outs = [alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(8)) for alg in (reset, carry)]
+    started = [np.median(out.values["precision"] + 8.0) for out in outs]  # untempered T * Lambda_k
+    assert started[0] == pytest.approx(reset.init_precision, rel=0.5) and started[1] == pytest.approx(8.0, rel=0.5)

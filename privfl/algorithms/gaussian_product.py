@@ -1,0 +1,138 @@
+"""The server's Gaussian product over natural parameters (HBFL eq. 3.12, FOLA eq. 12), from weighted sums only.
+
+A client k with diagonal Gaussian N(mu_k, Lambda_k^-1) releases its natural parameters: the natural mean
+``eta_k = Lambda_k * mu_k`` and the precision ``Lambda_k`` (two channels). With weights q_k (e.g. n_k / n) the
+product prod_k N(mu_k, Lambda_k^-1)^{q_k} is, up to normalisation, the Gaussian with
+
+    Lambda = sum_k q_k Lambda_k,        mu = Lambda^-1 sum_k q_k Lambda_k mu_k = Lambda^-1 sum_k q_k eta_k.
+
+Both sums are weighted sums of releases, so the server needs nothing but :class:`privfl.aggregation.Aggregate`
+objects and secure aggregation can hide every individual upload. With equal precisions mu is FedAvg's weighted mean.
+
+Post-processing (after release, so it costs no privacy; see ARCHITECTURE.md):
+
+- **precision floor**: a noisy precision can be tiny or negative; it is raised to ``precision_floor`` (the prior
+  precision: a posterior is never meant to be vaguer than the prior) before dividing, so mu stays finite.
+- **known noise variance**: the aggregates carry the std of the DP noise they contain. With ``fold_noise`` the
+  noise in eta and Lambda is folded into the result's uncertainty: by the delta method the mean mu = eta / Lambda
+  has error variance v = (s_eta^2 + mu^2 s_Lambda^2) / Lambda^2, and the returned precision is 1 / (1/Lambda + v):
+  the noisier the release, the less the next round's prior trusts the mean.
+
+Usage (server step of HBFL or FOLA)::
+
+    post = gaussian_product(aggregates["natural_mean"], aggregates["precision"], precision_floor=prior_precision)
+    global_mean, global_precision = post.mean, post.precision
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from privfl.aggregation import Aggregate
+from privfl.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class GaussianProduct:
+    """The aggregated diagonal Gaussian: ``mean``, ``precision``, and how many precision coordinates were floored."""
+
+    mean: np.ndarray
+    precision: np.ndarray
+    floored: int = 0
+
+    @property
+    def natural_mean(self) -> np.ndarray:
+        return self.mean * self.precision
+
+
+def natural_parameters(mean: np.ndarray, precision: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Client side: (natural mean Lambda * mu, precision Lambda), the two values a client releases."""
+    mean = np.asarray(mean, dtype=np.float64)
+    precision = np.asarray(precision, dtype=np.float64)
+    if mean.shape != precision.shape:
+        raise ConfigurationError(f"mean and precision must have the same shape, got {mean.shape} and "
+                                 f"{precision.shape}")
+    if np.any(precision <= 0) or not np.all(np.isfinite(precision)):
+        raise ConfigurationError("a precision must be finite and > 0 everywhere")
+    return mean * precision, precision
+
+
+def _floor(value, name: str) -> np.ndarray | float:
+    arr = np.asarray(value, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ConfigurationError(f"{name} must be finite and > 0 (the prior precision), got {value!r}")
+    return arr
+
+
+def combine(natural_mean: np.ndarray, precision: np.ndarray, *, precision_floor: float | np.ndarray,
+            natural_noise_std: float = 0.0, precision_noise_std: float = 0.0,
+            fold_noise: bool = False) -> GaussianProduct:
+    """The Gaussian with natural parameters (``natural_mean``, ``precision``): both already *averaged*
+    (sum_k q_k eta_k and sum_k q_k Lambda_k with sum_k q_k = 1), possibly noisy.
+
+    ``precision_floor``: scalar or per-coordinate floor (> 0). ``*_noise_std``: per-coordinate std of the noise in
+    the averaged values (0 when there is none); used only with ``fold_noise`` (see the module docstring).
+    """
+    eta = np.asarray(natural_mean, dtype=np.float64)
+    lam = np.asarray(precision, dtype=np.float64)
+    if eta.shape != lam.shape:
+        raise ConfigurationError(f"natural mean and precision must have the same shape, got {eta.shape} and "
+                                 f"{lam.shape}")
+    if not (np.all(np.isfinite(eta)) and np.all(np.isfinite(lam))):
+        raise ConfigurationError("the aggregated natural parameters have non-finite entries")
+    for name, s in (("natural_noise_std", natural_noise_std), ("precision_noise_std", precision_noise_std)):
+        if not (np.isfinite(s) and s >= 0):
+            raise ConfigurationError(f"{name} must be finite and >= 0, got {s!r}")
+    floor = _floor(precision_floor, "precision_floor")
+    below = lam < floor
+    lam = np.maximum(lam, floor)
+    mean = eta / lam
+    if fold_noise and (natural_noise_std > 0 or precision_noise_std > 0):
+        mean_var = (natural_noise_std ** 2 + mean ** 2 * precision_noise_std ** 2) / lam ** 2
+        lam = 1.0 / (1.0 / lam + mean_var)
+    return GaussianProduct(mean, lam, int(np.count_nonzero(below)))
+
+
+def gaussian_product(natural_mean: Aggregate, precision: Aggregate, *, precision_floor: float | np.ndarray,
+                     fold_noise: bool = False) -> GaussianProduct:
+    """Server step: the product of the clients' Gaussians from the two channels' weighted sums.
+
+    Divides each sum by its total weight (so weights q_k = w_k / sum w), floors the precision, and with
+    ``fold_noise`` folds the aggregates' known DP noise into the precision (module docstring).
+    """
+    for agg in (natural_mean, precision):
+        if not isinstance(agg, Aggregate):
+            raise ConfigurationError(f"gaussian_product takes Aggregate objects, got {type(agg).__name__}; for "
+                                     "plain arrays use combine() or product_of_gaussians()")
+        if not agg.total_weight > 0:
+            raise ConfigurationError(f"channel {agg.channel}: total weight must be > 0, got {agg.total_weight}")
+    if not np.isclose(natural_mean.total_weight, precision.total_weight):
+        raise ConfigurationError(f"the natural mean and precision sums have different total weights "
+                                 f"({natural_mean.total_weight} vs {precision.total_weight}): they must come from "
+                                 "the same clients' releases")
+    w = precision.total_weight
+    return combine(natural_mean.total / w, precision.total / w, precision_floor=precision_floor,
+                   natural_noise_std=natural_mean.noise_std / w, precision_noise_std=precision.noise_std / w,
+                   fold_noise=fold_noise)
+
+
+def product_of_gaussians(means: Sequence[np.ndarray], precisions: Sequence[np.ndarray],
+                         weights: Sequence[float] | None = None, *,
+                         precision_floor: float | np.ndarray = 1e-12) -> GaussianProduct:
+    """The same product from per-client arrays (a reference for tests and centralised runs; the server never sees
+    these): prod_k N(mu_k, Lambda_k^-1)^{q_k} with q_k = w_k / sum w (uniform if ``weights`` is None)."""
+    if len(means) != len(precisions) or not len(means):
+        raise ConfigurationError("give one precision per mean, for at least one client")
+    w = np.ones(len(means)) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(means),) or np.any(w < 0) or not w.sum() > 0:
+        raise ConfigurationError("weights must be one non-negative number per client, not all zero")
+    q = w / w.sum()
+    eta = sum(qk * natural_parameters(m, p)[0] for qk, m, p in zip(q, means, precisions))
+    lam = sum(qk * np.asarray(p, dtype=np.float64) for qk, p in zip(q, precisions))
+    return combine(eta, lam, precision_floor=precision_floor)
+
+
+__all__ = ["GaussianProduct", "combine", "gaussian_product", "natural_parameters", "product_of_gaussians"]
