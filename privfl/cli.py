@@ -152,6 +152,20 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def cmd_audit_mechanism(args) -> int:
+    from privfl.empirical_audit import audit_gaussian_release
+
+    result = audit_gaussian_release(args.noise_multiplier, delta=args.delta, trials=args.trials,
+                                    mutation=args.mutation, seed=args.seed)
+    if args.json:
+        _dump(result.to_dict(), None)
+    else:
+        verdict = "consistent with" if result.passed else "VIOLATES"
+        print(f"empirical epsilon lower bound {result.epsilon_lower_bound:.4g} vs claimed {result.claimed_epsilon:.4g} "
+              f"(delta {result.delta:g}, {result.trials} trials, mutation {result.mutation}): {verdict} the claim")
+    return 0 if result.passed or args.mutation != "none" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -209,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
     a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG")
     a.set_defaults(func=cmd_audit)
+    m = sub.add_parser("audit-mechanism", help="empirical (Clopper-Pearson) lower bound on epsilon of the release path")
+    m.add_argument("--noise-multiplier", type=_float, default=1.0)
+    m.add_argument("--delta", type=_float, default=1e-5)
+    m.add_argument("--trials", type=int, default=100_000)
+    m.add_argument("--mutation", choices=["none", "half_noise", "no_clip"], default="none",
+                   help="inject a fault the audit must detect")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_audit_mechanism)
     return p
 
 

@@ -1,0 +1,261 @@
+"""DP-SGD FedAvg: example-level (record-level) DP by training every client with DP-SGD (Abadi et al., CCS 2016)
+through opacus; the uploaded model change is post-processing of that training.
+
+Each client's local training is R rounds x ``steps`` Poisson-sampled DP-SGD steps: every step samples each record
+with probability q = batch_size / n_k (opacus's ``UniformWithReplacementSampler``, the sampler of its
+``DPDataLoader``), clips each example's gradient to norm C, sums, and adds N(0, z^2 C^2). One step is exactly the
+event ``PoissonSampled(q, Gaussian(1, z))``, and a round is ``SelfComposed(that, steps)``: the upload is a
+:class:`PrivatizedValue` carrying it on a :class:`TrainedPrivately` channel, so the release pipeline charges the
+ledger and adds no noise. z is calibrated per client (q and steps depend on n_k) so that the client's R rounds meet
+(epsilon, delta) under the run's accountant, the very composition the ledger then checks.
+
+opacus mode: **ghost clipping** (``GradSampleModuleFastGradientClipping`` with ``use_ghost_clipping=True``, Li et al.
+2022; layers without a ghost norm sampler, e.g. Conv2d, fall back to opacus's fast gradient clipping). It never
+materialises per-example gradients of Linear layers; on CPU it trains the paper's 784-500-300-10 MLP (batch 64) in
+0.6 s per 2000 examples against 10.8 s for opacus's default ``hooks`` mode (on a 64-100-10 net it is ~15% slower than
+``hooks``, a few milliseconds per epoch).
+
+Requirements (checked at construction): ``unit="example"``; ``add_remove`` adjacency (the sampled-Gaussian bound
+composed here is the add/remove one); no client sampling (a client's training event is only known once it trained);
+an accountant that composes sampled Gaussians: ``pld`` (the recommended default: tightest, and here faster than
+``rdp``, whose large integer orders cost ~0.2 s per composition) or ``rdp``. The run's ledger must use the same
+accountant, so pass it explicitly (``PrivacyConfig(accountant="pld")``, CLI ``--accountant pld``). Dataset sizes n_k are treated as public, as in opacus (q and the gradient average use them).
+Non-private (``epsilon = inf``) it is plain FedAvg.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from accounting.accountants import make_accountant
+from accounting.calibration import calibrate
+from accounting.errors import InvalidPrivacyParameter
+from accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
+from privfl.algorithms.base import ClientOutput
+from privfl.algorithms.fedavg import FedAvg
+from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
+from privfl.errors import ConfigurationError
+from privfl.training import flat_parameters, load_flat_parameters, torch_generator
+
+#: accountants that can compose Poisson-sampled Gaussian steps
+SAMPLED_ACCOUNTANTS = ("rdp", "pld")
+_CALIBRATION_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class DPSGDSchedule:
+    """One client's local DP-SGD per round: sampling rate q, steps per epoch (opacus: int(1 / q)), epochs."""
+
+    sample_rate: float
+    steps_per_epoch: int
+    epochs: int
+
+    @classmethod
+    def for_client(cls, num_records: int, batch_size: int, epochs: int) -> "DPSGDSchedule":
+        if num_records < 1:
+            raise ConfigurationError("a client needs at least one record to train with DP-SGD")
+        q = min(1.0, batch_size / num_records)
+        return cls(q, max(1, int(1.0 / q)), epochs)
+
+    @property
+    def steps(self) -> int:
+        """DP-SGD steps per round."""
+        return self.steps_per_epoch * self.epochs
+
+    def step_event(self, noise_multiplier: float) -> PrivacyEvent:
+        """One step in unit-sensitivity form (noise std / clip = z)."""
+        return PoissonSampledEvent(self.sample_rate, GaussianEvent(1.0, noise_multiplier))
+
+    def round_event(self, noise_multiplier: float) -> PrivacyEvent:
+        """One round of local training: ``steps`` sampled Gaussian steps."""
+        return SelfComposedEvent(self.step_event(noise_multiplier), self.steps)
+
+
+def check_dpsgd_privacy(privacy, algorithm: str) -> str:
+    """Refuse configurations DP-SGD accounting cannot honour; return the accountant to calibrate with."""
+    if privacy.unit != "example":
+        raise ConfigurationError(f"{algorithm} gives example-level DP through DP-SGD; set unit='example' "
+                                 f"(for client-level DP use dp_fedavg)")
+    if privacy.adjacency != "add_remove":
+        raise ConfigurationError(f"{algorithm}: DP-SGD is accounted under add/remove adjacency; set "
+                                 "adjacency='add_remove'")
+    if privacy.sampling_rate < 1:
+        raise ConfigurationError(f"{algorithm}: client sampling is not supported with DP-SGD-trained uploads (a "
+                                 "client's training event is only known once it trained); set sampling_rate=1")
+    accountant = privacy.resolved_accountant
+    if accountant not in SAMPLED_ACCOUNTANTS:
+        raise ConfigurationError(f"{algorithm}: DP-SGD steps are Poisson-sampled Gaussians, which the "
+                                 f"{accountant!r} accountant cannot compose; set accountant='pld' (or 'rdp'); "
+                                 f"CLI: --accountant pld")
+    return accountant
+
+
+def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSchedule, accountant: str, *,
+                    other_round_events: Sequence[PrivacyEvent] = ()) -> float:
+    """The smallest noise multiplier z such that ``rounds`` rounds of ``schedule``'s DP-SGD, composed with
+    ``other_round_events`` once per round (e.g. FOLA's Gaussian Fisher releases), meet (epsilon, delta).
+
+    Without other events this is :func:`accounting.calibration.calibrate` over rounds x steps sampled steps, the
+    exact composition the ledger checks. With them, z is bisected (log scale, relative tol 1e-3) against the full
+    composition, aiming 1e-4 below the target so the ledger's own composition order cannot tip it over.
+    """
+    total_steps = rounds * schedule.steps
+    if not other_round_events:
+        try:
+            cal = calibrate(epsilon, delta, total_steps, sampling_rate=schedule.sample_rate,
+                            accountant=accountant, tol=_CALIBRATION_TOL)
+        except InvalidPrivacyParameter as err:
+            raise ConfigurationError(f"cannot calibrate DP-SGD: {err}") from err
+        return cal.noise_multiplier
+    target = epsilon * (1 - 1e-4)
+
+    def eps_at(z: float) -> float:
+        acct = make_accountant(accountant)
+        for event in other_round_events:
+            acct.compose(event, rounds)
+        acct.compose(schedule.step_event(z), total_steps)
+        return acct.get_epsilon(delta)
+
+    hi = 1.0
+    while eps_at(hi) > target:
+        hi *= 2.0
+        if hi > 1e6:
+            raise ConfigurationError(f"the other releases alone spend (almost) all of epsilon={epsilon}; give the "
+                                     f"DP-SGD-trained channel a larger budget_share")
+    lo = hi / 2.0
+    while eps_at(lo) <= target:
+        hi, lo = lo, lo / 2.0
+        if lo < 1e-4:
+            return hi
+    while hi > lo * (1 + _CALIBRATION_TOL):
+        mid = math.sqrt(lo * hi)
+        if eps_at(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _noise_generator(rng: np.random.Generator, secure: bool) -> torch.Generator:
+    if not secure:
+        return torch_generator(rng)
+    g = torch.Generator()
+    g.manual_seed(secrets.randbits(63))  # fresh OS entropy; opacus' secure_mode guards against floating-point attacks
+    return g
+
+
+def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
+                noise_multiplier: float, clip: float, lr: float, momentum: float, rng: np.random.Generator,
+                secure_noise: bool = False, before_step: Callable[[int, int], None] | None = None,
+                extra_gradient: Callable[[], None] | None = None) -> dict[str, float]:
+    """Train ``model`` in place with opacus DP-SGD (ghost clipping, Poisson sampling) for ``schedule.steps`` steps.
+
+    ``before_step(epoch, step)`` runs at the parameters each step starts from, with opacus's hooks off, so it may
+    run a forward/backward pass of its own (FOLA's Fisher pass). It must draw any randomness of its own and never
+    reuse the Poisson batches: which records a step sampled is DP-SGD's hidden randomness, and a release that reveals
+    it would void the amplification by sampling that the accounting assumes. ``extra_gradient()`` runs after
+    clipping and noise, before the update, and may add a data-independent term to each ``p.grad`` (FOLA's prior:
+    post-processing). Returns the mean training loss and the number of steps. An empty Poisson batch is still a
+    step: its update is noise only, as the accounting assumes.
+    """
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+    n = len(x)
+    gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=clip, use_ghost_clipping=True,
+                                               loss_reduction="mean")
+    params = [p for p in gsm.parameters() if p.requires_grad]
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(params, lr=lr, momentum=momentum), noise_multiplier=noise_multiplier, max_grad_norm=clip,
+        expected_batch_size=schedule.sample_rate * n, loss_reduction="mean",
+        generator=_noise_generator(rng, secure_noise), secure_mode=secure_noise)
+    if extra_gradient is not None:
+        optimizer.attach_step_hook(lambda _opt: extra_gradient())
+    criterion = DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(reduction="mean"), "mean")
+    sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
+                                            generator=torch_generator(rng), steps=schedule.steps_per_epoch)
+    gsm.train()
+    loss_total, seen, steps = 0.0, 0, 0
+    try:
+        for epoch in range(schedule.epochs):
+            for step, batch in enumerate(sampler):
+                if before_step is not None:
+                    gsm.disable_hooks()
+                    try:
+                        before_step(epoch, step)
+                    finally:
+                        gsm.enable_hooks()
+                ids = np.asarray(batch, dtype=np.int64)
+                optimizer.zero_grad(set_to_none=True)
+                if len(ids):
+                    idx = torch.from_numpy(ids)
+                    loss = criterion(gsm(x[idx]), y[idx])
+                    loss.backward()
+                    loss_total += float(loss.detach()) * len(ids)
+                    seen += len(ids)
+                else:
+                    for p in params:
+                        p.grad = torch.zeros_like(p)
+                optimizer.step()
+                steps += 1
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        gsm.remove_hooks()
+    if steps != schedule.steps:
+        raise RuntimeError(f"DP-SGD ran {steps} steps but its accounting assumes {schedule.steps}")
+    return {"train_loss": loss_total / max(seen, 1), "dpsgd_steps": float(steps)}
+
+
+class DPSGDFedAvg(FedAvg):
+    name = "dpsgd_fedavg"
+    supports_privacy = True
+    #: the accountant to pass for private runs (see the module docstring)
+    default_accountant = "pld"
+
+    def __init__(self, fed, privacy):
+        super().__init__(fed, privacy)
+        self.accountant = check_dpsgd_privacy(privacy, self.name) if privacy.private else None
+        self._multipliers: dict[DPSGDSchedule, float] = {}
+
+    def channels(self):
+        if not self.privacy.private:
+            return super().channels()
+        return [Channel("update", (self.dim,), unit="example", clip=TrainedPrivately(),
+                        adjacency=self.privacy.adjacency,
+                        description="local model change after DP-SGD training (post-processing)")]
+
+    def noise_multiplier(self, schedule: DPSGDSchedule) -> float:
+        """z for a client with this schedule, calibrated once per distinct schedule."""
+        if schedule not in self._multipliers:
+            self._multipliers[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta,
+                                                          self.fed.rounds, schedule, self.accountant)
+        return self._multipliers[schedule]
+
+    def client_update(self, client, dataset, round, rng):
+        if not self.privacy.private:
+            return super().client_update(client, dataset, round, rng)
+        local = copy.deepcopy(self.model)
+        load_flat_parameters(local, self.global_params)
+        schedule = DPSGDSchedule.for_client(len(dataset), self.fed.batch_size, self.fed.local_epochs)
+        z = self.noise_multiplier(schedule)
+        x, y = dataset.tensors()
+        stats = dpsgd_train(local, x, y, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
+                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise)
+        update = flat_parameters(local) - self.global_params
+        return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
+                            weight=self.release_weight(dataset),
+                            metrics={"update_norm": float(np.linalg.norm(update)), "noise_multiplier": z, **stats})
+
+
+__all__ = ["DPSGDFedAvg", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_dpsgd_privacy",
+           "dpsgd_train"]
