@@ -25,31 +25,37 @@ Choices the paper leaves open (PAPERS.md), made here:
   mini-batch, meme first (Algorithm 1 lines 6-8). The teacher's soft labels come from the meme's means ("q_meme from
   the local mu_k"), a plain softmax by default (``distill_temperature=1``; other values soften both sides and scale
   the KL by tau^2, Hinton et al.).
-- Post-processing on the server: with noise, the aggregated precision is floored at ``precision_floor`` times the
-  initial precision (default 1: the precision every meme starts from, the nearest thing HBFL has to a prior, which is
-  where PAPERS.md floors noisy precisions) before mu = Lambda^-1 (Lambda mu); the floor is public, so it costs
-  nothing, and it keeps a noisy precision near zero from blowing up the mean.
+- Post-processing on the server (``gaussian_product``): with noise, the aggregated precision is floored at
+  ``precision_floor`` times the initial precision (default 1: the precision every meme starts from, the nearest
+  thing HBFL has to a prior, which is where PAPERS.md floors noisy precisions) before mu = Lambda^-1 (Lambda mu);
+  the floor is public, so it costs nothing, and it keeps a noisy precision near zero from blowing up the mean.
+- No clamping in training: Adam moves each rho by about ``meme_lr`` per step, and without a prior a parameter the
+  data never moves (e.g. a weight on an always-blank pixel) has no curvature, so its precision drifts towards 0
+  and its weight in the product with it; nothing needs a bound.
 
 Privacy:
 
 - ``client`` unit: the pipeline clips each channel to its own L2 bound (``clip`` for the natural mean,
   ``precision_clip`` for the precision), splits the budget by ``budget_shares``, and the server adds noise to the
   unweighted sums (uniform weights: example counts would make the sensitivity data-dependent).
-- ``example`` unit: the meme model is trained with DP-SGD (Poisson-sampled batches at rate B/n_k, each example's
-  gradient clipped to ``clip``, Gaussian noise of std z * clip on the sum; Abadi et al. 2016), z calibrated so the
-  client's rounds meet the target under the run's accountant. Both uploads are post-processing of that training:
-  ``natural_mean`` carries the training's event SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps);
-  ``precision`` is computed from the same trained model, so it carries a NoOpEvent (charging the training twice
-  would count it twice). The client's size n_k is treated as public, as DP-SGD's sampling rate B/n_k always is.
-  Opacus is not used: its per-sample gradients run the model under ``vmap`` without randomness, which the Bayesian
-  layers' sampling needs; privfl computes them with ``torch.func`` instead.
-- The local models never leave their clients and are not released; ``evaluate`` reports their test accuracy as a
-  simulation diagnostic, as the paper does.
+- ``example`` unit: the meme model is trained with DP-SGD (Poisson-sampled batches at rate q = B/n_k, each example's
+  gradient clipped to ``clip``, Gaussian noise of std z * clip on the sum; Abadi et al. 2016), with dpsgd_fedavg's
+  schedule (int(1/q) steps per epoch) and calibration of z to the target under the run's accountant. Both uploads
+  are post-processing of that training: ``natural_mean`` carries the training's event
+  SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps); ``precision`` is computed from the same trained model, so
+  it carries a NoOpEvent (charging the training twice would count it twice). The client's size n_k is treated as
+  public, as DP-SGD's sampling rate B/n_k always is. Opacus is not used: its per-sample gradients run the model
+  under ``vmap`` without randomness, which the Bayesian layers' sampling needs; privfl computes them with
+  ``torch.func`` instead.
+- The local models never leave their clients and are not released, and the meme model never sees them (the
+  distillation is one-way), so they train on the raw data, on the meme's batches, at no privacy cost; ``evaluate``
+  reports their test accuracy as a simulation diagnostic, as the paper does.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Mapping, Sequence
 
@@ -59,10 +65,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from accounting import GaussianEvent, NoOpEvent, PoissonSampledEvent, SelfComposedEvent, make_accountant
+from accounting import NoOpEvent
 from mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy
+from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
@@ -71,6 +79,7 @@ from privfl.models import (MODELS, bayes_modules, deterministic, get_mean_precis
 from privfl.training import batches, predict_proba
 
 TEMPERATURE = 1e-4  # the paper's T (Sec. 5.1.1, after Ashukha et al. 2020)
+_NOISELESS_FLOOR = 1e-12  # without noise the product of positive precisions is positive: the floor only guards
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, y: torch.Tensor, *,
@@ -136,8 +145,8 @@ class HBFL(FederatedAlgorithm):
         if len(budget_shares) != 2:
             raise ConfigurationError(f"budget_shares is (natural_mean, precision), got {budget_shares!r}")
         self.budget_shares = tuple(_positive("budget share", s) for s in budget_shares)
-        if privacy.private and privacy.unit == "example":
-            self._check_example_unit(privacy)
+        self.accountant = (check_dpsgd_privacy(privacy, self.name)
+                           if privacy.private and privacy.unit == "example" else None)
         self.meme: nn.Module | None = None
         self.global_natural_mean: np.ndarray | None = None  # T Lambda mu
         self.global_precision: np.ndarray | None = None  # T Lambda
@@ -145,7 +154,7 @@ class HBFL(FederatedAlgorithm):
         self.client_models: dict[int, nn.Module] = {}  # client-held local models (never released)
         self._input_shape: tuple[int, ...] = ()
         self._num_classes = 0
-        self._dpsgd_noise: dict[tuple[float, int], float] = {}
+        self._dpsgd_noise: dict[DPSGDSchedule, float] = {}
 
     # -- configuration -------------------------------------------------------------------------------------------
 
@@ -155,18 +164,6 @@ class HBFL(FederatedAlgorithm):
         if not names or not all(isinstance(n, str) and n.lower() in MODELS for n in names):
             raise ConfigurationError(f"local_models must name architectures among {sorted(MODELS)}, got {names!r}")
         return tuple(n.lower() for n in names)
-
-    @staticmethod
-    def _check_example_unit(privacy) -> None:
-        if privacy.resolved_accountant not in ("pld", "rdp"):
-            raise ConfigurationError("hbfl with unit='example' trains the meme model with Poisson-sampled DP-SGD; "
-                                     "account for it with accountant='pld' or 'rdp'")
-        if privacy.sampling_rate < 1:
-            raise ConfigurationError("hbfl with unit='example' does not support client sampling (the DP-SGD event "
-                                     "is only known once a client has trained); use sampling_rate=1")
-        if privacy.adjacency != "add_remove":
-            raise ConfigurationError("DP-SGD with Poisson sampling is accounted under add/remove adjacency; set "
-                                     "adjacency='add_remove'")
 
     # -- global state --------------------------------------------------------------------------------------------
 
@@ -258,13 +255,12 @@ class HBFL(FederatedAlgorithm):
         meme, local = self._fork_meme(), self.local_model(client)
         meme_opt = torch.optim.Adam(meme.parameters(), lr=self.meme_lr)
         local_opt = torch.optim.SGD(local.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
-        dp = self.privacy.private and self.privacy.unit == "example"
-        if dp:
-            q = min(1.0, self.fed.batch_size / n)
-            steps = self.fed.local_epochs * math.ceil(n / self.fed.batch_size)
-            z = self.dpsgd_noise_multiplier(q, steps)
+        dp = self.accountant is not None
+        if dp:  # Poisson-sampled batches: each record joins each step with probability q
+            plan = DPSGDSchedule.for_client(n, self.fed.batch_size, self.fed.local_epochs)
+            q, z = plan.sample_rate, self.dpsgd_noise_multiplier(plan)
             noise = SecureNoise() if self.privacy.secure_noise else SeededNoise(rng)
-            schedule = (np.flatnonzero(rng.random(n) < q) for _ in range(steps))
+            schedule = (np.flatnonzero(rng.random(n) < q) for _ in range(plan.steps))
         else:
             schedule = (idx for _ in range(self.fed.local_epochs) for idx in batches(n, self.fed.batch_size, rng))
         meme.train()
@@ -295,8 +291,7 @@ class HBFL(FederatedAlgorithm):
             local_loss = float(loss.detach())
         values: dict[str, object] = self.encode_posterior(*get_mean_precision(meme))
         if dp:
-            event = SelfComposedEvent(PoissonSampledEvent(q, GaussianEvent(1.0, z)), steps)
-            values = {"natural_mean": PrivatizedValue(values["natural_mean"], event),
+            values = {"natural_mean": PrivatizedValue(values["natural_mean"], plan.round_event(z)),
                       "precision": PrivatizedValue(values["precision"], NoOpEvent())}
         metrics = {"local_loss": local_loss}
         if not dp:
@@ -310,25 +305,26 @@ class HBFL(FederatedAlgorithm):
         return {"natural_mean": untempered * np.asarray(mean, dtype=np.float64) - self.global_natural_mean,
                 "precision": untempered - self.global_precision}
 
-    def dpsgd_noise_multiplier(self, sampling_rate: float, steps: int) -> float:
-        """The smallest z (within 0.1%) whose ``fed.rounds`` rounds of ``steps`` Poisson-sampled Gaussian steps meet
-        the target (epsilon, delta) under the run's accountant (cached per (rate, steps))."""
-        key = (float(sampling_rate), int(steps))
-        if key not in self._dpsgd_noise:
-            self._dpsgd_noise[key] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, sampling_rate, steps,
-                                                     self.fed.rounds, self.privacy.resolved_accountant)
-        return self._dpsgd_noise[key]
+    def dpsgd_noise_multiplier(self, plan: DPSGDSchedule) -> float:
+        """The smallest z whose ``fed.rounds`` rounds of ``plan`` meet the target (epsilon, delta) under the run's
+        accountant (``dpsgd_fedavg.calibrate_dpsgd``, cached per schedule)."""
+        if plan not in self._dpsgd_noise:
+            self._dpsgd_noise[plan] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
+                                                      plan, self.accountant)
+        return self._dpsgd_noise[plan]
 
     # -- server --------------------------------------------------------------------------------------------------
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
-        """Gaussian product (Algorithm 1, line 5) from the weighted sums of the clients' changes."""
-        nat, prec = aggregates["natural_mean"], aggregates["precision"]
-        natural_mean, precision = _gaussian_product_from_changes(
-            nat, prec, self.global_natural_mean, self.global_precision,
-            floor=self.precision_floor * self.init_precision)
-        self.global_natural_mean, self.global_precision = natural_mean, precision
-        self.global_mean = natural_mean / precision
+        """Gaussian product (Algorithm 1, line 5; ``gaussian_product``) of the clients' meme posteriors. The uploads
+        are changes from the public global state x, so sum_k w_k x_k = sum_k w_k (x_k - x) + (sum_k w_k) x."""
+        nat = _add_back(aggregates["natural_mean"], self.global_natural_mean)
+        prec = _add_back(aggregates["precision"], self.global_precision)
+        noisy = nat.noise_std > 0 or prec.noise_std > 0
+        floor = self.init_precision * (self.precision_floor if noisy else _NOISELESS_FLOOR)
+        post = gaussian_product(nat, prec, precision_floor=floor)
+        self.global_mean, self.global_precision = post.mean, post.precision
+        self.global_natural_mean = post.natural_mean
 
     # -- evaluation ----------------------------------------------------------------------------------------------
 
@@ -348,19 +344,9 @@ class HBFL(FederatedAlgorithm):
         return out
 
 
-def _gaussian_product_from_changes(natural_mean: Aggregate, precision: Aggregate, global_natural_mean: np.ndarray,
-                                  global_precision: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
-    """(sum_k q_k Lambda_k mu_k, sum_k q_k Lambda_k) with q_k = w_k / sum w, from sums of changes w_k (x_k - x).
-
-    sum_k q_k x_k = x + sum_k w_k (x_k - x) / sum_k w_k. A noisy precision is floored at ``floor`` (post-processing).
-    """
-    nat = global_natural_mean + natural_mean.total / natural_mean.total_weight
-    prec = global_precision + precision.total / precision.total_weight
-    if precision.noise_std > 0:
-        prec = np.maximum(prec, floor)
-    elif not np.all(prec > 0):  # pragma: no cover - a positive combination of positive precisions
-        raise ConfigurationError("the aggregated precision is not positive; check the clients' uploads")
-    return nat, prec
+def _add_back(changes: Aggregate, reference: np.ndarray) -> Aggregate:
+    """The weighted sum of values from the weighted sum of their changes from ``reference``."""
+    return dataclasses.replace(changes, total=changes.total + changes.total_weight * reference)
 
 
 def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
@@ -390,36 +376,10 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
         offset += k
 
 
-def calibrate_dpsgd(epsilon: float, delta: float, sampling_rate: float, steps: int, rounds: int,
-                    accountant: str, tol: float = 1e-3) -> float:
-    """Smallest noise multiplier z (to ``tol``, never above the target) such that ``rounds`` compositions of
-    SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps) meet (epsilon, delta) under ``accountant``."""
-    def eps(z: float) -> float:
-        acc = make_accountant(accountant)
-        acc.compose(SelfComposedEvent(PoissonSampledEvent(sampling_rate, GaussianEvent(1.0, z)), steps), rounds)
-        return acc.get_epsilon(delta)
-
-    hi = 1.0
-    while eps(hi) > epsilon:
-        hi *= 2.0
-        if hi > 1e6:
-            raise ConfigurationError(f"no DP-SGD noise multiplier up to 1e6 meets epsilon={epsilon}")
-    lo = hi / 2.0
-    while lo > 1e-3 and eps(lo) <= epsilon:
-        hi, lo = lo, lo / 2.0
-    while hi > lo * (1.0 + tol):
-        mid = math.sqrt(lo * hi)
-        if eps(mid) <= epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-__all__ = ["HBFL", "TEMPERATURE", "calibrate_dpsgd", "distillation_loss", "dpsgd_gradients", "meme_regulariser"]
+__all__ = ["HBFL", "TEMPERATURE", "distillation_loss", "dpsgd_gradients", "meme_regulariser"]

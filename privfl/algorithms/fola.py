@@ -1,0 +1,283 @@
+"""FOLA: federated online Laplace approximation (Liu et al.), with each upload made private.
+
+Client (Algorithm 1): start from the global mean mu_S and train on task loss + lambda * 0.5 (theta - mu_S)^T
+Lambda_S (theta - mu_S) (prior iteration, eqs. 15-16); accumulate the diagonal empirical Fisher of the *task* loss
+online over all local steps from per-example squared gradients (eq. 22: F_n = sum over epochs and records of
+g_i (.) g_i / (epochs n_k)); local posterior mean mu_n = theta, precision Lambda_n = F_n / r + (r - 1) / r Lambda_S
+in round r (eq. 24). Server: Gaussian product of the clients' posteriors (eq. 12), :mod:`gaussian_product`, from
+weighted sums only; the precision is floored at the initial prior precision gamma (eq. 25's gamma I).
+
+How each upload is made private (PAPERS.md, "Channels, clips and sensitivities"):
+
+- ``epsilon = inf``: the paper's algorithm. Channels ``natural_mean`` (Lambda_n mu_n) and ``precision``
+  (Lambda_n), weights n_k, so the server's averages are sum_k q_k (.) with q_k = n_k / n.
+- ``unit="client"``: each client's change of natural parameters, ``natural_mean_delta`` = Lambda_n mu_n -
+  Lambda_S mu_S and ``precision_delta`` = Lambda_n - Lambda_S, each clipped to norm C (:class:`NormClip`) and
+  noised; uniform weights (example counts would make a client's influence data-dependent).
+- ``unit="example"``: local training is DP-SGD (opacus, :mod:`dpsgd_fedavg`), so the posterior mean is
+  post-processing: channel ``mean`` (mu_n, :class:`TrainedPrivately`, charged with the training's event). The Fisher
+  is the private statistic. It is computed on a pass of its own at the start of every DP-SGD step, over a fresh
+  shuffle of the records split into one chunk per step, so each record contributes exactly once per epoch, at the
+  parameters of that step (online, as eq. 22), and never through DP-SGD's hidden Poisson batches. Each example's
+  gradient is clipped to C, so a record's terms sum to at most ``epochs * C^2`` in L2 norm
+  (:class:`privfl.fisher.FisherAccumulator` also caps its visits at ``epochs``); the channel ``fisher_diag`` is that
+  sum divided by ``epochs``: sensitivity C^2, :class:`PreClipped` ``(C, "squared_sum")``. A Gaussian product needs
+  sum_k Lambda_k mu_k, whose Fisher part sum_k F_k (.) mu_k is not post-processing of the two channels above, so a
+  third channel ``fisher_natural_mean`` releases fisher_diag (.) clip(mu_n, -B, B): each record's term has norm at
+  most B C^2 (not non-negative, so :class:`PreClipped` ``(B C^2, "sum")``). Weights are 1 and the server divides
+  the Fisher sums by the federation's record count (dataset sizes are public, as in DP-SGD). The prior-part mean is
+  the unweighted average of the clients' means.
+
+Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
+runtime calibrates the Gaussian channels (:func:`privfl.runtime.noise_multipliers_for`, which gives the
+DP-SGD-trained ``mean`` channel a share too); that share is what DP-SGD gets: its noise multiplier is calibrated so
+that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld`` or ``rdp``, as for
+``dpsgd_fedavg``). Post-processing on the server (free): precision floor, known DP noise folded into the precision.
+
+Differences from the authors' code: per-example squared gradients (theirs square mini-batch means), a floor at gamma
+(theirs adds 1e-5 to a denominator).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_train
+from privfl.algorithms.gaussian_product import combine, gaussian_product
+from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.fisher import FisherAccumulator, GradientRecorder
+from privfl.metrics import classification_metrics
+from privfl.models import make_model
+from privfl.training import batches, flat_parameters, load_flat_parameters, predict_proba
+
+_SHARES = {"client": {"natural_mean_delta": 0.5, "precision_delta": 0.5},
+           "example": {"mean": 0.5, "fisher_diag": 0.25, "fisher_natural_mean": 0.25}}
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"fola: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class FOLA(FederatedAlgorithm):
+    """FOLA with privacy per channel (module docstring).
+
+    ``prior_weight``: lambda of eq. 16. ``prior_precision``: gamma, the initial prior precision and the floor of the
+    aggregated precision. ``mean_bound``: B, the range each coordinate of mu_n is clipped to in
+    ``fisher_natural_mean`` (example unit). ``budget_shares``: channel name -> share (private runs).
+    """
+
+    name = "fola"
+    supports_privacy = True
+    #: the accountant to pass for example-level runs (DP-SGD steps are sampled Gaussians)
+    default_accountant = "pld"
+
+    def __init__(self, fed, privacy, *, prior_weight: float = 1.0, prior_precision: float = 1e-3,
+                 mean_bound: float = 1.0, budget_shares: Mapping[str, float] | None = None):
+        super().__init__(fed, privacy)
+        self.prior_weight = _positive("prior_weight", prior_weight)
+        self.prior_precision = _positive("prior_precision", prior_precision)
+        self.mean_bound = _positive("mean_bound", mean_bound)
+        self.mode = privacy.unit if privacy.private else "non_private"
+        self.accountant = check_dpsgd_privacy(privacy, self.name) if self.mode == "example" else None
+        shares = dict(_SHARES.get(self.mode, {}))
+        if budget_shares is not None:
+            if set(budget_shares) != set(shares):
+                raise ConfigurationError(f"fola ({self.mode}): budget_shares must name exactly {sorted(shares)}")
+            shares = {k: _positive(f"budget share of {k}", v) for k, v in budget_shares.items()}
+        self.budget_shares = shares
+        self.model: nn.Module | None = None
+        self.mean: np.ndarray | None = None
+        self.precision: np.ndarray | None = None
+        self.total_records = self.max_client_records = 0
+        self.n_clients = 0
+        self._dpsgd: dict[DPSGDSchedule, float] = {}
+
+    # -- state ---------------------------------------------------------------------------------------------------
+
+    def setup(self, data, rng):
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        kw = {} if self.fed.hidden is None else {"hidden": self.fed.hidden}
+        if self.fed.pool > 1:
+            kw["pool"] = self.fed.pool
+        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **kw)
+        self.mean = flat_parameters(self.model)
+        self.precision = np.full_like(self.mean, self.prior_precision)
+        self.total_records = int(sum(len(p) for p in data.train_parts))
+        self.max_client_records = int(max(len(p) for p in data.train_parts))
+        self.n_clients = len(data.train_parts)
+
+    @property
+    def dim(self) -> int:
+        return int(self.mean.size)
+
+    def channels(self):
+        d, adj, c = (self.dim,), self.privacy.adjacency, self.privacy.clip
+        if self.mode == "non_private":
+            unit = self.privacy.unit
+            return [Channel("natural_mean", d, unit=unit, clip=Unclipped(), description="Lambda_n * mu_n"),
+                    Channel("precision", d, unit=unit, clip=Unclipped(), description="Lambda_n (eq. 24)")]
+        s = self.budget_shares
+        if self.mode == "client":
+            return [Channel("natural_mean_delta", d, unit="client", clip=NormClip(c), adjacency=adj,
+                            budget_share=s["natural_mean_delta"],
+                            description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
+                    Channel("precision_delta", d, unit="client", clip=NormClip(c), adjacency=adj,
+                            budget_share=s["precision_delta"], description="Lambda_n - Lambda_S, clipped to C")]
+        # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
+        # coordinate to fisher_diag, and dataset sizes are public
+        fisher_bound = self.max_client_records * c ** 2
+        return [Channel("mean", d, unit="example", clip=TrainedPrivately(), adjacency=adj, budget_share=s["mean"],
+                        description="mu_n after DP-SGD local training (post-processing)"),
+                Channel("fisher_diag", d, unit="example", clip=PreClipped(c, "squared_sum"), adjacency=adj,
+                        budget_share=s["fisher_diag"], value_bound=fisher_bound,
+                        description="per-epoch sum of per-example squared gradients clipped to C"),
+                Channel("fisher_natural_mean", d, unit="example", clip=PreClipped(self.mean_bound * c ** 2, "sum"),
+                        adjacency=adj, budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * self.mean_bound,
+                        description="fisher_diag (.) clip(mu_n, -B, B)")]
+
+    # -- client ----------------------------------------------------------------------------------------------------
+
+    def _param_views(self, vector: np.ndarray, model: nn.Module) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in model.parameters():
+            n = p.numel()
+            out.append(torch.as_tensor(vector[offset:offset + n], dtype=p.dtype).reshape(p.shape))
+            offset += n
+        return out
+
+    def _train_online(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng) -> tuple[float, torch.Tensor]:
+        """Plain SGD on task + prior loss; the Fisher of the task loss is read off each step's own backward pass."""
+        anchor = self._param_views(self.mean, model)
+        prior = self._param_views(self.precision, model)
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params, lr=self.fed.lr, momentum=self.fed.momentum)
+        fisher = FisherAccumulator(self.dim, len(x))
+        model.train()
+        total, seen = 0.0, 0
+        with GradientRecorder(model) as rec:
+            for _ in range(self.fed.local_epochs):
+                for idx in batches(len(x), self.fed.batch_size, rng):
+                    idx_t = torch.as_tensor(idx)
+                    opt.zero_grad(set_to_none=True)
+                    task = nn.functional.cross_entropy(model(x[idx_t]), y[idx_t])
+                    penalty = sum((lam * (p - m).pow(2)).sum() for p, m, lam in zip(params, anchor, prior))
+                    (task + self.prior_weight * 0.5 * penalty).backward()
+                    fisher.add_recorded(rec, idx, scale=float(len(idx)))  # mean loss: x batch size per example
+                    opt.step()
+                    total += float(task.detach()) * len(idx)
+                    seen += len(idx)
+        return total / max(seen, 1), fisher.total / self.fed.local_epochs
+
+    def _train_dpsgd(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng
+                     ) -> tuple[dict, torch.Tensor, object]:
+        """DP-SGD on the task loss with the prior added after noise; the clipped Fisher on a pass of its own."""
+        schedule = DPSGDSchedule.for_client(len(x), self.fed.batch_size, self.fed.local_epochs)
+        z = self._dpsgd_noise_multiplier(schedule)
+        clip = self.privacy.clip
+        fisher = FisherAccumulator(self.dim, len(x), clip=clip, max_visits=self.fed.local_epochs)
+        chunk_rng = np.random.default_rng(rng.integers(0, 2 ** 63 - 1))  # independent of DP-SGD's Poisson coins
+        chunks: list[np.ndarray] = []
+        params = list(model.parameters())
+        anchor = self._param_views(self.mean, model)
+        prior = self._param_views(self.precision, model)
+
+        def fisher_pass(epoch: int, step: int) -> None:
+            if step == 0:
+                chunks[:] = np.array_split(chunk_rng.permutation(len(x)), schedule.steps_per_epoch)
+            ids = chunks[step]
+            if len(ids):
+                idx = torch.from_numpy(ids)
+                fisher.add(model, x[idx], y[idx], ids)
+
+        @torch.no_grad()
+        def prior_gradient() -> None:
+            for p, m, lam in zip(params, anchor, prior):
+                p.grad.add_(self.prior_weight * lam * (p - m))
+
+        stats = dpsgd_train(model, x, y, schedule, noise_multiplier=z, clip=clip, lr=self.fed.lr,
+                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
+                            before_step=fisher_pass, extra_gradient=prior_gradient)
+        return {**stats, "noise_multiplier": z}, fisher.per_visit(), schedule.round_event(z)
+
+    def _dpsgd_noise_multiplier(self, schedule: DPSGDSchedule) -> float:
+        """DP-SGD's z: what the target leaves after the runtime's calibrated Fisher releases (module docstring)."""
+        if schedule not in self._dpsgd:
+            from accounting.events import GaussianEvent
+            from privfl.runtime import noise_multipliers_for
+
+            zs = noise_multipliers_for(self, self.privacy, self.fed.rounds)
+            others = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
+                      for ch in self.channels() if not isinstance(ch.clip, TrainedPrivately)]
+            self._dpsgd[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
+                                                    schedule, self.accountant, other_round_events=others)
+        return self._dpsgd[schedule]
+
+    def client_update(self, client, dataset, round, rng):
+        r = round + 1
+        local = copy.deepcopy(self.model)
+        load_flat_parameters(local, self.mean)
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        x, y = dataset.tensors()
+        n = len(dataset)
+        if self.mode == "example":
+            stats, fisher_sum, event = self._train_dpsgd(local, x, y, rng)
+            mu = flat_parameters(local)
+            fisher = fisher_sum.double().numpy()
+            c = self.privacy.clip
+            values = {"mean": PrivatizedValue(mu, event),
+                      "fisher_diag": ClippedValue(fisher, c, "squared_sum"),
+                      "fisher_natural_mean": ClippedValue(fisher * np.clip(mu, -self.mean_bound, self.mean_bound),
+                                                          self.mean_bound * c ** 2, "sum")}
+            return ClientOutput(values, weight=1.0, metrics=stats)
+        loss, fisher_sum = self._train_online(local, x, y, rng)
+        mu = flat_parameters(local)
+        precision = fisher_sum.double().numpy() / n / r + (r - 1) / r * self.precision  # eq. 24
+        metrics = {"train_loss": loss, "fisher_mean": float(fisher_sum.mean()) / n}
+        if self.mode == "non_private":
+            return ClientOutput({"natural_mean": precision * mu, "precision": precision}, weight=float(n),
+                                metrics=metrics)
+        return ClientOutput({"natural_mean_delta": precision * mu - self.precision * self.mean,
+                             "precision_delta": precision - self.precision}, weight=1.0, metrics=metrics)
+
+    # -- server ----------------------------------------------------------------------------------------------------
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        r = round + 1
+        floor = self.prior_precision
+        if self.mode == "non_private":
+            post = gaussian_product(aggregates["natural_mean"], aggregates["precision"], precision_floor=floor)
+        elif self.mode == "client":
+            eta, lam = aggregates["natural_mean_delta"], aggregates["precision_delta"]
+            k = lam.total_weight
+            post = combine(self.precision * self.mean + eta.total / k, self.precision + lam.total / k,
+                           precision_floor=floor, natural_noise_std=eta.noise_std / k,
+                           precision_noise_std=lam.noise_std / k, fold_noise=True)
+        else:
+            means, f, fm = aggregates["mean"], aggregates["fisher_diag"], aggregates["fisher_natural_mean"]
+            # record count of this round's participants (dataset sizes are public; all clients when none sat out)
+            records = self.total_records * means.participants / self.n_clients
+            prior_part = (r - 1) / r * self.precision
+            mean_avg = means.total / means.total_weight  # unweighted average of the clients' means
+            post = combine(fm.total / records / r + prior_part * mean_avg, f.total / records / r + prior_part,
+                           precision_floor=floor, natural_noise_std=fm.noise_std / records / r,
+                           precision_noise_std=f.noise_std / records / r, fold_noise=True)
+        self.mean, self.precision = post.mean, post.precision
+
+    def evaluate(self, dataset):
+        load_flat_parameters(self.model, self.mean)
+        x, y = dataset.tensors()
+        return classification_metrics(predict_proba(self.model, x), y.numpy())
+
+
+__all__ = ["FOLA"]
