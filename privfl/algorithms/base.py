@@ -59,3 +59,7 @@ class FederatedAlgorithm(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, dataset) -> dict[str, float]:
         """Metrics of the global model on ``dataset`` (accuracy, nll, ece for classification)."""
+
+    def predict_proba(self, dataset) -> np.ndarray | None:
+        """Class probabilities of the global model on ``dataset`` (for reliability diagrams); None if not offered."""
+        return None

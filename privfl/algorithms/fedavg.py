@@ -69,7 +69,9 @@ class FedAvg(FederatedAlgorithm):
         agg = aggregates["update"]
         self.global_params = self.global_params + self.fed.server_lr * agg.total / agg.total_weight
 
-    def evaluate(self, dataset):
+    def predict_proba(self, dataset):
         load_flat_parameters(self.model, self.global_params)
-        x, y = dataset.tensors()
-        return classification_metrics(predict_proba(self.model, x), y.numpy())
+        return predict_proba(self.model, dataset.tensors()[0])
+
+    def evaluate(self, dataset):
+        return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())

@@ -328,6 +328,11 @@ class HBFL(FederatedAlgorithm):
 
     # -- evaluation ----------------------------------------------------------------------------------------------
 
+    def predict_proba(self, dataset):
+        model = self.global_model()
+        with deterministic(model):
+            return predict_proba(model, dataset.tensors()[0])
+
     def evaluate(self, dataset):
         """Global model (meme at the global mean): ``accuracy_global``, ``nll``, ``ece``; the clients' local models:
         ``accuracy_local`` (their mean); ``accuracy``: the better of the two (the paper's convention)."""
