@@ -152,6 +152,40 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from dataclasses import replace
+
+    from privfl.compare import CompareConfig, compare, summary_table
+
+    config = CompareConfig.from_toml(args.config) if args.config else CompareConfig()
+    if args.out_dir:
+        config = replace(config, out_dir=args.out_dir)
+    rows = compare(config, progress=not args.quiet)
+    table = summary_table(rows)
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"privfl compare: {config.dataset}, {config.clients} clients, {config.partition}"
+                    f"{f' alpha={config.alpha:g}' if config.partition == 'dirichlet' else ''}, {config.rounds} rounds, "
+                    f"unit={config.unit}, delta={config.delta:g}")
+    for col in ("algorithm", "ε target", "seeds", "accuracy", "NLL", "ECE", "ε spent max", "ε spent mean"):
+        t.add_column(col, justify="left" if col == "algorithm" else "right")
+    for r in table:
+        t.add_row(r["algorithm"], f"{r['epsilon_target']:g}", str(r["seeds"]),
+                  f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}", f"{r['nll']:.3f}", f"{r['ece']:.3f}",
+                  f"{r['epsilon_spent_max']:.3f}", f"{r['epsilon_spent_mean']:.3f}")
+    Console(width=140).print(t)
+    print(f"wrote {config.out_dir}/results.json, results.csv, accuracy_vs_epsilon.png, epsilon_per_client.png, "
+          f"reliability.png")
+    if args.json:
+        _dump({"results": rows}, args.json)
+    over = [r for r in rows if r["epsilon_spent_max"] > r["epsilon_target"] * (1 + 1e-9)]
+    if over:
+        print(f"ERROR: {len(over)} run(s) spent more than their target", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_audit_mechanism(args) -> int:
     from privfl.empirical_audit import audit_gaussian_release
 
@@ -223,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
     a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG")
     a.set_defaults(func=cmd_audit)
+    k = sub.add_parser("compare", help="utility under DP against baselines: algorithms x epsilons x seeds")
+    k.add_argument("config", nargs="?", default=None, help="TOML file (see experiments/configs/)")
+    k.add_argument("--json", default=None, metavar="OUT", help="also write {\"results\": [...]} to OUT")
+    k.add_argument("--out-dir", default=None, help="where runs, ledgers, tables and figures go")
+    k.add_argument("--quiet", action="store_true", help="no progress bar")
+    k.set_defaults(func=cmd_compare)
+
     m = sub.add_parser("audit-mechanism", help="empirical (Clopper-Pearson) lower bound on epsilon of the release path")
     m.add_argument("--noise-multiplier", type=_float, default=1.0)
     m.add_argument("--delta", type=_float, default=1e-5)

@@ -31,3 +31,112 @@ def plot_epsilon_per_client(series: dict[str, list[tuple[int, float]]], path: st
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finite_targets(rows) -> list[float]:
+    return sorted({r["epsilon_target"] for r in rows if math.isfinite(r["epsilon_target"])})
+
+
+def plot_accuracy_vs_epsilon(rows: list[dict], path: str, *, delta: float) -> None:
+    """Test accuracy against the ε target per algorithm (mean ± std over seeds); ε = ∞ (no DP) drawn at the right."""
+    import numpy as np
+
+    plt = _pyplot()
+    targets = _finite_targets(rows)
+    x_of = {e: i for i, e in enumerate(targets)}
+    x_inf = len(targets)
+    fig, ax = plt.subplots(figsize=(6.8, 4.2), dpi=120)
+    for alg in sorted({r["algorithm"] for r in rows}):
+        pts = {}
+        for r in rows:
+            if r["algorithm"] == alg:
+                pts.setdefault(r["epsilon_target"], []).append(r["accuracy"])
+        es = sorted(pts, key=lambda e: (math.isinf(e), e))
+        xs = [x_inf if math.isinf(e) else x_of[e] for e in es]
+        means = [float(np.mean(pts[e])) for e in es]
+        stds = [float(np.std(pts[e])) for e in es]
+        if len(es) == 1 and math.isinf(es[0]):
+            ax.axhline(means[0], linestyle=":", linewidth=1, color=ax._get_lines.get_next_color(),
+                       label=f"{alg} (no DP)")
+            continue
+        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=alg)
+    ax.set_xticks(list(range(len(targets))) + [x_inf])
+    ax.set_xticklabels([f"{e:g}" for e in targets] + ["∞ (no DP)"])
+    ax.set_xlabel(f"target ε per client (δ = {delta:g})")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("Utility under differential privacy (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_epsilon_curves(rows: list[dict], path: str, *, delta: float) -> None:
+    """Cumulative ε per client over rounds: one thin line per client, one colour per private algorithm, for the
+    middle finite ε target of the grid (first seed)."""
+    plt = _pyplot()
+    targets = _finite_targets(rows)
+    fig, ax = plt.subplots(figsize=(6.8, 4.2), dpi=120)
+    if targets:
+        target = targets[len(targets) // 2]
+        for alg in sorted({r["algorithm"] for r in rows}):
+            chosen = [r for r in rows if r["algorithm"] == alg and r["epsilon_target"] == target]
+            if not chosen:
+                continue
+            row = min(chosen, key=lambda r: r["seed"])
+            colour = ax._get_lines.get_next_color()
+            for i, (cid, series) in enumerate(sorted(row["epsilon_per_client_per_round"].items())):
+                ax.plot(range(1, len(series) + 1), series, color=colour, linewidth=1, alpha=0.7,
+                        label=f"{alg} ({len(row['epsilon_per_client_per_round'])} clients)" if i == 0 else None)
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target ε = {target:g}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"cumulative ε spent (δ = {delta:g})")
+    ax.set_title("Privacy spent per client, from each run's ledger")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_reliability(rows: list[dict], path: str) -> None:
+    """Reliability diagrams (accuracy against confidence per bin) per algorithm, without DP and at the middle
+    finite ε target (first seed)."""
+    plt = _pyplot()
+    targets = _finite_targets(rows)
+    panels = [math.inf] + ([targets[len(targets) // 2]] if targets else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.4), dpi=120, squeeze=False)
+    for ax, target in zip(axes[0], panels):
+        ax.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
+        for alg in sorted({r["algorithm"] for r in rows}):
+            chosen = [r for r in rows if r["algorithm"] == alg and r["epsilon_target"] == target and "reliability" in r]
+            if not chosen:
+                continue
+            rel = min(chosen, key=lambda r: r["seed"])["reliability"]
+            pts = [(c, a) for c, a, n in zip(rel["confidence"], rel["accuracy"], rel["count"]) if n > 0]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{alg} (ECE {min(chosen, key=lambda r: r['seed'])['ece']:.3f})")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence (max predicted probability)")
+        ax.set_ylabel("accuracy in bin")
+        ax.set_title("no DP" if math.isinf(target) else f"ε = {target:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Reliability diagrams (test set)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -102,6 +102,7 @@ class FOLA(FederatedAlgorithm):
         self.total_records = self.max_client_records = 0
         self.n_clients = 0
         self._dpsgd: dict[DPSGDSchedule, float] = {}
+        self._fisher_events: list | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------
 
@@ -213,14 +214,15 @@ class FOLA(FederatedAlgorithm):
     def _dpsgd_noise_multiplier(self, schedule: DPSGDSchedule) -> float:
         """DP-SGD's z: what the target leaves after the runtime's calibrated Fisher releases (module docstring)."""
         if schedule not in self._dpsgd:
-            from accounting.events import GaussianEvent
-            from privfl.runtime import noise_multipliers_for
+            if self._fisher_events is None:
+                from accounting.events import GaussianEvent
+                from privfl.runtime import noise_multipliers_for  # the very multipliers the run's pipelines use
 
-            zs = noise_multipliers_for(self, self.privacy, self.fed.rounds)
-            others = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
-                      for ch in self.channels() if not isinstance(ch.clip, TrainedPrivately)]
+                zs = noise_multipliers_for(self, self.privacy, self.fed.rounds)
+                self._fisher_events = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
+                                       for ch in self.channels() if not isinstance(ch.clip, TrainedPrivately)]
             self._dpsgd[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
-                                                    schedule, self.accountant, other_round_events=others)
+                                                    schedule, self.accountant, other_round_events=self._fisher_events)
         return self._dpsgd[schedule]
 
     def client_update(self, client, dataset, round, rng):
