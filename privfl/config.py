@@ -72,6 +72,8 @@ class PrivacyConfig:
             return self.accountant
         if self.placement == "distributed":
             return "zcdp"
+        if self.unit == "example":
+            return "pld"  # record-level privacy comes from DP-SGD: Poisson-sampled Gaussian steps
         return "exact" if self.sampling_rate >= 1 else "pld"
 
 

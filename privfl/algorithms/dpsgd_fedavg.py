@@ -17,10 +17,10 @@ materialises per-example gradients of Linear layers; on CPU it trains the paper'
 
 Requirements (checked at construction): ``unit="example"``; ``add_remove`` adjacency (the sampled-Gaussian bound
 composed here is the add/remove one); no client sampling (a client's training event is only known once it trained);
-an accountant that composes sampled Gaussians: ``pld`` (the recommended default: tightest, and here faster than
-``rdp``, whose large integer orders cost ~0.2 s per composition) or ``rdp``. The run's ledger must use the same
-accountant, so pass it explicitly (``PrivacyConfig(accountant="pld")``, CLI ``--accountant pld``). Dataset sizes n_k are treated as public, as in opacus (q and the gradient average use them).
-Non-private (``epsilon = inf``) it is plain FedAvg.
+an accountant that composes sampled Gaussians: ``pld`` (what ``PrivacyConfig`` resolves to for ``unit="example"``;
+tightest, and here faster than ``rdp``, whose large integer orders cost ~0.2 s per composition) or ``rdp``; an
+explicit ``exact`` or ``zcdp`` is refused. Dataset sizes n_k are treated as public, as in opacus (q and the gradient
+average use them). Non-private (``epsilon = inf``) it is plain FedAvg.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import torch
 from torch import nn
 
 from accounting.accountants import make_accountant
-from accounting.calibration import calibrate
-from accounting.errors import InvalidPrivacyParameter
 from accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
@@ -100,21 +98,21 @@ def check_dpsgd_privacy(privacy, algorithm: str) -> str:
 
 def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSchedule, accountant: str, *,
                     other_round_events: Sequence[PrivacyEvent] = ()) -> float:
-    """The smallest noise multiplier z such that ``rounds`` rounds of ``schedule``'s DP-SGD, composed with
-    ``other_round_events`` once per round (e.g. FOLA's Gaussian Fisher releases), meet (epsilon, delta).
+    """The smallest noise multiplier z (to relative tolerance 1e-3) such that ``rounds`` rounds of ``schedule``'s
+    DP-SGD, composed with ``other_round_events`` once per round (e.g. FOLA's Gaussian Fisher releases), meet
+    (epsilon, delta) under ``accountant``: the composition the ledger checks, leaf by leaf.
 
-    Without other events this is :func:`accounting.calibration.calibrate` over rounds x steps sampled steps, the
-    exact composition the ledger checks. With them, z is bisected (log scale, relative tol 1e-3) against the full
-    composition, aiming 1e-4 below the target so the ledger's own composition order cannot tip it over.
+    The returned z always meets the target (the search keeps the side that does, aiming 1e-4 below it so that the
+    ledger's own composition order cannot tip it over). epsilon(z) is monotone and smooth in log-log scale, so a
+    bracket is found by doubling and closed by safeguarded secant steps in (log z, log epsilon): about six
+    accountant evaluations instead of bisection's fifteen (each is a PLD or RDP composition, ~0.1-0.3 s).
     """
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise ConfigurationError(f"DP-SGD needs a finite target epsilon > 0, got {epsilon!r}")
+    if schedule.sample_rate < 1 and schedule.sample_rate <= delta:
+        raise ConfigurationError(f"sampling rate {schedule.sample_rate} is not above delta={delta}; choose a delta "
+                                 "much smaller than batch_size / n")
     total_steps = rounds * schedule.steps
-    if not other_round_events:
-        try:
-            cal = calibrate(epsilon, delta, total_steps, sampling_rate=schedule.sample_rate,
-                            accountant=accountant, tol=_CALIBRATION_TOL)
-        except InvalidPrivacyParameter as err:
-            raise ConfigurationError(f"cannot calibrate DP-SGD: {err}") from err
-        return cal.noise_multiplier
     target = epsilon * (1 - 1e-4)
 
     def eps_at(z: float) -> float:
@@ -124,23 +122,40 @@ def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSc
         acct.compose(schedule.step_event(z), total_steps)
         return acct.get_epsilon(delta)
 
-    hi = 1.0
-    while eps_at(hi) > target:
-        hi *= 2.0
+    if other_round_events:
+        alone = make_accountant(accountant)
+        for event in other_round_events:
+            alone.compose(event, rounds)
+        if alone.get_epsilon(delta) >= target * (1 - 1e-3):
+            raise ConfigurationError(f"no DP-SGD noise meets epsilon={epsilon}: the other releases alone spend "
+                                     f"(almost) all of it; give the DP-SGD-trained channel a larger budget_share")
+    hi, eps_hi = 1.0, eps_at(1.0)
+    while eps_hi > target:
+        hi, eps_hi = 2.0 * hi, eps_at(2.0 * hi)
         if hi > 1e6:
-            raise ConfigurationError(f"the other releases alone spend (almost) all of epsilon={epsilon}; give the "
-                                     f"DP-SGD-trained channel a larger budget_share")
-    lo = hi / 2.0
-    while eps_at(lo) <= target:
-        hi, lo = lo, lo / 2.0
-        if lo < 1e-4:
-            return hi
-    while hi > lo * (1 + _CALIBRATION_TOL):
-        mid = math.sqrt(lo * hi)
-        if eps_at(mid) <= target:
-            hi = mid
+            raise ConfigurationError(f"no DP-SGD noise up to {hi:g} meets epsilon={epsilon}")
+    lo, eps_lo = hi / 2.0, eps_at(hi / 2.0)
+    while eps_lo <= target:
+        hi, eps_hi = lo, eps_lo
+        if hi < 1e-3:
+            return hi  # (almost) no noise needed: a degenerate target
+        lo, eps_lo = lo / 2.0, eps_at(lo / 2.0)
+    last_side = None
+    while hi > lo * (1 + _CALIBRATION_TOL) and eps_hi < target * (1 - _CALIBRATION_TOL):
+        a, b = math.log(lo), math.log(hi)
+        if last_side is not None and last_side[0] == last_side[1]:
+            mid = math.sqrt(lo * hi)  # the same end moved twice: bisect to keep the bracket shrinking
         else:
-            lo = mid
+            la, lb, lt = math.log(eps_lo), math.log(max(eps_hi, 1e-300)), math.log(target)
+            t = (la - lt) / (la - lb) if la != lb else 0.5
+            mid = math.exp(a + min(max(t, 0.05), 0.95) * (b - a))
+        eps_mid = eps_at(mid)
+        side = "hi" if eps_mid <= target else "lo"
+        if side == "hi":
+            hi, eps_hi = mid, eps_mid
+        else:
+            lo, eps_lo = mid, eps_mid
+        last_side = (side, None if last_side is None else last_side[0])
     return hi
 
 
@@ -219,8 +234,6 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
-    #: the accountant to pass for private runs (see the module docstring)
-    default_accountant = "pld"
 
     def __init__(self, fed, privacy):
         super().__init__(fed, privacy)

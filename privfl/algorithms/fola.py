@@ -31,8 +31,9 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
 Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
 runtime calibrates the Gaussian channels (:func:`privfl.runtime.noise_multipliers_for`, which gives the
 DP-SGD-trained ``mean`` channel a share too); that share is what DP-SGD gets: its noise multiplier is calibrated so
-that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld`` or ``rdp``, as for
-``dpsgd_fedavg``). Post-processing on the server (free): precision floor, known DP noise folded into the precision.
+that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld``, the default for
+``unit="example"``, or ``rdp``, as for ``dpsgd_fedavg``). Post-processing on the server (free): precision floor,
+known DP noise folded into the precision.
 
 Differences from the authors' code: per-example squared gradients (theirs square mini-batch means), a floor at gamma
 (theirs adds 1e-5 to a denominator).
@@ -79,8 +80,6 @@ class FOLA(FederatedAlgorithm):
 
     name = "fola"
     supports_privacy = True
-    #: the accountant to pass for example-level runs (DP-SGD steps are sampled Gaussians)
-    default_accountant = "pld"
 
     def __init__(self, fed, privacy, *, prior_weight: float = 1.0, prior_precision: float = 1e-3,
                  mean_bound: float = 1.0, budget_shares: Mapping[str, float] | None = None):
@@ -90,6 +89,9 @@ class FOLA(FederatedAlgorithm):
         self.mean_bound = _positive("mean_bound", mean_bound)
         self.mode = privacy.unit if privacy.private else "non_private"
         self.accountant = check_dpsgd_privacy(privacy, self.name) if self.mode == "example" else None
+        if self.mode == "example" and privacy.placement == "distributed":
+            raise ConfigurationError("fola (unit='example'): DP-SGD is calibrated against the Fisher channels' "
+                                     "Gaussian events; use local or central placement")
         shares = dict(_SHARES.get(self.mode, {}))
         if budget_shares is not None:
             if set(budget_shares) != set(shares):

@@ -44,7 +44,7 @@ def reference(model, x, y, clip):
 
 @pytest.mark.parametrize("clip", [None, 0.3])
 @pytest.mark.parametrize("make, shape, classes", [(mlp, (12,), 4), (lambda: mlp(bias=False), (3, 4), 4),
-                                                  (convnet, (2, 6, 6), 5)])
+                                                  (convnet, (2, 8, 8), 5)])
 def test_hooks_equal_the_torch_func_reference(make, shape, classes, clip):
     model = make()
     x, y = data(shape, classes=classes)
@@ -126,18 +126,19 @@ def test_accumulated_clipped_fisher_moves_by_at_most_c_squared_on_neighbouring_d
     torch.testing.assert_close(full.total - without.total, visits_j * own, rtol=1e-9, atol=1e-12)
 
 
-def test_without_a_cap_a_repeated_record_exceeds_c_squared():
+def test_the_cap_bounds_a_repeatedly_sampled_record():
     model = mlp()
     x, y = data((12,), n=4)
     clip = 0.1
     batches = [np.array([0, 1])] * 5  # record 0 sampled five times
-    capped = _accumulate(model, x, y, batches, clip, 1)
-    uncapped = _accumulate(model, x, y, batches, clip, None)
     one = per_example_fisher(model, x[:1], y[:1], clip=clip).squared
-    assert float(one.norm()) == pytest.approx(clip ** 2, rel=1e-4)  # clip is active: ||c g (.) c g|| hits C^2
-    assert float(capped.total.norm()) <= 2 * clip ** 2 * (1 + 1e-9)
-    assert float(uncapped.total.norm()) > 4 * clip ** 2
-    assert uncapped.record_bound() == float("inf")
+    assert 0 < float(one.norm()) <= clip ** 2  # ||c g (.) c g||_2 <= ||c g||_2^2 <= C^2
+    drop = [b[b != 0] for b in batches]
+    capped = _accumulate(model, x, y, batches, clip, 2).total - _accumulate(model, x, y, drop, clip, 2).total
+    uncapped = _accumulate(model, x, y, batches, clip, None).total - _accumulate(model, x, y, drop, clip, None).total
+    torch.testing.assert_close(capped, 2 * one, rtol=1e-9, atol=1e-12)  # two admitted visits, then weight 0
+    torch.testing.assert_close(uncapped, 5 * one, rtol=1e-9, atol=1e-12)  # unbounded without the cap
+    assert FisherAccumulator(3, 2, clip=clip).record_bound() == float("inf")
 
 
 def test_accumulator_validates_its_arguments():

@@ -75,7 +75,7 @@ def test_channels_follow_the_privacy_unit(digits):
 
 
 @pytest.mark.parametrize("bad", [
-    dict(privacy=PrivacyConfig(epsilon=2.0, unit="example")),  # exact accountant cannot do DP-SGD's sampling
+    dict(privacy=PrivacyConfig(epsilon=2.0, unit="example", accountant="exact")),  # exact cannot compose sampling
     dict(privacy=PrivacyConfig(epsilon=2.0, unit="example", accountant="pld", sampling_rate=0.5)),
     dict(privacy=PrivacyConfig(epsilon=2.0, unit="example", accountant="pld", adjacency="replace_one")),
     dict(local_models=("resnet",)),

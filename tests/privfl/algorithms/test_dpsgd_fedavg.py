@@ -1,0 +1,169 @@
+"""DP-SGD FedAvg: opacus ghost-clipping steps equal the clipped-gradient reference, empty Poisson batches are
+noise-only steps, the calibrated noise meets the target under the ledger's own composition, and a run is audited
+at (not over) its target."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from accounting import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl.algorithms import ALGORITHMS
+from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg, DPSGDSchedule, calibrate_dpsgd, dpsgd_train
+from privfl.algorithms.fedavg import FedAvg
+from privfl.channels import PrivatizedValue, TrainedPrivately
+from privfl.cli import main
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.data import FederatedData, make_federated
+from privfl.errors import ConfigurationError
+from privfl.fisher import per_example_gradients
+from privfl.runtime import Simulation
+
+FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """Three clients of 160 digits each: one DP-SGD schedule, so one calibration."""
+    d = make_federated("digits", 3, partition="iid", seed=0)
+    return FederatedData([p.subset(np.arange(160)) for p in d.train_parts], d.test.subset(np.arange(200)), d.name,
+                         d.num_classes, d.input_shape)
+
+
+def small_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(10, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def test_a_ghost_clipping_step_is_the_clipped_gradient_average():
+    model = small_net()
+    x = 3 * torch.randn(40, 10, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(2))
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    reference_model = small_net()
+    # q = 1 samples every example, so the step's batch is known: the whole data set
+    schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=1)
+    dpsgd_train(model, x, y, schedule, noise_multiplier=0.0, clip=0.3, lr=1.0, momentum=0.0,
+                rng=np.random.default_rng(0))
+    sampled = torch.arange(40)
+    g = per_example_gradients(reference_model, x[sampled], y[sampled])
+    c = (0.3 / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    assert (g.norm(dim=1) > 0.3).any()
+    expected = before - (c[:, None] * g).sum(dim=0) / 40
+    after = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
+    # opacus' hooks are gone: a plain backward works and leaves no per-sample state behind
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_empty_poisson_batches_are_noise_only_steps():
+    model = small_net()
+    x, y = torch.randn(5, 10), torch.zeros(5, dtype=torch.long)
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    schedule = DPSGDSchedule(sample_rate=1e-3, steps_per_epoch=3, epochs=2)
+    stats = dpsgd_train(model, x, y, schedule, noise_multiplier=1.0, clip=1.0, lr=0.1, momentum=0.0,
+                        rng=np.random.default_rng(0))
+    assert stats["dpsgd_steps"] == schedule.steps == 6
+    assert not torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()).detach(), before)
+
+
+def test_schedule_and_its_events():
+    s = DPSGDSchedule.for_client(160, 32, 3)
+    assert (s.sample_rate, s.steps_per_epoch, s.steps) == (0.2, 5, 15)
+    assert s.round_event(1.5) == SelfComposedEvent(PoissonSampledEvent(0.2, GaussianEvent(1.0, 1.5)), 15)
+    assert DPSGDSchedule.for_client(10, 32, 1).sample_rate == 1.0
+
+
+def test_calibration_meets_the_target_under_the_ledger_composition(accountant="pld"):
+    schedule, rounds, eps = DPSGDSchedule.for_client(160, 32, 1), 3, 2.0
+    z = calibrate_dpsgd(eps, 1e-5, rounds, schedule, accountant)
+    fisher = GaussianEvent(1.0, 6.0)
+    z_mixed = calibrate_dpsgd(eps, 1e-5, rounds, schedule, accountant, other_round_events=[fisher])
+    assert z_mixed > z  # the other release takes part of the budget
+    for mult, extra in ((z, []), (z_mixed, [fisher])):
+        ledger = PrivacyLedger(":memory:", "run", delta=1e-5, epsilon_budget=eps, accountant=accountant)
+        for rnd in range(rounds):
+            ledger.charge_all("0", rnd, [ChargeRequest("mean", schedule.round_event(mult))]
+                              + [ChargeRequest("fisher", e) for e in extra])
+        spent = ledger.epsilon("0")
+        assert 0.97 * eps <= spent <= eps  # tight, never over
+    with pytest.raises(ConfigurationError, match="budget_share"):
+        calibrate_dpsgd(eps, 1e-5, rounds, schedule, accountant, other_round_events=[GaussianEvent(1.0, 0.3)])
+
+
+@pytest.mark.parametrize("privacy, needle", [
+    (PrivacyConfig(epsilon=3.0, unit="client", accountant="pld"), "unit='example'"),
+    (PrivacyConfig(epsilon=3.0, unit="example", accountant="exact"), "--accountant pld"),
+    (PrivacyConfig(epsilon=3.0, unit="example", accountant="zcdp"), "accountant"),
+    (PrivacyConfig(epsilon=3.0, unit="example", accountant="pld", adjacency="replace_one"), "add_remove"),
+    (PrivacyConfig(epsilon=3.0, unit="example", accountant="pld", sampling_rate=0.5), "sampling"),
+])
+def test_configurations_dpsgd_cannot_honour_are_refused(privacy, needle):
+    with pytest.raises(ConfigurationError, match=needle.replace("(", r"\(")):
+        DPSGDFedAvg(FED, privacy)
+
+
+def test_non_private_dpsgd_fedavg_is_fedavg(digits):
+    outs = []
+    for cls in (FedAvg, DPSGDFedAvg):
+        alg = cls(FED, PrivacyConfig())
+        alg.setup(digits, np.random.default_rng(0))
+        outs.append(alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(3)).values["update"])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert ALGORITHMS["dpsgd_fedavg"] is DPSGDFedAvg
+
+
+@pytest.mark.timeout(180)
+def test_example_level_run_is_charged_its_dpsgd_events_and_meets_the_target(digits):
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=1.0, accountant="pld")
+    alg = DPSGDFedAvg(FED, privacy)
+    sim = Simulation(alg, digits, FED, privacy)
+    result = sim.run()
+    assert [c.clip for c in alg.channels()] == [TrainedPrivately()]
+    audit = result.audit
+    assert len(audit["clients"]) == 3
+    assert 2.8 <= audit["max_epsilon"] <= 3.0
+    schedule = DPSGDSchedule.for_client(160, FED.batch_size, FED.local_epochs)
+    z = alg.noise_multiplier(schedule)
+    charges = sim.ledger.charges("0")
+    assert [c.event for c in charges] == [schedule.round_event(z)] * FED.rounds
+    assert 0.3 < z < 10
+    assert all(np.isfinite(r.metrics["accuracy"]) for r in result.history)
+    # the value handed to the pipeline carries exactly that event
+    out = alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(0))
+    assert isinstance(out.values["update"], PrivatizedValue)
+    assert out.values["update"].event == schedule.round_event(z)
+    assert out.weight == 160
+
+
+@pytest.mark.timeout(120)
+def test_cli_runs_dpsgd_fedavg_non_private(tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["run", "--algorithm", "dpsgd_fedavg", "--dataset", "digits", "--clients", "3", "--rounds", "2",
+                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
+    assert code == 0
+    assert json.loads(out.read_text())["algorithm"] == "dpsgd_fedavg"
+
+
+@pytest.mark.timeout(120)
+def test_cli_private_example_level_run_uses_a_sampled_accountant_by_default(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["run", "--algorithm", "dpsgd_fedavg", "--dataset", "digits", "--clients", "2", "--rounds", "2",
+                 "--epsilon", "4", "--unit", "example", "--hidden", "16", "--json", str(out), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["accountant"] == "pld" and 3.5 < result["epsilon_spent_max"] <= 4.0
+    code = main(["run", "--algorithm", "dpsgd_fedavg", "--dataset", "digits", "--clients", "2", "--rounds", "2",
+                 "--epsilon", "4", "--unit", "example", "--accountant", "exact", "--quiet"])
+    assert code == 2 and "--accountant pld" in capsys.readouterr().err

@@ -1,0 +1,208 @@
+"""FOLA (Liu et al.): local precision of eq. 24 from the online per-example Fisher, the Gaussian-product server in
+each privacy mode, the Fisher channel's sensitivity on neighbouring data, and audited end-to-end runs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from accounting import GaussianEvent, SelfComposedEvent
+from privfl.aggregation import Aggregate
+from privfl.algorithms import ALGORITHMS
+from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
+from privfl.algorithms.fola import FOLA
+from privfl.algorithms.gaussian_product import product_of_gaussians
+from privfl.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.cli import main
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.data import FederatedData, make_federated
+from privfl.errors import ConfigurationError
+from privfl.fisher import per_example_fisher
+from privfl.runtime import Simulation
+from privfl.training import load_flat_parameters
+
+FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=0)
+FROZEN = FederationConfig(rounds=2, local_epochs=2, batch_size=32, lr=1e-12, hidden=(16,), seed=0)  # params fixed
+EXAMPLE = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="example", clip=0.5)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """Three clients of 160 digits (one DP-SGD schedule, so one calibration) and a small test set."""
+    d = make_federated("digits", 3, partition="dirichlet", alpha=0.5, seed=0)
+    return FederatedData([p.subset(np.arange(160)) for p in d.train_parts], d.test.subset(np.arange(200)), d.name,
+                         d.num_classes, d.input_shape)
+
+
+def reference_fisher(alg, part, clip=None):
+    model = alg.model
+    load_flat_parameters(model, alg.mean)
+    x, y = part.tensors()
+    return per_example_fisher(model, x, y, clip=clip).squared.double().numpy()
+
+
+def test_local_precision_is_eq_24_from_the_per_example_fisher(digits):
+    alg = FOLA(FROZEN, PrivacyConfig())
+    alg.setup(digits, np.random.default_rng(0))
+    part, n = digits.train_parts[1], 160
+    fisher = reference_fisher(alg, part) / n  # eq. 22 at fixed parameters: the per-example average
+    out = alg.client_update(1, part, 0, np.random.default_rng(1))  # round r = 1
+    np.testing.assert_allclose(out.values["precision"], fisher, rtol=1e-4, atol=1e-12)
+    np.testing.assert_allclose(out.values["natural_mean"], fisher * alg.mean, rtol=1e-4, atol=1e-12)
+    assert out.weight == n
+    alg.precision = np.full(alg.dim, 0.3)  # a later round: half likelihood, half prior
+    out = alg.client_update(1, part, 1, np.random.default_rng(1))  # round r = 2
+    np.testing.assert_allclose(out.values["precision"], fisher / 2 + 0.3 / 2, rtol=1e-4)
+
+
+def aggregate(name, values, weights, noise_std=0.0):
+    return Aggregate(name, sum(w * v for w, v in zip(weights, values)), float(sum(weights)), len(values), noise_std)
+
+
+def test_server_is_the_gaussian_product_without_privacy_and_at_client_level():
+    rng = np.random.default_rng(0)
+    means = [rng.normal(size=10) for _ in range(3)]
+    precs = [rng.uniform(0.01, 1.0, size=10) for _ in range(3)]
+    sizes = [160.0] * 3
+    expected = product_of_gaussians(means, precs, sizes)
+
+    plain = FOLA(FED, PrivacyConfig())
+    plain.mean, plain.precision = np.zeros(10), np.full(10, 1e-3)
+    plain.server_update({"natural_mean": aggregate("natural_mean", [p * m for p, m in zip(precs, means)], sizes),
+                         "precision": aggregate("precision", precs, sizes)}, 0)
+    np.testing.assert_allclose(plain.mean, expected.mean, rtol=1e-12)
+    np.testing.assert_allclose(plain.precision, expected.precision, rtol=1e-12)
+
+    client = FOLA(FED, PrivacyConfig(epsilon=5.0, unit="client"))
+    client.mean, client.precision = rng.normal(size=10), np.full(10, 0.2)
+    prior_nat = client.precision * client.mean
+    client.server_update({
+        "natural_mean_delta": aggregate("natural_mean_delta", [p * m - prior_nat for p, m in zip(precs, means)],
+                                        [1.0] * 3),
+        "precision_delta": aggregate("precision_delta", [p - 0.2 for p in precs], [1.0] * 3)}, 0)
+    np.testing.assert_allclose(client.mean, expected.mean, rtol=1e-10)  # equal sizes: uniform = n_k weights
+
+
+def test_example_unit_server_matches_the_product_of_eq_24_posteriors():
+    rng = np.random.default_rng(1)
+    means = [rng.normal(size=8) for _ in range(3)]
+    fishers = [rng.uniform(0, 50, size=8) for _ in range(3)]
+    prior = rng.uniform(0.1, 0.5, size=8)
+    r, n_k = 2, 160
+    locals_ = [f / n_k / r + (r - 1) / r * prior for f in fishers]  # eq. 24 with F_k = fisher_sum / n_k
+    expected = product_of_gaussians(means, locals_)  # equal sizes: q_k = 1/3
+    alg = FOLA(FED, EXAMPLE)
+    alg.total_records, alg.n_clients = 3 * n_k, 3
+    alg.mean, alg.precision = np.zeros(8), prior.copy()
+    alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),
+                       "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3),
+                       "fisher_natural_mean": aggregate("fisher_natural_mean",
+                                                        [f * m for f, m in zip(fishers, means)], [1.0] * 3)}, r - 1)
+    np.testing.assert_allclose(alg.mean, expected.mean, rtol=1e-10)
+    np.testing.assert_allclose(alg.precision, expected.precision, rtol=1e-10)
+    # with known DP noise the precision is folded down, the mean unchanged
+    alg.mean, alg.precision = np.zeros(8), prior.copy()
+    alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),
+                       "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3, noise_std=20.0),
+                       "fisher_natural_mean": aggregate("fisher_natural_mean",
+                                                        [f * m for f, m in zip(fishers, means)], [1.0] * 3,
+                                                        noise_std=20.0)}, r - 1)
+    np.testing.assert_allclose(alg.mean, expected.mean, rtol=1e-10)
+    assert np.all(alg.precision < expected.precision)
+
+
+def frozen_example_client(digits, part):
+    alg = FOLA(FROZEN, EXAMPLE, mean_bound=0.5)
+    alg.setup(digits, np.random.default_rng(0))
+    alg._dpsgd_noise_multiplier = lambda schedule: 1.0  # no calibration needed: lr ~ 0 keeps the parameters
+    return alg, alg.client_update(0, part, 0, np.random.default_rng(7))
+
+
+@pytest.mark.parametrize("j", [0, 57, 159])
+def test_example_unit_fisher_channels_move_within_their_sensitivity_on_neighbouring_data(digits, j):
+    part = digits.train_parts[0]
+    neighbour = part.subset(np.delete(np.arange(len(part)), j))
+    alg, full = frozen_example_client(digits, part)
+    _, without = frozen_example_client(digits, neighbour)
+    c, b = EXAMPLE.clip, 0.5
+    fisher, fisher_nat = full.values["fisher_diag"], full.values["fisher_natural_mean"]
+    assert isinstance(fisher, ClippedValue) and (fisher.bound, fisher.statistic) == (c, "squared_sum")
+    assert isinstance(fisher_nat, ClippedValue) and (fisher_nat.bound, fisher_nat.statistic) == (b * c ** 2, "sum")
+    moved = np.linalg.norm(fisher.value - without.values["fisher_diag"].value)
+    assert 0 < moved <= c ** 2 * (1 + 1e-5)
+    assert np.linalg.norm(fisher_nat.value - without.values["fisher_natural_mean"].value) <= b * c ** 2 * (1 + 1e-5)
+    # every epoch saw record j once, at (almost) the same parameters: the difference is its clipped squared gradient
+    own = reference_fisher(alg, part.subset([j]), clip=c)
+    np.testing.assert_allclose(fisher.value - without.values["fisher_diag"].value, own, rtol=1e-3, atol=1e-7)
+    assert isinstance(full.values["mean"], PrivatizedValue)
+    assert full.values["mean"].event == DPSGDSchedule.for_client(160, 32, 2).round_event(1.0)
+
+
+@pytest.mark.timeout(180)
+def test_example_level_run_charges_dpsgd_and_fisher_and_meets_the_target(digits):
+    privacy = EXAMPLE
+    alg = FOLA(FED, privacy)
+    sim = Simulation(alg, digits, FED, privacy)
+    result = sim.run()
+    clips = {c.name: c.clip for c in alg.channels()}
+    assert clips == {"mean": TrainedPrivately(), "fisher_diag": PreClipped(0.5, "squared_sum"),
+                     "fisher_natural_mean": PreClipped(0.25, "sum")}
+    assert result.accountant == "pld" and 3.6 <= result.audit["max_epsilon"] <= 4.0
+    round0 = {c.channel: c.event for c in sim.ledger.charges("0") if c.round == 0}
+    zs = result.noise_multipliers
+    assert round0["fisher_diag"] == GaussianEvent(0.25, zs["fisher_diag"] * 0.25)
+    assert round0["fisher_natural_mean"] == GaussianEvent(0.25, zs["fisher_natural_mean"] * 0.25)
+    assert isinstance(round0["mean"], SelfComposedEvent) and round0["mean"].count == 5
+    assert all(np.isfinite(r.metrics["accuracy"]) for r in result.history)
+    assert np.all(alg.precision > 0) and np.all(np.isfinite(alg.mean))
+
+
+@pytest.mark.timeout(120)
+def test_client_level_run_clips_natural_parameter_changes(digits):
+    privacy = PrivacyConfig(epsilon=5.0, delta=1e-5, unit="client", clip=1.0)
+    alg = FOLA(FED, privacy)
+    result = Simulation(alg, digits, FED, privacy).run()
+    assert {c.name: c.clip for c in alg.channels()} == {"natural_mean_delta": NormClip(1.0),
+                                                         "precision_delta": NormClip(1.0)}
+    assert result.accountant == "exact" and 4.9 <= result.audit["max_epsilon"] <= 5.0
+    assert np.all(alg.precision > 0) and np.all(np.isfinite(alg.mean))
+
+
+def test_configuration_is_checked():
+    assert ALGORITHMS["fola"] is FOLA
+    with pytest.raises(ConfigurationError, match="--accountant pld"):
+        FOLA(FED, PrivacyConfig(epsilon=3.0, unit="example", accountant="exact"))
+    with pytest.raises(ConfigurationError, match="budget_shares"):
+        FOLA(FED, PrivacyConfig(epsilon=3.0, unit="client"), budget_shares={"natural_mean": 1.0})
+    with pytest.raises(ConfigurationError, match="prior_weight"):
+        FOLA(FED, PrivacyConfig(), prior_weight=-1.0)
+    alg = FOLA(FED, PrivacyConfig(epsilon=3.0, unit="client"), budget_shares={"natural_mean_delta": 3.0,
+                                                                              "precision_delta": 1.0})
+    assert alg.budget_shares == {"natural_mean_delta": 3.0, "precision_delta": 1.0}
+
+
+@pytest.mark.timeout(120)
+def test_cli_runs_fola_non_private(tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["run", "--algorithm", "fola", "--dataset", "digits", "--clients", "3", "--rounds", "2",
+                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["algorithm"] == "fola" and len(result["accuracy_per_round"]) == 2
+    assert all(0.0 <= a <= 1.0 for a in result["accuracy_per_round"])
+    assert {c.name: c.clip for c in _plain_channels()} == {"natural_mean": Unclipped(), "precision": Unclipped()}
+
+
+def _plain_channels():
+    alg = FOLA(FED, PrivacyConfig())
+    alg.setup(make_federated("digits", 2, partition="iid", seed=0), np.random.default_rng(0))
+    return alg.channels()
