@@ -69,61 +69,74 @@ class _Layer:
     def __init__(self, module: nn.Module):
         self.module = module
         self.inputs: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
         self.grads: torch.Tensor | None = None
+        self._squares: tuple | None = None  # cached per recorded pass and scale
 
     def forward_hook(self, module, inputs, output):
         if not torch.is_grad_enabled():
             return
         self.inputs = inputs[0].detach()
+        self.output = output
         self.grads = None
+        self._squares = None
         if output.requires_grad:
             output.register_hook(self._grad_hook)
 
     def _grad_hook(self, grad):
         self.grads = grad.detach()
+        self._squares = None
 
     def ready(self) -> bool:
         return self.inputs is not None and self.grads is not None
 
-    def _conv_per_example(self, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        m: nn.Conv2d = self.module
-        cols = nn.functional.unfold(self.inputs, m.kernel_size, dilation=m.dilation, padding=m.padding,
-                                    stride=m.stride)  # (B, Cin*k*k, P)
-        g = self.grads.reshape(self.grads.shape[0], self.grads.shape[1], -1) * scale  # (B, Cout, P)
-        weight = torch.einsum("bop,bip->boi", g, cols)
-        bias = g.sum(dim=2) if m.bias is not None else None
-        return weight, bias
+    def squares(self, scale: float) -> tuple:
+        """What both the norms and the Fisher need, computed once per pass.
+
+        Linear: (g_i^2, a_i^2, ||g_i||^2 (||a_i||^2 [+ 1 with a bias])). Conv2d: per-example gradients of weight and
+        bias, squared, and their squared norms.
+        """
+        if self._squares is not None and self._squares[0] == scale:
+            return self._squares[1]
+        m = self.module
+        if isinstance(m, nn.Linear):
+            if self.inputs.dim() != 2:
+                raise ConfigurationError(f"Linear saw inputs of shape {tuple(self.inputs.shape)}; the per-example "
+                                         "Fisher needs one input vector per example")
+            g2 = (self.grads * scale).pow_(2) if scale != 1.0 else self.grads.pow(2)
+            a2 = self.inputs.pow(2)
+            g2_sum = g2.sum(dim=1)
+            norms = g2_sum * (a2.sum(dim=1) + 1.0) if m.bias is not None else g2_sum * a2.sum(dim=1)
+            out = (g2, a2, norms)
+        else:
+            cols = nn.functional.unfold(self.inputs, m.kernel_size, dilation=m.dilation, padding=m.padding,
+                                        stride=m.stride)  # (B, Cin*k*k, P)
+            g = self.grads.reshape(self.grads.shape[0], self.grads.shape[1], -1) * scale  # (B, Cout, P)
+            w2 = torch.einsum("bop,bip->boi", g, cols).pow_(2)
+            b2 = g.sum(dim=2).pow_(2) if m.bias is not None else None
+            norms = w2.flatten(1).sum(dim=1) + (b2.sum(dim=1) if b2 is not None else 0.0)
+            out = (w2, b2, norms)
+        self._squares = (scale, out)
+        return out
 
     def squared_norms(self, scale: float) -> torch.Tensor:
         """||grad_i||^2 of this layer's parameters, per example."""
-        if isinstance(self.module, nn.Linear):
-            a, g = self.inputs, self.grads * scale
-            if a.dim() != 2:
-                raise ConfigurationError(f"{type(self.module).__name__} saw inputs of shape {tuple(a.shape)}; the "
-                                         "per-example Fisher needs one input vector per example")
-            g2 = g.pow(2).sum(dim=1)
-            out = g2 * a.pow(2).sum(dim=1)
-            return out + g2 if self.module.bias is not None else out
-        weight, bias = self._conv_per_example(scale)
-        out = weight.pow(2).flatten(1).sum(dim=1)
-        return out if bias is None else out + bias.pow(2).sum(dim=1)
+        return self.squares(scale)[2]
 
-    def weighted_squares(self, weights: torch.Tensor, scale: float) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """sum_i w_i (grad_i)^2 for this layer's weight (and bias)."""
+    def accumulate(self, weights: torch.Tensor, scale: float, into: dict[int, torch.Tensor]) -> None:
+        """Add sum_i w_i (grad_i)^2 of this layer's weight (and bias) into ``into[id(param)]`` in place."""
         m = self.module
-        w = weights.to(self.grads.dtype)
+        first, second, _ = self.squares(scale)
+        w = weights.to(first.dtype)
         if isinstance(m, nn.Linear):
-            g2 = (self.grads * scale).pow(2)
-            wg2 = g2 * w[:, None]
-            out = [(m.weight, wg2.t().mm(self.inputs.pow(2)))]
+            wg2 = first * w[:, None]
+            into[id(m.weight)].addmm_(wg2.t(), second)  # (c^2 g^2)^T a^2, summed straight into the accumulator
             if m.bias is not None:
-                out.append((m.bias, wg2.sum(dim=0)))
-            return out
-        weight, bias = self._conv_per_example(scale)
-        out = [(m.weight, torch.einsum("b,boi->oi", w, weight.pow(2)).reshape(m.weight.shape))]
-        if bias is not None:
-            out.append((m.bias, w @ bias.pow(2)))
-        return out
+                into[id(m.bias)].add_(wg2.sum(dim=0))
+            return
+        into[id(m.weight)].add_(torch.einsum("b,boi->oi", w, first).reshape(m.weight.shape))
+        if second is not None:
+            into[id(m.bias)].add_(w @ second)
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,8 @@ class GradientRecorder:
     backward pass, so the per-example Fisher of that pass can be computed afterwards (a context manager).
 
     ``scale`` in :meth:`batch_fisher` turns the recorded output gradients into per-example *loss* gradients: the batch
-    size for a mean-reduced loss, 1 for a sum. The recorded tensors are references that autograd keeps anyway.
+    size for a mean-reduced loss, 1 for a sum. The recorded tensors are references that autograd keeps anyway. Each
+    hooked layer must run once per forward pass (no weight sharing), as in privfl's networks.
     """
 
     def __init__(self, model: nn.Module):
@@ -152,7 +166,6 @@ class GradientRecorder:
         self.model = model
         self.layers = [_Layer(m) for m in model.modules() if _supported(m) and any(True for _ in m.parameters())]
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._slots = {id(p): i for i, p in enumerate(self._params)}
         self._handles: list = []
 
     def __enter__(self) -> "GradientRecorder":
@@ -166,7 +179,12 @@ class GradientRecorder:
             h.remove()
         self._handles = []
         for layer in self.layers:
-            layer.inputs = layer.grads = None
+            layer.inputs = layer.output = layer.grads = layer._squares = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (that of every Fisher term)."""
+        return self._params[0].dtype if self._params else torch.float32
 
     def _check_ready(self) -> None:
         missing = [type(layer.module).__name__ for layer in self.layers if not layer.ready()]
@@ -179,27 +197,50 @@ class GradientRecorder:
         self._check_ready()
         return torch.stack([layer.squared_norms(scale) for layer in self.layers]).sum(dim=0).sqrt()
 
-    def batch_fisher(self, clip: float | None = None, *, scale: float = 1.0,
-                     weights: torch.Tensor | None = None) -> BatchFisher:
-        """sum_i w_i c_i^2 (grad l_i)^2 of the recorded pass; ``weights`` w_i default to 1 (0 drops an example)."""
+    def accumulate(self, into: torch.Tensor, clip: float | None = None, *, scale: float = 1.0,
+                   weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add sum_i w_i c_i^2 (grad l_i)^2 of the recorded pass into the flat vector ``into`` (``model.parameters()``
+        order, the parameters' dtype) in place; returns (norms before clipping, w_i c_i^2)."""
         norms = self.per_example_norms(scale)
         w = clip_factors(norms, clip).pow(2)
         if weights is not None:
             w = w * weights.to(w.dtype)
-        flat = [torch.zeros_like(p).reshape(-1) for p in self._params]
+        views, offset = {}, 0
+        for p in self._params:
+            views[id(p)] = into[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        if offset != into.numel():
+            raise ConfigurationError(f"the accumulator has {into.numel()} entries, the model {offset} parameters")
         for layer in self.layers:
-            for p, sq in layer.weighted_squares(w, scale):
-                flat[self._slots[id(p)]] = sq.reshape(-1)
-        return BatchFisher(torch.cat(flat), norms, w)
+            layer.accumulate(w, scale, views)
+        return norms, w
+
+    def batch_fisher(self, clip: float | None = None, *, scale: float = 1.0,
+                     weights: torch.Tensor | None = None) -> BatchFisher:
+        """sum_i w_i c_i^2 (grad l_i)^2 of the recorded pass; ``weights`` w_i default to 1 (0 drops an example)."""
+        flat = torch.zeros(sum(p.numel() for p in self._params), dtype=self.dtype)
+        norms, w = self.accumulate(flat, clip, scale=scale, weights=weights)
+        return BatchFisher(flat, norms, w)
+
+
+def _record_pass(recorder: GradientRecorder, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 loss_fn: LossFn) -> None:
+    """Forward and backward of the summed per-example loss, down to the layers' outputs only: the Fisher needs
+    each layer's output gradient and input, not the parameters' gradients (which are neither computed nor stored)."""
+    with torch.enable_grad():
+        loss = loss_fn(model(x), y).sum()
+        outputs = [layer.output for layer in recorder.layers]
+        torch.autograd.grad(loss, outputs, allow_unused=True)
 
 
 def _fisher_hooks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float | None, loss_fn: LossFn,
-                  weights: torch.Tensor | None) -> BatchFisher:
-    params = [p for p in model.parameters() if p.requires_grad]
-    with GradientRecorder(model) as rec, torch.enable_grad():
-        loss = loss_fn(model(x), y).sum()
-        torch.autograd.grad(loss, params)
-        return rec.batch_fisher(clip, weights=weights)
+                  weights: torch.Tensor | None, into: torch.Tensor | None = None) -> BatchFisher | None:
+    with GradientRecorder(model) as rec:
+        _record_pass(rec, model, x, y, loss_fn)
+        if into is None:
+            return rec.batch_fisher(clip, weights=weights)
+        rec.accumulate(into, clip, weights=weights)
+        return None
 
 
 def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -252,11 +293,13 @@ class FisherAccumulator:
     """The online sum of eq. 22 over local steps: sum over steps t and examples i in batch t of c_i^2 (grad l_i)^2.
 
     Sensitivity. Each term has L2 norm <= ||c_i grad l_i||^2 <= C^2 (since ||v (.) v||_2 <= ||v||_2^2). A record that
-    contributes k times moves the sum by at most k C^2 under add/remove: removing it removes its own terms, and (given
-    the trajectory, which DP-SGD makes private) changes no other record's terms. With shuffled batches a record is
-    seen once per epoch, so k = epochs; with Poisson sampling (DP-SGD) k is random and unbounded, so each record is
-    *capped* at ``max_visits`` contributions (later ones get weight 0). :meth:`per_visit` divides by ``max_visits``,
-    so one record moves it by at most C^2: that is the value a ``PreClipped(C, "squared_sum")`` channel may carry.
+    contributes k times moves the sum by at most k C^2 under add/remove: removing it removes its own terms and, given
+    the parameter trajectory (which DP-SGD makes private) and batches drawn independently of the data, changes no
+    other record's terms. With shuffled batches or disjoint chunks a record is seen once per epoch, so k = epochs;
+    with sampled batches k is random and unbounded. Either way each record is *capped* at ``max_visits``
+    contributions (later ones get weight 0), and :meth:`per_visit` divides by ``max_visits``, so one record moves it
+    by at most C^2: the value a ``PreClipped(C, "squared_sum")`` channel may carry. (FOLA never reuses DP-SGD's
+    Poisson batches here: which records a DP-SGD step sampled is that mechanism's hidden randomness.)
     """
 
     def __init__(self, num_parameters: int, num_records: int, *, clip: float | None = None,
@@ -285,20 +328,26 @@ class FisherAccumulator:
         np.add.at(self.visits, ids[keep], 1)
         return torch.from_numpy(keep.astype(np.float32))
 
-    def add_recorded(self, recorder: GradientRecorder, record_ids, *, scale: float = 1.0) -> BatchFisher:
-        """Add the recorder's last backward pass (examples ``record_ids``, in batch order)."""
-        batch = recorder.batch_fisher(self.clip, scale=scale, weights=self.admit(record_ids))
-        self.total += batch.squared.to(self.total.dtype)
+    def add_recorded(self, recorder: GradientRecorder, record_ids, *, scale: float = 1.0) -> None:
+        """Add the recorder's last backward pass (examples ``record_ids``, in batch order), in place."""
+        weights = self.admit(record_ids)
+        if recorder.dtype == self.total.dtype:
+            recorder.accumulate(self.total, self.clip, scale=scale, weights=weights)
+        else:
+            self.total += recorder.batch_fisher(self.clip, scale=scale, weights=weights).squared.to(self.total.dtype)
         self.steps += 1
-        return batch
 
     def add(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, record_ids, *,
-            loss_fn: LossFn = _per_example_loss) -> BatchFisher:
-        """Run a Fisher pass on (x, y) at the model's current parameters and add it (without training)."""
-        batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn, weights=self.admit(record_ids))
-        self.total += batch.squared.to(self.total.dtype)
+            loss_fn: LossFn = _per_example_loss) -> None:
+        """Run a Fisher pass on (x, y) at the model's current parameters and add it, in place (no training)."""
+        weights = self.admit(record_ids)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not unsupported_parameters(model) and params and params[0].dtype == self.total.dtype:
+            _fisher_hooks(model, x, y, self.clip, loss_fn, weights, into=self.total)
+        else:
+            batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn, weights=weights)
+            self.total += batch.squared.to(self.total.dtype)
         self.steps += 1
-        return batch
 
     def per_visit(self) -> torch.Tensor:
         """``total / max_visits``: one record moves it by at most C^2 (with a clip and a cap)."""

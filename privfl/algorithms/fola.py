@@ -22,18 +22,23 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
   gradient is clipped to C, so a record's terms sum to at most ``epochs * C^2`` in L2 norm
   (:class:`privfl.fisher.FisherAccumulator` also caps its visits at ``epochs``); the channel ``fisher_diag`` is that
   sum divided by ``epochs``: sensitivity C^2, :class:`PreClipped` ``(C, "squared_sum")``. A Gaussian product needs
-  sum_k Lambda_k mu_k, whose Fisher part sum_k F_k (.) mu_k is not post-processing of the two channels above, so a
-  third channel ``fisher_natural_mean`` releases fisher_diag (.) clip(mu_n, -B, B): each record's term has norm at
-  most B C^2 (not non-negative, so :class:`PreClipped` ``(B C^2, "sum")``). Weights are 1 and the server divides
-  the Fisher sums by the federation's record count (dataset sizes are public, as in DP-SGD). The prior-part mean is
-  the unweighted average of the clients' means.
+  sum_k Lambda_k mu_k, whose Fisher part sum_k F_k (.) mu_k = F (.) mu_S + sum_k F_k (.) (mu_k - mu_S) is not
+  post-processing of the two channels above, so a third channel ``fisher_natural_mean`` releases
+  fisher_diag (.) clip(mu_n - mu_S, -B, B) (the round's local change, small, so B is small): each record's term has
+  norm at most B C^2 (terms are not non-negative, so :class:`PreClipped` ``(B C^2, "sum")``). Weights are 1 and the
+  server divides the Fisher sums by the federation's record count (dataset sizes are public, as in DP-SGD). The
+  prior-part mean is the unweighted average of the clients' means.
 
 Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
 runtime calibrates the Gaussian channels (:func:`privfl.runtime.noise_multipliers_for`, which gives the
 DP-SGD-trained ``mean`` channel a share too); that share is what DP-SGD gets: its noise multiplier is calibrated so
 that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld``, the default for
-``unit="example"``, or ``rdp``, as for ``dpsgd_fedavg``). Post-processing on the server (free): precision floor,
-known DP noise folded into the precision.
+``unit="example"``, or ``rdp``, as for ``dpsgd_fedavg``).
+
+Post-processing on the server (free, :mod:`gaussian_product`): the precision is floored at gamma; the division
+eta / Lambda is regularised by the precision's known noise towards a noise-free reference (the clients' average
+mean at example level, the previous global mean at client level), so coordinates whose noisy Fisher is mostly noise
+fall back to FedAvg instead of blowing up; the known noise is folded into the precision.
 
 Differences from the authors' code: per-example squared gradients (theirs square mini-batch means), a floor at gamma
 (theirs adds 1e-5 to a denominator).
@@ -74,19 +79,23 @@ class FOLA(FederatedAlgorithm):
     """FOLA with privacy per channel (module docstring).
 
     ``prior_weight``: lambda of eq. 16. ``prior_precision``: gamma, the initial prior precision and the floor of the
-    aggregated precision. ``mean_bound``: B, the range each coordinate of mu_n is clipped to in
-    ``fisher_natural_mean`` (example unit). ``budget_shares``: channel name -> share (private runs).
+    aggregated precision. ``update_bound``: B, the range [-B, B] each coordinate of the round's local change
+    mu_n - mu_S is clipped to in ``fisher_natural_mean`` (example unit; the noise of that channel scales with B).
+    ``precision_clip``: the norm bound of ``precision_delta`` at client level (default: the privacy clip C; the
+    precision changes far less than the natural mean, so a smaller bound there means less noise). ``budget_shares``: channel name -> share (private runs).
     """
 
     name = "fola"
     supports_privacy = True
 
     def __init__(self, fed, privacy, *, prior_weight: float = 1.0, prior_precision: float = 1e-3,
-                 mean_bound: float = 1.0, budget_shares: Mapping[str, float] | None = None):
+                 update_bound: float = 0.1, precision_clip: float | None = None,
+                 budget_shares: Mapping[str, float] | None = None):
         super().__init__(fed, privacy)
         self.prior_weight = _positive("prior_weight", prior_weight)
         self.prior_precision = _positive("prior_precision", prior_precision)
-        self.mean_bound = _positive("mean_bound", mean_bound)
+        self.update_bound = _positive("update_bound", update_bound)
+        self.precision_clip = None if precision_clip is None else _positive("precision_clip", precision_clip)
         self.mode = privacy.unit if privacy.private else "non_private"
         self.accountant = check_dpsgd_privacy(privacy, self.name) if self.mode == "example" else None
         if self.mode == "example" and privacy.placement == "distributed":
@@ -135,8 +144,9 @@ class FOLA(FederatedAlgorithm):
             return [Channel("natural_mean_delta", d, unit="client", clip=NormClip(c), adjacency=adj,
                             budget_share=s["natural_mean_delta"],
                             description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
-                    Channel("precision_delta", d, unit="client", clip=NormClip(c), adjacency=adj,
-                            budget_share=s["precision_delta"], description="Lambda_n - Lambda_S, clipped to C")]
+                    Channel("precision_delta", d, unit="client", clip=NormClip(self.precision_clip or c),
+                            adjacency=adj, budget_share=s["precision_delta"],
+                            description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
         # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
         # coordinate to fisher_diag, and dataset sizes are public
         fisher_bound = self.max_client_records * c ** 2
@@ -145,9 +155,10 @@ class FOLA(FederatedAlgorithm):
                 Channel("fisher_diag", d, unit="example", clip=PreClipped(c, "squared_sum"), adjacency=adj,
                         budget_share=s["fisher_diag"], value_bound=fisher_bound,
                         description="per-epoch sum of per-example squared gradients clipped to C"),
-                Channel("fisher_natural_mean", d, unit="example", clip=PreClipped(self.mean_bound * c ** 2, "sum"),
-                        adjacency=adj, budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * self.mean_bound,
-                        description="fisher_diag (.) clip(mu_n, -B, B)")]
+                Channel("fisher_natural_mean", d, unit="example", clip=PreClipped(self.update_bound * c ** 2, "sum"),
+                        adjacency=adj, budget_share=s["fisher_natural_mean"],
+                        value_bound=fisher_bound * self.update_bound,
+                        description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
 
     # -- client ----------------------------------------------------------------------------------------------------
 
@@ -241,8 +252,9 @@ class FOLA(FederatedAlgorithm):
             c = self.privacy.clip
             values = {"mean": PrivatizedValue(mu, event),
                       "fisher_diag": ClippedValue(fisher, c, "squared_sum"),
-                      "fisher_natural_mean": ClippedValue(fisher * np.clip(mu, -self.mean_bound, self.mean_bound),
-                                                          self.mean_bound * c ** 2, "sum")}
+                      "fisher_natural_mean": ClippedValue(
+                          fisher * np.clip(mu - self.mean, -self.update_bound, self.update_bound),
+                          self.update_bound * c ** 2, "sum")}
             return ClientOutput(values, weight=1.0, metrics=stats)
         loss, fisher_sum = self._train_online(local, x, y, rng)
         mu = flat_parameters(local)
@@ -266,16 +278,19 @@ class FOLA(FederatedAlgorithm):
             k = lam.total_weight
             post = combine(self.precision * self.mean + eta.total / k, self.precision + lam.total / k,
                            precision_floor=floor, natural_noise_std=eta.noise_std / k,
-                           precision_noise_std=lam.noise_std / k, fold_noise=True)
+                           precision_noise_std=lam.noise_std / k, fold_noise=True, reference_mean=self.mean)
         else:
-            means, f, fm = aggregates["mean"], aggregates["fisher_diag"], aggregates["fisher_natural_mean"]
+            means, f, fd = aggregates["mean"], aggregates["fisher_diag"], aggregates["fisher_natural_mean"]
             # record count of this round's participants (dataset sizes are public; all clients when none sat out)
             records = self.total_records * means.participants / self.n_clients
+            mean_avg = means.total / means.total_weight  # unweighted average of the clients' means (no added noise)
+            fisher = f.total / records  # sum_k q_k F_k
+            # sum_k q_k F_k mu_k = F mu_S + sum_k q_k F_k (mu_k - mu_S); the last term is what fisher_natural_mean holds
+            fisher_mean = fisher * self.mean + fd.total / records
             prior_part = (r - 1) / r * self.precision
-            mean_avg = means.total / means.total_weight  # unweighted average of the clients' means
-            post = combine(fm.total / records / r + prior_part * mean_avg, f.total / records / r + prior_part,
-                           precision_floor=floor, natural_noise_std=fm.noise_std / records / r,
-                           precision_noise_std=f.noise_std / records / r, fold_noise=True)
+            post = combine(fisher_mean / r + prior_part * mean_avg, fisher / r + prior_part, precision_floor=floor,
+                           natural_noise_std=np.hypot(fd.noise_std, f.noise_std * self.mean) / records / r,
+                           precision_noise_std=f.noise_std / records / r, fold_noise=True, reference_mean=mean_avg)
         self.mean, self.precision = post.mean, post.precision
 
     def evaluate(self, dataset):

@@ -13,10 +13,14 @@ Post-processing (after release, so it costs no privacy; see ARCHITECTURE.md):
 
 - **precision floor**: a noisy precision can be tiny or negative; it is raised to ``precision_floor`` (the prior
   precision: a posterior is never meant to be vaguer than the prior) before dividing, so mu stays finite.
-- **known noise variance**: the aggregates carry the std of the DP noise they contain. With ``fold_noise`` the
-  noise in eta and Lambda is folded into the result's uncertainty: by the delta method the mean mu = eta / Lambda
-  has error variance v = (s_eta^2 + mu^2 s_Lambda^2) / Lambda^2, and the returned precision is 1 / (1/Lambda + v):
-  the noisier the release, the less the next round's prior trusts the mean.
+- **known noise variance**: the aggregates carry the std of the DP noise they contain.
+  With a ``reference_mean`` m0 (a noise-free guess such as the previous global mean), the division eta / Lambda is
+  regularised against the precision's noise s_Lambda: mu = argmin_m (eta - Lambda m)^2 + s_Lambda^2 (m - m0)^2
+  = m0 + Lambda (eta - Lambda m0) / (Lambda^2 + s_Lambda^2). It equals eta / Lambda without noise and tends to m0
+  where the precision is mostly noise (a noisy precision near 0 would otherwise blow the mean up).
+  With ``fold_noise`` the noise in eta and Lambda is folded into the result's uncertainty: by the delta method the
+  mean has error variance v = (s_eta^2 + mu^2 s_Lambda^2) / Lambda^2, and the returned precision is
+  1 / (1/Lambda + v): the noisier the release, the less the next round's prior trusts the mean.
 
 Usage (server step of HBFL or FOLA)::
 
@@ -68,13 +72,15 @@ def _floor(value, name: str) -> np.ndarray | float:
 
 
 def combine(natural_mean: np.ndarray, precision: np.ndarray, *, precision_floor: float | np.ndarray,
-            natural_noise_std: float = 0.0, precision_noise_std: float = 0.0,
-            fold_noise: bool = False) -> GaussianProduct:
+            natural_noise_std: float | np.ndarray = 0.0, precision_noise_std: float | np.ndarray = 0.0,
+            fold_noise: bool = False,
+            reference_mean: np.ndarray | None = None) -> GaussianProduct:
     """The Gaussian with natural parameters (``natural_mean``, ``precision``): both already *averaged*
     (sum_k q_k eta_k and sum_k q_k Lambda_k with sum_k q_k = 1), possibly noisy.
 
     ``precision_floor``: scalar or per-coordinate floor (> 0). ``*_noise_std``: per-coordinate std of the noise in
-    the averaged values (0 when there is none); used only with ``fold_noise`` (see the module docstring).
+    the averaged values (0 when there is none). ``reference_mean``: regularise the division towards it by the
+    precision's noise; ``fold_noise``: fold the noise into the precision (both in the module docstring).
     """
     eta = np.asarray(natural_mean, dtype=np.float64)
     lam = np.asarray(precision, dtype=np.float64)
@@ -84,24 +90,33 @@ def combine(natural_mean: np.ndarray, precision: np.ndarray, *, precision_floor:
     if not (np.all(np.isfinite(eta)) and np.all(np.isfinite(lam))):
         raise ConfigurationError("the aggregated natural parameters have non-finite entries")
     for name, s in (("natural_noise_std", natural_noise_std), ("precision_noise_std", precision_noise_std)):
-        if not (np.isfinite(s) and s >= 0):
-            raise ConfigurationError(f"{name} must be finite and >= 0, got {s!r}")
+        arr = np.asarray(s, dtype=np.float64)
+        if not (np.all(np.isfinite(arr)) and np.all(arr >= 0)) or arr.shape not in ((), eta.shape):
+            raise ConfigurationError(f"{name} must be finite, >= 0, and a scalar or per coordinate, got {s!r}")
+    natural_noise_std = np.asarray(natural_noise_std, dtype=np.float64)
+    precision_noise_std = np.asarray(precision_noise_std, dtype=np.float64)
     floor = _floor(precision_floor, "precision_floor")
     below = lam < floor
     lam = np.maximum(lam, floor)
-    mean = eta / lam
-    if fold_noise and (natural_noise_std > 0 or precision_noise_std > 0):
+    if reference_mean is not None and np.any(precision_noise_std > 0):
+        m0 = np.asarray(reference_mean, dtype=np.float64)
+        if m0.shape != eta.shape or not np.all(np.isfinite(m0)):
+            raise ConfigurationError(f"reference_mean must be finite with shape {eta.shape}")
+        mean = m0 + lam * (eta - lam * m0) / (lam ** 2 + precision_noise_std ** 2)
+    else:
+        mean = eta / lam
+    if fold_noise and (np.any(natural_noise_std > 0) or np.any(precision_noise_std > 0)):
         mean_var = (natural_noise_std ** 2 + mean ** 2 * precision_noise_std ** 2) / lam ** 2
         lam = 1.0 / (1.0 / lam + mean_var)
     return GaussianProduct(mean, lam, int(np.count_nonzero(below)))
 
 
 def gaussian_product(natural_mean: Aggregate, precision: Aggregate, *, precision_floor: float | np.ndarray,
-                     fold_noise: bool = False) -> GaussianProduct:
+                     fold_noise: bool = False, reference_mean: np.ndarray | None = None) -> GaussianProduct:
     """Server step: the product of the clients' Gaussians from the two channels' weighted sums.
 
-    Divides each sum by its total weight (so weights q_k = w_k / sum w), floors the precision, and with
-    ``fold_noise`` folds the aggregates' known DP noise into the precision (module docstring).
+    Divides each sum by its total weight (so weights q_k = w_k / sum w), floors the precision, and uses the
+    aggregates' known DP noise with ``reference_mean`` and ``fold_noise`` (module docstring).
     """
     for agg in (natural_mean, precision):
         if not isinstance(agg, Aggregate):
@@ -116,7 +131,7 @@ def gaussian_product(natural_mean: Aggregate, precision: Aggregate, *, precision
     w = precision.total_weight
     return combine(natural_mean.total / w, precision.total / w, precision_floor=precision_floor,
                    natural_noise_std=natural_mean.noise_std / w, precision_noise_std=precision.noise_std / w,
-                   fold_noise=fold_noise)
+                   fold_noise=fold_noise, reference_mean=reference_mean)
 
 
 def product_of_gaussians(means: Sequence[np.ndarray], precisions: Sequence[np.ndarray],

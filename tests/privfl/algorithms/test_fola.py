@@ -94,34 +94,38 @@ def test_server_is_the_gaussian_product_without_privacy_and_at_client_level():
 
 def test_example_unit_server_matches_the_product_of_eq_24_posteriors():
     rng = np.random.default_rng(1)
-    means = [rng.normal(size=8) for _ in range(3)]
+    global_mean = rng.normal(size=8)
+    means = [global_mean + 0.05 * rng.normal(size=8) for _ in range(3)]
     fishers = [rng.uniform(0, 50, size=8) for _ in range(3)]
     prior = rng.uniform(0.1, 0.5, size=8)
     r, n_k = 2, 160
     locals_ = [f / n_k / r + (r - 1) / r * prior for f in fishers]  # eq. 24 with F_k = fisher_sum / n_k
     expected = product_of_gaussians(means, locals_)  # equal sizes: q_k = 1/3
-    alg = FOLA(FED, EXAMPLE)
-    alg.total_records, alg.n_clients = 3 * n_k, 3
-    alg.mean, alg.precision = np.zeros(8), prior.copy()
-    alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),
-                       "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3),
-                       "fisher_natural_mean": aggregate("fisher_natural_mean",
-                                                        [f * m for f, m in zip(fishers, means)], [1.0] * 3)}, r - 1)
-    np.testing.assert_allclose(alg.mean, expected.mean, rtol=1e-10)
-    np.testing.assert_allclose(alg.precision, expected.precision, rtol=1e-10)
-    # with known DP noise the precision is folded down, the mean unchanged
-    alg.mean, alg.precision = np.zeros(8), prior.copy()
-    alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),
-                       "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3, noise_std=20.0),
-                       "fisher_natural_mean": aggregate("fisher_natural_mean",
-                                                        [f * m for f, m in zip(fishers, means)], [1.0] * 3,
-                                                        noise_std=20.0)}, r - 1)
-    np.testing.assert_allclose(alg.mean, expected.mean, rtol=1e-10)
-    assert np.all(alg.precision < expected.precision)
+
+    def server(noise_std):
+        alg = FOLA(FED, EXAMPLE)
+        alg.total_records, alg.n_clients = 3 * n_k, 3
+        alg.mean, alg.precision = global_mean.copy(), prior.copy()
+        changes = [f * (m - global_mean) for f, m in zip(fishers, means)]  # |change| < B: no clipping
+        alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),
+                           "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3, noise_std),
+                           "fisher_natural_mean": aggregate("fisher_natural_mean", changes, [1.0] * 3, noise_std)},
+                          r - 1)
+        return alg
+
+    exact = server(0.0)
+    np.testing.assert_allclose(exact.mean, expected.mean, rtol=1e-10)
+    np.testing.assert_allclose(exact.precision, expected.precision, rtol=1e-10)
+    # known DP noise (the aggregates here carry none, only its declared std): the division is regularised towards
+    # the clients' average mean and the precision is folded down
+    fedavg = sum(means) / 3
+    noisy = server(1e6)
+    np.testing.assert_allclose(noisy.mean, fedavg, rtol=1e-3)
+    assert np.all(noisy.precision < expected.precision)
 
 
 def frozen_example_client(digits, part):
-    alg = FOLA(FROZEN, EXAMPLE, mean_bound=0.5)
+    alg = FOLA(FROZEN, EXAMPLE, update_bound=0.5)
     alg.setup(digits, np.random.default_rng(0))
     alg._dpsgd_noise_multiplier = lambda schedule: 1.0  # no calibration needed: lr ~ 0 keeps the parameters
     return alg, alg.client_update(0, part, 0, np.random.default_rng(7))
@@ -140,6 +144,7 @@ def test_example_unit_fisher_channels_move_within_their_sensitivity_on_neighbour
     moved = np.linalg.norm(fisher.value - without.values["fisher_diag"].value)
     assert 0 < moved <= c ** 2 * (1 + 1e-5)
     assert np.linalg.norm(fisher_nat.value - without.values["fisher_natural_mean"].value) <= b * c ** 2 * (1 + 1e-5)
+    np.testing.assert_array_equal(np.abs(fisher_nat.value) <= b * fisher.value + 1e-12, True)
     # every epoch saw record j once, at (almost) the same parameters: the difference is its clipped squared gradient
     own = reference_fisher(alg, part.subset([j]), clip=c)
     np.testing.assert_allclose(fisher.value - without.values["fisher_diag"].value, own, rtol=1e-3, atol=1e-7)
@@ -155,12 +160,12 @@ def test_example_level_run_charges_dpsgd_and_fisher_and_meets_the_target(digits)
     result = sim.run()
     clips = {c.name: c.clip for c in alg.channels()}
     assert clips == {"mean": TrainedPrivately(), "fisher_diag": PreClipped(0.5, "squared_sum"),
-                     "fisher_natural_mean": PreClipped(0.25, "sum")}
+                     "fisher_natural_mean": PreClipped(0.1 * 0.25, "sum")}  # B C^2, B = 0.1
     assert result.accountant == "pld" and 3.6 <= result.audit["max_epsilon"] <= 4.0
     round0 = {c.channel: c.event for c in sim.ledger.charges("0") if c.round == 0}
     zs = result.noise_multipliers
     assert round0["fisher_diag"] == GaussianEvent(0.25, zs["fisher_diag"] * 0.25)
-    assert round0["fisher_natural_mean"] == GaussianEvent(0.25, zs["fisher_natural_mean"] * 0.25)
+    assert round0["fisher_natural_mean"] == GaussianEvent(0.025, zs["fisher_natural_mean"] * 0.025)
     assert isinstance(round0["mean"], SelfComposedEvent) and round0["mean"].count == 5
     assert all(np.isfinite(r.metrics["accuracy"]) for r in result.history)
     assert np.all(alg.precision > 0) and np.all(np.isfinite(alg.mean))
@@ -177,8 +182,11 @@ def test_client_level_run_clips_natural_parameter_changes(digits):
     assert np.all(alg.precision > 0) and np.all(np.isfinite(alg.mean))
 
 
-def test_configuration_is_checked():
+def test_configuration_is_checked(digits):
     assert ALGORITHMS["fola"] is FOLA
+    plain = FOLA(FED, PrivacyConfig())
+    plain.setup(digits, np.random.default_rng(0))
+    assert {c.name: c.clip for c in plain.channels()} == {"natural_mean": Unclipped(), "precision": Unclipped()}
     with pytest.raises(ConfigurationError, match="--accountant pld"):
         FOLA(FED, PrivacyConfig(epsilon=3.0, unit="example", accountant="exact"))
     with pytest.raises(ConfigurationError, match="budget_shares"):
@@ -191,18 +199,13 @@ def test_configuration_is_checked():
 
 
 @pytest.mark.timeout(120)
-def test_cli_runs_fola_non_private(tmp_path):
+@pytest.mark.parametrize("privacy", [["--epsilon", "inf"], ["--epsilon", "4", "--unit", "example", "--clip", "0.5"]])
+def test_cli_runs_fola(tmp_path, capsys, privacy):
     out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "fola", "--dataset", "digits", "--clients", "3", "--rounds", "2",
-                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
-    assert code == 0
+    code = main(["run", "--algorithm", "fola", "--dataset", "digits", "--clients", "2", "--rounds", "2",
+                 "--hidden", "16", "--json", str(out), "--quiet", *privacy])
+    assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["algorithm"] == "fola" and len(result["accuracy_per_round"]) == 2
     assert all(0.0 <= a <= 1.0 for a in result["accuracy_per_round"])
-    assert {c.name: c.clip for c in _plain_channels()} == {"natural_mean": Unclipped(), "precision": Unclipped()}
-
-
-def _plain_channels():
-    alg = FOLA(FED, PrivacyConfig())
-    alg.setup(make_federated("digits", 2, partition="iid", seed=0), np.random.default_rng(0))
-    return alg.channels()
+    assert result["epsilon_spent_max"] <= float(privacy[1])

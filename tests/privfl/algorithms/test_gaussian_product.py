@@ -98,6 +98,21 @@ def test_known_noise_variance_is_folded_into_the_precision():
                                folded.precision)
 
 
+def test_a_reference_mean_regularises_the_division_by_a_noisy_precision():
+    eta, lam, ref = np.array([1e-3, 2.0]), np.array([1e-4, 1.0]), np.array([0.5, 0.5])
+    plain = combine(eta, lam, precision_floor=1e-6, precision_noise_std=0.05)
+    np.testing.assert_allclose(plain.mean, eta / lam)  # without a reference: the raw (wild) ratio
+    reg = combine(eta, lam, precision_floor=1e-6, precision_noise_std=0.05, reference_mean=ref)
+    np.testing.assert_allclose(reg.mean, ref + lam * (eta - lam * ref) / (lam ** 2 + 0.05 ** 2))
+    assert abs(reg.mean[0] - 0.5) < 0.01 < abs(plain.mean[0] - 0.5)  # mostly-noise precision: stays near ref
+    assert reg.mean[1] == pytest.approx(2.0, rel=3e-3)  # well-measured precision: the product mean
+    exact = combine(eta, lam, precision_floor=1e-6, reference_mean=ref)  # no noise: the reference is not used
+    np.testing.assert_allclose(exact.mean, eta / lam)
+    per_coordinate = combine(eta, lam, precision_floor=1e-6, precision_noise_std=np.array([0.05, 0.0]),
+                             reference_mean=ref)
+    assert per_coordinate.mean[1] == pytest.approx(2.0)
+
+
 def test_misuse_is_refused():
     a = Aggregate("natural_mean", np.ones(2), 2.0, 2, 0.0)
     b = Aggregate("precision", np.ones(2), 3.0, 2, 0.0)
