@@ -95,7 +95,9 @@ def cmd_run(args) -> int:
 
     def show(rec):
         m = rec.metrics
-        print(f"round {rec.round + 1:3d}/{fed.rounds}  accuracy {m.get('accuracy', float('nan')):.4f}  "
+        utility = (f"rmse {m['rmse']:.4g}  ece {m.get('ece', float('nan')):.4f}" if "rmse" in m  # regression
+                   else f"accuracy {m.get('accuracy', float('nan')):.4f}")
+        print(f"round {rec.round + 1:3d}/{fed.rounds}  {utility}  "
               f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
               f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else ""),
               file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
@@ -120,8 +122,10 @@ def cmd_run(args) -> int:
     }
     if args.json:
         _dump(out, args.json)
-    print(f"final accuracy {out['accuracy']:.4f}; max epsilon spent {out['epsilon_spent_max']:.4g} "
-          f"(target {args.epsilon:g}, delta {args.delta:g})", file=sys.stderr if args.json == "-" else sys.stdout)
+    final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
+             else f"final accuracy {out['accuracy']:.4f}")
+    print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
+          file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
 
@@ -223,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory)")
     r.add_argument("--run-id", default=None)
     r.add_argument("--json", default=None, metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    r.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "disjoint_class"])
+    r.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "disjoint_class", "sorted_chunk"])
     r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
     r.add_argument("--unit", default="client", choices=["client", "example"])
     r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")

@@ -1,0 +1,447 @@
+"""FedBNN: personalised Bayesian nets with functional priors (Makhija, Ghosh and Ho; PAPERS.md, FedBNN).
+
+Every client keeps its own mean-field Gaussian Bayesian net, of its own architecture (a share ``small_fraction`` of
+the clients run a small net, the paper's heterogeneous setting), trained by Bayes-by-Backprop. The clients never
+share weights; they collaborate through a public unlabelled *alignment set* AD, disjoint from every client's data:
+
+1. Warm-up: the first time a client takes part it trains ``warmup_epochs`` epochs under an isotropic prior
+   N(0, ``init_prior_std``^2), with no collaboration (Algorithm 1, "t < lsteps").
+2. Upload: the Monte-Carlo average over ``mc_samples`` weight draws of its class probabilities on AD,
+   Phi_k(AD) = 1/K sum_j softmax(f(AD; W_j)), W_j ~ q_k, as the channel ``alignment_probs`` of shape (|AD|, C).
+3. Server: the weighted average Phi_bar(AD) = sum_k w_k Phi_k(AD) / sum_k w_k of the releases, then clipped to
+   [0, 1] and renormalised row by row (post-processing of the noisy average; a row clipped to all zeros becomes
+   uniform). Weights ``weighting="uniform"`` (w_k = 1, the default and the only choice under DP: example counts would
+   make the weights data-dependent) or ``"size"`` (w_k = n_k, non-private runs only).
+4. Prior tuning (eqs. 3-4): the client forms the target Phi_corrected = gamma Phi_bar(AD) + (1 - gamma) Phi_k(AD)
+   (its own, noise-free, current output: it never leaves the client) and fits the prior parameters psi, a Gaussian
+   per weight started from its current posterior q_k, by ``prior_steps`` full-batch Adam steps (``prior_lr``) on the
+   soft cross-entropy -sum_c Phi_corrected log softmax(f(AD; W)), W ~ p(.; psi) (one draw per step).
+5. Local training (eq. 5): ``fed.local_epochs`` epochs of Bayes-by-Backprop from the current q_k on
+   E_q[mean NLL] + KL(q_k || p(.; psi*)) / n_k (the ELBO per example), Adam (``bbb_lr``), batches of
+   ``fed.batch_size`` (the paper: 128); psi* fixed. Then the client uploads again (step 2).
+
+Paper settings (Sec. 5.1): 50 warm-up epochs, 20 local epochs, |AD| = 2000, prior tuning Adam 1e-4 for 100 steps,
+BBB Adam 1e-3 with batches of 128, gamma = 0.7, 30% small nets; they are this class's defaults except the local
+epochs, which come from ``fed.local_epochs`` (the CLI's ``defaults`` keep a ``privfl run`` to minutes on 2 cores).
+
+Privacy (Sec. 4, made exact). Whatever the local training does, each row of the upload is a probability vector, and
+any two probability vectors are at most sqrt(2) apart in L2, so one record (or one whole client) changes the upload by
+at most sqrt(2 |AD|): the channel's ``RangeBound(sqrt(2), |AD|)``, valid for either unit and adjacency. (The paper
+bounds the squared sensitivity by 2 for the whole upload, which holds per AD point only, and converts zCDP to
+(epsilon, delta) loosely; privfl charges one Gaussian event per round and composes them with the run's accountant:
+``accountant="exact"`` composes unsampled Gaussians exactly.) The pipeline checks the rows are probability vectors
+before anything is charged. The noisy sum is then public; the clients' prior tuning and training use only it and
+their own data, so later rounds are post-processing plus fresh releases (adaptive composition over rounds).
+
+Noise placement: FedBNN's threat model is an honest-but-curious server, so each client's upload must be private by
+itself: *local* placement (the client adds N(0, (z sqrt(2 |AD|))^2) per coordinate), this algorithm's ``defaults``
+(``privfl compare`` uses them; ``privfl run`` takes ``--placement local``). ``central`` placement (a trusted
+aggregator adds the noise once to the sum) is accepted and gives the same epsilon against everyone who sees only the
+broadcast average, with sqrt(N) less noise on it. ``distributed`` placement is refused: its discrete-Gaussian plan
+is for vector channels with a norm clip. Under secure aggregation the channel's public coordinate bound is 1
+(``value_bound``). The honest sensitivity grows with sqrt(|AD|), so the noise per coordinate is large unless AD is
+small; the server's clip-and-renormalise then pulls Phi_bar towards uniform, and gamma weighs that in.
+
+Alignment set: ``data.alignment`` (``make_federated(..., alignment_size=N)``), or a seeded random subset of it of
+``alignment_size`` points when it is larger. Without one (``privfl run`` builds its data without an alignment set),
+FedBNN carves min(``alignment_size``, |test| / 2) points from the global test set, disjoint from every client's
+data, and evaluates on the rest of that test set only (``evaluate`` recognises the test set it was given in setup).
+
+Evaluation (``evaluate``): each client's personalised model predicts by the Bayesian model average over
+``mc_samples`` draws. ``accuracy`` is the mean over clients of the accuracy on the client's own test split, the test
+examples of the classes the client holds (the personalised-FL convention the paper's non-IID numbers use; with IID
+clients the split is the whole test set); ``nll``, ``ece``, ``mce`` and ``brier`` pool those per-client predictions.
+``accuracy_all_classes`` is the mean over clients on the whole test set; ``accuracy_small_nets`` and
+``accuracy_large_nets`` split ``accuracy`` by architecture group. ``predict_proba`` returns None: there is no global
+model. The labels of AD are never read.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.channels import Channel, RangeBound, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
+from privfl.models import MODELS, ModelPrior, make_bayesian_model, model_kl_divergence, set_generator
+from privfl.training import batches, torch_generator
+
+CHANNEL = "alignment_probs"
+#: any two probability vectors are at most sqrt(2) apart in L2
+PER_POINT_SENSITIVITY = math.sqrt(2.0)
+WEIGHTINGS = ("uniform", "size")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One client's network: a name of ``privfl.models.MODELS``, its hidden widths (None: the model's default) and,
+    for the MLP, the average-pooling factor of image inputs."""
+
+    model: str = "mlp"
+    hidden: tuple[int, ...] | None = None
+    pool: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or self.model.lower() not in MODELS:
+            raise ConfigurationError(f"architecture model must be one of {sorted(MODELS)}, got {self.model!r}")
+        object.__setattr__(self, "model", self.model.lower())
+        if self.hidden is not None:
+            hidden = tuple(self.hidden)
+            if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden):
+                raise ConfigurationError(f"architecture hidden widths must be integers >= 1, got {self.hidden!r}")
+            object.__setattr__(self, "hidden", hidden)
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1:
+            raise ConfigurationError(f"architecture pool must be an integer >= 1, got {self.pool!r}")
+        if self.pool > 1 and self.model != "mlp":
+            raise ConfigurationError("pool applies to the MLP only")
+
+    def build(self, input_shape: Sequence[int], num_classes: int, init_rho: float) -> nn.Module:
+        kw: dict = {"init_rho": init_rho}
+        if self.hidden is not None:
+            kw["hidden"] = self.hidden
+        if self.pool > 1:
+            kw["pool"] = self.pool
+        return make_bayesian_model(self.model, tuple(input_shape), num_classes, **kw)
+
+
+def clip_and_renormalise(probs: np.ndarray) -> np.ndarray:
+    """Rows of a noisy probability matrix clipped to [0, 1] and renormalised to sum 1 (a row clipped to all zeros
+    becomes uniform): FedBNN's server-side post-processing."""
+    p = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
+    sums = p.sum(axis=1, keepdims=True)
+    uniform = np.full_like(p, 1.0 / p.shape[1])
+    return np.where(sums > 0, p / np.where(sums > 0, sums, 1.0), uniform)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_c target_c log softmax(logits)_c: the distance d of eq. 4 for probability targets."""
+    return -(target * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
+
+
+@torch.no_grad()
+def mc_predict(model: nn.Module, x: torch.Tensor, samples: int, generator: torch.Generator,
+               batch_size: int = 1024) -> np.ndarray:
+    """Bayesian model average 1/K sum_j softmax(f(x; W_j)), W_j ~ q, as float64 rows that sum to 1."""
+    set_generator(model, generator)
+    try:
+        model.eval()
+        out = []
+        for i in range(0, len(x), batch_size):
+            xb = x[i:i + batch_size]
+            out.append(sum(torch.softmax(model(xb), dim=1).double() for _ in range(samples)) / samples)
+        probs = torch.cat(out).numpy()
+    finally:
+        set_generator(model, None)
+    return probs / probs.sum(axis=1, keepdims=True)
+
+
+class FedBNN(FederatedAlgorithm):
+    """FedBNN over the channel ``alignment_probs``: Monte-Carlo class probabilities on the public alignment set.
+
+    Args (besides the federation and privacy configurations; paper defaults):
+        architectures: the clients' architectures (``Architecture`` or a model name), cycled over clients; when given,
+            ``small_fraction`` must be 0. Default: ``fed.model`` with ``fed.hidden`` and ``fed.pool`` for the large
+            nets, and ``small_architecture`` for a random share ``small_fraction`` of the clients.
+        small_architecture: the small net (default: an MLP with one hidden layer of 32, ``fed.pool``).
+        small_fraction: share of clients (rounded, chosen at random in setup) running the small net; paper 0.3.
+        alignment_size: |AD| (2000).
+        warmup_epochs: local epochs of a client's first participation, before collaboration (50).
+        gamma: weight of the global output in the prior-tuning target, eq. 3 (0.7).
+        prior_steps, prior_lr: Adam steps and step size of prior tuning, eq. 4 (100, 1e-4).
+        bbb_lr: Adam step size of Bayes-by-Backprop, eq. 5 (1e-3). ``fed.lr`` is not used.
+        mc_samples: weight draws of the Monte-Carlo outputs (upload and evaluation).
+        init_prior_std: std of the isotropic prior of the warm-up.
+        init_rho: initial rho of every posterior std (-3: std 0.049, a usual Bayes-by-Backprop start). The tuned
+            prior starts from the posterior, so its precision is about 1 / std^2: BayesLinear's own -5 (std 0.0067)
+            makes the KL of eq. 5 so stiff that local training barely moves a client off its tuned prior.
+        weighting: ``"uniform"`` or ``"size"`` (non-private only) server weights w_k.
+    """
+
+    name = "fedbnn"
+    supports_privacy = True
+    # For ``privfl run``/``privfl compare``: small local training, and local noise (see the module docstring).
+    defaults = {"hidden": (100,), "local_epochs": 2, "clip": 1.0, "placement": "local"}
+
+    def __init__(self, fed, privacy, *, architectures: Sequence[Architecture | str] | None = None,
+                 small_architecture: Architecture | str | None = None, small_fraction: float | None = None,
+                 alignment_size: int = 2000, warmup_epochs: int = 50, gamma: float = 0.7, prior_steps: int = 100,
+                 prior_lr: float = 1e-4, bbb_lr: float = 1e-3, mc_samples: int = 10, init_prior_std: float = 1.0,
+                 init_rho: float = -3.0, weighting: str = "uniform"):
+        super().__init__(fed, privacy)
+        if architectures is not None:
+            archs = (architectures,) if isinstance(architectures, (str, Architecture)) else tuple(architectures)
+            if not archs:
+                raise ConfigurationError("architectures must name at least one architecture")
+            self.architectures = tuple(_as_architecture(a) for a in archs)
+            if small_fraction not in (None, 0, 0.0) or small_architecture is not None:
+                raise ConfigurationError("give either architectures (cycled over clients) or small_fraction and "
+                                         "small_architecture, not both")
+            self.small_fraction = 0.0
+        else:
+            self.architectures = (Architecture(fed.model, fed.hidden, fed.pool if fed.model == "mlp" else 1),)
+            self.small_fraction = 0.3 if small_fraction is None else _fraction("small_fraction", small_fraction)
+        self.small_architecture = (_as_architecture(small_architecture) if small_architecture is not None
+                                   else Architecture("mlp", (32,), fed.pool))
+        self.alignment_size = _positive_int("alignment_size", alignment_size)
+        self.warmup_epochs = _positive_int("warmup_epochs", warmup_epochs, allow_zero=True)
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
+            raise ConfigurationError(f"gamma (eq. 3) must be in [0, 1], got {gamma!r}")
+        self.gamma = float(gamma)
+        self.prior_steps = _positive_int("prior_steps", prior_steps, allow_zero=True)
+        self.prior_lr = _positive("prior_lr", prior_lr)
+        self.bbb_lr = _positive("bbb_lr", bbb_lr)
+        self.mc_samples = _positive_int("mc_samples", mc_samples)
+        self.init_prior_std = _positive("init_prior_std", init_prior_std)
+        if isinstance(init_rho, bool) or not isinstance(init_rho, (int, float)) or not math.isfinite(init_rho):
+            raise ConfigurationError(f"init_rho must be a finite number, got {init_rho!r}")
+        self.init_rho = float(init_rho)
+        if weighting not in WEIGHTINGS:
+            raise ConfigurationError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        if weighting == "size" and privacy.private:
+            raise ConfigurationError("weighting='size' makes the server weights depend on the data (n_k changes with "
+                                     "one record); private runs use weighting='uniform'")
+        self.weighting = weighting
+        if privacy.private and privacy.placement == "distributed":
+            raise ConfigurationError("fedbnn's probability channel is a matrix bounded by its range; distributed "
+                                     "noise plans vector channels with a norm clip. Use placement='local' "
+                                     "(CLI: --placement local), with --secure-agg if wanted")
+        self.client_architectures: list[Architecture] = []
+        self.small_clients: frozenset[int] = frozenset()
+        self.models: dict[int, nn.Module] = {}  # client-held posteriors q_k (never released)
+        self.warmed_up: set[int] = set()
+        self.global_probs: np.ndarray | None = None  # Phi_bar(AD), post-processed
+        self.alignment_x: torch.Tensor | None = None
+        self.client_classes: list[np.ndarray] = []
+        self._input_shape: tuple[int, ...] = ()
+        self._num_classes = 0
+        self._init_seeds: list[int] = []
+        self._eval_seed = 0
+        self._test_given: object = None
+        self._test_rest = None
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    def setup(self, data, rng):
+        if getattr(data, "task", "classification") != "classification" or any(
+                p.task != "classification" for p in data.train_parts):
+            raise ConfigurationError("fedbnn aligns class probabilities; it needs a classification data set")
+        self._input_shape, self._num_classes = tuple(data.input_shape), int(data.num_classes)
+        n = len(data.train_parts)
+        if self.small_fraction > 0:
+            self.small_clients = frozenset(
+                rng.choice(n, size=int(round(self.small_fraction * n)), replace=False).tolist())
+            self.client_architectures = [self.small_architecture if k in self.small_clients
+                                         else self.architectures[0] for k in range(n)]
+        else:
+            self.small_clients = frozenset()
+            self.client_architectures = [self.architectures[k % len(self.architectures)] for k in range(n)]
+        self._test_given, self._test_rest = None, None
+        if data.alignment is not None and len(data.alignment):
+            ad = data.alignment
+            if len(ad) > self.alignment_size:
+                ad = ad.subset(np.sort(rng.choice(len(ad), self.alignment_size, replace=False)))
+        else:
+            size = min(self.alignment_size, len(data.test) // 2)
+            if size < 1:
+                raise ConfigurationError("fedbnn needs a public alignment set: build the data with "
+                                         "make_federated(..., alignment_size=N)")
+            order = rng.permutation(len(data.test))
+            ad = data.test.subset(np.sort(order[:size]))
+            self._test_given, self._test_rest = data.test, data.test.subset(np.sort(order[size:]))
+        if tuple(ad.input_shape) != self._input_shape:
+            raise ConfigurationError(f"the alignment set's inputs have shape {ad.input_shape}, the clients' "
+                                     f"{self._input_shape}")
+        self.alignment_x = torch.from_numpy(ad.x.copy())  # its labels are never read
+        self.client_classes = [np.unique(p.y) for p in data.train_parts]
+        self._init_seeds = [int(s) for s in rng.integers(0, 2 ** 63 - 1, size=n)]
+        self._eval_seed = int(rng.integers(0, 2 ** 63 - 1))
+        self.models, self.warmed_up, self.global_probs = {}, set(), None
+
+    @property
+    def alignment_rows(self) -> int:
+        return int(self.alignment_x.shape[0])
+
+    def channels(self):
+        p = self.privacy
+        clip = RangeBound(PER_POINT_SENSITIVITY, self.alignment_rows) if p.private else Unclipped()
+        return [Channel(CHANNEL, (self.alignment_rows, self._num_classes), unit=p.unit if p.private else "client",
+                        clip=clip, adjacency=p.adjacency, value_bound=1.0,
+                        description="Monte-Carlo class probabilities of the client's BNN on the alignment set")]
+
+    # -- client --------------------------------------------------------------------------------------------------
+
+    def local_model(self, client: int) -> nn.Module:
+        """Client ``client``'s posterior q_k, built (seeded from setup) on first use and kept by the client."""
+        if client not in self.models:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self._init_seeds[client])
+                self.models[client] = self.client_architectures[client].build(self._input_shape, self._num_classes,
+                                                                              self.init_rho)
+        return self.models[client]
+
+    def release_weight(self, dataset) -> float:
+        return float(len(dataset)) if self.weighting == "size" else 1.0
+
+    def client_update(self, client, dataset, round, rng):
+        model = self.local_model(client)
+        x, y = dataset.tensors()
+        gen = torch_generator(rng)
+        metrics: dict[str, float] = {}
+        if client not in self.warmed_up:
+            prior, epochs = ModelPrior.isotropic(self.init_prior_std), self.warmup_epochs
+            self.warmed_up.add(client)
+        elif self.global_probs is not None:
+            local = mc_predict(model, self.alignment_x, self.mc_samples, gen)
+            target = self.gamma * self.global_probs + (1.0 - self.gamma) * local
+            prior, metrics["prior_loss"] = self.tune_prior(model, target, gen)
+            epochs = self.fed.local_epochs
+        else:  # no global output yet (every earlier round aborted): train on under the warm-up prior
+            prior, epochs = ModelPrior.isotropic(self.init_prior_std), self.fed.local_epochs
+        metrics["elbo_loss"] = self.train_posterior(model, prior, x, y, epochs, rng, gen)
+        probs = mc_predict(model, self.alignment_x, self.mc_samples, gen)
+        return ClientOutput({CHANNEL: probs}, weight=self.release_weight(dataset), metrics=metrics)
+
+    def tune_prior(self, model: nn.Module, target: np.ndarray, generator: torch.Generator
+                   ) -> tuple[ModelPrior, float]:
+        """Eq. 4: the prior p(.; psi*) of :meth:`prior_network` as a ``ModelPrior``, and the last tuning loss."""
+        net, loss = self.prior_network(model, target, generator)
+        return ModelPrior.from_model(net), loss
+
+    def prior_network(self, model: nn.Module, target: np.ndarray, generator: torch.Generator
+                      ) -> tuple[nn.Module, float]:
+        """A copy of ``model`` whose Gaussian parameters are the prior parameters psi, started from the current
+        posterior and fitted by ``prior_steps`` Adam steps so that the net with weights drawn from p(.; psi) outputs
+        ``target`` on AD (one weight draw per step, full batch). ``model`` itself is not changed."""
+        net = copy.deepcopy(model)
+        set_generator(net, generator)
+        target_t = torch.as_tensor(target, dtype=torch.float32)
+        opt = torch.optim.Adam(net.parameters(), lr=self.prior_lr)
+        net.train()
+        loss_value = float("nan")
+        try:
+            for _ in range(self.prior_steps):
+                opt.zero_grad(set_to_none=True)
+                loss = soft_cross_entropy(net(self.alignment_x), target_t)
+                loss.backward()
+                opt.step()
+                loss_value = float(loss.detach())
+        finally:
+            set_generator(net, None)
+        return net, loss_value
+
+    def train_posterior(self, model: nn.Module, prior: ModelPrior, x: torch.Tensor, y: torch.Tensor, epochs: int,
+                        rng: np.random.Generator, generator: torch.Generator) -> float:
+        """Eq. 5 by Bayes-by-Backprop: minimise E_q[mean NLL] + KL(q || prior) / n over q, Adam (``bbb_lr``).
+        Returns the last epoch's mean loss."""
+        n = len(x)
+        opt = torch.optim.Adam(model.parameters(), lr=self.bbb_lr)
+        set_generator(model, generator)
+        model.train()
+        last = float("nan")
+        try:
+            for _ in range(epochs):
+                total, seen = 0.0, 0
+                for idx in batches(n, self.fed.batch_size, rng):
+                    idx_t = torch.as_tensor(idx, dtype=torch.long)
+                    opt.zero_grad(set_to_none=True)
+                    loss = F.cross_entropy(model(x[idx_t]), y[idx_t]) + model_kl_divergence(model, prior) / n
+                    loss.backward()
+                    opt.step()
+                    total += float(loss.detach()) * len(idx)
+                    seen += len(idx)
+                last = total / max(seen, 1)
+        finally:
+            set_generator(model, None)
+        return last
+
+    # -- server --------------------------------------------------------------------------------------------------
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        """Phi_bar(AD) = sum_k w_k Phi_k(AD) / sum_k w_k, clipped to [0, 1] and renormalised (post-processing)."""
+        agg = aggregates[CHANNEL]
+        self.global_probs = clip_and_renormalise(agg.total / agg.total_weight)
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+
+    def client_predictions(self, dataset) -> dict[int, np.ndarray]:
+        """Each trained client's Bayesian model average on ``dataset`` (the held-out part of the test set when
+        ``dataset`` is the test set an alignment set was carved from)."""
+        x = self._eval_set(dataset).tensors()[0]
+        return {k: mc_predict(m, x, self.mc_samples, torch.Generator().manual_seed(self._eval_seed + k))
+                for k, m in sorted(self.models.items())}
+
+    def _eval_set(self, dataset):
+        return self._test_rest if self._test_given is not None and dataset is self._test_given else dataset
+
+    def evaluate(self, dataset):
+        """Personalised metrics; see the module docstring."""
+        y = self._eval_set(dataset).tensors()[1].numpy()
+        preds = self.client_predictions(dataset)
+        if not preds:
+            uniform = np.full((len(y), self._num_classes), 1.0 / self._num_classes)
+            out = classification_metrics(uniform, y)
+            return {**out, "mce": maximum_calibration_error(uniform, y), "brier": brier_score(uniform, y)}
+        own_acc, all_acc, pooled_p, pooled_y, groups = [], [], [], [], {"small": [], "large": []}
+        for k, proba in preds.items():
+            mask = np.isin(y, self.client_classes[k])
+            all_acc.append(float(np.mean(proba.argmax(axis=1) == y)))
+            if not mask.any():
+                continue
+            acc = float(np.mean(proba[mask].argmax(axis=1) == y[mask]))
+            own_acc.append(acc)
+            groups["small" if self.is_small(k) else "large"].append(acc)
+            pooled_p.append(proba[mask])
+            pooled_y.append(y[mask])
+        p, t = np.concatenate(pooled_p), np.concatenate(pooled_y)
+        out = classification_metrics(p, t)
+        out["accuracy"] = float(np.mean(own_acc))
+        out["mce"] = maximum_calibration_error(p, t)
+        out["brier"] = brier_score(p, t)
+        out["accuracy_all_classes"] = float(np.mean(all_acc))
+        if groups["small"] and groups["large"]:
+            out["accuracy_small_nets"] = float(np.mean(groups["small"]))
+            out["accuracy_large_nets"] = float(np.mean(groups["large"]))
+        return out
+
+    def is_small(self, client: int) -> bool:
+        return client in self.small_clients
+
+
+def _as_architecture(spec) -> Architecture:
+    if isinstance(spec, Architecture):
+        return spec
+    if isinstance(spec, str):
+        return Architecture(spec)
+    raise ConfigurationError(f"an architecture is an Architecture or a model name, got {spec!r}")
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        raise ConfigurationError(f"{name} must be an integer >= {0 if allow_zero else 1}, got {value!r}")
+    return int(value)
+
+
+def _fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigurationError(f"{name} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
+__all__ = ["Architecture", "CHANNEL", "FedBNN", "PER_POINT_SENSITIVITY", "clip_and_renormalise", "mc_predict",
+           "soft_cross_entropy"]

@@ -1,0 +1,541 @@
+"""FedBNR (Yu et al. 2022): a global federated GP by Bayesian linear regression on a kernel network's features, made
+record-level private by sufficient-statistics perturbation.
+
+The model: f(x) = w^T phi(x), w ~ N(0, lambda^2 I), y = f(x) + N(0, sigma^2), where phi is a kernel network
+(``privfl.features``: random Fourier features from a public seed, optionally after a learned extractor). The
+posterior over w is N(w_bar, A^-1) with (eqs. 20-21)
+
+    A = sigma^-2 sum_c Phi_c^T Phi_c + lambda^-2 I,        w_bar = sigma^-2 A^-1 sum_c Phi_c^T y_c,
+
+so the clients' **scatter** ``Phi_c^T Phi_c`` and **cross** ``Phi_c^T y_c`` sums are sufficient statistics: phase 2
+is exact, equal to centralised Bayesian linear regression on the pooled data. (The paper's second upload
+``sigma^-2 A^-1 Phi_c^T y_c`` is a public linear map of ``Phi_c^T y_c``; privfl releases the latter and lets the
+server apply A^-1, which needs one round instead of two.) The prediction at x is N(phi^T w_bar, sigma^2 +
+phi^T A^-1 phi) (eq. 13).
+
+Privacy (record level, add/remove one record unless the config says replace one)
+--------------------------------------------------------------------------------
+- ``scatter``: each feature row is clipped to norm B (``privacy.clip``; RFF rows have norm 1, so B = 1 clips
+  nothing), so one record moves the sum by phi phi^T, of Frobenius norm <= B^2: ``PreClipped(B, "squared_sum")``.
+  The channel is ``symmetric``: Gaussian noise on the upper triangle, mirrored (Analyze Gauss, Dwork et al. 2014);
+  the upper triangle moves by at most the Frobenius norm, so B^2 is a valid sensitivity for it.
+- ``cross``: targets are clipped to [-B_y, B_y] (``target_clip``), so each term phi_i y_i has norm <= B B_y and the
+  sum moves by B B_y: ``PreClipped(B * B_y, "sum")`` on a ``ClippedValue`` of bound B B_y. No new clip kind is needed.
+- the budget is split between the two by ``scatter_share`` (calibration gives each channel its share of rho).
+- ``unit="client"``: each client's matrices are clipped as wholes (``NormClip``) to ``client_rows * B^2`` and
+  ``client_rows * B * B_y``, the bounds a client of at most ``client_rows`` records respects (a public cap).
+
+Post-processing on the server (free, after release; AdaSSP-style, Wang 2018): the noisy scatter is symmetrised,
+projected to the PSD cone (eigenvalues floored at 0), and given a ridge ``ridge_scale * 2 sqrt(d) * s`` where s is
+the per-entry noise std of the released sum (2 sqrt(d) s is the spectral norm of d x d symmetric Gaussian noise). The
+server knows s and the cross noise std s_b, and folds them into the predictive variance (``fold_noise``): to first
+order the released noise perturbs w_bar by sigma^-2 A^-1 (e_b - E w_bar), whose covariance
+sigma^-4 A^-1 (s_b^2 I + s^2 (|w_bar|^2 I + w_bar w_bar^T - diag(w_bar^2))) A^-1 is added to the posterior's in
+predictions.
+
+Two phases, two algorithms
+--------------------------
+The runtime releases the same declared channels every round and calibrates their noise over all rounds, so a single
+algorithm switching from a model-update channel (phase 1) to scatter channels (phase 2) would be charged for all three
+in every round. FedBNR is therefore two algorithms run one after the other on the same clients, and
+:func:`run_fedbnr` composes them:
+
+1. :class:`FedBNRKernel` (phase 1, optional): FedAvg of the kernel network's weights and its hyperparameters (log
+   lengthscale, sigma, lambda), each client maximising its local BLR marginal likelihood (eq. 18). Under DP it is
+   charged like DP-FedAvg: the update is clipped to norm C (``update_clip``) as a client-level channel, which also
+   bounds any one record's influence; uniform weights.
+2. :class:`FedBNR` (phase 2, registered as ``fedbnr``): one release of ``scatter`` and ``cross`` under the fixed
+   kernel network (the phase-1 result, or pure RFF with public hyperparameters when phase 1 is skipped: what
+   ``privfl run --algorithm fedbnr`` runs). One round is all it needs; with R > 1 rounds every round re-releases and
+   the server averages the R sums, which for Gaussian noise costs nothing (R releases at multiplier z sqrt(R) average
+   to one release at z) and is exact without noise.
+
+:func:`run_fedbnr` splits the budget between the phases in Gaussian DP (mu^2, i.e. rho, adds), checks the
+composition of the two calibrations under the run's accountant, runs both simulations (ledger runs ``<id>-kernel``
+and ``<id>-regression``) and reports each client's epsilon composed over both.
+
+Not done: the paper's kernel distillation on a server-held set (eq. 19, FedBNR-KD); distributed discrete noise
+(the scatter channel is a matrix, which ``privfl.secure`` does not plan noise for).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+from scipy.linalg import cho_factor, cho_solve, solve_triangular
+
+from accounting.accountants import make_accountant
+from accounting.accountants.analytic_gaussian import gaussian_epsilon, gaussian_mu
+from accounting.calibration import calibrate, round_event
+from accounting.events import NonPrivateEvent
+from mechanisms import clip_rows, clip_values
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.features import KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood
+from privfl.metrics.regression import regression_metrics
+from privfl.training import flat_parameters, load_flat_parameters
+
+
+# -- Bayesian linear regression from sufficient statistics (server side) ------------------------------------------
+
+@dataclass(frozen=True)
+class BLRPosterior:
+    """N(mean, precision^-1) over the last layer's weights, the likelihood's noise std sigma, and (optionally) the
+    extra weight covariance due to release noise that the server folds into predictions."""
+
+    mean: np.ndarray
+    precision: np.ndarray
+    noise_std: float
+    release_cov: np.ndarray | None = None
+
+    @property
+    def covariance(self) -> np.ndarray:
+        return cho_solve(cho_factor(self.precision, lower=True), np.eye(len(self.mean)))
+
+    def predict(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Predictive mean phi^T w and variance sigma^2 + phi^T A^-1 phi (+ phi^T release_cov phi), eq. 13."""
+        phi = np.asarray(phi, dtype=np.float64)
+        chol = np.linalg.cholesky(self.precision)
+        v = solve_triangular(chol, phi.T, lower=True)
+        var = self.noise_std ** 2 + np.sum(v * v, axis=0)
+        if self.release_cov is not None:
+            var = var + np.einsum("ij,jk,ik->i", phi, self.release_cov, phi)
+        return phi @ self.mean, var
+
+
+def prior_posterior(dim: int, noise_std: float, prior_std: float) -> BLRPosterior:
+    """The prior N(0, lambda^2 I) as a posterior with no data."""
+    return BLRPosterior(np.zeros(dim), np.eye(dim) / prior_std ** 2, float(noise_std))
+
+
+def repair_scatter(scatter: np.ndarray, floor: float = 0.0) -> np.ndarray:
+    """Symmetrise and project to {S : S >= floor I} by flooring eigenvalues (post-processing of a noisy release)."""
+    s = 0.5 * (np.asarray(scatter, dtype=np.float64) + np.asarray(scatter, dtype=np.float64).T)
+    evals, evecs = np.linalg.eigh(s)
+    return (evecs * np.maximum(evals, floor)) @ evecs.T
+
+
+def blr_from_statistics(scatter: np.ndarray, cross: np.ndarray, noise_std: float, prior_std: float, *,
+                        ridge: float = 0.0, psd_floor: float | None = None, scatter_noise_std: float = 0.0,
+                        cross_noise_std: float = 0.0, fold_noise: bool = False) -> BLRPosterior:
+    """Eqs. 20-21 from summed statistics: A = sigma^-2 (S + ridge I) + lambda^-2 I, w = sigma^-2 A^-1 b.
+
+    ``psd_floor``: repair S first (:func:`repair_scatter`); ``fold_noise``: add the first-order weight covariance
+    of the known release noise (per-entry std ``scatter_noise_std`` of the symmetric noise on S, ``cross_noise_std``
+    on b) to predictions (see the module docstring).
+    """
+    s = np.asarray(scatter, dtype=np.float64)
+    b = np.asarray(cross, dtype=np.float64).reshape(-1)
+    d = len(b)
+    if s.shape != (d, d):
+        raise ConfigurationError(f"scatter must be {d} x {d} to match cross, got {s.shape}")
+    s = repair_scatter(s, psd_floor) if psd_floor is not None else 0.5 * (s + s.T)
+    if ridge:
+        s = s + ridge * np.eye(d)
+    s2 = float(noise_std) ** 2
+    precision = s / s2 + np.eye(d) / float(prior_std) ** 2
+    factor = cho_factor(precision, lower=True)
+    mean = cho_solve(factor, b) / s2
+    release_cov = None
+    if fold_noise and (scatter_noise_std > 0 or cross_noise_std > 0):
+        # Cov(E w) for symmetric E with iid N(0, s^2) upper triangle: s^2 (|w|^2 I + w w^T - diag(w * w))
+        inner = (cross_noise_std ** 2 + scatter_noise_std ** 2 * float(mean @ mean)) * np.eye(d) \
+            + scatter_noise_std ** 2 * (np.outer(mean, mean) - np.diag(mean * mean))
+        a_inv = cho_solve(factor, np.eye(d))
+        release_cov = a_inv @ inner @ a_inv / s2 ** 2
+        release_cov = 0.5 * (release_cov + release_cov.T)
+    return BLRPosterior(mean, precision, float(noise_std), release_cov)
+
+
+def centralised_blr(phi: np.ndarray, y: np.ndarray, noise_std: float, prior_std: float) -> BLRPosterior:
+    """Bayesian linear regression on pooled features (eqs. 11-12): the reference phase 2 must equal."""
+    phi = np.asarray(phi, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64).reshape(-1)
+    s2 = float(noise_std) ** 2
+    precision = phi.T @ phi / s2 + np.eye(phi.shape[1]) / float(prior_std) ** 2
+    mean = np.linalg.solve(precision, phi.T @ y) / s2
+    return BLRPosterior(mean, precision, float(noise_std))
+
+
+def _targets(dataset) -> np.ndarray:
+    y = np.asarray(dataset.y, dtype=np.float64)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ConfigurationError(f"FedBNR regresses one scalar target; got targets of shape {y.shape}")
+    return y
+
+
+def _check_regression(data, name: str) -> None:
+    if getattr(data, "task", None) != "regression":
+        raise ConfigurationError(f"{name} is a regression algorithm; choose a regression data set such as diabetes "
+                                 f"or synthetic1d (got a {getattr(data, 'task', '?')} task)")
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+# -- phase 2: exact Bayesian linear regression from released scatter matrices -------------------------------------
+
+class FedBNR(FederatedAlgorithm):
+    """FedBNR phase 2 over a fixed kernel network; see the module docstring.
+
+    Args:
+        kernel: a trained :class:`KernelNetwork` (phase 1's result: its feature map, sigma and lambda), or None for
+            pure random Fourier features built from ``num_samples``, ``lengthscale`` and ``feature_seed``.
+        num_samples: m, the number of omega samples (2m features). Default 50, the paper's.
+        lengthscale: RFF lengthscale (default sqrt(input dimension), for standardised inputs).
+        noise_std, prior_std: sigma and lambda (default: the kernel's, else 0.5 and 1.0).
+        feature_seed: the public seed of omega.
+        target_clip: B_y, targets are clipped to [-B_y, B_y] under DP (default 3: standardised targets).
+        scatter_share: the scatter channel's share of the budget (the cross channel gets the rest).
+        ridge_scale: ridge = ridge_scale * 2 sqrt(d) * (noise std of the released scatter); 0 for none. The
+            default 0.25 was the best of {0, 0.25, 0.5, 1, 2} on diabetes and synthetic1d at epsilon = 3 (0: unusable).
+        fold_noise: fold the known release noise into the predictive variance.
+        client_rows: under ``unit="client"``, the public cap on a client's records that sizes its matrices' clips.
+    """
+
+    name = "fedbnr"
+    supports_privacy = True
+    defaults = {"clip": 1.0}
+
+    def __init__(self, fed, privacy, *, kernel: KernelNetwork | None = None, num_samples: int = 50,
+                 lengthscale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
+                 feature_seed: int = 0, target_clip: float = 3.0, scatter_share: float = 0.5,
+                 ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int = 100):
+        super().__init__(fed, privacy)
+        if kernel is not None and not isinstance(kernel, KernelNetwork):
+            raise ConfigurationError("kernel must be a privfl.features.KernelNetwork (phase 1's result) or None")
+        if privacy.private and privacy.sampling_rate < 1:
+            raise ConfigurationError("fedbnr sums every client's scatter matrices; client sampling would leave them "
+                                     "out; set sampling_rate=1")
+        if privacy.private and privacy.placement == "distributed":
+            raise ConfigurationError("fedbnr's scatter channel is a matrix, for which distributed discrete noise is "
+                                     "not planned; use --placement central or local")
+        if not 0 < scatter_share < 1:
+            raise ConfigurationError(f"scatter_share must lie in (0, 1), got {scatter_share!r}")
+        if isinstance(client_rows, bool) or not isinstance(client_rows, int) or client_rows < 1:
+            raise ConfigurationError(f"client_rows must be an integer >= 1, got {client_rows!r}")
+        if not (isinstance(ridge_scale, (int, float)) and math.isfinite(ridge_scale) and ridge_scale >= 0):
+            raise ConfigurationError(f"ridge_scale must be a finite number >= 0, got {ridge_scale!r}")
+        self.kernel = kernel
+        self.num_samples = int(num_samples)
+        self.lengthscale = None if lengthscale is None else _positive("lengthscale", lengthscale)
+        self.noise_std = _positive("noise_std", noise_std if noise_std is not None else
+                                   (kernel.noise_std if kernel is not None else 0.5))
+        self.prior_std = _positive("prior_std", prior_std if prior_std is not None else
+                                   (kernel.prior_std if kernel is not None else 1.0))
+        self.feature_seed = int(feature_seed)
+        self.target_clip = _positive("target_clip", target_clip)
+        self.scatter_share = float(scatter_share)
+        self.ridge_scale = float(ridge_scale)
+        self.fold_noise = bool(fold_noise)
+        self.client_rows = client_rows
+        self.feature_map: Callable[[np.ndarray], np.ndarray] | None = None
+        self.dim = 0
+        self.posterior: BLRPosterior | None = None
+        self._sums: dict[str, np.ndarray] = {}
+        self._noise_var: dict[str, float] = {}
+        self._releases = 0
+
+    @property
+    def feature_clip(self) -> float:
+        """B, the norm every feature row is clipped to under DP."""
+        return float(self.privacy.clip)
+
+    def setup(self, data, rng):
+        _check_regression(data, self.name)
+        input_dim = int(np.prod(data.input_shape))
+        if self.kernel is not None:
+            if self.kernel.input_dim != input_dim:
+                raise ConfigurationError(f"the kernel network takes {self.kernel.input_dim} inputs but the data has "
+                                         f"{input_dim}")
+            net = copy.deepcopy(self.kernel)
+            self.feature_map, self.dim = net.features, net.dim
+        else:
+            rff = RandomFourierFeatures(input_dim, self.num_samples, self.lengthscale or math.sqrt(input_dim),
+                                        self.feature_seed)
+            self.feature_map, self.dim = rff, rff.dim
+        self.posterior = prior_posterior(self.dim, self.noise_std, self.prior_std)
+        self._sums = {"scatter": np.zeros((self.dim, self.dim)), "cross": np.zeros(self.dim)}
+        self._noise_var = {"scatter": 0.0, "cross": 0.0}
+        self._releases = 0
+
+    def channels(self):
+        d, p = self.dim, self.privacy
+        if not p.private:
+            return [Channel("scatter", (d, d), unit="example", clip=Unclipped(), symmetric=True,
+                            description="Phi^T Phi"),
+                    Channel("cross", (d,), unit="example", clip=Unclipped(), description="Phi^T y")]
+        b, by = self.feature_clip, self.target_clip
+        if p.unit == "client":
+            scatter_clip, cross_clip, unit = NormClip(self.client_rows * b * b), NormClip(self.client_rows * b * by), \
+                "client"
+        else:
+            scatter_clip, cross_clip, unit = PreClipped(b, "squared_sum"), PreClipped(b * by, "sum"), "example"
+        return [Channel("scatter", (d, d), unit=unit, clip=scatter_clip, adjacency=p.adjacency,
+                        budget_share=self.scatter_share, symmetric=True,
+                        description="Phi^T Phi of rows clipped to B (sensitivity B^2)"),
+                Channel("cross", (d,), unit=unit, clip=cross_clip, adjacency=p.adjacency,
+                        budget_share=1.0 - self.scatter_share,
+                        description="Phi^T y of rows clipped to B and targets to B_y (sensitivity B B_y)")]
+
+    def client_update(self, client, dataset, round, rng):
+        phi = np.asarray(self.feature_map(dataset.x), dtype=np.float64)
+        y = _targets(dataset)
+        if not self.privacy.private:
+            return ClientOutput({"scatter": phi.T @ phi, "cross": phi.T @ y}, weight=1.0)
+        b, by = self.feature_clip, self.target_clip
+        rows, targets = clip_rows(phi, b), clip_values(y, by)
+        scatter, cross = rows.value.T @ rows.value, rows.value.T @ targets.value
+        metrics = {"rows_clipped": rows.fraction_clipped, "targets_clipped": targets.fraction_clipped}
+        if self.privacy.unit == "client":
+            return ClientOutput({"scatter": scatter, "cross": cross}, weight=1.0, metrics=metrics)
+        return ClientOutput({"scatter": ClippedValue(scatter, b, "squared_sum"),
+                             "cross": ClippedValue(cross, b * by, "sum")}, weight=1.0, metrics=metrics)
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        for name in ("scatter", "cross"):
+            self._sums[name] = self._sums[name] + aggregates[name].total
+            self._noise_var[name] += aggregates[name].noise_std ** 2
+        self._releases += 1
+        r = self._releases
+        scatter, cross = self._sums["scatter"] / r, self._sums["cross"] / r
+        s_a, s_b = math.sqrt(self._noise_var["scatter"]) / r, math.sqrt(self._noise_var["cross"]) / r
+        noisy = s_a > 0
+        self.posterior = blr_from_statistics(
+            scatter, cross, self.noise_std, self.prior_std,
+            ridge=self.ridge_scale * 2.0 * math.sqrt(self.dim) * s_a, psd_floor=0.0 if noisy else None,
+            scatter_noise_std=s_a, cross_noise_std=s_b, fold_noise=self.fold_noise)
+
+    def predict(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Predictive mean and variance at inputs ``x`` (an array or a data set), in the data's (standardised)
+        target units."""
+        x = getattr(x, "x", x)
+        return self.posterior.predict(self.feature_map(x))
+
+    def evaluate(self, dataset):
+        """RMSE, Gaussian NLL and interval calibration (ECE, MCE, Brier) in the data set's original units."""
+        mean, var = self.predict(dataset)
+        scale = float(dataset.target_scale)
+        return regression_metrics(dataset.to_original_units(mean), var * scale ** 2,
+                                  dataset.to_original_units(_targets(dataset)))
+
+
+# -- phase 1: the kernel network by FedAvg ------------------------------------------------------------------------
+
+class FedBNRKernel(FederatedAlgorithm):
+    """FedBNR phase 1: FedAvg of a :class:`KernelNetwork` (extractor weights, log lengthscale, log sigma,
+    log lambda), each client taking ``fed.local_epochs`` full-batch Adam steps (``fed.lr``) on its negative local
+    log marginal likelihood per record (eq. 18). ``hidden=()`` learns only the RFF hyperparameters.
+
+    Non-private: weights n_c, no clip. Private: the update is clipped to ``update_clip`` (default
+    ``privacy.clip``) as a client-level channel and the clients weigh equally (DP-FedAvg's accounting).
+    """
+
+    name = "fedbnr_kernel"
+    supports_privacy = True
+
+    def __init__(self, fed, privacy, *, hidden: tuple[int, ...] = (32,), latent_dim: int = 4, num_samples: int = 50,
+                 lengthscale: float | None = None, noise_std: float = 0.5, prior_std: float = 1.0,
+                 feature_seed: int = 0, update_clip: float | None = None):
+        super().__init__(fed, privacy)
+        self.options = dict(hidden=tuple(hidden), latent_dim=latent_dim, num_samples=num_samples,
+                            noise_std=noise_std, prior_std=prior_std, seed=feature_seed)
+        self.lengthscale = lengthscale
+        self.update_clip = _positive("update_clip", update_clip if update_clip is not None else privacy.clip)
+        self.net: KernelNetwork | None = None
+        self.global_params: np.ndarray | None = None
+
+    def setup(self, data, rng):
+        _check_regression(data, self.name)
+        input_dim = int(np.prod(data.input_shape))
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        default_scale = 1.0 if self.options["hidden"] else math.sqrt(input_dim)
+        self.net = KernelNetwork(input_dim, lengthscale=self.lengthscale or default_scale, **self.options)
+        self.global_params = flat_parameters(self.net)
+
+    @property
+    def dim(self) -> int:
+        return int(self.global_params.size)
+
+    def channels(self):
+        if not self.privacy.private:
+            return [Channel("update", (self.dim,), unit="client", clip=Unclipped(),
+                            description="kernel network change")]
+        return [Channel("update", (self.dim,), unit="client", clip=NormClip(self.update_clip),
+                        adjacency=self.privacy.adjacency, description="kernel network change, clipped to C")]
+
+    def client_update(self, client, dataset, round, rng):
+        local = copy.deepcopy(self.net)
+        load_flat_parameters(local, self.global_params)
+        x = torch.as_tensor(dataset.x)
+        y = torch.as_tensor(_targets(dataset))
+        opt = torch.optim.Adam(local.parameters(), lr=self.fed.lr)
+        loss_value = math.nan
+        for _ in range(self.fed.local_epochs):
+            opt.zero_grad(set_to_none=True)
+            loss = -blr_log_marginal_likelihood(local(x), y, local.log_noise_std.exp(),
+                                                local.log_prior_std.exp()) / len(y)
+            loss.backward()
+            opt.step()
+            loss_value = float(loss.detach())
+        update = flat_parameters(local) - self.global_params
+        weight = 1.0 if self.privacy.private else float(len(dataset))
+        return ClientOutput({"update": update}, weight=weight,
+                            metrics={"update_norm": float(np.linalg.norm(update)), "nlml": loss_value})
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        agg = aggregates["update"]
+        self.global_params = self.global_params + self.fed.server_lr * agg.total / agg.total_weight
+
+    def kernel(self) -> KernelNetwork:
+        """The current global kernel network (a copy), to hand to :class:`FedBNR`."""
+        net = copy.deepcopy(self.net)
+        load_flat_parameters(net, self.global_params)
+        return net
+
+    def evaluate(self, dataset):
+        """The global kernel's negative log marginal likelihood per record on ``dataset`` and its hyperparameters
+        (phase 1 has no predictor of its own: that needs phase 2's statistics)."""
+        net = self.kernel()
+        with torch.no_grad():
+            y = torch.as_tensor(_targets(dataset))
+            nlml = -blr_log_marginal_likelihood(net(torch.as_tensor(dataset.x)), y, net.log_noise_std.exp(),
+                                                net.log_prior_std.exp()) / len(y)
+        return {"nlml": float(nlml), "noise_std": net.noise_std, "prior_std": net.prior_std,
+                "lengthscale": net.lengthscale}
+
+
+# -- both phases --------------------------------------------------------------------------------------------------
+
+def phase_budgets(epsilon: float, delta: float, kernel_rounds: int, regression_rounds: int,
+                  regression_shares: Mapping[str, float], accountant: str, kernel_share: float = 0.5
+                  ) -> tuple[float, float]:
+    """Per-phase epsilons (kernel, regression) whose composition meets (epsilon, delta) under ``accountant``.
+
+    Gaussian releases compose by adding mu^2 (Gaussian DP; rho in zCDP), so phase 1 gets ``kernel_share`` of
+    mu(epsilon, delta)^2 and phase 2 the rest; each share is turned back into an epsilon at ``delta``. Then the
+    noise both calibrations will choose is composed under ``accountant`` (which may be slightly looser than exact)
+    and both shares shrink (by rounding-sized, then 0.5% steps) until the composition meets the target.
+    """
+    if not 0 < kernel_share < 1:
+        raise ConfigurationError(f"kernel_share must lie in (0, 1), got {kernel_share!r}")
+    mu = gaussian_mu(epsilon, delta)
+    # shrink both shares until the composition meets the target: first by rounding-sized steps (the exact
+    # accountant lands on the target up to float error), then by 0.5% steps (looser accountants)
+    steps = [0.0, 1e-12, 1e-9, 1e-6, 1e-4, 1e-3] + [5e-3] * 200
+    shrink = 1.0
+    for step in steps:
+        shrink *= 1.0 - step
+        eps_k = gaussian_epsilon(mu * shrink * math.sqrt(kernel_share), delta)
+        eps_r = gaussian_epsilon(mu * shrink * math.sqrt(1.0 - kernel_share), delta)
+        cal_k = calibrate(eps_k, delta, kernel_rounds, channels={"update": 1.0}, accountant=accountant)
+        cal_r = calibrate(eps_r, delta, regression_rounds, channels=dict(regression_shares), accountant=accountant)
+        acct = make_accountant(accountant)
+        acct.compose(round_event(cal_k.noise_multipliers), kernel_rounds)
+        acct.compose(round_event(cal_r.noise_multipliers), regression_rounds)
+        if acct.get_epsilon(delta) <= epsilon:
+            return eps_k, eps_r
+    raise ConfigurationError(f"could not split epsilon={epsilon} between FedBNR's phases under the {accountant} "
+                             "accountant; use the exact or zcdp accountant")
+
+
+def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]:
+    """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed."""
+    events: dict[str, list] = {}
+    for ledger in ledgers:
+        for charge in ledger.charges():
+            events.setdefault(charge.client_id, []).append(charge.event)
+    out = {}
+    for cid, evs in events.items():
+        if any(isinstance(e, NonPrivateEvent) for e in evs):
+            out[cid] = math.inf
+            continue
+        acct = make_accountant(accountant)
+        for e in evs:
+            acct.compose(e)
+        out[cid] = float(acct.get_epsilon(delta))
+    return out
+
+
+@dataclass
+class FedBNRRun:
+    """Both phases of a FedBNR run: the phase results, the fitted phase-2 algorithm (the global GP), and each
+    client's epsilon composed over both phases."""
+
+    regression: object  # privfl.runtime.RunResult
+    algorithm: FedBNR
+    kernel: object | None = None  # privfl.runtime.RunResult of phase 1, if run
+    kernel_algorithm: FedBNRKernel | None = None
+    epsilon_per_client: dict[str, float] = field(default_factory=dict)
+    phase_epsilons: tuple[float, float] | None = None
+
+    @property
+    def epsilon(self) -> float:
+        return max(self.epsilon_per_client.values(), default=0.0)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.regression.final
+
+
+def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, kernel_share: float = 0.5,
+               kernel_options: Mapping | None = None, options: Mapping | None = None, secure=None,
+               ledger_path: str = ":memory:", run_id: str | None = None, progress=None) -> FedBNRRun:
+    """Run FedBNR: phase 1 for ``kernel_rounds`` rounds (skipped when 0: pure RFF), then phase 2 for ``fed.rounds``
+    rounds (1 suffices), on the same clients, within one (epsilon, delta) per client.
+
+    ``kernel_fed``: the FederationConfig of phase 1 (default ``fed``; its rounds are replaced by ``kernel_rounds``).
+    ``kernel_options`` / ``options``: keyword arguments of :class:`FedBNRKernel` / :class:`FedBNR`.
+    ``secure``: a :class:`privfl.secure.SecureAggregation` for both phases.
+    """
+    from privfl.runtime import Simulation
+
+    options = dict(options or {})
+    if isinstance(kernel_rounds, bool) or not isinstance(kernel_rounds, int) or kernel_rounds < 0:
+        raise ConfigurationError(f"kernel_rounds must be an integer >= 0, got {kernel_rounds!r}")
+    base_id = run_id or f"fedbnr-{fed.seed}"
+    if kernel_rounds == 0:
+        alg = FedBNR(fed, privacy, **options)
+        sim = Simulation(alg, data, fed, privacy, ledger_path=ledger_path, run_id=f"{base_id}-regression",
+                         progress=progress, secure=secure)
+        result = sim.run()
+        return FedBNRRun(result, alg, epsilon_per_client=composed_epsilon([sim.ledger], privacy.delta,
+                                                                          privacy.resolved_accountant))
+    kfed = replace(kernel_fed or fed, rounds=kernel_rounds)
+    accountant = privacy.resolved_accountant
+    privacy_k, privacy_r, budgets = privacy, privacy, None
+    if privacy.private:
+        if privacy.sampling_rate < 1:
+            raise ConfigurationError("run_fedbnr splits the budget between unsampled phases; set sampling_rate=1")
+        probe = FedBNR(fed, privacy, **options)
+        shares = {"scatter": probe.scatter_share, "cross": 1.0 - probe.scatter_share}
+        budgets = phase_budgets(privacy.epsilon, privacy.delta, kernel_rounds, fed.rounds, shares, accountant,
+                                kernel_share)
+        privacy_k = replace(privacy, epsilon=budgets[0], accountant=accountant)
+        privacy_r = replace(privacy, epsilon=budgets[1], accountant=accountant)
+    kalg = FedBNRKernel(kfed, privacy_k, **dict(kernel_options or {}))
+    ksim = Simulation(kalg, data, kfed, privacy_k, ledger_path=ledger_path, run_id=f"{base_id}-kernel",
+                      progress=progress, secure=secure)
+    kresult = ksim.run()
+    alg = FedBNR(fed, privacy_r, kernel=kalg.kernel(), **options)
+    sim = Simulation(alg, data, fed, privacy_r, ledger_path=ledger_path, run_id=f"{base_id}-regression",
+                     progress=progress, secure=secure)
+    result = sim.run()
+    return FedBNRRun(result, alg, kresult, kalg,
+                     composed_epsilon([ksim.ledger, sim.ledger], privacy.delta, accountant), budgets)
+
+
+__all__ = ["BLRPosterior", "FedBNR", "FedBNRKernel", "FedBNRRun", "blr_from_statistics", "centralised_blr",
+           "composed_epsilon", "phase_budgets", "prior_posterior", "repair_scatter", "run_fedbnr"]

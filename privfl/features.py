@@ -1,0 +1,181 @@
+"""Kernel networks in the unifying-random-kernel sense (FedBNR, Yu et al., Sec. 4.1): random features whose random
+weights omega come from a public seed, optionally after a learned feature extractor.
+
+A kernel network maps an input x to ``phi(x) = s^m(x) / sqrt(m)``, the concatenation of m samples of
+``z_omega(h(x)) = [cos(omega^T h(x) / l), sin(omega^T h(x) / l)]`` with omega ~ N(0, I) (eqs. 14-17): random Fourier
+features (Rahimi and Recht 2007) of the Gaussian kernel exp(-|h - h'|^2 / (2 l^2)) on ``h(x)``, where h is the
+identity (pure RFF, the default) or a small MLP (deep kernel, learned in FedBNR's phase 1).
+
+Two facts the privacy analysis of FedBNR's phase 2 uses:
+
+- omega is drawn from a seed every party knows, so the feature map costs no privacy; only the extractor's weights
+  (learned from data) are charged, in phase 1.
+- each (cos, sin) pair has norm 1, so **every feature row has norm exactly 1**: clipping rows to B = 1 never changes
+  a row, and ``Phi^T Phi`` has trace n.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from privfl.errors import ConfigurationError
+
+#: distinguishes the feature map's stream from any other use of the same public seed
+_OMEGA_STREAM = 0x46424E52  # "FBNR"
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def fourier_frequencies(input_dim: int, num_samples: int, seed: int) -> np.ndarray:
+    """omega ~ N(0, I), shape ``(input_dim, num_samples)``, from the public ``seed`` alone (never from a run's data
+    or training randomness), so every client and the server derive the same map."""
+    input_dim, num_samples = _count("input_dim", input_dim), _count("num_samples", num_samples)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigurationError(f"feature seed must be an integer >= 0, got {seed!r}")
+    rng = np.random.default_rng(np.random.SeedSequence([_OMEGA_STREAM, int(seed), input_dim, num_samples]))
+    return rng.standard_normal((input_dim, num_samples))
+
+
+class RandomFourierFeatures:
+    """phi(x) = [cos(x omega / l), sin(x omega / l)] / sqrt(m): ``2 * num_samples`` features approximating the
+    Gaussian kernel with lengthscale ``lengthscale`` (FedBNR Theorem 2). Rows have norm exactly 1.
+
+    Inputs of any shape ``(n, *input_shape)`` are flattened; the result is float64 of shape ``(n, 2m)``.
+    """
+
+    def __init__(self, input_dim: int, num_samples: int = 50, lengthscale: float = 1.0, seed: int = 0):
+        self.input_dim = _count("input_dim", input_dim)
+        self.num_samples = _count("num_samples", num_samples)
+        self.lengthscale = _positive("lengthscale", lengthscale)
+        self.seed = int(seed)
+        self.omega = fourier_frequencies(self.input_dim, self.num_samples, self.seed)
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.num_samples
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        x = x.reshape(len(x), -1)
+        if x.shape[1] != self.input_dim:
+            raise ConfigurationError(f"feature map expects inputs of dimension {self.input_dim}, got {x.shape[1]}")
+        proj = x @ (self.omega / self.lengthscale)
+        return np.concatenate([np.cos(proj), np.sin(proj)], axis=1) / math.sqrt(self.num_samples)
+
+    def kernel(self, x1, x2) -> np.ndarray:
+        """The exact Gaussian kernel that the features approximate (for references and tests)."""
+        a = np.asarray(x1, dtype=np.float64).reshape(len(x1), -1)
+        b = np.asarray(x2, dtype=np.float64).reshape(len(x2), -1)
+        sq = (a ** 2).sum(1)[:, None] + (b ** 2).sum(1)[None, :] - 2.0 * a @ b.T
+        return np.exp(-np.maximum(sq, 0.0) / (2.0 * self.lengthscale ** 2))
+
+
+class KernelNetwork(nn.Module):
+    """A kernel network g(omega, f(x)) with its Bayesian linear regression hyperparameters.
+
+    - ``hidden`` empty: f is the identity and the network is pure RFF with a learnable lengthscale;
+      otherwise f is an MLP ``input_dim -> hidden... -> latent_dim`` (tanh), the deep feature extractor.
+    - omega is a frozen buffer from ``seed`` (public, never trained, never uploaded).
+    - learnable in phase 1 (eq. 18): the extractor, log lengthscale, log noise std sigma, log prior std lambda.
+
+    ``forward(x)`` returns Phi, float64 of shape ``(n, 2 * num_samples)`` with unit-norm rows.
+    """
+
+    def __init__(self, input_dim: int, num_samples: int = 50, hidden: Sequence[int] = (), latent_dim: int = 8,
+                 lengthscale: float = 1.0, noise_std: float = 0.5, prior_std: float = 1.0, seed: int = 0):
+        super().__init__()
+        self.input_dim = _count("input_dim", input_dim)
+        self.num_samples = _count("num_samples", num_samples)
+        hidden = tuple(hidden)
+        for h in hidden:
+            _count("hidden width", h)
+        self.hidden = hidden
+        layers: list[nn.Module] = []
+        width = self.input_dim
+        if hidden:
+            for h in hidden:
+                layers += [nn.Linear(width, h), nn.Tanh()]
+                width = h
+            layers.append(nn.Linear(width, _count("latent_dim", latent_dim)))
+            width = latent_dim
+        self.extractor = nn.Sequential(*layers)
+        self.latent_dim = width
+        self.seed = int(seed)
+        omega = fourier_frequencies(width, self.num_samples, self.seed)
+        self.register_buffer("omega", torch.as_tensor(omega, dtype=torch.float64))
+        self.log_lengthscale = nn.Parameter(torch.tensor(math.log(_positive("lengthscale", lengthscale))))
+        self.log_noise_std = nn.Parameter(torch.tensor(math.log(_positive("noise_std", noise_std))))
+        self.log_prior_std = nn.Parameter(torch.tensor(math.log(_positive("prior_std", prior_std))))
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.num_samples
+
+    @property
+    def noise_std(self) -> float:
+        return float(self.log_noise_std.detach().exp())
+
+    @property
+    def prior_std(self) -> float:
+        return float(self.log_prior_std.detach().exp())
+
+    @property
+    def lengthscale(self) -> float:
+        return float(self.log_lengthscale.detach().exp())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(x).reshape(len(x), -1)
+        h = self.extractor(x.float()).double() if self.hidden else x.double()
+        proj = h @ self.omega / self.log_lengthscale.double().exp()
+        return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(self.num_samples)
+
+    @torch.no_grad()
+    def features(self, x) -> np.ndarray:
+        """Phi as a float64 numpy array (the fixed feature map of phase 2)."""
+        was = self.training
+        self.eval()
+        try:
+            return self(torch.as_tensor(np.asarray(x, dtype=np.float32))).numpy()
+        finally:
+            self.train(was)
+
+
+def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: torch.Tensor,
+                                prior_std: torch.Tensor) -> torch.Tensor:
+    """log p(y | Phi; sigma, lambda) of Bayesian linear regression (FedBNR eq. 18 with its factors 1/2 and 2 pi):
+
+        -n/2 log(2 pi sigma^2) - d log lambda - 1/2 log|A| - y^T y / (2 sigma^2) + 1/2 b^T A^-1 b,
+
+    with A = Phi^T Phi / sigma^2 + I / lambda^2 and b = Phi^T y / sigma^2 (Woodbury form of the GP evidence).
+    Differentiable in Phi, sigma and lambda; computed in float64 through a Cholesky factor.
+    """
+    phi = phi.double()
+    y = y.double().reshape(-1)
+    n, d = phi.shape
+    s2 = noise_std.double() ** 2
+    lam = prior_std.double()
+    a = phi.T @ phi / s2 + torch.eye(d, dtype=torch.float64) / lam ** 2
+    chol = torch.linalg.cholesky(a)
+    b = phi.T @ y / s2
+    alpha = torch.cholesky_solve(b.unsqueeze(1), chol).squeeze(1)
+    return (-0.5 * n * torch.log(2 * math.pi * s2) - d * torch.log(lam) - torch.log(torch.diagonal(chol)).sum()
+            - 0.5 * (y @ y) / s2 + 0.5 * (b @ alpha))
+
+
+__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "fourier_frequencies"]

@@ -1,0 +1,262 @@
+"""FedBNN (Makhija, Ghosh and Ho): the probability channel and its sensitivity on neighbouring data, the server's
+weighted average and post-processing, prior tuning (eqs. 3-4), heterogeneous architectures, secure aggregation,
+a private run audited at its target, the CLI, and the MCE / Brier metrics."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from accounting import GaussianEvent
+from accounting.ledger import PrivacyLedger
+from mechanisms import InvalidRelease
+from privfl.aggregation import weighted_sums
+from privfl.algorithms import ALGORITHMS, make_algorithm
+from privfl.algorithms.fedbnn import (CHANNEL, Architecture, FedBNN, clip_and_renormalise, mc_predict,
+                                      soft_cross_entropy)
+from privfl.channels import RangeBound, Unclipped
+from privfl.cli import main
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.data import FederatedData, make_federated
+from privfl.errors import ConfigurationError
+from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
+from privfl.models import ModelPrior, model_kl_divergence, num_parameters
+from privfl.release import ReleasePipeline
+from privfl.runtime import Simulation
+from privfl.secure import SecureAggregation
+
+FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
+NONPRIVATE = PrivacyConfig()
+SMALL = dict(warmup_epochs=5, prior_steps=3, mc_samples=2, alignment_size=40, small_fraction=0.0, bbb_lr=1e-2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """Three clients holding 5 of the 10 digit classes each, 120 examples each; a public alignment set of 40."""
+    d = make_federated("digits", 3, partition="disjoint_class", classes_per_client=5, seed=0, alignment_size=40)
+    return FederatedData([p.subset(np.arange(120)) for p in d.train_parts], d.test.subset(np.arange(150)), d.name,
+                         d.num_classes, d.input_shape, alignment=d.alignment)
+
+
+def ready(data, privacy=NONPRIVATE, fed=FED, **kw) -> FedBNN:
+    alg = FedBNN(fed, privacy, **{**SMALL, **kw})
+    alg.setup(data, np.random.default_rng(0))
+    return alg
+
+
+def test_registered_with_local_noise_by_default():
+    assert ALGORITHMS["fedbnn"] is FedBNN
+    assert isinstance(make_algorithm("fedbnn", FED, NONPRIVATE), FedBNN)
+    assert FedBNN.defaults["placement"] == "local"
+    alg = FedBNN(FED, NONPRIVATE)  # the paper's settings are the constructor's
+    assert (alg.warmup_epochs, alg.alignment_size, alg.prior_steps, alg.prior_lr, alg.bbb_lr, alg.gamma,
+            alg.small_fraction) == (50, 2000, 100, 1e-4, 1e-3, 0.7, 0.3)
+
+
+def test_probability_channel_declaration(digits):
+    plain = ready(digits).channels()
+    assert [(c.name, c.shape) for c in plain] == [(CHANNEL, (40, 10))]
+    assert isinstance(plain[0].clip, Unclipped) and plain[0].coordinate_bound == 1.0
+    for unit in ("example", "client"):
+        ch = ready(digits, PrivacyConfig(epsilon=2.0, unit=unit, accountant="exact")).channels()[0]
+        assert ch.clip == RangeBound(math.sqrt(2), 40) and ch.unit == unit and ch.value_bound == 1.0
+        assert ch.sensitivity == pytest.approx(math.sqrt(2 * 40))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_upload_moves_at_most_the_declared_sensitivity_on_neighbouring_data(digits, seed):
+    """Add/remove one record of client 0 (warm-up round, and a collaboration round with a global output): the
+    uploads differ by no more than sqrt(2 |AD|), and by no more than sqrt(2) per alignment point."""
+    rng = np.random.default_rng(100 + seed)
+    part = digits.train_parts[0]
+    neighbour = part.subset(np.delete(np.arange(len(part)), rng.integers(len(part))))
+    privacy = PrivacyConfig(epsilon=2.0, unit="example", accountant="exact")
+    global_probs = rng.dirichlet(np.full(10, 0.3), size=40)
+    for collaborating in (False, True):
+        uploads = []
+        for data in (part, neighbour):
+            alg = ready(digits, privacy)
+            if collaborating:
+                alg.warmed_up.add(0)
+                alg.global_probs = global_probs
+            uploads.append(alg.client_update(0, data, 1, np.random.default_rng(seed)).values[CHANNEL])
+        diff = uploads[0] - uploads[1]
+        assert 0 < np.linalg.norm(diff) <= alg.channels()[0].sensitivity
+        assert np.all(np.linalg.norm(diff, axis=1) <= math.sqrt(2) + 1e-12)
+        for u in uploads:
+            np.testing.assert_allclose(u.sum(axis=1), 1.0, atol=1e-12)
+    # the bound is attained (so it is the sensitivity, not a loose bound): one-hot rows on different classes
+    worst = np.eye(10)[np.zeros(40, int)] - np.eye(10)[np.ones(40, int)]
+    assert np.linalg.norm(worst) == pytest.approx(alg.channels()[0].sensitivity)
+
+
+def test_pipeline_refuses_a_non_probability_upload_before_charging(digits):
+    alg = ready(digits, PrivacyConfig(epsilon=2.0, accountant="exact"))
+    ledger = PrivacyLedger(":memory:", "t", delta=1e-5, epsilon_budget=2.0, accountant="exact")
+    pipe = ReleasePipeline("0", alg.channels(), ledger, {CHANNEL: 3.0}, placement="local")
+    with pytest.raises(InvalidRelease, match="probability"):
+        pipe.release(0, {CHANNEL: np.full((40, 10), 0.2)})
+    assert ledger.charges() == []
+
+
+def test_server_takes_the_weighted_average_and_post_processes():
+    noisy = np.array([[0.5, 0.7, -0.2], [-1.0, -0.5, -0.1], [0.2, 0.2, 0.6], [3.0, 0.5, 0.0]])
+    out = clip_and_renormalise(noisy)
+    np.testing.assert_allclose(out, [[0.5 / 1.2, 0.7 / 1.2, 0], [1 / 3] * 3, [0.2, 0.2, 0.6], [1 / 1.5, 0.5 / 1.5, 0]])
+    data = make_federated("digits", 3, partition="iid", seed=0, alignment_size=5)
+    alg = ready(data, alignment_size=5)
+    uploads = [np.random.default_rng(k).dirichlet(np.ones(10), size=5) for k in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    ledger = PrivacyLedger(":memory:", "t", delta=1e-5, epsilon_budget=math.inf)
+    releases = []
+    for k, (u, w) in enumerate(zip(uploads, weights)):
+        releases += ReleasePipeline(str(k), alg.channels(), ledger, None).release(0, {CHANNEL: u}, w).values()
+    alg.server_update(weighted_sums(releases, {c.name: c for c in alg.channels()}), 0)
+    np.testing.assert_allclose(alg.global_probs, sum(w * u for w, u in zip(weights, uploads)) / 8.0)
+
+
+def test_prior_tuning_pulls_the_prior_function_towards_the_corrected_target(digits):
+    """Eqs. 3-4: started from the posterior, the prior's Monte-Carlo output on AD moves towards the target; the
+    posterior itself is left alone, and the KL of eq. 5 is taken to exactly the tuned prior."""
+    alg = ready(digits, prior_steps=40, prior_lr=1e-2)
+    model = alg.local_model(0)
+    posterior = [p.detach().clone() for p in model.parameters()]
+    target = np.eye(10)[np.full(40, 7)]  # every alignment point a 7
+    gen = torch.Generator().manual_seed(0)
+    before = mc_predict(model, alg.alignment_x, 4, gen)
+    net, loss = alg.prior_network(model, target, gen)
+    after = mc_predict(net, alg.alignment_x, 4, gen)
+    assert after[:, 7].mean() > before[:, 7].mean() + 0.2
+    t = torch.as_tensor(target, dtype=torch.float32)
+    assert loss < float(soft_cross_entropy(torch.log(torch.as_tensor(before, dtype=torch.float32)), t))
+    assert all(torch.equal(a, b) for a, b in zip(posterior, model.parameters()))
+    prior = ModelPrior.from_model(net)
+    with torch.no_grad():
+        assert float(model_kl_divergence(net, prior)) == pytest.approx(0.0, abs=1e-3)
+        assert float(model_kl_divergence(model, prior)) > 1.0
+
+
+@pytest.mark.timeout(120)
+def test_runs_with_heterogeneous_architectures(digits):
+    fed = FederationConfig(rounds=2, local_epochs=2, batch_size=32, hidden=(16,), seed=0)
+    archs = [Architecture("mlp", (24,)), Architecture("mlp", (4,)), Architecture("cnn1", (8,))]
+    alg = FedBNN(fed, NONPRIVATE, **{**SMALL, "small_fraction": None, "warmup_epochs": 20}, architectures=archs)
+    result = Simulation(alg, digits, fed, NONPRIVATE).run()
+    sizes = [num_parameters(alg.models[k]) for k in range(3)]
+    assert len(set(sizes)) == 3
+    final = result.final
+    assert {"accuracy", "nll", "ece", "mce", "brier", "accuracy_all_classes"} <= set(final)
+    assert all(np.isfinite(v) for v in final.values())
+    assert final["accuracy"] > 0.6  # each client on its own 5 classes, well above chance (0.2)
+    # the paper's setting: a random share of the clients runs the small net
+    alg = FedBNN(fed, NONPRIVATE, **{**SMALL, "small_fraction": 0.3})
+    alg.setup(digits, np.random.default_rng(0))
+    assert len(alg.small_clients) == 1
+    assert [a == alg.small_architecture for a in alg.client_architectures].count(True) == 1
+
+
+def test_evaluation_is_per_client_on_its_own_classes(digits):
+    alg = ready(digits)
+    for k in range(3):
+        alg.client_update(k, digits.train_parts[k], 0, np.random.default_rng(k))
+    out = alg.evaluate(digits.test)
+    y = digits.test.y
+    preds = alg.client_predictions(digits.test)
+    own = [np.mean(p[np.isin(y, alg.client_classes[k])].argmax(1) == y[np.isin(y, alg.client_classes[k])])
+           for k, p in preds.items()]
+    assert out["accuracy"] == pytest.approx(np.mean(own))
+    assert out["accuracy_all_classes"] == pytest.approx(np.mean([np.mean(p.argmax(1) == y) for p in preds.values()]))
+    assert alg.predict_proba(digits.test) is None  # no global model
+
+
+def test_without_an_alignment_set_it_is_carved_from_the_test_set_and_left_out_of_evaluation():
+    d = make_federated("digits", 3, partition="iid", seed=0)
+    assert d.alignment is None
+    alg = FedBNN(FED, NONPRIVATE, **{**SMALL, "alignment_size": 2000})
+    alg.setup(d, np.random.default_rng(0))
+    assert alg.alignment_rows == len(d.test) // 2
+    rest = alg._eval_set(d.test)
+    assert len(rest) == len(d.test) - alg.alignment_rows
+    ad = {row.tobytes() for row in alg.alignment_x.numpy()}
+    assert not any(row.tobytes() in ad for row in rest.x)
+    assert not any(row.tobytes() in ad for p in d.train_parts for row in p.x)
+
+
+@pytest.mark.timeout(120)
+def test_secure_aggregation_gives_the_plain_average_and_runs_privately(digits):
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
+    globals_ = []
+    for secure in (None, SecureAggregation(bits=48)):
+        alg = FedBNN(fed, NONPRIVATE, **SMALL)
+        Simulation(alg, digits, fed, NONPRIVATE, secure=secure).run()
+        globals_.append(alg.global_probs)
+    np.testing.assert_allclose(globals_[0], globals_[1], atol=1e-9)
+    privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, accountant="exact", placement="local")
+    fed2 = FederationConfig(rounds=2, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
+    alg = FedBNN(fed2, privacy, **SMALL)
+    result = Simulation(alg, digits, fed2, privacy, secure=SecureAggregation(bits=48)).run()
+    assert result.audit["max_epsilon"] <= 2.0
+    assert np.all(alg.global_probs >= 0) and np.allclose(alg.global_probs.sum(axis=1), 1.0)
+    assert np.isfinite(result.final["accuracy"])
+
+
+@pytest.mark.timeout(120)
+def test_private_run_is_charged_one_gaussian_per_round_and_audits_at_the_target(digits):
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
+    privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", accountant="exact", placement="local")
+    alg = FedBNN(fed, privacy, **SMALL)
+    sim = Simulation(alg, digits, fed, privacy)
+    result = sim.run()
+    z = result.noise_multipliers[CHANNEL]
+    sens = math.sqrt(2 * 40)
+    charges = sim.ledger.charges("0")
+    assert [c.event for c in charges] == [GaussianEvent(sens, z * sens)] * 3
+    assert 0.999 * 2.0 <= result.audit["max_epsilon"] <= 2.0
+    assert len(result.audit["clients"]) == 3
+
+
+@pytest.mark.parametrize("kw, privacy, needle", [
+    (dict(weighting="size"), PrivacyConfig(epsilon=1.0), "uniform"),
+    ({}, PrivacyConfig(epsilon=1.0, placement="distributed", accountant="zcdp"), "placement='local'"),
+    (dict(gamma=1.5), NONPRIVATE, "gamma"),
+    (dict(architectures=["mlp", "cnn1"], small_fraction=0.3), NONPRIVATE, "not both"),
+    (dict(architectures=["transformer"]), NONPRIVATE, "architecture"),
+    (dict(prior_steps=-1), NONPRIVATE, "prior_steps"),
+])
+def test_invalid_configurations_are_refused(kw, privacy, needle):
+    with pytest.raises(ConfigurationError, match=needle):
+        FedBNN(FED, privacy, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_cli_runs_fedbnn_non_private(tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["run", "--algorithm", "fedbnn", "--dataset", "digits", "--clients", "3", "--rounds", "2",
+                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["algorithm"] == "fedbnn" and len(result["accuracy_per_round"]) == 2
+    assert 0.5 < result["accuracy"] <= 1.0 and "mce" in result["final"]
+
+
+def test_mce_and_brier_closed_forms():
+    proba = np.array([[0.9, 0.1], [0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+    y = np.array([0, 1, 0, 1])
+    # bins (15 equal): conf 0.9 -> acc 0.5 (gap 0.4); conf 0.6 -> acc 1 (gap 0.4); conf 0.7 -> acc 1 (gap 0.3)
+    assert maximum_calibration_error(proba, y) == pytest.approx(0.4)
+    assert classification_metrics(proba, y)["ece"] <= maximum_calibration_error(proba, y)
+    expected = np.mean([0.1 ** 2 * 2, 0.9 ** 2 * 2, 0.4 ** 2 * 2, 0.3 ** 2 * 2])
+    assert brier_score(proba, y) == pytest.approx(expected)
+    assert brier_score(np.eye(3), np.arange(3)) == 0.0 and maximum_calibration_error(np.eye(3), np.arange(3)) == 0.0
+    with pytest.raises(ValueError, match="labels"):
+        brier_score(proba, np.array([0, 1, 2, 1]))

@@ -1,0 +1,287 @@
+"""FedBNR (Yu et al. 2022): phase 2 equals centralised Bayesian linear regression (plain and under secure
+aggregation), the scatter channels' sensitivities hold on neighbouring data, the released noise is symmetric and of
+the calibrated size and its folded covariance matches Monte Carlo, and phase 1 plus phase 2 stay within one budget."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import multivariate_normal
+
+from accounting.ledger import PrivacyLedger
+from mechanisms import SeededNoise
+from privfl.algorithms import ALGORITHMS, make_algorithm
+from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, blr_from_statistics, centralised_blr, phase_budgets,
+                                      run_fedbnr)
+from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
+from privfl.cli import main
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.data import ArrayDataset, make_federated
+from privfl.errors import ConfigurationError
+from privfl.features import KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood
+from privfl.release import ReleasePipeline
+from privfl.runtime import Simulation
+from privfl.secure import SecureAggregation
+
+ONE_ROUND = FederationConfig(rounds=1, seed=0)
+NONPRIVATE = PrivacyConfig()
+EXAMPLE_DP = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", accountant="exact")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _relative(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(b)), 1e-300))
+
+
+def _fitted(data, privacy=NONPRIVATE, fed=ONE_ROUND, secure=None, **options):
+    alg = FedBNR(fed, privacy, **options)
+    result = Simulation(alg, data, fed, privacy, secure=secure).run()
+    return alg, result
+
+
+def _central(alg: FedBNR, data):
+    pooled = data.pooled_train()
+    return centralised_blr(alg.feature_map(pooled.x), pooled.y, alg.noise_std, alg.prior_std)
+
+
+# -- features ------------------------------------------------------------------------------------------------------
+
+def test_random_fourier_features_have_unit_rows_and_a_public_seed():
+    x = np.random.default_rng(0).normal(size=(50, 3)) * 10
+    a, b = RandomFourierFeatures(3, 20, 1.5, seed=7), RandomFourierFeatures(3, 20, 1.5, seed=7)
+    np.testing.assert_array_equal(a(x), b(x))
+    np.testing.assert_allclose(np.linalg.norm(a(x), axis=1), 1.0, atol=1e-12)
+    assert not np.allclose(a(x), RandomFourierFeatures(3, 20, 1.5, seed=8)(x))
+    net = KernelNetwork(3, num_samples=20, hidden=(8,), seed=7)
+    np.testing.assert_allclose(np.linalg.norm(net.features(x), axis=1), 1.0, atol=1e-12)
+    assert "omega" not in dict(net.named_parameters())  # public, never trained or uploaded
+
+
+def test_random_fourier_features_approximate_the_gaussian_kernel():
+    x = np.random.default_rng(1).normal(size=(30, 2))
+    rff = RandomFourierFeatures(2, 20_000, lengthscale=0.8, seed=0)
+    phi = rff(x)
+    assert np.max(np.abs(phi @ phi.T - rff.kernel(x, x))) < 0.03
+
+
+def test_log_marginal_likelihood_is_the_gp_evidence():
+    rng = np.random.default_rng(2)
+    phi, y = rng.normal(size=(15, 6)), rng.normal(size=15)
+    sigma, lam = 0.7, 1.3
+    direct = multivariate_normal(np.zeros(15), sigma ** 2 * np.eye(15) + lam ** 2 * phi @ phi.T).logpdf(y)
+    ours = blr_log_marginal_likelihood(torch.as_tensor(phi), torch.as_tensor(y),
+                                       torch.tensor(sigma, dtype=torch.float64), torch.tensor(lam, dtype=torch.float64))
+    assert float(ours) == pytest.approx(direct, rel=1e-10)
+
+
+# -- phase 2 is exact ----------------------------------------------------------------------------------------------
+
+def test_registered_by_name():
+    assert ALGORITHMS["fedbnr"] is FedBNR
+    assert isinstance(make_algorithm("fedbnr", ONE_ROUND, NONPRIVATE), FedBNR)
+
+
+@pytest.mark.parametrize("n_clients", [1, 10, 100])
+def test_phase2_without_noise_equals_centralised_blr(n_clients):
+    data = make_federated("synthetic1d", n_clients, partition="iid", seed=3, n=400)
+    alg, _ = _fitted(data, num_samples=30)
+    central = _central(alg, data)
+    assert _relative(alg.posterior.mean, central.mean) < 1e-8
+    assert _relative(alg.posterior.precision, central.precision) < 1e-8
+    mean, var = alg.predict(data.test)
+    ref_mean, ref_var = central.predict(alg.feature_map(data.test.x))
+    assert _relative(mean, ref_mean) < 1e-8 and _relative(var, ref_var) < 1e-8
+
+
+def test_centralised_blr_is_the_gp_posterior_in_the_dual():
+    """Eqs. 5-6 with K = lambda^2 Phi Phi^T, an independent formula for what phase 2 computes."""
+    data = make_federated("synthetic1d", 5, partition="iid", seed=4, n=150)
+    alg, _ = _fitted(data, num_samples=20, noise_std=0.4, prior_std=1.5)
+    pooled = data.pooled_train()
+    phi, phi_star = alg.feature_map(pooled.x), alg.feature_map(data.test.x)
+    k = 1.5 ** 2 * phi @ phi.T
+    k_star = 1.5 ** 2 * phi_star @ phi.T
+    inv = np.linalg.inv(k + 0.4 ** 2 * np.eye(len(k)))
+    gp_mean = k_star @ inv @ pooled.y.astype(np.float64)
+    gp_var = 1.5 ** 2 * np.sum(phi_star ** 2, 1) - np.einsum("ij,jk,ik->i", k_star, inv, k_star) + 0.4 ** 2
+    mean, var = alg.predict(data.test)
+    assert _relative(mean, gp_mean) < 1e-7 and _relative(var, gp_var) < 1e-7
+
+
+def test_secure_aggregation_changes_phase2_only_by_quantisation():
+    data = make_federated("synthetic1d", 8, partition="iid", seed=5, n=300)
+    alg, _ = _fitted(data, secure=SecureAggregation(bits=48), num_samples=20)
+    central = _central(alg, data)
+    assert 0 < _relative(alg.posterior.precision, central.precision) < 1e-9  # quantised, and not by much
+    mean, _ = alg.predict(data.test)
+    assert _relative(mean, central.predict(alg.feature_map(data.test.x))[0]) < 1e-7
+
+
+def test_repeated_rounds_average_to_the_same_posterior():
+    data = make_federated("synthetic1d", 4, partition="iid", seed=6, n=120)
+    once, _ = _fitted(data, num_samples=10)
+    thrice, result = _fitted(data, fed=FederationConfig(rounds=3, seed=0), num_samples=10)
+    assert _relative(thrice.posterior.mean, once.posterior.mean) < 1e-12
+    assert {"rmse", "nll", "ece", "mce", "brier"} <= set(result.final)
+
+
+# -- channels and sensitivities ------------------------------------------------------------------------------------
+
+def test_channels_follow_privacy():
+    data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=40)
+    plain = FedBNR(ONE_ROUND, NONPRIVATE, num_samples=5)
+    plain.setup(data, None)
+    assert [(c.name, c.shape, c.symmetric) for c in plain.channels()] == [("scatter", (10, 10), True),
+                                                                        ("cross", (10,), False)]
+    assert all(isinstance(c.clip, Unclipped) for c in plain.channels())
+    private = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5), num_samples=5, target_clip=2.0)
+    private.setup(data, None)
+    scatter, cross = private.channels()
+    assert scatter.clip == PreClipped(0.5, "squared_sum") and scatter.symmetric and scatter.sensitivity == 0.25
+    assert cross.clip == PreClipped(1.0, "sum") and cross.sensitivity == 1.0
+    replace = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5, adjacency="replace_one"),
+                     num_samples=5, target_clip=2.0)
+    replace.setup(data, None)
+    assert [c.sensitivity for c in replace.channels()] == pytest.approx([math.sqrt(2) * 0.25, 2.0])
+    client = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="client", clip=1.0), num_samples=5, target_clip=2.0,
+                    client_rows=30)
+    client.setup(data, None)
+    assert [c.clip for c in client.channels()] == [NormClip(30.0), NormClip(60.0)]
+
+
+def _unbounded(alg: FedBNR, dim: int, scale: float = 4.0):
+    """Swap RFF for raw, large features so the row clip is what bounds the sensitivity."""
+    alg.feature_map = lambda x: scale * np.asarray(x, dtype=np.float64).reshape(len(x), -1)
+    alg.dim = dim
+    return alg
+
+
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_scatter_channels_move_by_at_most_their_sensitivity(adjacency):
+    rng = np.random.default_rng(7)
+    privacy = PrivacyConfig(epsilon=1.0, unit="example", clip=0.8, adjacency=adjacency)
+    data = make_federated("diabetes", 2, partition="iid", seed=0)
+    alg = FedBNR(ONE_ROUND, privacy, target_clip=1.5)
+    alg.setup(data, None)
+    _unbounded(alg, 10)
+    sens = {c.name: c.sensitivity for c in alg.channels()}
+    iu = np.triu_indices(10)
+    worst = {"scatter": 0.0, "cross": 0.0}
+    for _ in range(200):
+        n = int(rng.integers(2, 12))
+        x = rng.normal(size=(n, 10)) * rng.uniform(0.01, 3.0, size=(n, 1))
+        y = rng.normal(size=n) * rng.uniform(0.1, 5.0)
+        other = rng.normal(size=(1, 10)) * rng.uniform(0.01, 3.0)
+        if adjacency == "add_remove":
+            x2, y2 = np.concatenate([x, other]), np.concatenate([y, rng.normal(size=1) * 4])
+        else:
+            x2, y2 = x.copy(), y.copy()
+            x2[0], y2[0] = other[0], rng.normal() * 4
+        a = alg.client_update(0, ArrayDataset(x, y, "regression", 1), 0, rng).values
+        b = alg.client_update(0, ArrayDataset(x2, y2, "regression", 1), 0, rng).values
+        assert all(isinstance(v, ClippedValue) for v in (*a.values(), *b.values()))
+        ds = a["scatter"].value - b["scatter"].value
+        worst["scatter"] = max(worst["scatter"], np.linalg.norm(ds) / sens["scatter"],
+                               np.linalg.norm(ds[iu]) / sens["scatter"])
+        worst["cross"] = max(worst["cross"], np.linalg.norm(a["cross"].value - b["cross"].value) / sens["cross"])
+    assert worst["scatter"] <= 1 + 1e-9 and worst["cross"] <= 1 + 1e-9
+    assert worst["scatter"] > 0.3 and worst["cross"] > 0.3  # the bounds are not vacuous on these data
+
+
+def test_private_scatter_release_is_symmetric_noise_of_the_calibrated_size():
+    data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=60)
+    alg = FedBNR(ONE_ROUND, EXAMPLE_DP, num_samples=60)
+    alg.setup(data, None)
+    channels = alg.channels()
+    ledger = PrivacyLedger(":memory:", "t", delta=1e-5, epsilon_budget=3.0)
+    pipe = ReleasePipeline("0", channels, ledger, {"scatter": 2.0, "cross": 2.0}, placement="local",
+                           noise=SeededNoise(np.random.default_rng(0)))
+    out = alg.client_update(0, data.train_parts[0], 0, np.random.default_rng(0))
+    rel = pipe.release(0, out.values)
+    noise = rel["scatter"].value - out.values["scatter"].value
+    np.testing.assert_array_equal(noise, noise.T)
+    upper = noise[np.triu_indices(120)]
+    assert upper.std() == pytest.approx(2.0 * 1.0, rel=0.05)  # z * B^2 with B = 1
+    assert rel["cross"].local_noise_std == pytest.approx(2.0 * 3.0)  # z * B * B_y
+
+
+def test_private_run_stays_within_budget_and_repairs_the_scatter():
+    data = make_federated("synthetic1d", 10, seed=0, n=400)
+    alg, result = _fitted(data, EXAMPLE_DP)
+    assert result.audit["max_epsilon"] <= 3.0 + 1e-9 and result.audit["max_epsilon"] > 2.99
+    assert np.all(np.linalg.eigvalsh(alg.posterior.precision) > 0)
+    assert alg.posterior.release_cov is not None
+    plain, _ = _fitted(data)
+    assert result.final["rmse"] < 2.0 * plain.evaluate(data.test)["rmse"]  # noisy, but still a regressor
+
+
+def test_folded_release_covariance_matches_monte_carlo():
+    """First-order covariance of w_bar under symmetric noise on S and noise on b, against simulation."""
+    rng = np.random.default_rng(8)
+    phi = rng.normal(size=(200, 5))
+    y = phi @ rng.normal(size=5) + 0.3 * rng.normal(size=200)
+    s, b = phi.T @ phi, phi.T @ y
+    sa, sb = 0.5, 0.8
+    folded = blr_from_statistics(s, b, 0.5, 1.0, scatter_noise_std=sa, cross_noise_std=sb, fold_noise=True)
+    iu = np.triu_indices(5)
+    draws = []
+    for _ in range(4000):
+        e = np.zeros((5, 5))
+        e[iu] = sa * rng.standard_normal(len(iu[0]))
+        e = e + np.triu(e, 1).T
+        draws.append(blr_from_statistics(s + e, b + sb * rng.standard_normal(5), 0.5, 1.0).mean)
+    empirical = np.cov(np.array(draws).T)
+    np.testing.assert_allclose(np.diag(folded.release_cov), np.diag(empirical), rtol=0.07)
+    assert np.abs(folded.release_cov - empirical).max() < 0.07 * np.abs(empirical).max()
+
+
+# -- both phases ---------------------------------------------------------------------------------------------------
+
+def test_phase1_learns_hyperparameters_and_phases_share_one_budget():
+    data = make_federated("synthetic1d", 4, seed=0, n=200)
+    kfed = FederationConfig(rounds=4, local_epochs=5, lr=0.05, seed=0)
+    plain = run_fedbnr(data, ONE_ROUND, NONPRIVATE, kernel_rounds=4, kernel_fed=kfed,
+                       kernel_options=dict(hidden=(), num_samples=20))
+    history = [r.metrics["nlml"] for r in plain.kernel.history]
+    assert history[-1] < history[0]
+    assert plain.algorithm.noise_std == pytest.approx(plain.kernel.final["noise_std"])
+    private = run_fedbnr(data, ONE_ROUND, EXAMPLE_DP, kernel_rounds=4, kernel_fed=kfed,
+                         kernel_options=dict(hidden=(4,), num_samples=20, update_clip=0.05))
+    assert 2.99 < private.epsilon <= 3.0 + 1e-9
+    assert all(e < 3.0 for e in private.phase_epsilons)
+    assert private.kernel.audit["max_epsilon"] < 3.0 and private.regression.audit["max_epsilon"] < 3.0
+    assert isinstance(private.kernel_algorithm, FedBNRKernel)
+    assert private.kernel_algorithm.channels()[0].clip == NormClip(0.05)
+
+
+def test_phase_budgets_compose_to_the_target():
+    eps_k, eps_r = phase_budgets(3.0, 1e-5, 10, 1, {"scatter": 0.5, "cross": 0.5}, "exact", kernel_share=0.3)
+    assert eps_k < eps_r < 3.0
+
+
+@pytest.mark.parametrize("privacy, match", [
+    (PrivacyConfig(epsilon=1.0, unit="example", sampling_rate=0.5, accountant="pld"), "sampling"),
+    (PrivacyConfig(epsilon=1.0, unit="example", placement="distributed"), "distributed"),
+])
+def test_misuse_is_refused(privacy, match):
+    with pytest.raises(ConfigurationError, match=match):
+        FedBNR(ONE_ROUND, privacy)
+
+
+def test_classification_data_is_refused():
+    with pytest.raises(ConfigurationError, match="regression"):
+        FedBNR(ONE_ROUND, NONPRIVATE).setup(make_federated("digits", 2, partition="iid", seed=0), None)
+
+
+def test_cli_runs_fedbnr(capsys):
+    rc = main(["run", "--algorithm", "fedbnr", "--dataset", "synthetic1d", "--epsilon", "inf", "--rounds", "1",
+               "--clients", "4"])
+    assert rc == 0 and "rmse" in capsys.readouterr().out
