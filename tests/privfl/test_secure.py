@@ -138,3 +138,19 @@ def test_distributed_placement_needs_secure_aggregation():
         Simulation(make_algorithm("dp_fedavg", fed, privacy), data, fed, privacy).run()
     with pytest.raises(ConfigurationError, match="zcdp"):
         PrivacyConfig(epsilon=4.0, placement="distributed", accountant="exact")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algorithm, attribute", [("fola", "mean"), ("hbfl", "global_mean"),
+                                                  ("fedprox", "global_params")])
+def test_weight_space_algorithms_agree_with_and_without_secure_aggregation(algorithm, attribute):
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    fed = FederationConfig(rounds=2, hidden=(8,), local_epochs=1, lr=0.05)
+    privacy = PrivacyConfig(epsilon=float("inf"))
+    states = []
+    for secure in (None, SecureAggregation(bits=64)):
+        alg = make_algorithm(algorithm, fed, privacy)
+        Simulation(alg, data, fed, privacy, secure=secure).run()
+        states.append(np.asarray(getattr(alg, attribute)))
+    # same seeds: only the stochastic rounding of the quantiser differs
+    np.testing.assert_allclose(states[0], states[1], rtol=1e-5, atol=1e-5)
