@@ -142,7 +142,7 @@ def test_distributed_placement_needs_secure_aggregation():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm, attribute", [("fola", "mean"), ("hbfl", "global_mean"),
-                                                  ("fedprox", "global_params")])
+                                                  ("fedprox", "global_params"), ("dpsgd_fedavg", "global_params")])
 def test_weight_space_algorithms_agree_with_and_without_secure_aggregation(algorithm, attribute):
     data = make_federated("digits", 3, partition="iid", seed=0)
     fed = FederationConfig(rounds=2, hidden=(8,), local_epochs=1, lr=0.05)
