@@ -32,12 +32,6 @@ NONPRIVATE = PrivacyConfig()
 SMALL = dict(warmup_epochs=5, prior_steps=3, mc_samples=2, alignment_size=40, small_fraction=0.0, bbb_lr=1e-2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

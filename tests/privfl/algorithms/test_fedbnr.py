@@ -29,12 +29,6 @@ NONPRIVATE = PrivacyConfig()
 EXAMPLE_DP = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", accountant="exact")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _relative(a, b) -> float:

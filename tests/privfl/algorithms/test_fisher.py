@@ -11,12 +11,6 @@ from privfl.fisher import (FisherAccumulator, GradientRecorder, per_example_fish
                            unsupported_parameters)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mlp(dtype=torch.float64, bias=True):

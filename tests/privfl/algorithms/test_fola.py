@@ -27,12 +27,6 @@ FROZEN = FederationConfig(rounds=2, local_epochs=2, batch_size=32, lr=1e-12, hid
 EXAMPLE = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="example", clip=0.5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,6 @@ FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.05, hidden=
 NONPRIVATE = PrivacyConfig()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny nets run far faster on one thread than fighting for shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
