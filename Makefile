@@ -17,11 +17,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	mkdir -p runs
-	rm -f runs/demo.sqlite runs/demo.sqlite-wal runs/demo.sqlite-shm
-	$(PRIVFL) run --algorithm dp_fedavg --dataset mnist5k --clients 10 --rounds 20 --epsilon 3 --delta 1e-5 \
-		--ledger runs/demo.sqlite --json runs/demo.json
-	$(PRIVFL) audit runs/demo.sqlite --delta 1e-5 --png runs/demo_epsilon.png
+	$(PRIVFL) compare --out-dir runs/compare --json runs/compare/results.json
+	$(PRIVFL) audit runs/compare/ledgers/fola-eps3-seed0.sqlite --delta 1e-5 --png runs/compare/fola_eps3_audit.png
 
 # pytest exits 5 when it collects no test (e.g. a -k filter that matches nothing): say so and do not fail on it.
 test: $(STAMP)
