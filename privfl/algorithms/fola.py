@@ -293,10 +293,12 @@ class FOLA(FederatedAlgorithm):
                            precision_noise_std=f.noise_std / records / r, fold_noise=True, reference_mean=mean_avg)
         self.mean, self.precision = post.mean, post.precision
 
-    def evaluate(self, dataset):
+    def predict_proba(self, dataset):
         load_flat_parameters(self.model, self.mean)
-        x, y = dataset.tensors()
-        return classification_metrics(predict_proba(self.model, x), y.numpy())
+        return predict_proba(self.model, dataset.tensors()[0])
+
+    def evaluate(self, dataset):
+        return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())
 
 
 __all__ = ["FOLA"]
