@@ -110,3 +110,10 @@ class FederationConfig:
         _positive_int("pool", self.pool)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigurationError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for ``privfl.models.make_model`` from ``hidden`` and ``pool`` (MLP settings)."""
+        kw: dict = {} if self.hidden is None else {"hidden": self.hidden}
+        if self.pool > 1:
+            kw["pool"] = self.pool
+        return kw

@@ -35,10 +35,7 @@ class FedAvg(FederatedAlgorithm):
 
     def setup(self, data, rng):
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        kw = {} if self.fed.hidden is None else {"hidden": self.fed.hidden}
-        if self.fed.pool > 1:
-            kw["pool"] = self.fed.pool
-        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **kw)
+        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **self.fed.model_kwargs())
         self.global_params = flat_parameters(self.model)
 
     @property

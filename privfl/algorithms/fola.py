@@ -119,10 +119,7 @@ class FOLA(FederatedAlgorithm):
 
     def setup(self, data, rng):
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        kw = {} if self.fed.hidden is None else {"hidden": self.fed.hidden}
-        if self.fed.pool > 1:
-            kw["pool"] = self.fed.pool
-        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **kw)
+        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **self.fed.model_kwargs())
         self.mean = flat_parameters(self.model)
         self.precision = np.full_like(self.mean, self.prior_precision)
         self.total_records = int(sum(len(p) for p in data.train_parts))

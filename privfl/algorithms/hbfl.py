@@ -168,13 +168,7 @@ class HBFL(FederatedAlgorithm):
     # -- global state --------------------------------------------------------------------------------------------
 
     def _model_kwargs(self, name: str) -> dict:
-        kw: dict = {}
-        if name == "mlp":
-            if self.fed.hidden is not None:
-                kw["hidden"] = self.fed.hidden
-            if self.fed.pool > 1:
-                kw["pool"] = self.fed.pool
-        return kw
+        return self.fed.model_kwargs() if name == "mlp" else {}
 
     def setup(self, data, rng):
         if getattr(data, "task", "classification") != "classification":
