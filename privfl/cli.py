@@ -70,10 +70,10 @@ def cmd_calibrate(args) -> int:
 def cmd_run(args) -> int:
     from privfl.algorithms import make_algorithm
     from privfl.config import FederationConfig, PrivacyConfig
-    from privfl.data import make_federated
-    from privfl.runtime import Simulation
-
     from privfl.algorithms import ALGORITHMS
+    from privfl.data import make_federated
+    from privfl.errors import ConfigurationError
+    from privfl.runtime import Simulation
 
     if args.algorithm in ALGORITHMS:
         for key, value in ALGORITHMS[args.algorithm].defaults.items():
@@ -88,8 +88,13 @@ def cmd_run(args) -> int:
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
                            seed=args.seed)
+    if args.alignment_size is not None and not getattr(ALGORITHMS.get(args.algorithm), "uses_alignment", False):
+        users = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "uses_alignment", False))
+        raise ConfigurationError(f"--alignment-size applies to algorithms with a public alignment set ({users}); "
+                                 f"{args.algorithm} has none: drop the flag")
     algorithm = make_algorithm(args.algorithm, fed, privacy)
-    data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed)
+    data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
+                          alignment_size=args.alignment_size or 0)
     if args.ledger and args.ledger != ":memory:":
         os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
 
@@ -250,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=_float, default=None)
     r.add_argument("--server-lr", type=_float, default=1.0)
+    r.add_argument("--alignment-size", type=int, default=None, metavar="N",
+                   help="public alignment set of N training examples, held out from every client (fedbnn; default "
+                        "the algorithm's)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_run)

@@ -43,9 +43,11 @@ is for vector channels with a norm clip. Under secure aggregation the channel's 
 small; the server's clip-and-renormalise then pulls Phi_bar towards uniform, and gamma weighs that in.
 
 Alignment set: ``data.alignment`` (``make_federated(..., alignment_size=N)``), or a seeded random subset of it of
-``alignment_size`` points when it is larger. Without one (``privfl run`` builds its data without an alignment set),
-FedBNN carves min(``alignment_size``, |test| / 2) points from the global test set, disjoint from every client's
-data, and evaluates on the rest of that test set only (``evaluate`` recognises the test set it was given in setup).
+``alignment_size`` points when it is larger; ``privfl run --algorithm fedbnn`` builds it from ``--alignment-size``
+training examples (default 300) held out before the clients' partition. Without one (``privfl compare`` builds one
+data set for all its methods, without an alignment set), FedBNN carves min(``alignment_size``, |test| / 2) points
+from the global test set, disjoint from every client's data, and evaluates on the rest of that test set only
+(``evaluate`` recognises the test set it was given in setup).
 
 Evaluation (``evaluate``): each client's personalised model predicts by the Bayesian model average over
 ``mc_samples`` draws. ``accuracy`` is the mean over clients of the accuracy on the client's own test split, the test
@@ -170,7 +172,9 @@ class FedBNN(FederatedAlgorithm):
     name = "fedbnn"
     supports_privacy = True
     # For ``privfl run``/``privfl compare``: small local training, and local noise (see the module docstring).
-    defaults = {"hidden": (100,), "local_epochs": 2, "clip": 1.0, "placement": "local"}
+    defaults = {"hidden": (100,), "local_epochs": 2, "clip": 1.0, "placement": "local", "alignment_size": 300}
+    #: ``privfl run --alignment-size N`` builds the data with an alignment set of N training examples for it
+    uses_alignment = True
 
     def __init__(self, fed, privacy, *, architectures: Sequence[Architecture | str] | None = None,
                  small_architecture: Architecture | str | None = None, small_fraction: float | None = None,

@@ -123,6 +123,26 @@ def test_event_charges_the_worst_number_of_survivors():
     assert distributed_noise_rho(n=5, **big) > distributed_noise_rho(n=10, **big)
 
 
+@pytest.mark.parametrize("sigma,n,d,l2,l1", [(0.5, 10, 1000, 20.0, None), (0.8, 3, 50, 4.0, 12.0),
+                                             (1.2, 100, 100_000, 60.0, None), (3.0, 7, 10, 2.0, 2.0)])
+def test_rho_dominates_every_renyi_term_of_kls_proposition_14(sigma, n, d, l2, l1):
+    """KLS21 Prop. 14: D_a <= min(a/2 A2^2 + tau d, a/2 (A2^2 + 2 A1 tau + tau^2 d), a/2 (A2 + tau sqrt(d))^2) for
+    a >= 1, A2 = L2 / (sqrt(n) sigma), A1 = L1 / (sqrt(n) sigma). rho-zCDP means D_a <= a rho for every a: the charged
+    rho must dominate the bound at every order, and be attained (the bound divided by a, at some order) not looser."""
+    rho = distributed_noise_rho(l2_sensitivity=l2, sigma=sigma, n=n, dimension=d, l1_sensitivity=l1)
+    l1_used = min(math.sqrt(d) * l2, l2 * l2) if l1 is None else l1
+    a2, a1 = l2 / (math.sqrt(n) * sigma), l1_used / (math.sqrt(n) * sigma)
+    tau = 10 * sum(math.exp(-2 * math.pi ** 2 * sigma ** 2 * k / (k + 1)) for k in range(1, n))
+    orders = [1.0 + 0.01 * i for i in range(1, 100)] + [2.0 ** j for j in range(1, 12)]
+
+    def prop14(a):
+        return min(a / 2 * a2 ** 2 + tau * d, a / 2 * (a2 ** 2 + 2 * a1 * tau + tau ** 2 * d),
+                   a / 2 * (a2 + tau * math.sqrt(d)) ** 2)
+
+    assert all(prop14(a) <= a * rho * (1 + 1e-12) for a in orders)
+    assert rho <= max(prop14(a) / a for a in [1.0] + orders) * (1 + 1e-12)
+
+
 def test_explicit_l1_sensitivity_is_used():
     args = dict(l2_sensitivity=3.0, sigma=0.7, n=20, dimension=10_000)
     assert distributed_noise_rho(l1_sensitivity=3.0, **args) <= distributed_noise_rho(**args)

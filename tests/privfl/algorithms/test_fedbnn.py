@@ -254,3 +254,32 @@ def test_mce_and_brier_closed_forms():
     assert brier_score(np.eye(3), np.arange(3)) == 0.0 and maximum_calibration_error(np.eye(3), np.arange(3)) == 0.0
     with pytest.raises(ValueError, match="labels"):
         brier_score(proba, np.array([0, 1, 2, 1]))
+
+
+@pytest.mark.timeout(120)
+def test_cli_alignment_size_holds_out_training_examples(tmp_path, monkeypatch):
+    import privfl.data
+
+    built = []
+
+    def recording(*args, **kw):
+        built.append(make_federated(*args, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(privfl.data, "make_federated", recording)
+    out = tmp_path / "r.json"
+    code = main(["run", "--algorithm", "fedbnn", "--dataset", "digits", "--clients", "3", "--rounds", "1",
+                 "--epsilon", "3", "--hidden", "16", "--alignment-size", "60", "--json", str(out), "--quiet"])
+    assert code == 0
+    assert json.loads(out.read_text())["epsilon_spent_max"] <= 3.0 + 1e-9
+    (data,) = built
+    plain = make_federated("digits", 3, seed=0)
+    assert len(data.alignment) == 60 and len(data.test) == len(plain.test)  # held out of training, not of test
+    assert sum(len(p) for p in data.train_parts) + 60 == sum(len(p) for p in plain.train_parts)
+
+
+def test_cli_refuses_alignment_size_for_algorithms_without_one(capsys):
+    code = main(["run", "--algorithm", "fedavg", "--dataset", "digits", "--clients", "2", "--rounds", "1",
+                 "--epsilon", "inf", "--alignment-size", "50", "--quiet"])
+    assert code == 2
+    assert "--alignment-size" in capsys.readouterr().err
