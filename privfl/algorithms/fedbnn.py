@@ -12,9 +12,14 @@ share weights; they collaborate through a public unlabelled *alignment set* AD, 
    [0, 1] and renormalised row by row (post-processing of the noisy average; a row clipped to all zeros becomes
    uniform). Weights ``weighting="uniform"`` (w_k = 1, the default and the only choice under DP: example counts would
    make the weights data-dependent) or ``"size"`` (w_k = n_k, non-private runs only).
+   Under DP the server also computes the broadcast's *reliability* lambda = max(0, 1 - s^2 / v), s the noise std
+   the average is known to carry per coordinate and v the mean squared deviation of its coordinates from 1/C (the
+   empirical-Bayes share of its spread that is signal), and broadcasts it with Phi_bar: post-processing.
 4. Prior tuning (eqs. 3-4): the client forms the target Phi_corrected = gamma Phi_bar(AD) + (1 - gamma) Phi_k(AD)
-   (its own, noise-free, current output: it never leaves the client) and fits the prior parameters psi, a Gaussian
-   per weight started from its current posterior q_k, by ``prior_steps`` full-batch Adam steps (``prior_lr``) on the
+   (its own, noise-free, current output: it never leaves the client; with ``noise_aware``, the default, gamma is
+   replaced by gamma * lambda, which is gamma itself without noise: a deviation from the paper, whose fixed gamma
+   pulls every prior towards the uniform row when the noise swamps the release) and fits the prior parameters psi,
+   a Gaussian per weight started from its current posterior q_k, by ``prior_steps`` full-batch Adam steps (``prior_lr``) on the
    soft cross-entropy -sum_c Phi_corrected log softmax(f(AD; W)), W ~ p(.; psi) (one draw per step).
 5. Local training (eq. 5): ``fed.local_epochs`` epochs of Bayes-by-Backprop from the current q_k on
    E_q[mean NLL] + KL(q_k || p(.; psi*)) / n_k (the ELBO per example), Adam (``bbb_lr``), batches of
@@ -54,8 +59,8 @@ Evaluation (``evaluate``): each client's personalised model predicts by the Baye
 examples of the classes the client holds (the personalised-FL convention the paper's non-IID numbers use; with IID
 clients the split is the whole test set); ``nll``, ``ece``, ``mce`` and ``brier`` pool those per-client predictions.
 ``accuracy_all_classes`` is the mean over clients on the whole test set; ``accuracy_small_nets`` and
-``accuracy_large_nets`` split ``accuracy`` by architecture group. ``predict_proba`` returns None: there is no global
-model. The labels of AD are never read.
+``accuracy_large_nets`` split ``accuracy`` by architecture group; ``effective_gamma`` is the gamma the next prior
+tuning uses. ``predict_proba`` returns None: there is no global model. The labels of AD are never read.
 """
 
 from __future__ import annotations
@@ -125,6 +130,28 @@ def clip_and_renormalise(probs: np.ndarray) -> np.ndarray:
     return np.where(sums > 0, p / np.where(sums > 0, sums, 1.0), uniform)
 
 
+def release_reliability(average: np.ndarray, noise_std: float) -> float:
+    """lambda = max(0, 1 - s^2 / v): the share of the released average's spread around the uniform row that is not
+    release noise, where s is the (public) noise std per coordinate of the average and v the mean squared deviation
+    of its coordinates from 1/C. v estimates signal variance + s^2, so lambda is the usual empirical-Bayes shrinkage
+    weight; it is 1 exactly when there is no noise and near 0 when the noise swamps the probabilities. A function of
+    the release and public constants only: post-processing."""
+    if noise_std <= 0:
+        return 1.0
+    a = np.asarray(average, dtype=np.float64)
+    spread = float(np.mean((a - 1.0 / a.shape[1]) ** 2))
+    return 0.0 if spread <= 0 else float(max(0.0, 1.0 - noise_std ** 2 / spread))
+
+
+def label_shifted(probs: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """Rows of ``probs`` re-weighted by the client's own class frequencies (add-one smoothed) and renormalised: the
+    prior correction for label shift (Saerens, Latinne and Decaestecker 2002), p_k(y | x) proportional to
+    p(y | x) pi_k(y) / pi(y), with the population's pi taken as uniform. Computed on the client from its labels."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes).astype(np.float64) + 1.0
+    p = np.asarray(probs, dtype=np.float64) * (counts / counts.sum())[None, :]
+    return p / p.sum(axis=1, keepdims=True)
+
+
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -sum_c target_c log softmax(logits)_c: the distance d of eq. 4 for probability targets."""
     return -(target * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
@@ -167,6 +194,12 @@ class FedBNN(FederatedAlgorithm):
             prior starts from the posterior, so its precision is about 1 / std^2: BayesLinear's own -5 (std 0.0067)
             makes the KL of eq. 5 so stiff that local training barely moves a client off its tuned prior.
         weighting: ``"uniform"`` or ``"size"`` (non-private only) server weights w_k.
+        label_shift: before eq. 3 the client re-weights Phi_bar by its own class frequencies (``label_shifted``):
+            the average speaks for the population's label mix, a personalised model for the client's. Off by default
+            (the paper has no such step); it uses only the client's own labels, so it costs no privacy.
+        noise_aware: scale gamma by the broadcast's reliability (``release_reliability``), so that a release the
+            noise swamps does not pull the clients' priors towards noise; no effect without noise. False: the paper's
+            fixed gamma.
     """
 
     name = "fedbnn"
@@ -180,7 +213,8 @@ class FedBNN(FederatedAlgorithm):
                  small_architecture: Architecture | str | None = None, small_fraction: float | None = None,
                  alignment_size: int = 2000, warmup_epochs: int = 50, gamma: float = 0.7, prior_steps: int = 100,
                  prior_lr: float = 1e-4, bbb_lr: float = 1e-3, mc_samples: int = 10, init_prior_std: float = 1.0,
-                 init_rho: float = -3.0, weighting: str = "uniform"):
+                 init_rho: float = -3.0, weighting: str = "uniform", noise_aware: bool = True,
+                 label_shift: bool = False):
         super().__init__(fed, privacy)
         if architectures is not None:
             archs = (architectures,) if isinstance(architectures, (str, Architecture)) else tuple(architectures)
@@ -215,6 +249,12 @@ class FedBNN(FederatedAlgorithm):
             raise ConfigurationError("weighting='size' makes the server weights depend on the data (n_k changes with "
                                      "one record); private runs use weighting='uniform'")
         self.weighting = weighting
+        if not isinstance(noise_aware, bool):
+            raise ConfigurationError(f"noise_aware must be True or False, got {noise_aware!r}")
+        self.noise_aware = noise_aware
+        if not isinstance(label_shift, bool):
+            raise ConfigurationError(f"label_shift must be True or False, got {label_shift!r}")
+        self.label_shift = label_shift
         if privacy.private and privacy.placement == "distributed":
             raise ConfigurationError("fedbnn's probability channel is a matrix bounded by its range; distributed "
                                      "noise plans vector channels with a norm clip. Use placement='local' "
@@ -224,6 +264,7 @@ class FedBNN(FederatedAlgorithm):
         self.models: dict[int, nn.Module] = {}  # client-held posteriors q_k (never released)
         self.warmed_up: set[int] = set()
         self.global_probs: np.ndarray | None = None  # Phi_bar(AD), post-processed
+        self.reliability = 1.0  # lambda in [0, 1]: the share of Phi_bar's spread that is signal, not release noise
         self.alignment_x: torch.Tensor | None = None
         self.client_classes: list[np.ndarray] = []
         self._input_shape: tuple[int, ...] = ()
@@ -269,7 +310,7 @@ class FedBNN(FederatedAlgorithm):
         self.client_classes = [np.unique(p.y) for p in data.train_parts]
         self._init_seeds = [int(s) for s in rng.integers(0, 2 ** 63 - 1, size=n)]
         self._eval_seed = int(rng.integers(0, 2 ** 63 - 1))
-        self.models, self.warmed_up, self.global_probs = {}, set(), None
+        self.models, self.warmed_up, self.global_probs, self.reliability = {}, set(), None, 1.0
 
     @property
     def alignment_rows(self) -> int:
@@ -306,8 +347,12 @@ class FedBNN(FederatedAlgorithm):
             self.warmed_up.add(client)
         elif self.global_probs is not None:
             local = mc_predict(model, self.alignment_x, self.mc_samples, gen)
-            target = self.gamma * self.global_probs + (1.0 - self.gamma) * local
+            gamma = self.effective_gamma
+            glob = label_shifted(self.global_probs, y.numpy(), self._num_classes) if self.label_shift \
+                else self.global_probs
+            target = gamma * glob + (1.0 - gamma) * local
             prior, metrics["prior_loss"] = self.tune_prior(model, target, gen)
+            metrics["gamma"] = gamma
             epochs = self.fed.local_epochs
         else:  # no global output yet (every earlier round aborted): train on under the warm-up prior
             prior, epochs = ModelPrior.isotropic(self.init_prior_std), self.fed.local_epochs
@@ -371,9 +416,17 @@ class FedBNN(FederatedAlgorithm):
     # -- server --------------------------------------------------------------------------------------------------
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
-        """Phi_bar(AD) = sum_k w_k Phi_k(AD) / sum_k w_k, clipped to [0, 1] and renormalised (post-processing)."""
+        """Phi_bar(AD) = sum_k w_k Phi_k(AD) / sum_k w_k, clipped to [0, 1] and renormalised (post-processing), and
+        its reliability (:func:`release_reliability`) from the noise std the release is known to carry."""
         agg = aggregates[CHANNEL]
-        self.global_probs = clip_and_renormalise(agg.total / agg.total_weight)
+        average = agg.total / agg.total_weight
+        self.global_probs = clip_and_renormalise(average)
+        self.reliability = release_reliability(average, agg.noise_std / agg.total_weight)
+
+    @property
+    def effective_gamma(self) -> float:
+        """gamma of eq. 3, times the broadcast's reliability when ``noise_aware`` (exactly gamma without noise)."""
+        return self.gamma * (self.reliability if self.noise_aware else 1.0)
 
     # -- evaluation ----------------------------------------------------------------------------------------------
 
@@ -415,6 +468,7 @@ class FedBNN(FederatedAlgorithm):
         if groups["small"] and groups["large"]:
             out["accuracy_small_nets"] = float(np.mean(groups["small"]))
             out["accuracy_large_nets"] = float(np.mean(groups["large"]))
+        out["effective_gamma"] = self.effective_gamma  # what the clients' next prior tuning will use
         return out
 
     def is_small(self, client: int) -> bool:
@@ -448,4 +502,4 @@ def _fraction(name: str, value) -> float:
 
 
 __all__ = ["Architecture", "CHANNEL", "FedBNN", "PER_POINT_SENSITIVITY", "clip_and_renormalise", "mc_predict",
-           "soft_cross_entropy"]
+           "label_shifted", "release_reliability", "soft_cross_entropy"]

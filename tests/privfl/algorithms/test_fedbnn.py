@@ -14,8 +14,8 @@ from accounting.ledger import PrivacyLedger
 from mechanisms import InvalidRelease
 from privfl.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.algorithms.fedbnn import (CHANNEL, Architecture, FedBNN, clip_and_renormalise, mc_predict,
-                                      soft_cross_entropy)
+from privfl.algorithms.fedbnn import (CHANNEL, Architecture, FedBNN, clip_and_renormalise, label_shifted,
+                                      mc_predict, release_reliability, soft_cross_entropy)
 from privfl.channels import RangeBound, Unclipped
 from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
@@ -117,6 +117,41 @@ def test_server_takes_the_weighted_average_and_post_processes():
         releases += ReleasePipeline(str(k), alg.channels(), ledger, None).release(0, {CHANNEL: u}, w).values()
     alg.server_update(weighted_sums(releases, {c.name: c for c in alg.channels()}), 0)
     np.testing.assert_allclose(alg.global_probs, sum(w * u for w, u in zip(weights, uploads)) / 8.0)
+
+
+def test_release_reliability_is_the_signal_share_of_the_spread():
+    rng = np.random.default_rng(0)
+    clean = rng.dirichlet(np.full(10, 0.3), size=2000)  # peaked probability rows
+    assert release_reliability(clean, 0.0) == 1.0  # no noise: gamma unchanged, the paper's algorithm
+    signal = float(np.mean((clean - 0.1) ** 2))
+    for s in (0.05, 0.1, 0.2):
+        noisy = clean + rng.normal(0.0, s, clean.shape)
+        expected = signal / (signal + s * s)
+        assert release_reliability(noisy, s) == pytest.approx(expected, abs=0.03)
+    swamped = clean + rng.normal(0.0, 31.0, clean.shape)  # the noise of FedBNN at epsilon 3 with |AD| = 500
+    assert release_reliability(swamped, 31.0) < 0.05  # sampling error of the spread only
+
+
+@pytest.mark.timeout(120)
+def test_noise_aware_gamma_follows_the_release_and_is_gamma_without_noise(digits):
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
+    plain = FedBNN(fed, NONPRIVATE, **SMALL)
+    Simulation(plain, digits, fed, NONPRIVATE).run()
+    assert plain.reliability == 1.0 and plain.effective_gamma == plain.gamma
+    privacy = PrivacyConfig(epsilon=1.0, delta=1e-5, unit="example", accountant="exact", placement="local")
+    for aware in (True, False):
+        alg = FedBNN(fed, privacy, noise_aware=aware, **SMALL)
+        Simulation(alg, digits, fed, privacy).run()
+        assert 0.0 <= alg.reliability < 0.05  # 3 clients at epsilon 1: the noise swamps the probabilities
+        assert alg.effective_gamma == pytest.approx(alg.gamma * alg.reliability if aware else alg.gamma)
+
+
+def test_label_shift_reweights_by_the_clients_own_class_frequencies():
+    probs = np.full((2, 4), 0.25)
+    out = label_shifted(probs, np.array([0, 0, 0, 1]), 4)  # counts + 1: 4, 2, 1, 1
+    np.testing.assert_allclose(out, [[0.5, 0.25, 0.125, 0.125]] * 2)
+    peaked = np.array([[0.1, 0.2, 0.3, 0.4]])
+    np.testing.assert_allclose(label_shifted(peaked, np.arange(4), 4), peaked)  # balanced labels: unchanged
 
 
 def test_prior_tuning_pulls_the_prior_function_towards_the_corrected_target(digits):
@@ -226,6 +261,8 @@ def test_private_run_is_charged_one_gaussian_per_round_and_audits_at_the_target(
     (dict(architectures=["mlp", "cnn1"], small_fraction=0.3), NONPRIVATE, "not both"),
     (dict(architectures=["transformer"]), NONPRIVATE, "architecture"),
     (dict(prior_steps=-1), NONPRIVATE, "prior_steps"),
+    (dict(noise_aware="yes"), NONPRIVATE, "noise_aware"),
+    (dict(label_shift=1), NONPRIVATE, "label_shift"),
 ])
 def test_invalid_configurations_are_refused(kw, privacy, needle):
     with pytest.raises(ConfigurationError, match=needle):
