@@ -241,3 +241,21 @@ def test_norm_clip_channel_sensitivity_on_neighbouring_federations():
                                                                              uploads[1:]])
             moved = np.linalg.norm(sum(ch.clip.apply(u) for u in uploads) - sum(ch.clip.apply(u) for u in other))
             assert moved <= ch.sensitivity * (1 + 1e-12)
+
+
+def test_record_level_runs_refuse_client_clips_under_add_remove():
+    """Removing a record moves a client-clipped upload between two clipped values (up to 2C apart): a record-level
+    run must declare such channels replace-one."""
+    from privfl.config import PrivacyConfig
+    from privfl.errors import ConfigurationError
+    from privfl.runtime import check_record_level_clips
+
+    record = PrivacyConfig(epsilon=1.0, unit="example")
+    add_remove = [Channel("update", (3,), unit="client", clip=NormClip(1.0))]
+    with pytest.raises(ConfigurationError, match="replace_one"):
+        check_record_level_clips(add_remove, record)
+    replace = [Channel("update", (3,), unit="client", clip=NormClip(1.0), adjacency="replace_one")]
+    check_record_level_clips(replace, record)
+    assert replace[0].sensitivity == 2.0
+    check_record_level_clips(add_remove, PrivacyConfig(epsilon=1.0, unit="client"))  # a client's removal: C
+    check_record_level_clips(add_remove, PrivacyConfig())  # non-private

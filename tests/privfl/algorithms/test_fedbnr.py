@@ -1,19 +1,25 @@
 """FedBNR (Yu et al. 2022): phase 2 equals centralised Bayesian linear regression (plain and under secure
 aggregation), the scatter channels' sensitivities hold on neighbouring data, the released noise is symmetric and of
-the calibrated size and its folded covariance matches Monte Carlo, and phase 1 plus phase 2 stay within one budget."""
+the calibrated size and its folded covariance matches Monte Carlo, and phase 1 plus phase 2 stay within one budget.
+FedBNR-KD (phase 1 by kernel distillation, eq. 19): the released mean Gram is exact without noise, the server step
+distils, the Gram upload respects its sensitivity, and private runs charge every release within the budget."""
 
+import copy
 import math
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 from scipy.stats import multivariate_normal
 
 from accounting.ledger import PrivacyLedger
 from mechanisms import SeededNoise
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, blr_from_statistics, centralised_blr, phase_budgets,
-                                      run_fedbnr)
+from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, blr_from_statistics, centralised_blr, distill_kernel,
+                                      distillation_loss, phase_budgets, run_fedbnr)
 from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
@@ -279,3 +285,194 @@ def test_cli_runs_fedbnr(capsys):
     rc = main(["run", "--algorithm", "fedbnr", "--dataset", "synthetic1d", "--epsilon", "inf", "--rounds", "1",
                "--clients", "4"])
     assert rc == 0 and "rmse" in capsys.readouterr().out
+
+
+# -- FedBNR-KD: phase 1 by kernel distillation (eq. 19) -----------------------------------------------------------
+
+KD_FED = FederationConfig(rounds=1, local_epochs=5, lr=0.05, seed=0)
+
+
+def _kd_data(n_clients=3, alignment_size=12, seed=0):
+    return make_federated("synthetic1d", n_clients, partition="iid", seed=seed, n=150, alignment_size=alignment_size)
+
+
+def _kd(privacy=NONPRIVATE, fed=KD_FED, **options):
+    options = {"hidden": (), "num_samples": 10, "aggregation": "distillation", **options}
+    return FedBNRKernel(fed, privacy, **options)
+
+
+def _locally_trained_gram(net: KernelNetwork, dataset, x_kd, fed) -> np.ndarray:
+    """What a client's Gram on X_kd is after its local training (eq. 18), computed here independently."""
+    local = copy.deepcopy(net)
+    opt = torch.optim.Adam(local.parameters(), lr=fed.lr)
+    x, y = torch.as_tensor(dataset.x), torch.as_tensor(np.asarray(dataset.y, dtype=np.float64))
+    for _ in range(fed.local_epochs):
+        opt.zero_grad()
+        (-blr_log_marginal_likelihood(local(x), y, local.log_noise_std.exp(), local.log_prior_std.exp())
+         / len(y)).backward()
+        opt.step()
+    phi = local.features(x_kd)
+    return phi @ phi.T
+
+
+@pytest.mark.parametrize("n_clients", [1, 4])
+def test_kd_released_mean_gram_is_the_clients_mean_gram_without_noise(n_clients):
+    data = _kd_data(n_clients)
+    alg = _kd()
+    start = {}
+    setup = alg.setup
+
+    def record_start(d, rng):
+        setup(d, rng)
+        start["net"] = alg.kernel()
+
+    alg.setup = record_start
+    Simulation(alg, data, KD_FED, NONPRIVATE).run()
+    grams = [_locally_trained_gram(start["net"], part, data.alignment.x, KD_FED) for part in data.train_parts]
+    assert alg.channels()[0].shape == (12 * 11 // 2,)
+    np.testing.assert_allclose(alg.mean_gram, np.mean(grams, axis=0), rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(alg.mean_gram, alg.mean_gram.T)
+    if n_clients > 1:  # the clients moved apart: the mean is not any one client's Gram
+        assert np.abs(grams[0] - grams[1]).max() > 1e-4
+
+
+def test_distillation_step_reduces_eq19_and_matches_the_target_gram():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 2)), rng.normal(size=20)
+    teacher = KernelNetwork(2, num_samples=15, lengthscale=0.4, seed=3)
+    target = teacher.features(x) @ teacher.features(x).T
+    x_t, y_t, target_t = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y), torch.as_tensor(target)
+    for alpha in (0.0, 1.0):
+        net = KernelNetwork(2, num_samples=15, lengthscale=2.0, seed=3)
+        losses = distill_kernel(net, x_t, y, target, alpha=alpha, steps=30, lr=0.05)
+        assert losses[-1] < losses[0]
+        with torch.no_grad():
+            assert float(distillation_loss(net, x_t, y_t, target_t, alpha)) == pytest.approx(losses[-1])
+    net = KernelNetwork(2, num_samples=15, lengthscale=2.0, seed=3)
+    before = np.abs(net.features(x) @ net.features(x).T - target).mean()
+    distill_kernel(net, x_t, y, target, alpha=1e4, steps=150, lr=0.05)
+    after = np.abs(net.features(x) @ net.features(x).T - target).mean()
+    assert after < 0.05 * before
+    assert net.lengthscale == pytest.approx(0.4, rel=0.05)  # same omega: matching the Gram recovers the kernel
+
+
+def test_kd_channel_is_client_level_and_record_level_runs_pay_replace_one():
+    data = _kd_data()
+    for unit, adjacency, factor in [("client", "add_remove", 1.0), ("client", "replace_one", 2.0),
+                                    ("example", "add_remove", 2.0), ("example", "replace_one", 2.0)]:
+        privacy = PrivacyConfig(epsilon=1.0, unit=unit, adjacency=adjacency)
+        for alg, clip in [(_kd(privacy, gram_clip=0.3), 0.3), (_kd(privacy, aggregation="fedavg", update_clip=0.2),
+                                                              0.2)]:
+            alg.setup(data, np.random.default_rng(0))
+            (channel,) = alg.channels()
+            assert channel.unit == "client" and channel.clip == NormClip(clip)
+            assert channel.sensitivity == pytest.approx(factor * clip)
+    default = _kd(PrivacyConfig(epsilon=1.0, unit="client"))
+    default.setup(data, np.random.default_rng(0))
+    assert default.gram_clip == pytest.approx(0.02 * math.sqrt(12 * 11 / 2))
+
+
+_KD_SENS_DATA = _kd_data(n_clients=2, alignment_size=8)
+_points = arrays(np.float64, st.tuples(st.integers(2, 8), st.just(1)), elements=st.floats(-3, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=_points, data=st.data(), clip=st.floats(0.001, 2.0), unit=st.sampled_from(["example", "client"]),
+       adjacency=st.sampled_from(["add_remove", "replace_one"]))
+def test_kd_gram_upload_moves_by_at_most_its_sensitivity(x, data, clip, unit, adjacency):
+    """Neighbouring clients: one record added, removed or replaced (record level), or the client's whole data
+    removed or replaced (client level); the clipped uploads' sum moves by at most the declared sensitivity."""
+    privacy = PrivacyConfig(epsilon=1.0, unit=unit, adjacency=adjacency)
+    alg = _kd(privacy, gram_clip=clip)
+    alg.setup(_KD_SENS_DATA, np.random.default_rng(0))
+    (channel,) = alg.channels()
+    y = data.draw(arrays(np.float64, (len(x),), elements=st.floats(-3, 3)))
+    other_x = data.draw(arrays(np.float64, (data.draw(st.integers(1, 8)), 1), elements=st.floats(-3, 3)))
+    other_y = data.draw(arrays(np.float64, (len(other_x),), elements=st.floats(-3, 3)))
+    if unit == "example":
+        i = data.draw(st.integers(0, len(x) - 1))
+        if data.draw(st.booleans()):  # add or remove a record
+            x2, y2 = np.delete(x, i, axis=0), np.delete(y, i)
+        else:  # replace a record
+            x2, y2 = x.copy(), y.copy()
+            x2[i], y2[i] = other_x[0], other_y[0]
+    else:
+        x2, y2 = other_x, other_y
+
+    def upload(xs, ys):
+        ds = ArrayDataset(xs.astype(np.float32), ys.astype(np.float32), "regression", 1)
+        return channel.clip.apply(channel.validate(alg.client_update(0, ds, 0, None).values["gram"]))
+
+    a = upload(x, y)
+    b = np.zeros_like(a) if unit == "client" and adjacency == "add_remove" else upload(x2, y2)
+    assert np.linalg.norm(a) <= clip * (1 + 1e-9)
+    assert np.linalg.norm(a - b) <= channel.sensitivity * (1 + 1e-9) + 1e-12
+
+
+def _charges(path, run_id):
+    ledger = PrivacyLedger.open_existing(path, run_id)
+    try:
+        return ledger.charges()
+    finally:
+        ledger.close()
+
+
+def test_kd_under_dp_stays_within_one_budget_and_charges_every_release(tmp_path):
+    data = _kd_data(n_clients=4, alignment_size=16)
+    kfed = FederationConfig(rounds=3, local_epochs=5, lr=0.05, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", accountant="exact")
+    path = str(tmp_path / "ledger.sqlite")
+    run = run_fedbnr(data, ONE_ROUND, privacy, kernel_rounds=3, kernel_fed=kfed, ledger_path=path, run_id="kd",
+                     kernel_options=dict(aggregation="distillation", hidden=(), num_samples=10, kd_steps=5))
+    assert run.kernel_algorithm.aggregation == "distillation"
+    assert all(eps <= 3.0 + 1e-9 for eps in run.epsilon_per_client.values())
+    assert len(run.epsilon_per_client) == 4 and run.epsilon > 2.99
+    assert run.kernel.audit["max_epsilon"] <= run.phase_epsilons[0] + 1e-9
+    kernel, regression = _charges(path, "kd-kernel"), _charges(path, "kd-regression")
+    keys = [(c.client_id, c.round, c.channel) for c in kernel]
+    assert sorted(keys) == sorted((str(k), r, "gram") for k in range(4) for r in range(3))  # one per release
+    assert sorted((c.client_id, c.round, c.channel) for c in regression) == \
+        sorted((str(k), 0, ch) for k in range(4) for ch in ("scatter", "cross"))
+    assert all(c.released for c in kernel + regression)
+    assert sum(r.participants for r in run.kernel.history) == len(kernel)  # every aggregated release was charged
+    assert all(c.event.sensitivity == pytest.approx(2 * run.kernel_algorithm.gram_clip) for c in kernel)
+    assert np.isfinite(run.final["rmse"])
+
+
+@pytest.mark.parametrize("privacy", [NONPRIVATE, PrivacyConfig(epsilon=3.0, unit="client", placement="central",
+                                                               accountant="exact")])
+def test_kd_secure_aggregation_changes_only_quantisation(privacy):
+    data = _kd_data(n_clients=4)
+    fed = FederationConfig(rounds=2, local_epochs=5, lr=0.05, seed=0)
+    plain, masked = _kd(privacy, fed, kd_steps=5), _kd(privacy, fed, kd_steps=5)
+    Simulation(plain, data, fed, privacy).run()
+    Simulation(masked, data, fed, privacy, secure=SecureAggregation(bits=48)).run()
+    assert 0 < np.abs(masked.mean_gram - plain.mean_gram).max() < 1e-6
+    np.testing.assert_allclose(masked.global_params, plain.global_params, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(aggregation="median"), "aggregation"),
+    (dict(aggregation="distillation", alpha=-1.0), "alpha"),
+    (dict(aggregation="distillation", kd_steps=0), "kd_steps"),
+    (dict(aggregation="distillation", kd_lr=0.0), "kd_lr"),
+    (dict(aggregation="distillation", gram_clip=-2.0), "gram_clip"),
+])
+def test_kd_bad_options_are_refused_before_anything_is_charged(tmp_path, options, match):
+    path = str(tmp_path / "ledger.sqlite")
+    with pytest.raises(ConfigurationError, match=match):
+        run_fedbnr(_kd_data(), ONE_ROUND, EXAMPLE_DP, kernel_rounds=2, kernel_options=options, ledger_path=path)
+    assert not (tmp_path / "ledger.sqlite").exists()
+
+
+def test_kd_without_a_distillation_set_is_refused_and_charges_nothing(tmp_path):
+    data = make_federated("synthetic1d", 3, partition="iid", seed=0, n=100)
+    path = str(tmp_path / "ledger.sqlite")
+    with pytest.raises(ConfigurationError, match="alignment_size"):
+        run_fedbnr(data, ONE_ROUND, EXAMPLE_DP, kernel_rounds=2, kernel_options=dict(aggregation="distillation"),
+                   ledger_path=path)
+    assert not (tmp_path / "ledger.sqlite").exists()
+    sim = Simulation(_kd(EXAMPLE_DP), data, KD_FED, EXAMPLE_DP, ledger_path=path, run_id="kd")
+    with pytest.raises(ConfigurationError, match="alignment_size"):
+        sim.run()
+    assert sim.ledger.charges() == []
