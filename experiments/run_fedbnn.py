@@ -218,7 +218,7 @@ def notes(rows: list[dict]) -> str:
             f"probability, and the {CLIENTS}-client average {n['noise_std_of_the_average']:.1f}, before the server "
             "clips to [0, 1] and renormalises. "
             + (f"The noise-aware γ measured the broadcast's reliability at {min(lam):.3f}-{max(lam):.3f} (mean over "
-               f"clients and rounds {np.mean(lam):.3f}), so the clients all but ignored it. " if lam else "")
+               f"seeds and rounds {np.mean(lam):.3f}), so the clients all but ignored it. " if lam else "")
             + "Paper (full MNIST, 100 rounds, CNN/VGG9 BNNs, its looser accounting): Hetero 93.1, Hetero-DP 89.82, "
             "DP-FedAvg 80.1, FedAvg 88.2; ECE 0.032.")
 

@@ -138,7 +138,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data) -> dict:
     seconds = time.perf_counter() - start
     eps = [v["epsilon"] for v in result.audit["clients"].values()]
     final = result.final
-    proba = algorithm.predict_proba(data.test)
+    calibration = algorithm.calibration_predictions(data.test)
     row = {
         "algorithm": spec.algorithm, "epsilon_target": spec.epsilon, "seed": spec.seed,
         "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
@@ -149,8 +149,8 @@ def run_one(config: CompareConfig, spec: RunSpec, data) -> dict:
         "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in
                                          _epsilon_series(ledger, config.delta).items()},
     }
-    if proba is not None:
-        row["reliability"] = reliability_bins(proba, data.test.tensors()[1].numpy())
+    if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
+        row["reliability"] = reliability_bins(*calibration)
     return row
 
 

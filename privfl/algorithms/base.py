@@ -63,3 +63,11 @@ class FederatedAlgorithm(abc.ABC):
     def predict_proba(self, dataset) -> np.ndarray | None:
         """Class probabilities of the global model on ``dataset`` (for reliability diagrams); None if not offered."""
         return None
+
+    def calibration_predictions(self, dataset) -> tuple[np.ndarray, np.ndarray] | None:
+        """The (probabilities, labels) pairs this algorithm's calibration metrics are computed on: the global model
+        on the whole of ``dataset`` by default; None when there are none (no global model, no override)."""
+        proba = self.predict_proba(dataset)
+        if proba is None:
+            return None
+        return proba, np.asarray(dataset.y)

@@ -440,26 +440,36 @@ class FedBNN(FederatedAlgorithm):
     def _eval_set(self, dataset):
         return self._test_rest if self._test_given is not None and dataset is self._test_given else dataset
 
-    def evaluate(self, dataset):
-        """Personalised metrics; see the module docstring."""
+    def _own_class_predictions(self, dataset):
+        """Per-client predictions on ``dataset``, and each client's own-class split of them."""
         y = self._eval_set(dataset).tensors()[1].numpy()
         preds = self.client_predictions(dataset)
-        if not preds:
+        own = {k: (proba[mask], y[mask]) for k, proba in preds.items()
+               for mask in [np.isin(y, self.client_classes[k])] if mask.any()}
+        return y, preds, own
+
+    def calibration_predictions(self, dataset):
+        """The clients' personalised predictions on their own classes' test examples, pooled: what ``evaluate``'s
+        NLL, ECE, MCE and Brier are computed on (and ``privfl compare`` draws reliability diagrams from)."""
+        _, _, own = self._own_class_predictions(dataset)
+        if not own:
+            return None
+        return np.concatenate([p for p, _ in own.values()]), np.concatenate([t for _, t in own.values()])
+
+    def evaluate(self, dataset):
+        """Personalised metrics; see the module docstring."""
+        y, preds, own = self._own_class_predictions(dataset)
+        if not own:
             uniform = np.full((len(y), self._num_classes), 1.0 / self._num_classes)
             out = classification_metrics(uniform, y)
             return {**out, "mce": maximum_calibration_error(uniform, y), "brier": brier_score(uniform, y)}
-        own_acc, all_acc, pooled_p, pooled_y, groups = [], [], [], [], {"small": [], "large": []}
-        for k, proba in preds.items():
-            mask = np.isin(y, self.client_classes[k])
-            all_acc.append(float(np.mean(proba.argmax(axis=1) == y)))
-            if not mask.any():
-                continue
-            acc = float(np.mean(proba[mask].argmax(axis=1) == y[mask]))
+        all_acc = [float(np.mean(proba.argmax(axis=1) == y)) for proba in preds.values()]
+        own_acc, groups = [], {"small": [], "large": []}
+        for k, (p_k, y_k) in own.items():
+            acc = float(np.mean(p_k.argmax(axis=1) == y_k))
             own_acc.append(acc)
             groups["small" if self.is_small(k) else "large"].append(acc)
-            pooled_p.append(proba[mask])
-            pooled_y.append(y[mask])
-        p, t = np.concatenate(pooled_p), np.concatenate(pooled_y)
+        p, t = self.calibration_predictions(dataset)
         out = classification_metrics(p, t)
         out["accuracy"] = float(np.mean(own_acc))
         out["mce"] = maximum_calibration_error(p, t)

@@ -9,6 +9,7 @@ import pytest
 from accounting.ledger import PrivacyLedger
 from privfl.cli import main
 from privfl.compare import CompareConfig, compare, grid
+from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 
 
@@ -30,6 +31,8 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
     assert len(results) == 6
     for r in results:
         assert {"algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max"} <= set(r)
+        # the global models here are calibrated on the whole test split
+        assert sum(r["reliability"]["count"]) == len(make_federated("digits", 3, partition="iid", seed=r["seed"]).test)
         if math.isfinite(r["epsilon_target"]):
             led = PrivacyLedger.open_existing(r["ledger"])
             assert led.audit()["max_epsilon"] <= r["epsilon_target"] * (1 + 1e-9)

@@ -206,6 +206,13 @@ def test_evaluation_is_per_client_on_its_own_classes(digits):
     assert out["accuracy"] == pytest.approx(np.mean(own))
     assert out["accuracy_all_classes"] == pytest.approx(np.mean([np.mean(p.argmax(1) == y) for p in preds.values()]))
     assert alg.predict_proba(digits.test) is None  # no global model
+    # calibration (and privfl compare's reliability diagram) is over the pooled own-class predictions
+    proba, labels = alg.calibration_predictions(digits.test)
+    masks = [np.isin(y, alg.client_classes[k]) for k in preds]
+    np.testing.assert_array_equal(labels, np.concatenate([y[m] for m in masks]))
+    np.testing.assert_allclose(proba, np.concatenate([p[m] for p, m in zip(preds.values(), masks)]))
+    assert out["ece"] == pytest.approx(classification_metrics(proba, labels)["ece"])
+    assert out["brier"] == pytest.approx(brier_score(proba, labels))
 
 
 def test_without_an_alignment_set_it_is_carved_from_the_test_set_and_left_out_of_evaluation():
