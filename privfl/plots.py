@@ -120,15 +120,18 @@ def plot_reliability(rows: list[dict], path: str) -> None:
     targets = _finite_targets(rows)
     panels = [math.inf] + ([targets[len(targets) // 2]] if targets else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.4), dpi=120, squeeze=False)
+    algorithms = sorted({r["algorithm"] for r in rows})
+    colours = {alg: plt.get_cmap("tab10")(i % 10) for i, alg in enumerate(algorithms)}  # the same in every panel
     for ax, target in zip(axes[0], panels):
         ax.plot([0, 1], [0, 1], color="black", linestyle="--", linewidth=1, label="perfect calibration")
-        for alg in sorted({r["algorithm"] for r in rows}):
+        for alg in algorithms:
             chosen = [r for r in rows if r["algorithm"] == alg and r["epsilon_target"] == target and "reliability" in r]
             if not chosen:
                 continue
             rel = min(chosen, key=lambda r: r["seed"])["reliability"]
             pts = [(c, a) for c, a, n in zip(rel["confidence"], rel["accuracy"], rel["count"]) if n > 0]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{alg} (ECE {min(chosen, key=lambda r: r['seed'])['ece']:.3f})")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[alg],
+                    label=f"{alg} (ECE {min(chosen, key=lambda r: r['seed'])['ece']:.3f})")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("confidence (max predicted probability)")
