@@ -451,6 +451,19 @@ def test_kd_secure_aggregation_changes_only_quantisation(privacy):
     np.testing.assert_allclose(masked.global_params, plain.global_params, rtol=0, atol=1e-5)
 
 
+def test_kd_gram_channel_takes_distributed_discrete_noise_within_budget():
+    """The gram upload is a norm-clipped vector, so clients can add distributed discrete Gaussian shares under secure
+    aggregation; the run stays within its target by its own ledger."""
+    data = _kd_data(n_clients=4)
+    fed = FederationConfig(rounds=2, local_epochs=5, lr=0.05, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", placement="distributed", accountant="zcdp")
+    alg = _kd(privacy, fed, kd_steps=5)
+    result = Simulation(alg, data, fed, privacy, secure=SecureAggregation(bits=48)).run()
+    assert len(result.history) == 2 and not any(r.aborted for r in result.history)
+    assert 0 < result.audit["max_epsilon"] <= 3.0 * (1 + 1e-9)
+    assert alg.mean_gram is not None and np.all(np.isfinite(alg.mean_gram))
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(aggregation="median"), "aggregation"),
     (dict(aggregation="distillation", alpha=-1.0), "alpha"),
