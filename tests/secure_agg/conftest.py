@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,9 +14,12 @@ from secure_agg.server import ServerSession
 
 class Harness:
     def __init__(self, n: int = 5, d: int = 16, bits: int = 16, threshold: int | None = None,
-                 degree: int | None = None, min_inputs: int | None = None, seed: int = 0):
+                 degree: int | None = None, min_inputs: int | None = None, seed: int = 0,
+                 graph_seed: bytes | None = None):
         self.config = SessionConfig.create(range(1, n + 1), bits=bits, dimension=d, threshold=threshold,
                                            degree=degree, min_inputs=min_inputs)
+        if graph_seed is not None:  # a fixed neighbour graph, for tests whose drops must leave every client enough
+            self.config = dataclasses.replace(self.config, graph_seed=graph_seed)
         rng = np.random.default_rng(seed)
         self.values = {c: rng.integers(0, 2 ** bits, size=d, dtype=np.uint64) for c in self.config.client_ids}
         self.server = ServerSession(self.config)

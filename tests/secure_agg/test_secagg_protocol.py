@@ -67,7 +67,12 @@ def test_clients_refuse_to_unmask_when_a_server_lists_fewer_than_threshold_alive
 
 
 def test_sparse_graph_with_dropouts_at_every_stage(harness):
-    h = harness(n=20, d=50, bits=32, degree=6, threshold=4)
+    # On a random graph these four drops can all be neighbours of one survivor, whose masks then cannot be removed
+    # (a legitimate abort, tested elsewhere); a fixed graph on which every client keeps >= threshold holders makes
+    # this the test of the success path it means to be.
+    h = harness(n=20, d=50, bits=32, degree=6, threshold=4, graph_seed=bytes(range(32)))
+    dropped = {3, 11, 17, 8}
+    assert all(len(({c} | h.config.neighbours(c)) - dropped) >= 4 for c in h.config.client_ids if c not in dropped)
     result = h.run({"advertise_keys": [3], "share_keys": [11], "masked_input": [17], "unmask": [8]})
     assert set(result.included) == set(range(1, 21)) - {3, 11, 17}
     assert np.array_equal(result.sum, h.expected(result.included))
