@@ -88,10 +88,24 @@ def cmd_run(args) -> int:
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
                            seed=args.seed)
-    if args.alignment_size is not None and not getattr(ALGORITHMS.get(args.algorithm), "uses_alignment", False):
+    two_phase = args.algorithm == "fedbnr" and args.kernel_rounds > 0
+    distil = two_phase and args.kernel_aggregation == "distillation"
+    if (args.kernel_rounds or args.kernel_aggregation != "fedavg") and args.algorithm != "fedbnr":
+        raise ConfigurationError("--kernel-rounds and --kernel-aggregation are FedBNR's phase 1; use them with "
+                                 "--algorithm fedbnr or drop them")
+    if args.kernel_rounds < 0:
+        raise ConfigurationError(f"--kernel-rounds must be >= 0, got {args.kernel_rounds}")
+    if args.kernel_aggregation == "distillation" and not two_phase:
+        raise ConfigurationError("--kernel-aggregation distillation needs phase 1: add --kernel-rounds N (N >= 1)")
+    if distil and not args.alignment_size:
+        raise ConfigurationError("FedBNR's kernel distillation needs a server-held labelled set: add "
+                                 "--alignment-size N (the paper uses about 8% of the data)")
+    if args.alignment_size is not None and not distil and not getattr(ALGORITHMS.get(args.algorithm),
+                                                                       "uses_alignment", False):
         users = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "uses_alignment", False))
-        raise ConfigurationError(f"--alignment-size applies to algorithms with a public alignment set ({users}); "
-                                 f"{args.algorithm} has none: drop the flag")
+        raise ConfigurationError(f"--alignment-size applies to algorithms with a public alignment set ({users}, "
+                                 f"and fedbnr with --kernel-aggregation distillation); {args.algorithm} has none "
+                                 "here: drop the flag")
     algorithm = make_algorithm(args.algorithm, fed, privacy)
     data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
                           alignment_size=args.alignment_size or 0)
@@ -111,6 +125,8 @@ def cmd_run(args) -> int:
 
     secure = (SecureAggregation(bits=args.secagg_bits, dropout=args.dropout, min_survivors=args.min_survivors)
               if args.secure_agg else None)
+    if two_phase:
+        return _run_fedbnr_two_phases(args, data, fed, privacy, secure, None if args.quiet else show)
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
                      progress=None if args.quiet else show, secure=secure)
     result = sim.run()
@@ -131,6 +147,60 @@ def cmd_run(args) -> int:
              else f"final accuracy {out['accuracy']:.4f}")
     print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
+    """FedBNR with phase 1 (``--kernel-rounds`` rounds of kernel learning, by FedAvg or distillation) and phase 2
+    (``--rounds`` releases of the scatter matrices) within one (epsilon, delta) per client; the ledger holds the runs
+    ``<run-id>-kernel`` and ``<run-id>-regression``. ``--hidden`` gives the kernel network a deep extractor (default
+    none: phase 1 learns the random features' lengthscale, sigma and lambda). The JSON's epsilon figures are
+    composed over both phases."""
+    from dataclasses import replace
+
+    from accounting.accountants import make_accountant
+    from privfl.algorithms.fedbnr import run_fedbnr
+
+    kernel_fed = replace(fed, rounds=args.kernel_rounds)
+    kernel_options = {"aggregation": args.kernel_aggregation, "update_clip": args.kernel_clip,
+                      "hidden": tuple(args.hidden) if args.hidden is not None else ()}
+    if args.ledger and args.ledger != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
+    run = run_fedbnr(data, fed, privacy, kernel_rounds=args.kernel_rounds, kernel_fed=kernel_fed,
+                     kernel_options=kernel_options, secure=secure, ledger_path=args.ledger or ":memory:",
+                     run_id=args.run_id, progress=progress)
+    accountant = privacy.resolved_accountant
+    # each client's epsilon after every round of both phases, composed from the two ledgers' charges
+    charges = [(phase, c) for phase, ledger in enumerate(run.ledgers) for c in ledger.charges()]
+    per_round = []
+    for phase, rounds in ((0, args.kernel_rounds), (1, fed.rounds)):
+        for r in range(rounds):
+            worst = 0.0
+            for cid in {c.client_id for _, c in charges}:
+                acct = make_accountant(accountant)
+                for p, c in charges:
+                    if c.client_id == cid and (p < phase or (p == phase and c.round <= r)):
+                        acct.compose(c.event)
+                worst = max(worst, float(acct.get_epsilon(privacy.delta)) if privacy.private else math.inf)
+            per_round.append(worst)
+    result = run.regression
+    out = {
+        "algorithm": "fedbnr", "dataset": result.dataset, "clients": result.clients, "rounds": result.rounds,
+        "kernel_rounds": args.kernel_rounds, "kernel_aggregation": args.kernel_aggregation,
+        "epsilon_target": result.epsilon_target, "delta": result.delta, "accountant": accountant,
+        "phase_epsilons": list(run.phase_epsilons) if run.phase_epsilons else None,
+        "noise_multipliers": {"kernel": run.kernel.noise_multipliers, "regression": result.noise_multipliers},
+        "accuracy": None, "final": result.final, "kernel_final": run.kernel.final,
+        "accuracy_per_round": [None] * len(per_round),
+        "epsilon_spent_per_round": per_round,
+        "epsilon_spent_max": run.epsilon,
+        "epsilon_spent": run.epsilon_per_client,
+        "ledger": result.ledger, "run_id": [run.kernel.run_id, result.run_id],
+    }
+    if args.json:
+        _dump(out, args.json)
+    print(f"final rmse {result.final['rmse']:.4g}; max epsilon spent over both phases {run.epsilon:.4g} "
+          f"(target {args.epsilon:g}, delta {args.delta:g})", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
 
@@ -255,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=_float, default=None)
     r.add_argument("--server-lr", type=_float, default=1.0)
+    r.add_argument("--kernel-rounds", type=int, default=0, metavar="K",
+                   help="fedbnr: K rounds of phase 1 (kernel learning) before phase 2 (default 0: random features)")
+    r.add_argument("--kernel-aggregation", choices=["fedavg", "distillation"], default="fedavg",
+                   help="fedbnr phase 1: FedAvg of the kernel network, or kernel distillation on a server-held set "
+                        "of --alignment-size examples (eq. 19)")
+    r.add_argument("--kernel-clip", type=_float, default=0.05,
+                   help="fedbnr phase 1 under DP: client-level clip of the weight change (fedavg aggregation)")
     r.add_argument("--alignment-size", type=int, default=None, metavar="N",
                    help="public alignment set of N training examples, held out from every client (fedbnn; default "
                         "the algorithm's)")

@@ -49,7 +49,8 @@ in every round. FedBNR is therefore two algorithms run one after the other on th
    (sensitivity 2C, whatever the record adjacency); under ``unit="client"`` it is the configured one (C or 2C).
 2. :class:`FedBNR` (phase 2, registered as ``fedbnr``): one release of ``scatter`` and ``cross`` under the fixed
    kernel network (the phase-1 result, or pure RFF with public hyperparameters when phase 1 is skipped: what
-   ``privfl run --algorithm fedbnr`` runs). One round is all it needs; with R > 1 rounds every round re-releases and
+   ``privfl run --algorithm fedbnr`` runs unless given ``--kernel-rounds K``, which runs both phases through
+   :func:`run_fedbnr`, with ``--kernel-aggregation distillation --alignment-size N`` for FedBNR-KD). One round is all it needs; with R > 1 rounds every round re-releases and
    the server averages the R sums, which for Gaussian noise costs nothing (R releases at multiplier z sqrt(R) average
    to one release at z) and is exact without noise.
 
@@ -680,6 +681,7 @@ class FedBNRRun:
     kernel_algorithm: FedBNRKernel | None = None
     epsilon_per_client: dict[str, float] = field(default_factory=dict)
     phase_epsilons: tuple[float, float] | None = None
+    ledgers: list = field(default_factory=list)  # the phases' PrivacyLedgers, kernel first
 
     @property
     def epsilon(self) -> float:
@@ -712,7 +714,8 @@ def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, k
                          progress=progress, secure=secure)
         result = sim.run()
         return FedBNRRun(result, alg, epsilon_per_client=composed_epsilon([sim.ledger], privacy.delta,
-                                                                          privacy.resolved_accountant))
+                                                                          privacy.resolved_accountant),
+                         ledgers=[sim.ledger])
     kfed = replace(kernel_fed or fed, rounds=kernel_rounds)
     accountant = privacy.resolved_accountant
     privacy_k, privacy_r, budgets = privacy, privacy, None
@@ -738,7 +741,8 @@ def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, k
                      progress=progress, secure=secure)
     result = sim.run()
     return FedBNRRun(result, alg, kresult, kalg,
-                     composed_epsilon([ksim.ledger, sim.ledger], privacy.delta, accountant), budgets)
+                     composed_epsilon([ksim.ledger, sim.ledger], privacy.delta, accountant), budgets,
+                     ledgers=[ksim.ledger, sim.ledger])
 
 
 __all__ = ["BLRPosterior", "FedBNR", "FedBNRKernel", "FedBNRRun", "blr_from_statistics", "centralised_blr",

@@ -5,6 +5,7 @@ FedBNR-KD (phase 1 by kernel distillation, eq. 19): the released mean Gram is ex
 distils, the Gram upload respects its sensitivity, and private runs charge every release within the budget."""
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -489,3 +490,33 @@ def test_kd_without_a_distillation_set_is_refused_and_charges_nothing(tmp_path):
     with pytest.raises(ConfigurationError, match="alignment_size"):
         sim.run()
     assert sim.ledger.charges() == []
+
+
+@pytest.mark.timeout(120)
+def test_cli_runs_both_phases_with_distillation_within_one_budget(tmp_path, capsys):
+    ledger, out = str(tmp_path / "l.sqlite"), tmp_path / "r.json"
+    code = main(["run", "--algorithm", "fedbnr", "--dataset", "diabetes", "--clients", "4", "--rounds", "1",
+                 "--kernel-rounds", "2", "--kernel-aggregation", "distillation", "--alignment-size", "30",
+                 "--epsilon", "3", "--unit", "example", "--ledger", ledger, "--json", str(out), "--quiet"])
+    assert code == 0
+    r = json.loads(out.read_text())
+    per_round = r["epsilon_spent_per_round"]
+    assert len(per_round) == 3 and all(a <= b for a, b in zip(per_round, per_round[1:]))
+    assert per_round[-1] == pytest.approx(r["epsilon_spent_max"]) and r["epsilon_spent_max"] <= 3.0 + 1e-9
+    assert r["run_id"] == ["fedbnr-0-kernel", "fedbnr-0-regression"] and math.isfinite(r["final"]["rmse"])
+    capsys.readouterr()
+    assert main(["audit", ledger, "--run-id", "fedbnr-0-kernel", "--json"]) == 0
+    kernel = json.loads(capsys.readouterr().out)
+    assert 0 < kernel["max_epsilon"] < r["epsilon_spent_max"]  # one phase spends part of the budget
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--algorithm", "fedbnr", "--kernel-aggregation", "distillation"], "--kernel-rounds"),
+    (["--algorithm", "fedbnr", "--kernel-rounds", "2", "--kernel-aggregation", "distillation"], "--alignment-size"),
+    (["--algorithm", "fedavg", "--kernel-rounds", "2"], "--algorithm fedbnr"),
+    (["--algorithm", "fedbnr", "--alignment-size", "20"], "drop the flag"),
+])
+def test_cli_phase_one_flags_are_checked(argv, needle, capsys):
+    code = main(["run", "--dataset", "diabetes", "--clients", "3", "--rounds", "1", "--epsilon", "inf", "--quiet",
+                 *argv])
+    assert code == 2 and needle in capsys.readouterr().err
