@@ -170,19 +170,21 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
                      kernel_options=kernel_options, secure=secure, ledger_path=args.ledger or ":memory:",
                      run_id=args.run_id, progress=progress)
     accountant = privacy.resolved_accountant
-    # each client's epsilon after every round of both phases, composed from the two ledgers' charges
-    charges = [(phase, c) for phase, ledger in enumerate(run.ledgers) for c in ledger.charges()]
-    per_round = []
-    for phase, rounds in ((0, args.kernel_rounds), (1, fed.rounds)):
-        for r in range(rounds):
-            worst = 0.0
-            for cid in {c.client_id for _, c in charges}:
-                acct = make_accountant(accountant)
-                for p, c in charges:
-                    if c.client_id == cid and (p < phase or (p == phase and c.round <= r)):
-                        acct.compose(c.event)
-                worst = max(worst, float(acct.get_epsilon(privacy.delta)) if privacy.private else math.inf)
-            per_round.append(worst)
+    # each client's epsilon after every round of both phases: its charges composed in (phase, round) order
+    total_rounds = args.kernel_rounds + fed.rounds
+    per_round = [math.inf if not privacy.private else 0.0] * total_rounds
+    if privacy.private:
+        by_client: dict[str, list] = {}
+        for phase, ledger in enumerate(run.ledgers):
+            offset = 0 if phase == 0 else args.kernel_rounds
+            for c in ledger.charges():
+                by_client.setdefault(c.client_id, []).append((offset + c.round, c.event))
+        for events in by_client.values():
+            acct, pending = make_accountant(accountant), sorted(events, key=lambda e: e[0])
+            for r in range(total_rounds):
+                while pending and pending[0][0] <= r:
+                    acct.compose(pending.pop(0)[1])
+                per_round[r] = max(per_round[r], float(acct.get_epsilon(privacy.delta)))
     result = run.regression
     out = {
         "algorithm": "fedbnr", "dataset": result.dataset, "clients": result.clients, "rounds": result.rounds,

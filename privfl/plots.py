@@ -19,18 +19,23 @@ def plot_epsilon_per_client(series: dict[str, list[tuple[int, float]]], path: st
         ax.plot(rounds, [e for _, e in points], marker=".", linewidth=1, label=f"client {cid}")
     if budget is not None and math.isfinite(budget):
         ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget ε = {budget:g}")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel(f"cumulative ε spent (δ = {delta:g})")
-    ax.set_title("Privacy spent per client")
-    ax.grid(alpha=0.3)
+    _epsilon_axes(ax, delta, "Privacy spent per client")
     if len(series) <= 12:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _epsilon_axes(ax, delta: float, title: str) -> None:
+    """Rounds (integer ticks) against cumulative epsilon at ``delta``, titled, with a light grid."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"cumulative ε spent (δ = {delta:g})")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
 
 
 def _pyplot():
@@ -100,13 +105,7 @@ def plot_epsilon_curves(rows: list[dict], path: str, *, delta: float) -> None:
                 ax.plot(range(1, len(series) + 1), series, color=colour, linewidth=1, alpha=0.7,
                         label=f"{alg} ({len(row['epsilon_per_client_per_round'])} clients)" if i == 0 else None)
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target ε = {target:g}")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel(f"cumulative ε spent (δ = {delta:g})")
-    ax.set_title("Privacy spent per client, from each run's ledger")
-    ax.grid(alpha=0.3)
+    _epsilon_axes(ax, delta, "Privacy spent per client, from each run's ledger")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

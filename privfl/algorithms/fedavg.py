@@ -18,7 +18,7 @@ from privfl.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
 from privfl.models import make_model
-from privfl.training import flat_parameters, load_flat_parameters, predict_proba, torch_generator, train_epochs
+from privfl.training import flat_parameters, load_flat_parameters, predict_proba, train_epochs
 
 
 class FedAvg(FederatedAlgorithm):

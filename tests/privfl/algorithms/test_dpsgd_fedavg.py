@@ -142,12 +142,8 @@ def test_example_level_run_is_charged_its_dpsgd_events_and_meets_the_target(digi
 
 
 @pytest.mark.timeout(120)
-def test_cli_runs_dpsgd_fedavg_non_private(tmp_path):
-    out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "dpsgd_fedavg", "--dataset", "digits", "--clients", "3", "--rounds", "2",
-                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
-    assert code == 0
-    assert json.loads(out.read_text())["algorithm"] == "dpsgd_fedavg"
+def test_cli_runs_dpsgd_fedavg_non_private(cli_run):
+    assert cli_run("dpsgd_fedavg", "--epsilon", "inf")["algorithm"] == "dpsgd_fedavg"
 
 
 @pytest.mark.timeout(120)

@@ -277,12 +277,8 @@ def test_invalid_configurations_are_refused(kw, privacy, needle):
 
 
 @pytest.mark.timeout(120)
-def test_cli_runs_fedbnn_non_private(tmp_path):
-    out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "fedbnn", "--dataset", "digits", "--clients", "3", "--rounds", "2",
-                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
-    assert code == 0
-    result = json.loads(out.read_text())
+def test_cli_runs_fedbnn_non_private(cli_run):
+    result = cli_run("fedbnn", "--epsilon", "inf")
     assert result["algorithm"] == "fedbnn" and len(result["accuracy_per_round"]) == 2
     assert 0.5 < result["accuracy"] <= 1.0 and "mce" in result["final"]
 

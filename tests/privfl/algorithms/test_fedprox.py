@@ -1,7 +1,6 @@
 """FedProx: FedAvg plus the proximal term mu/2 ||w - w_global||^2 in local training; a non-private baseline."""
 
 import copy
-import json
 
 import numpy as np
 import pytest
@@ -10,7 +9,6 @@ import torch
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.fedprox import FedProx
-from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
@@ -72,11 +70,7 @@ def test_fedprox_is_registered_and_non_private():
 
 
 @pytest.mark.timeout(120)
-def test_cli_runs_fedprox_non_private(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "fedprox", "--dataset", "digits", "--clients", "3", "--rounds", "2",
-                 "--epsilon", "inf", "--hidden", "16", "--json", str(out), "--quiet"])
-    assert code == 0
-    result = json.loads(out.read_text())
+def test_cli_runs_fedprox_non_private(cli_run):
+    result = cli_run("fedprox", "--epsilon", "inf")
     assert result["algorithm"] == "fedprox" and len(result["accuracy_per_round"]) == 2
     assert 0.0 <= result["accuracy"] <= 1.0

@@ -1,11 +1,9 @@
 """FOLA (Liu et al.): local precision of eq. 24 from the online per-example Fisher, the Gaussian-product server in
 each privacy mode, the Fisher channel's sensitivity on neighbouring data, and audited end-to-end runs."""
 
-import json
 
 import numpy as np
 import pytest
-import torch
 
 from accounting import GaussianEvent, SelfComposedEvent
 from privfl.aggregation import Aggregate
@@ -14,7 +12,6 @@ from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
 from privfl.algorithms.fola import FOLA
 from privfl.algorithms.gaussian_product import product_of_gaussians
 from privfl.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
-from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import FederatedData, make_federated
 from privfl.errors import ConfigurationError
@@ -194,12 +191,8 @@ def test_configuration_is_checked(digits):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("privacy", [["--epsilon", "inf"], ["--epsilon", "4", "--unit", "example", "--clip", "0.5"]])
-def test_cli_runs_fola(tmp_path, capsys, privacy):
-    out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "fola", "--dataset", "digits", "--clients", "2", "--rounds", "2",
-                 "--hidden", "16", "--json", str(out), "--quiet", *privacy])
-    assert code == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
+def test_cli_runs_fola(cli_run, privacy):
+    result = cli_run("fola", "--clients", "2", *privacy)
     assert result["algorithm"] == "fola" and len(result["accuracy_per_round"]) == 2
     assert all(0.0 <= a <= 1.0 for a in result["accuracy_per_round"])
     assert result["epsilon_spent_max"] <= float(privacy[1])

@@ -210,13 +210,8 @@ def test_evaluate_reports_global_and_local_and_the_better_of_them(digits):
     assert after["accuracy_global"] == before["accuracy_global"]  # the global model changes on the server only
 
 
-def test_cli_nonprivate_run(tmp_path, capsys):
-    out = tmp_path / "r.json"
-    code = main(["run", "--algorithm", "hbfl", "--dataset", "digits", "--clients", "3", "--rounds", "2",
-                 "--epsilon", "inf", "--hidden", "16", "--local-epochs", "1", "--json", str(out), "--quiet"])
-    capsys.readouterr()
-    assert code == 0
-    result = json.loads(out.read_text())
+def test_cli_nonprivate_run(cli_run):
+    result = cli_run("hbfl", "--epsilon", "inf", "--local-epochs", "1")
     final = result["final"]
     assert {"accuracy_global", "accuracy_local", "nll", "ece"} <= set(final)
     assert final["accuracy"] == max(final["accuracy_global"], final["accuracy_local"])
