@@ -23,6 +23,7 @@ import numpy as np
 
 from mechanisms import InvalidRelease, squared_sum_sensitivity, sum_sensitivity
 from mechanisms.clipping import check_adjacency, check_bound, clip_per_client
+from privfl.errors import ConfigurationError
 
 UNITS = ("example", "client")
 
@@ -208,3 +209,18 @@ class Channel:
         if isinstance(value, PrivatizedValue):
             return PrivatizedValue(arr, value.event)
         return arr
+
+
+def check_record_level_clips(channels, privacy) -> None:
+    """Refuse a record-level run whose channel bounds a record's influence only by clipping the client's whole upload
+    under add/remove adjacency: removing a record does not remove the upload, it moves it between two clipped values,
+    up to twice the clip apart, so such a channel must declare ``adjacency="replace_one"``. ``privacy``: the run's
+    PrivacyConfig (its ``private`` and ``unit``). Every runtime calls this on an algorithm's channels before a round."""
+    if not privacy.private or privacy.unit != "example":
+        return
+    for c in channels:
+        if c.private and c.unit == "client" and isinstance(c.clip, NormClip) and c.adjacency != "replace_one":
+            raise ConfigurationError(
+                f"channel {c.name!r} clips the client's whole upload to bound one record (unit='example'); a record "
+                "moves that upload by up to twice the clip, so the channel must declare adjacency='replace_one' "
+                "(or run with unit='client')")

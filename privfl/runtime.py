@@ -19,7 +19,7 @@ from accounting.ledger import PrivacyLedger
 from mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
-from privfl.channels import NormClip
+from privfl.channels import check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import ReleasePipeline
 from privfl.errors import ConfigurationError
@@ -76,20 +76,6 @@ def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig,
     cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=privacy.sampling_rate, channels=channels,
                     accountant=privacy.resolved_accountant)
     return dict(cal.noise_multipliers)
-
-
-def check_record_level_clips(channels, privacy: PrivacyConfig) -> None:
-    """Refuse a record-level run whose channel bounds a record's influence only by clipping the client's whole upload
-    under add/remove adjacency: removing a record does not remove the upload, it moves it between two clipped values,
-    up to twice the clip apart, so such a channel must declare ``adjacency="replace_one"``."""
-    if not privacy.private or privacy.unit != "example":
-        return
-    for c in channels:
-        if c.private and c.unit == "client" and isinstance(c.clip, NormClip) and c.adjacency != "replace_one":
-            raise ConfigurationError(
-                f"channel {c.name!r} clips the client's whole upload to bound one record (unit='example'); a record "
-                "moves that upload by up to twice the clip, so the channel must declare adjacency='replace_one' "
-                "(or run with unit='client')")
 
 
 class Simulation:

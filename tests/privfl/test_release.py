@@ -248,7 +248,7 @@ def test_record_level_runs_refuse_client_clips_under_add_remove():
     run must declare such channels replace-one."""
     from privfl.config import PrivacyConfig
     from privfl.errors import ConfigurationError
-    from privfl.runtime import check_record_level_clips
+    from privfl.channels import check_record_level_clips
 
     record = PrivacyConfig(epsilon=1.0, unit="example")
     add_remove = [Channel("update", (3,), unit="client", clip=NormClip(1.0))]
