@@ -30,6 +30,14 @@ class PrivacyConfig:
 
     ``epsilon = inf`` is a non-private run: nothing is clipped or noised and every release is charged as non-private,
     so the audit reports epsilon = inf honestly.
+
+    ``adjacency``: the neighbouring relation. At record level (``unit="example"``) ``add_remove`` keeps every client's
+    record count private; ``replace_one`` declares the counts public (schedules and weights may then use them, and
+    every event is accounted as replace-one; ``privfl.public``).
+
+    ``secure_noise``: draw every noise and sampling coin that guards privacy from the OS CSPRNG (the default). Set it
+    to False only for reproducible experiments: the noise then follows the run seed, and the ledger and the audit say
+    the run is not private against anyone who knows that seed.
     """
 
     epsilon: float = math.inf
@@ -40,7 +48,7 @@ class PrivacyConfig:
     accountant: str | None = None
     placement: str = "central"
     sampling_rate: float = 1.0
-    secure_noise: bool = False
+    secure_noise: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, allow_inf=True))
@@ -58,6 +66,8 @@ class PrivacyConfig:
         if self.placement == "distributed" and self.accountant in ("exact", "pld"):
             raise ConfigurationError("distributed discrete Gaussian noise is charged as a zCDP event; use the zcdp or "
                                      "rdp accountant")
+        if not isinstance(self.secure_noise, bool):
+            raise ConfigurationError(f"secure_noise must be True or False, got {self.secure_noise!r}")
         if self.accountant == "exact" and self.sampling_rate < 1:
             raise ConfigurationError("the exact accountant composes unsampled Gaussians only; with --sampling-rate < 1 "
                                      "use the pld or rdp accountant")
@@ -83,6 +93,10 @@ class FederationConfig:
 
     ``hidden``: hidden-layer widths of an MLP (``()`` is multinomial logistic regression; None: the model's default).
     ``pool``: average-pool image inputs by this factor before the MLP (fewer weights, less total DP noise).
+    ``client_size``: the public design size of a client's data (DP-SGD's sampling rate and step count when record
+    counts are private; default: the benchmark's training size over the number of clients). ``record_cap``: a public
+    bound on a client's records that sizes quantisation ranges of sums over records (default 4 x client_size, or
+    the largest declared size). See ``privfl.public``.
     """
 
     rounds: int = 20
@@ -95,6 +109,8 @@ class FederationConfig:
     hidden: tuple[int, ...] | None = None
     pool: int = 1
     seed: int = 0
+    client_size: int | None = None
+    record_cap: int | None = None
 
     def __post_init__(self):
         _positive_int("rounds", self.rounds)
@@ -108,6 +124,10 @@ class FederationConfig:
                 raise ConfigurationError(f"hidden must be a tuple of layer widths >= 1, got {self.hidden!r}")
             object.__setattr__(self, "hidden", tuple(self.hidden))
         _positive_int("pool", self.pool)
+        if self.client_size is not None:
+            _positive_int("client_size", self.client_size)
+        if self.record_cap is not None:
+            _positive_int("record_cap", self.record_cap)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigurationError(f"seed must be an integer >= 0, got {self.seed!r}")
 

@@ -58,14 +58,19 @@ class ReleasePipeline:
         noise_multipliers: channel name -> noise std / sensitivity; ``None`` for a non-private run (every channel must
             then be :class:`privfl.channels.Unclipped`, and every release is charged as non-private).
         placement: ``local`` (the client adds the noise) or ``central`` (the aggregator adds it to the sum).
-        sampling_rate: Poisson client-sampling rate q; each round's event is then a sampled Gaussian.
+        sampling_rate: Poisson client-sampling rate q. Under client-level privacy (``privacy_unit="client"``) each
+            round's event is then a Poisson-sampled Gaussian under the channel's relation, charged every round,
+            sampled or not. Under record-level privacy sampling buys no amplification (the output of a round that
+            skips the client is not the output of a neighbouring dataset: the client's other records are still
+            missing from it), so a sampled round is charged the plain Gaussian and a skipped round nothing.
         noise: a :class:`NoiseSource`, numpy Generator, int seed, or ``"secure"``.
+        privacy_unit: the run's privacy unit (``PrivacyConfig.unit``).
     """
 
     def __init__(self, client_id: str, channels: Sequence[Channel], ledger: PrivacyLedger,
                  noise_multipliers: Mapping[str, float] | None, *, placement: str = "local",
                  sampling_rate: float = 1.0, noise: NoiseSource | np.random.Generator | int | str = 0,
-                 distributed_events: Mapping[str, PrivacyEvent] | None = None):
+                 distributed_events: Mapping[str, PrivacyEvent] | None = None, privacy_unit: str = "client"):
         self.client_id = str(client_id)
         self.channels = {c.name: c for c in channels}
         if len(self.channels) != len(channels):
@@ -78,6 +83,9 @@ class ReleasePipeline:
                                      "(privfl.secure.plan_distributed_noise) and a private run")
             if sampling_rate < 1.0:
                 raise InvalidRelease("distributed noise with client sampling is not supported; use sampling_rate=1")
+        if privacy_unit not in ("example", "client"):
+            raise InvalidRelease(f"privacy_unit must be 'example' or 'client', got {privacy_unit!r}")
+        self.privacy_unit = privacy_unit
         self.placement = placement
         self.distributed_events = dict(distributed_events or {})
         self.sampling_rate = float(sampling_rate)
@@ -113,9 +121,14 @@ class ReleasePipeline:
                 raise InvalidRelease(f"no distributed-noise event planned for channel {name}")
             return self.distributed_events[name]
         event: PrivacyEvent = GaussianEvent(mech.sensitivity, mech.noise_std)
-        if self.sampling_rate < 1.0:
-            event = PoissonSampledEvent(self.sampling_rate, event)
+        if self.amplified:
+            event = PoissonSampledEvent(self.sampling_rate, event, relation=self.channels[name].adjacency)
         return event
+
+    @property
+    def amplified(self) -> bool:
+        """Whether rounds are charged as Poisson-sampled events (client-level privacy with client sampling)."""
+        return self.sampling_rate < 1.0 and self.privacy_unit == "client"
 
     def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
         values = values or {}
@@ -130,6 +143,8 @@ class ReleasePipeline:
         """
         if self.sampling_rate >= 1.0:
             raise ReleaseMisuse("charge_only is for Poisson-sampled runs (sampling_rate < 1)")
+        if not self.amplified:
+            return  # record level: a round that releases nothing costs nothing (see the class docstring)
         if any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
             raise ReleaseMisuse("client sampling with DP-SGD-trained channels is not supported: the training's "
                                 "event is only known once the client has trained")

@@ -3,6 +3,10 @@
 It runs the clients one after another on this machine, routes every client output through that client's
 :class:`ReleasePipeline`, and gives the server only weighted sums. The algorithm's client and server steps do not
 depend on it, so a deployment runtime can carry the same :class:`Release` objects between machines.
+
+The algorithm is set up from the federation's :class:`privfl.public.PublicFacts` only (never from the clients' data),
+and what one client sends in one round is :meth:`Simulation.client_step`: the client's work, then its release
+pipeline. The neighbouring-dataset contract test runs exactly that step on neighbouring datasets.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from privfl.channels import check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import ReleasePipeline
 from privfl.errors import ConfigurationError
-from privfl.secure import SecureAggregation, calibrate_distributed, secure_weighted_sums
+from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
+from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, secure_weighted_sums
 from secure_agg import ProtocolAbort
 
 
@@ -53,6 +58,7 @@ class RunResult:
     audit: dict = field(default_factory=dict)
     ledger: str = ":memory:"
     run_id: str = "default"
+    noise: str = "secure"
 
     @property
     def final(self) -> dict[str, float]:
@@ -67,14 +73,18 @@ class RunResult:
 def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig, rounds: int
                           ) -> dict[str, float] | None:
     """Calibrate one noise multiplier per private channel so each client's composition over ``rounds`` meets
-    (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares."""
+    (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
+    amplifies client-level guarantees only (``ReleasePipeline``): a record-level run is calibrated as if its client
+    released every round."""
     if not privacy.private:
         return None
     channels = {c.name: c.budget_share for c in algorithm.channels() if c.private}
     if not channels:
         return {}
-    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=privacy.sampling_rate, channels=channels,
-                    accountant=privacy.resolved_accountant)
+    q = privacy.sampling_rate if privacy.unit == "client" else 1.0
+    kwargs = {"relation": privacy.adjacency} if q < 1 else {}
+    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=channels,
+                    accountant=privacy.resolved_accountant, **kwargs)
     return dict(cal.noise_multipliers)
 
 
@@ -83,33 +93,45 @@ class Simulation:
 
     def __init__(self, algorithm: FederatedAlgorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
                  ledger_path: str = ":memory:", run_id: str | None = None,
-                 progress: Callable[[RoundRecord], None] | None = None, secure: SecureAggregation | None = None):
+                 progress: Callable[[RoundRecord], None] | None = None, secure: SecureAggregation | None = None,
+                 public: PublicFacts | None = None):
         self.algorithm = algorithm
         self.data = data
         self.fed = fed
         self.privacy = privacy
         self.progress = progress
         self.secure = secure
+        self.public = public if public is not None else PublicFacts.of(data, privacy, fed)
         self.run_id = run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"
+        noise = "secure" if privacy.secure_noise else "seeded"
+        meta = {"algorithm": algorithm.name, "dataset": getattr(data, "name", "?"), "noise": noise}
+        if privacy.private and not privacy.secure_noise:
+            meta["warning"] = SEEDED_NOISE_WARNING
         self.ledger = PrivacyLedger(ledger_path, self.run_id, delta=privacy.delta, epsilon_budget=privacy.epsilon,
-                                    accountant=privacy.resolved_accountant,
-                                    meta={"algorithm": algorithm.name, "dataset": getattr(data, "name", "?")})
+                                    accountant=privacy.resolved_accountant, meta=meta)
         self.ledger_path = ledger_path
+        self._prepared = False
 
     def _noise(self, seq: np.random.SeedSequence):
         return SecureNoise() if self.privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
 
-    def run(self) -> RunResult:
+    def prepare(self) -> None:
+        """Set the algorithm up from the public facts, plan every noise level and build one pipeline per client."""
         fed, privacy, alg = self.fed, self.privacy, self.algorithm
         root = np.random.SeedSequence(fed.seed)
         setup_seq, sample_seq, server_seq, client_root, secure_seq = root.spawn(5)
-        secure_rng = np.random.default_rng(secure_seq)
-        n_clients = len(self.data.train_parts)
+        n_clients = self.public.n_clients
+        if len(self.data.train_parts) != n_clients:
+            raise ConfigurationError(f"the public facts declare {n_clients} clients but the data has "
+                                     f"{len(self.data.train_parts)}")
         client_seqs = client_root.spawn(n_clients)
-        train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
-        alg.setup(self.data, np.random.default_rng(setup_seq))
+        self.secure_rng = np.random.default_rng(secure_seq)
+        self.train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
+        alg.setup(self.public, np.random.default_rng(setup_seq))
         channels = alg.channels()
         check_record_level_clips(channels, privacy)
+        if self.secure is not None:
+            check_secure_channels(channels)
         plans, distributed_events = None, None
         if privacy.placement == "distributed" and privacy.private:
             if self.secure is None:
@@ -122,15 +144,31 @@ class Simulation:
         else:
             multipliers = noise_multipliers_for(alg, privacy, fed.rounds)
             placement = "local" if privacy.placement == "local" else "central"
-        pipelines = [ReleasePipeline(str(k), channels, self.ledger, multipliers, placement=placement,
-                                     sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]),
-                                     distributed_events=distributed_events)
-                     for k in range(n_clients)]
-        server_noise = self._noise(server_seq)
-        sampler = np.random.default_rng(sample_seq)
+        self.pipelines = [ReleasePipeline(str(k), channels, self.ledger, multipliers, placement=placement,
+                                          sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]),
+                                          distributed_events=distributed_events, privacy_unit=privacy.unit)
+                          for k in range(n_clients)]
+        self.server_noise = self._noise(server_seq)
+        self.sampler = np.random.default_rng(sample_seq)
+        self.channels, self.plans, self.multipliers = channels, plans, multipliers
+        self._prepared = True
+
+    def client_step(self, k: int, rnd: int) -> dict[str, Release]:
+        """Everything client ``k`` sends in round ``rnd``: its local work on its own data, then its release pipeline
+        (validate, clip, charge, noise). Raises :class:`PrivacyBudgetExceeded` (nothing charged or released)."""
+        if not self._prepared:
+            self.prepare()
+        out = self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+        return self.pipelines[k].release(rnd, out.values, out.weight)
+
+    def run(self) -> RunResult:
+        fed, privacy, alg = self.fed, self.privacy, self.algorithm
+        self.prepare()
+        n_clients, pipelines, sampler = self.public.n_clients, self.pipelines, self.sampler
+        channels, plans, multipliers = self.channels, self.plans, self.multipliers
         result = RunResult(alg.name, getattr(self.data, "name", "?"), n_clients, fed.rounds, privacy.epsilon,
                            privacy.delta, privacy.resolved_accountant, multipliers, ledger=self.ledger_path,
-                           run_id=self.run_id)
+                           run_id=self.run_id, noise="secure" if privacy.secure_noise else "seeded")
         by_name = {c.name: c for c in channels}
         exhausted: set[int] = set()  # clients whose budget is spent take no further part, charged or not
         for rnd in range(fed.rounds):
@@ -149,18 +187,18 @@ class Simulation:
                     if k not in chosen:
                         pipelines[k].charge_only(rnd)
                         continue
-                    out = alg.client_update(k, self.data.train_parts[k], rnd, train_rngs[k])
-                    releases.extend(pipelines[k].release(rnd, out.values, out.weight).values())
+                    releases.extend(self.client_step(k, rnd).values())
                 except PrivacyBudgetExceeded:
                     exhausted.add(k)
                     sat_out.append(str(k))
             if releases:
                 try:
                     if self.secure is not None:
-                        aggregates = secure_weighted_sums(releases, by_name, self.secure, secure_rng, server_noise,
-                                                          distributed=plans)
+                        aggregates = secure_weighted_sums(releases, by_name, self.secure, self.secure_rng,
+                                                          self.server_noise, distributed=plans,
+                                                          secure_noise=privacy.secure_noise)
                     else:
-                        aggregates = weighted_sums(releases, by_name, server_noise)
+                        aggregates = weighted_sums(releases, by_name, self.server_noise)
                     alg.server_update(aggregates, rnd)
                 except ProtocolAbort:
                     aborted = True  # too few survivors: nothing is revealed, the global state stays as it was
@@ -173,6 +211,8 @@ class Simulation:
             if self.progress is not None:
                 self.progress(record)
         result.audit = self.ledger.audit()
+        if privacy.private and not privacy.secure_noise:
+            result.audit["warning"] = SEEDED_NOISE_WARNING
         return result
 
 

@@ -6,10 +6,17 @@ Each client scales its release by its public weight, quantises it to Z_{2^bits} 
 same :class:`privfl.aggregation.Aggregate` as without secure aggregation, up to quantisation error (one rounding step
 per client and coordinate, unbiased).
 
-Quantisation range of a channel: its public coordinate bound (``Channel.coordinate_bound``; a NormClip's C) times the
-largest weight, widened by 8 standard deviations of local noise when the client adds noise itself (a noisy value
-beyond that is clipped into the range: post-processing of a private release). A channel without a public bound
-(non-private runs) uses the round's largest |value|, rounded up to a power of two; that maximum is then not hidden.
+Quantisation range of a channel: a function of public facts only (:func:`quantisation_half_width`): its public
+coordinate bound (``Channel.coordinate_bound``; a NormClip's C, or a declared ``value_bound``) times the largest
+(public) weight, widened by 8 standard deviations of local noise when the client adds noise itself. Every
+contribution is clipped into the range before rounding: for a noisy value that is post-processing of a private
+release; for an un-noised one (central or distributed placement) a per-coordinate clip to a public box is a
+contraction, so the channel's declared sensitivity still holds. A private channel without a public coordinate bound
+is refused (:func:`check_secure_channels`): a range read off the un-noised uploads would reveal their largest value.
+Only non-private channels (``epsilon = inf``) may use the round's largest |value|, rounded up to a power of two.
+
+Distributed noise is planned for the channel's sensitivity under its own relation (add/remove: C; replace one: 2C,
+and two independent roundings), so the charged zCDP event is the one of the relation the run declares.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from mechanisms.noise import NoiseSource, as_noise_source
 from privfl.aggregation import Aggregate
 from privfl.channels import Channel
 from privfl.errors import ConfigurationError
+from privfl.public import private_rng
 from privfl.release import Release
 from secure_agg import Quantiser, noise_headroom, run_round
 
@@ -68,27 +76,36 @@ class DistributedNoise:
 
 
 def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
-                           bits: int) -> DistributedNoise:
-    """Quantiser and per-client noise share so that ``n_min`` shares carry noise of std ``noise_multiplier * bound``.
+                           bits: int, *, sensitivity: float | None = None, relation: str = "add_remove"
+                           ) -> DistributedNoise:
+    """Quantiser and per-client noise share so that ``n_min`` shares carry noise of std ``noise_multiplier *
+    sensitivity``; the event is the Kairouz-Liu-Steinke bound for the rounded sensitivity under ``relation``.
 
-    The grid has L levels per client with n_max * L plus 10 standard deviations of the largest possible noise sum
-    inside 2^(bits-1), so no sum of at most ``n_max`` clients wraps (up to a 1e-22 tail per coordinate).
+    ``bound``: the public coordinate bound that sets the quantiser's range [-bound, bound]. ``sensitivity``: the
+    channel's L2 sensitivity under its relation (default ``bound``: a norm clip under add/remove). The grid has L
+    levels per client with n_max * L plus 10 standard deviations of the largest possible noise sum inside
+    2^(bits-1), so no sum of at most ``n_max`` clients wraps (up to a 1e-22 tail per coordinate).
     """
     if not 1 <= n_min <= n_max:
         raise ConfigurationError(f"need 1 <= min survivors <= clients, got {n_min} and {n_max}")
-    spread = 10.0 * noise_multiplier * math.sqrt(n_max / n_min)
+    if relation not in ("add_remove", "replace_one"):
+        raise ConfigurationError(f"relation must be add_remove or replace_one, got {relation!r}")
+    sensitivity = bound if sensitivity is None else float(sensitivity)
+    ratio = sensitivity / bound  # noise std in units of the range's half-width
+    spread = 10.0 * noise_multiplier * ratio * math.sqrt(n_max / n_min)
     levels = int((2 ** (bits - 1) - 2) // (n_max + spread + 1))
     levels = min(levels, 2 ** 40)
     if levels < 16:
         raise ConfigurationError(f"{bits} bits leave only {levels} quantisation levels for {n_max} clients with noise "
                                  f"multiplier {noise_multiplier:g}; use more bits (--secagg-bits)")
     step = bound / levels
-    sigma_total = noise_multiplier * levels
+    sigma_total = noise_multiplier * ratio * levels
     quantiser = Quantiser(low=-bound, high=bound, bits=bits, n_clients=n_max, step=step,
                           noise_headroom=noise_headroom(sigma_total * math.sqrt(n_max / n_min)))
     share = local_sigma(sigma_total, n_min)
-    event = distributed_discrete_gaussian_event(l2_sensitivity=quantiser.rounded_l2_sensitivity(bound, dimension),
-                                                sigma=share, n_min=n_min, n_max=n_max, dimension=dimension)
+    rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension, replace_one=relation == "replace_one")
+    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
+                                                dimension=dimension)
     return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event)
 
 
@@ -97,7 +114,8 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     """Plan each private channel's distributed noise so the run meets (epsilon, delta) under the zCDP accountant.
 
     The continuous Gaussian calibration gives each channel's per-round rho; the distributed plan's noise multiplier is
-    then raised (bisection) until its Kairouz-Liu-Steinke rho is no larger, so the charged events never overshoot.
+    then raised (bisection) until its Kairouz-Liu-Steinke rho, for the channel's sensitivity under its relation, is
+    no larger, so the charged events never overshoot.
     """
     private = [c for c in channels if c.private]
     for c in private:
@@ -110,8 +128,9 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
         z = cal.noise_multipliers[c.name]
         target_rho = 1.0 / (2.0 * z * z)
 
-        def plan(m: float) -> DistributedNoise:
-            return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits)
+        def plan(m: float, c=c) -> DistributedNoise:
+            return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
+                                          sensitivity=c.sensitivity, relation=c.adjacency)
 
         lo, hi = z, 2.0 * z
         while plan(hi).event.rho > target_rho:
@@ -126,23 +145,45 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     return plans
 
 
-def _range(channel: Channel, releases: Sequence[Release]) -> float:
-    max_w = max(r.weight for r in releases)
+def check_secure_channels(channels: Sequence[Channel]) -> None:
+    """Refuse, before a round, a private channel whose quantisation range would have to be read off its uploads."""
+    for c in channels:
+        if c.private and c.coordinate_bound is None:
+            raise ConfigurationError(
+                f"channel {c.name!r} has no public coordinate bound, so secure aggregation could only size its "
+                "quantisation range from the un-noised uploads, which would reveal them; declare a public "
+                "value_bound for the channel (e.g. from a public record cap)")
+
+
+def quantisation_half_width(channel: Channel, weights: Sequence[float], local_noise_stds: Sequence[float]) -> float:
+    """The half-width of a channel's quantisation range from public facts: its coordinate bound, the largest public
+    weight and the largest local noise std (8 standard deviations of headroom)."""
     bound = channel.coordinate_bound
     if bound is None:
+        raise ConfigurationError(f"channel {channel.name!r} has no public coordinate bound")
+    return max(weights) * (bound + 8.0 * max(local_noise_stds))
+
+
+def _range(channel: Channel, releases: Sequence[Release]) -> float:
+    if channel.coordinate_bound is None:
+        if channel.private:
+            check_secure_channels([channel])
+        # non-private only: nothing to hide, so the round's largest value may size the range
         peak = max(float(np.abs(r.weight * r.value).max(initial=0.0)) for r in releases)
         return 2.0 ** math.ceil(math.log2(max(peak, 1e-12))) if peak > 0 else 1.0
-    local = max(r.local_noise_std for r in releases)
-    return max_w * (bound + 8.0 * local)
+    return quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
 
 
 def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel], config: SecureAggregation,
                          rng: np.random.Generator, noise: NoiseSource | np.random.Generator | int | str = 0,
-                         distributed: Mapping[str, DistributedNoise] | None = None) -> dict[str, Aggregate]:
+                         distributed: Mapping[str, DistributedNoise] | None = None, *,
+                         secure_noise: bool = False) -> dict[str, Aggregate]:
     """Like :func:`privfl.aggregation.weighted_sums`, through the secure-aggregation protocol.
 
     With ``distributed`` plans, each client adds its discrete Gaussian share to its quantised value before masking,
     and a round with fewer than the plan's ``n_min`` survivors aborts (:class:`secure_agg.ProtocolAbort`).
+    ``rng`` decides the simulated dropouts. ``secure_noise``: the clients' stochastic rounding and discrete Gaussian
+    shares come from the OS CSPRNG (the default of private runs, ``privfl.public``); otherwise from ``rng``.
     """
     source = as_noise_source(noise)
     by_channel: dict[str, list[Release]] = {}
@@ -151,6 +192,7 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
     clients = sorted({r.client_id for r in releases})
     n_drop = int(math.floor(config.dropout * len(clients)))
     dropped = set(rng.choice(clients, size=n_drop, replace=False).tolist()) if n_drop else set()
+    coins = private_rng(rng, secure_noise)  # the clients' rounding coins
     out = {}
     for name, rs in by_channel.items():
         plan = (distributed or {}).get(name)
@@ -164,12 +206,12 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
             min_inputs = config.min_survivors
         words = {}
         for r in rs:
-            contribution = r.weight * r.value
-            if r.local_noise_std > 0:
-                contribution = np.clip(contribution, quantiser.low, quantiser.high)
-            ints = quantiser.to_integers(contribution.ravel(), rng)
+            contribution = np.clip(r.weight * r.value, quantiser.low, quantiser.high)  # a contraction (docstring)
+            ints = quantiser.to_integers(contribution.ravel(), coins)
             if plan is not None:
-                ints = ints + sample_discrete_gaussian(plan.local_sigma, ints.shape, rng=rng)
+                share = (sample_discrete_gaussian(plan.local_sigma, ints.shape, secure=True) if secure_noise
+                         else sample_discrete_gaussian(plan.local_sigma, ints.shape, rng=coins))
+                ints = ints + share
             words[r.client_id] = quantiser.encode(ints)
         drop_at = {"masked_input": dropped & set(words)} if dropped else None
         result = run_round(words, bits=config.bits, min_inputs=min_inputs, drop_at=drop_at)

@@ -172,14 +172,16 @@ class Quantiser:
                              f"may have wrapped")
         return self.centred(total).astype(np.float64) * self.step + n * self.centre
 
-    def rounded_l2_sensitivity(self, l2_sensitivity: float, dimension: int) -> float:
+    def rounded_l2_sensitivity(self, l2_sensitivity: float, dimension: int, *, replace_one: bool = False) -> float:
         """L2 sensitivity in integer units after scaling and stochastic rounding of one client's vector.
 
-        For add/remove adjacency the client's integer vector R(x/step) satisfies ||R(x/step)|| < ||x||/step + sqrt(d)
-        because every coordinate moves by less than 1 (Kairouz, Liu, Steinke 2021, Sec. 4, the deterministic bound).
-        ``l2_sensitivity`` is the L2 bound of x - centre in real units.
+        ``l2_sensitivity`` is the L2 displacement between neighbouring inputs in real units (the channel's sensitivity
+        under its relation). Stochastic rounding moves every coordinate by less than 1 (Kairouz, Liu, Steinke 2021,
+        Sec. 4, the deterministic bound). Add/remove: the vector x itself (||x|| <= l2_sensitivity, centred) is
+        added or removed, and ||R(x/step)|| < ||x||/step + sqrt(d). Replace one (``replace_one``): x becomes x',
+        both rounded independently, so ||R(x/step) - R(x'/step)|| < ||x - x'||/step + 2 sqrt(d).
         """
         if not math.isfinite(l2_sensitivity) or l2_sensitivity < 0:
             raise ValueError("l2_sensitivity must be finite and >= 0")
         d = _check_int("dimension", dimension, 1)
-        return l2_sensitivity / self.step + math.sqrt(d)
+        return l2_sensitivity / self.step + (2.0 if replace_one else 1.0) * math.sqrt(d)

@@ -16,6 +16,7 @@ import numpy as np
 from privfl.aggregation import Aggregate
 from privfl.channels import Channel, ClippedValue
 from privfl.config import FederationConfig, PrivacyConfig
+from privfl.public import PublicFacts
 
 
 @dataclass
@@ -39,10 +40,17 @@ class FederatedAlgorithm(abc.ABC):
     def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
         self.fed = fed
         self.privacy = privacy
+        self.public: PublicFacts | None = None
 
     @abc.abstractmethod
-    def setup(self, data, rng: np.random.Generator) -> None:
-        """Build the global state for ``data`` (a :class:`privfl.data.FederatedData`)."""
+    def setup(self, public: PublicFacts, rng: np.random.Generator) -> None:
+        """Build the global state from the federation's :class:`privfl.public.PublicFacts` alone (a
+        :class:`privfl.data.FederatedData` is accepted too and reduced to its public facts by :meth:`bind_public`)."""
+
+    def bind_public(self, data) -> PublicFacts:
+        """Keep the public facts of ``data`` (nothing else of it) for the client and server steps."""
+        self.public = PublicFacts.of(data, self.privacy, self.fed)
+        return self.public
 
     @abc.abstractmethod
     def channels(self) -> list[Channel]:

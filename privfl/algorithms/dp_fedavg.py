@@ -32,5 +32,5 @@ class DPFedAvg(FedAvg):
         return [Channel("update", (self.dim,), unit="client", clip=clip, adjacency=self.privacy.adjacency,
                         description="local model change, clipped to C")]
 
-    def release_weight(self, dataset) -> float:
+    def release_weight(self, dataset, client: int = 0) -> float:
         return 1.0

@@ -2,12 +2,20 @@
 through opacus; the uploaded model change is post-processing of that training.
 
 Each client's local training is R rounds x ``steps`` Poisson-sampled DP-SGD steps: every step samples each record
-with probability q = batch_size / n_k (opacus's ``UniformWithReplacementSampler``, the sampler of its
-``DPDataLoader``), clips each example's gradient to norm C, sums, and adds N(0, z^2 C^2). One step is exactly the
-event ``PoissonSampled(q, Gaussian(1, z))``, and a round is ``SelfComposed(that, steps)``: the upload is a
+with probability q (opacus's ``UniformWithReplacementSampler``, the sampler of its ``DPDataLoader``), clips each
+example's gradient to norm C, sums, adds N(0, z^2 C^2) and divides by the expected batch size. One step is exactly
+the event ``PoissonSampled(q, Gaussian(1, z))``, and a round is ``SelfComposed(that, steps)``: the upload is a
 :class:`PrivatizedValue` carrying it on a :class:`TrainedPrivately` channel, so the release pipeline charges the
-ledger and adds no noise. z is calibrated per client (q and steps depend on n_k) so that the client's R rounds meet
-(epsilon, delta) under the run's accountant, the very composition the ledger then checks.
+ledger and adds no noise.
+
+Record counts (``privfl.public``): by default n_k is private, so q, the step count, the expected batch and z come
+from the public design size (``PublicFacts.client_size``: q = B / size, size // B steps per epoch), never from
+``len(dataset)``; Poisson sampling at a fixed q is add/remove-DP whatever the true n_k, and the release weight is 1.
+With sizes declared public (``adjacency="replace_one"``) the schedule and the weight use the declared n_k and every
+step is charged as a replace-one sampled Gaussian (displacement 2C, dp-accounting's REPLACE_ONE relation). z is
+calibrated once per distinct schedule so that a client's R rounds meet (epsilon, delta) under the run's accountant,
+the very composition the ledger then checks. The noise and the Poisson batches come from the OS CSPRNG unless the
+run asks for seeded noise.
 
 opacus mode: **ghost clipping** (``GradSampleModuleFastGradientClipping`` with ``use_ghost_clipping=True``, Li et al.
 2022; layers without a ghost norm sampler, e.g. Conv2d, fall back to opacus's fast gradient clipping). It never
@@ -15,19 +23,17 @@ materialises per-example gradients of Linear layers; on CPU it trains the paper'
 0.6 s per 2000 examples against 10.8 s for opacus's default ``hooks`` mode (on a 64-100-10 net it is ~15% slower than
 ``hooks``, a few milliseconds per epoch).
 
-Requirements (checked at construction): ``unit="example"``; ``add_remove`` adjacency (the sampled-Gaussian bound
-composed here is the add/remove one); no client sampling (a client's training event is only known once it trained);
+Requirements (checked at construction): ``unit="example"``; no client sampling (a client's training event is only known once it trained);
 an accountant that composes sampled Gaussians: ``pld`` (what ``PrivacyConfig`` resolves to for ``unit="example"``;
 tightest, and here faster than ``rdp``, whose large integer orders cost ~0.2 s per composition) or ``rdp``; an
-explicit ``exact`` or ``zcdp`` is refused. Dataset sizes n_k are treated as public, as in opacus (q and the gradient
-average use them). Non-private (``epsilon = inf``) it is plain FedAvg.
+explicit ``exact`` or ``zcdp`` is refused; replace-one runs need ``pld`` (dp-accounting's RDP has no replace-one
+Poisson bound). Non-private (``epsilon = inf``) it is plain FedAvg.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import secrets
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -41,7 +47,8 @@ from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
 from privfl.errors import ConfigurationError
-from privfl.training import flat_parameters, load_flat_parameters, torch_generator
+from privfl.public import private_torch_generator
+from privfl.training import flat_parameters, load_flat_parameters
 
 #: accountants that can compose Poisson-sampled Gaussian steps
 SAMPLED_ACCOUNTANTS = ("rdp", "pld")
@@ -50,26 +57,41 @@ _CALIBRATION_TOL = 1e-3
 
 @dataclass(frozen=True)
 class DPSGDSchedule:
-    """One client's local DP-SGD per round: sampling rate q, steps per epoch (opacus: int(1 / q)), epochs."""
+    """One client's local DP-SGD per round, a function of public facts only: sampling rate q, steps per epoch
+    (opacus: int(1 / q)), epochs, the public size it was derived from (the expected batch is q * size) and the
+    neighbouring relation its steps are accounted under."""
 
     sample_rate: float
     steps_per_epoch: int
     epochs: int
+    size: int = 0
+    relation: str = "add_remove"
 
     @classmethod
-    def for_client(cls, num_records: int, batch_size: int, epochs: int) -> "DPSGDSchedule":
-        if num_records < 1:
+    def for_client(cls, public_size: int, batch_size: int, epochs: int, relation: str = "add_remove"
+                   ) -> "DPSGDSchedule":
+        """The schedule for a client of public size ``public_size`` (the design size, or its declared n_k)."""
+        if public_size < 1:
             raise ConfigurationError("a client needs at least one record to train with DP-SGD")
-        q = min(1.0, batch_size / num_records)
-        return cls(q, max(1, int(1.0 / q)), epochs)
+        q = min(1.0, batch_size / public_size)
+        return cls(q, max(1, int(1.0 / q)), epochs, int(public_size), relation)
 
     @property
     def steps(self) -> int:
         """DP-SGD steps per round."""
         return self.steps_per_epoch * self.epochs
 
+    @property
+    def expected_batch(self) -> float:
+        """The public expected batch size the noisy gradient sum is divided by."""
+        return self.sample_rate * self.size if self.size else 1.0
+
     def step_event(self, noise_multiplier: float) -> PrivacyEvent:
-        """One step in unit-sensitivity form (noise std / clip = z)."""
+        """One step in unit-clip form (noise std / clip = z); the Gaussian's sensitivity is the displacement of a
+        clipped sum under the relation: 1 (add/remove) or 2 (replace one record by another)."""
+        if self.relation == "replace_one":
+            return PoissonSampledEvent(self.sample_rate, GaussianEvent(2.0, noise_multiplier),
+                                       relation="replace_one")
         return PoissonSampledEvent(self.sample_rate, GaussianEvent(1.0, noise_multiplier))
 
     def round_event(self, noise_multiplier: float) -> PrivacyEvent:
@@ -82,9 +104,6 @@ def check_dpsgd_privacy(privacy, algorithm: str) -> str:
     if privacy.unit != "example":
         raise ConfigurationError(f"{algorithm} gives example-level DP through DP-SGD; set unit='example' "
                                  f"(for client-level DP use dp_fedavg)")
-    if privacy.adjacency != "add_remove":
-        raise ConfigurationError(f"{algorithm}: DP-SGD is accounted under add/remove adjacency; set "
-                                 "adjacency='add_remove'")
     if privacy.sampling_rate < 1:
         raise ConfigurationError(f"{algorithm}: client sampling is not supported with DP-SGD-trained uploads (a "
                                  "client's training event is only known once it trained); set sampling_rate=1")
@@ -93,7 +112,19 @@ def check_dpsgd_privacy(privacy, algorithm: str) -> str:
         raise ConfigurationError(f"{algorithm}: DP-SGD steps are Poisson-sampled Gaussians, which the "
                                  f"{accountant!r} accountant cannot compose; set accountant='pld' (or 'rdp'); "
                                  f"CLI: --accountant pld")
+    if privacy.adjacency == "replace_one" and accountant != "pld":
+        raise ConfigurationError(f"{algorithm}: replace-one (public record counts) Poisson-sampled steps are "
+                                 "composed by the pld accountant only; set accountant='pld' (CLI: --accountant pld)")
     return accountant
+
+
+def dpsgd_schedule(algorithm, client: int) -> DPSGDSchedule:
+    """The DP-SGD schedule of ``client`` from the algorithm's public facts and configuration (never its data)."""
+    public = algorithm.public
+    if public is None:
+        raise ConfigurationError(f"{algorithm.name}: setup() must run before a client step")
+    return DPSGDSchedule.for_client(public.size_of(client), algorithm.fed.batch_size, algorithm.fed.local_epochs,
+                                    algorithm.privacy.adjacency)
 
 
 def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSchedule, accountant: str, *,
@@ -159,14 +190,6 @@ def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSc
     return hi
 
 
-def _noise_generator(rng: np.random.Generator, secure: bool) -> torch.Generator:
-    if not secure:
-        return torch_generator(rng)
-    g = torch.Generator()
-    g.manual_seed(secrets.randbits(63))  # fresh OS entropy; opacus' secure_mode guards against floating-point attacks
-    return g
-
-
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
                 noise_multiplier: float, clip: float, lr: float, momentum: float, rng: np.random.Generator,
                 secure_noise: bool = False, before_step: Callable[[int, int], None] | None = None,
@@ -192,13 +215,14 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     params = [p for p in gsm.parameters() if p.requires_grad]
     optimizer = DPOptimizerFastGradientClipping(
         torch.optim.SGD(params, lr=lr, momentum=momentum), noise_multiplier=noise_multiplier, max_grad_norm=clip,
-        expected_batch_size=schedule.sample_rate * n, loss_reduction="mean",
-        generator=_noise_generator(rng, secure_noise), secure_mode=secure_noise)
+        expected_batch_size=schedule.expected_batch if schedule.size else schedule.sample_rate * n,
+        loss_reduction="mean", generator=private_torch_generator(rng, secure_noise), secure_mode=secure_noise)
     if extra_gradient is not None:
         optimizer.attach_step_hook(lambda _opt: extra_gradient())
     criterion = DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(reduction="mean"), "mean")
     sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
-                                            generator=torch_generator(rng), steps=schedule.steps_per_epoch)
+                                            generator=private_torch_generator(rng, secure_noise),
+                                            steps=schedule.steps_per_epoch)
     gsm.train()
     loss_total, seen, steps = 0.0, 0, 0
     try:
@@ -259,16 +283,15 @@ class DPSGDFedAvg(FedAvg):
             return super().client_update(client, dataset, round, rng)
         local = copy.deepcopy(self.model)
         load_flat_parameters(local, self.global_params)
-        schedule = DPSGDSchedule.for_client(len(dataset), self.fed.batch_size, self.fed.local_epochs)
+        schedule = dpsgd_schedule(self, client)
         z = self.noise_multiplier(schedule)
         x, y = dataset.tensors()
         stats = dpsgd_train(local, x, y, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
                             momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise)
         update = flat_parameters(local) - self.global_params
         return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
-                            weight=self.release_weight(dataset),
-                            metrics={"update_norm": float(np.linalg.norm(update)), "noise_multiplier": z, **stats})
+                            weight=self.release_weight(dataset, client), metrics={"noise_multiplier": z, **stats})
 
 
 __all__ = ["DPSGDFedAvg", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_dpsgd_privacy",
-           "dpsgd_train"]
+           "dpsgd_schedule", "dpsgd_train"]

@@ -18,6 +18,7 @@ from privfl.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
 from privfl.models import make_model
+from privfl.public import release_weight
 from privfl.training import flat_parameters, load_flat_parameters, predict_proba, train_epochs
 
 
@@ -34,8 +35,9 @@ class FedAvg(FederatedAlgorithm):
         self.global_params: np.ndarray | None = None
 
     def setup(self, data, rng):
+        public = self.bind_public(data)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **self.fed.model_kwargs())
+        self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
         self.global_params = flat_parameters(self.model)
 
     @property
@@ -50,8 +52,9 @@ class FedAvg(FederatedAlgorithm):
         train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
                      momentum=self.fed.momentum, rng=rng)
 
-    def release_weight(self, dataset) -> float:
-        return float(len(dataset))
+    def release_weight(self, dataset, client: int = 0) -> float:
+        """A public constant (``privfl.public.release_weight``): n_k only when sizes are public or nothing is."""
+        return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
         local = copy.deepcopy(self.model)
@@ -59,8 +62,7 @@ class FedAvg(FederatedAlgorithm):
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         self.local_train(local, dataset, rng)
         update = flat_parameters(local) - self.global_params
-        return ClientOutput({"update": update}, weight=self.release_weight(dataset),
-                            metrics={"update_norm": float(np.linalg.norm(update))})
+        return ClientOutput({"update": update}, weight=self.release_weight(dataset, client))
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         agg = aggregates["update"]

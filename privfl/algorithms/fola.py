@@ -26,8 +26,10 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
   post-processing of the two channels above, so a third channel ``fisher_natural_mean`` releases
   fisher_diag (.) clip(mu_n - mu_S, -B, B) (the round's local change, small, so B is small): each record's term has
   norm at most B C^2 (terms are not non-negative, so :class:`PreClipped` ``(B C^2, "sum")``). Weights are 1 and the
-  server divides the Fisher sums by the federation's record count (dataset sizes are public, as in DP-SGD). The
-  prior-part mean is the unweighted average of the clients' means.
+  server divides the Fisher sums by the participants' **public** record count (``PublicFacts.total_size``: declared
+  sizes, or the design size per client; never the true n_k, which are private by default), and DP-SGD's schedule
+  comes from the same public size (``dpsgd_fedavg``). The prior-part mean is the unweighted average of the
+  clients' means.
 
 Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
 runtime calibrates the Gaussian channels (:func:`privfl.runtime.noise_multipliers_for`, which gives the
@@ -56,7 +58,8 @@ from torch import nn
 
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_train
+from privfl.algorithms.dpsgd_fedavg import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule,
+                                            dpsgd_train)
 from privfl.algorithms.gaussian_product import combine, gaussian_product
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
@@ -110,21 +113,17 @@ class FOLA(FederatedAlgorithm):
         self.model: nn.Module | None = None
         self.mean: np.ndarray | None = None
         self.precision: np.ndarray | None = None
-        self.total_records = self.max_client_records = 0
-        self.n_clients = 0
         self._dpsgd: dict[DPSGDSchedule, float] = {}
         self._fisher_events: list | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------
 
     def setup(self, data, rng):
+        public = self.bind_public(data)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = make_model(self.fed.model, data.input_shape, data.num_classes, **self.fed.model_kwargs())
+        self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
         self.mean = flat_parameters(self.model)
         self.precision = np.full_like(self.mean, self.prior_precision)
-        self.total_records = int(sum(len(p) for p in data.train_parts))
-        self.max_client_records = int(max(len(p) for p in data.train_parts))
-        self.n_clients = len(data.train_parts)
 
     @property
     def dim(self) -> int:
@@ -145,8 +144,9 @@ class FOLA(FederatedAlgorithm):
                             adjacency=adj, budget_share=s["precision_delta"],
                             description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
         # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
-        # coordinate to fisher_diag, and dataset sizes are public
-        fisher_bound = self.max_client_records * c ** 2
+        # coordinate to fisher_diag, and a client holds at most the public record cap (beyond it the sum is clipped
+        # into the range, a contraction)
+        fisher_bound = self.public.record_cap * c ** 2
         return [Channel("mean", d, unit="example", clip=TrainedPrivately(), adjacency=adj, budget_share=s["mean"],
                         description="mu_n after DP-SGD local training (post-processing)"),
                 Channel("fisher_diag", d, unit="example", clip=PreClipped(c, "squared_sum"), adjacency=adj,
@@ -190,23 +190,24 @@ class FOLA(FederatedAlgorithm):
                     seen += len(idx)
         return total / max(seen, 1), fisher.total / self.fed.local_epochs
 
-    def _train_dpsgd(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng
+    def _train_dpsgd(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, client: int, rng
                      ) -> tuple[dict, torch.Tensor, object]:
         """DP-SGD on the task loss with the prior added after noise; the clipped Fisher on a pass of its own."""
-        schedule = DPSGDSchedule.for_client(len(x), self.fed.batch_size, self.fed.local_epochs)
+        schedule = dpsgd_schedule(self, client)
         z = self._dpsgd_noise_multiplier(schedule)
         clip = self.privacy.clip
         fisher = FisherAccumulator(self.dim, len(x), clip=clip, max_visits=self.fed.local_epochs)
         chunk_rng = np.random.default_rng(rng.integers(0, 2 ** 63 - 1))  # independent of DP-SGD's Poisson coins
-        chunks: list[np.ndarray] = []
+        step_of = np.empty(0, dtype=np.int64)
         params = list(model.parameters())
         anchor = self._param_views(self.mean, model)
         prior = self._param_views(self.precision, model)
 
         def fisher_pass(epoch: int, step: int) -> None:
-            if step == 0:
-                chunks[:] = np.array_split(chunk_rng.permutation(len(x)), schedule.steps_per_epoch)
-            ids = chunks[step]
+            nonlocal step_of
+            if step == 0:  # each record picks its step of this epoch on its own: no record moves another
+                step_of = chunk_rng.integers(0, schedule.steps_per_epoch, size=len(x))
+            ids = np.flatnonzero(step_of == step)
             if len(ids):
                 idx = torch.from_numpy(ids)
                 fisher.add(model, x[idx], y[idx], ids)
@@ -243,7 +244,7 @@ class FOLA(FederatedAlgorithm):
         x, y = dataset.tensors()
         n = len(dataset)
         if self.mode == "example":
-            stats, fisher_sum, event = self._train_dpsgd(local, x, y, rng)
+            stats, fisher_sum, event = self._train_dpsgd(local, x, y, client, rng)
             mu = flat_parameters(local)
             fisher = fisher_sum.double().numpy()
             c = self.privacy.clip
@@ -278,8 +279,8 @@ class FOLA(FederatedAlgorithm):
                            precision_noise_std=lam.noise_std / k, fold_noise=True, reference_mean=self.mean)
         else:
             means, f, fd = aggregates["mean"], aggregates["fisher_diag"], aggregates["fisher_natural_mean"]
-            # record count of this round's participants (dataset sizes are public; all clients when none sat out)
-            records = self.total_records * means.participants / self.n_clients
+            # the participants' public record count (declared sizes, or the design size per client)
+            records = self._public_records(means)
             mean_avg = means.total / means.total_weight  # unweighted average of the clients' means (no added noise)
             fisher = f.total / records  # sum_k q_k F_k
             # sum_k q_k F_k mu_k = F mu_S + sum_k q_k F_k (mu_k - mu_S); the last term is what fisher_natural_mean holds
@@ -289,6 +290,15 @@ class FOLA(FederatedAlgorithm):
                            natural_noise_std=np.hypot(fd.noise_std, f.noise_std * self.mean) / records / r,
                            precision_noise_std=f.noise_std / records / r, fold_noise=True, reference_mean=mean_avg)
         self.mean, self.precision = post.mean, post.precision
+
+    def _public_records(self, aggregate: Aggregate) -> float:
+        """The public record count behind an aggregate: the design size per participant, or, with declared sizes,
+        the participants' declared sizes (all clients when everyone took part, else their mean per participant)."""
+        public = self.public
+        if not public.sizes_public:
+            return float(public.client_size * aggregate.participants)
+        total = public.total_size(range(public.n_clients))
+        return total * aggregate.participants / public.n_clients
 
     def predict_proba(self, dataset):
         load_flat_parameters(self.model, self.mean)

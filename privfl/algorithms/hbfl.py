@@ -38,13 +38,16 @@ Privacy:
 - ``client`` unit: the pipeline clips each channel to its own L2 bound (``clip`` for the natural mean,
   ``precision_clip`` for the precision), splits the budget by ``budget_shares``, and the server adds noise to the
   unweighted sums (uniform weights: example counts would make the sensitivity data-dependent).
-- ``example`` unit: the meme model is trained with DP-SGD (Poisson-sampled batches at rate q = B/n_k, each example's
+- ``example`` unit: the meme model is trained with DP-SGD (Poisson-sampled batches at rate q, each example's
   gradient clipped to ``clip``, Gaussian noise of std z * clip on the sum; Abadi et al. 2016), with dpsgd_fedavg's
-  schedule (int(1/q) steps per epoch) and calibration of z to the target under the run's accountant. Both uploads
+  schedule (q = B / the client's public size, int(1/q) steps per epoch) and calibration of z to the target under
+  the run's accountant. Both uploads
   are post-processing of that training: ``natural_mean`` carries the training's event
   SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps); ``precision`` is computed from the same trained model, so
-  it carries a NoOpEvent (charging the training twice would count it twice). The client's size n_k is treated as
-  public, as DP-SGD's sampling rate B/n_k always is. Opacus is not used: its per-sample gradients run the model
+  it carries a NoOpEvent (charging the training twice would count it twice). Everything the schedule, the
+  expected batch and the meme's entropy term (T / n) use is the client's *public* size (``privfl.public``: the design
+  size, or its declared n_k), so the uploads stay post-processing of DP-SGD; the noise and the Poisson batches come
+  from the OS CSPRNG unless the run asks for seeded noise. Opacus is not used: its per-sample gradients run the model
   under ``vmap`` without randomness, which the Bayesian layers' sampling needs; privfl computes them with
   ``torch.func`` instead.
 - The local models never leave their clients and are not released, and the meme model never sees them (the
@@ -69,13 +72,14 @@ from accounting import NoOpEvent
 from mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy
+from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
 from privfl.models import (MODELS, bayes_modules, deterministic, get_mean_precision, make_bayesian_model,
                            make_model, set_mean_precision, softplus)
+from privfl.public import private_rng, release_weight
 from privfl.training import batches, predict_proba
 
 TEMPERATURE = 1e-4  # the paper's T (Sec. 5.1.1, after Ashukha et al. 2020)
@@ -171,10 +175,11 @@ class HBFL(FederatedAlgorithm):
         return self.fed.model_kwargs() if name == "mlp" else {}
 
     def setup(self, data, rng):
-        if getattr(data, "task", "classification") != "classification":
+        public = self.bind_public(data)
+        if public.task != "classification":
             raise ConfigurationError("hbfl distils class probabilities; it needs a classification data set")
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self._input_shape, self._num_classes = tuple(data.input_shape), int(data.num_classes)
+        self._input_shape, self._num_classes = tuple(public.input_shape), int(public.num_classes)
         self.meme = make_bayesian_model(self.fed.model, self._input_shape, self._num_classes,
                                         **self._model_kwargs(self.fed.model))
         mean, _ = get_mean_precision(self.meme)
@@ -239,8 +244,8 @@ class HBFL(FederatedAlgorithm):
         set_mean_precision(meme, self.global_mean, start / self.temperature)
         return meme
 
-    def release_weight(self, dataset) -> float:
-        return 1.0 if self.privacy.private else float(len(dataset))
+    def release_weight(self, dataset, client: int = 0) -> float:
+        return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
@@ -250,13 +255,17 @@ class HBFL(FederatedAlgorithm):
         meme_opt = torch.optim.Adam(meme.parameters(), lr=self.meme_lr)
         local_opt = torch.optim.SGD(local.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
         dp = self.accountant is not None
-        if dp:  # Poisson-sampled batches: each record joins each step with probability q
-            plan = DPSGDSchedule.for_client(n, self.fed.batch_size, self.fed.local_epochs)
+        if dp:  # Poisson-sampled batches: each record joins each step with probability q (a secret coin)
+            plan = dpsgd_schedule(self, client)
             q, z = plan.sample_rate, self.dpsgd_noise_multiplier(plan)
-            noise = SecureNoise() if self.privacy.secure_noise else SeededNoise(rng)
-            schedule = (np.flatnonzero(rng.random(n) < q) for _ in range(plan.steps))
+            secure = self.privacy.secure_noise
+            noise = SecureNoise() if secure else SeededNoise(rng)
+            coins = private_rng(rng, secure)
+            schedule = (np.flatnonzero(coins.random(n) < q) for _ in range(plan.steps))
+            reg_size = plan.size  # the public size: the entropy term must not read the private n_k
         else:
             schedule = (idx for _ in range(self.fed.local_epochs) for idx in batches(n, self.fed.batch_size, rng))
+            reg_size = n
         meme.train()
         local.train()
         meme_loss = local_loss = 0.0
@@ -265,11 +274,11 @@ class HBFL(FederatedAlgorithm):
             meme_opt.zero_grad(set_to_none=True)
             if dp:
                 dpsgd_gradients(meme, xb, yb, clip=self.privacy.clip, noise_multiplier=z,
-                                expected_batch=q * n, noise=noise)
-                reg = meme_regulariser(meme, self.temperature, n)
+                                expected_batch=plan.expected_batch, noise=noise)
+                reg = meme_regulariser(meme, self.temperature, reg_size)
                 reg.backward()
             else:
-                loss = F.cross_entropy(meme(xb), yb) + meme_regulariser(meme, self.temperature, n)
+                loss = F.cross_entropy(meme(xb), yb) + meme_regulariser(meme, self.temperature, reg_size)
                 loss.backward()
                 meme_loss = float(loss.detach())
             meme_opt.step()
@@ -290,7 +299,7 @@ class HBFL(FederatedAlgorithm):
         metrics = {"local_loss": local_loss}
         if not dp:
             metrics["meme_loss"] = meme_loss
-        return ClientOutput(values, weight=self.release_weight(dataset), metrics=metrics)
+        return ClientOutput(values, weight=self.release_weight(dataset, client), metrics=metrics)
 
     def encode_posterior(self, mean: np.ndarray, precision: np.ndarray) -> dict[str, np.ndarray]:
         """The channel values of a meme posterior N(``mean``, diag(``precision``)^-1), ``precision`` the tempered

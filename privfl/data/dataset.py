@@ -109,7 +109,12 @@ class ArrayDataset:
 @dataclass(frozen=True, eq=False)
 class FederatedData:
     """A federation's data: one training ``ArrayDataset`` per client, a global test set, and optional validation and
-    public alignment sets (FedBNN's unlabelled AD; its labels are kept for evaluation only)."""
+    public alignment sets (FedBNN's unlabelled AD; its labels are kept for evaluation only).
+
+    ``public`` is the public reference split: examples held by no client, on which public preprocessing statistics
+    (the standardiser in ``info["standardizer"]``) are fitted, so that no client's data can change them. Every part
+    here has been through the same per-record preprocessing.
+    """
 
     train_parts: list[ArrayDataset]
     test: ArrayDataset
@@ -118,6 +123,7 @@ class FederatedData:
     input_shape: tuple[int, ...]
     val: ArrayDataset | None = None
     alignment: ArrayDataset | None = None
+    public: ArrayDataset | None = None
     partition: str = ""
     seed: int | None = None
     info: dict = field(default_factory=dict)
@@ -125,11 +131,13 @@ class FederatedData:
     def __post_init__(self) -> None:
         if not self.train_parts:
             raise DatasetError("a federation needs at least one client part")
-        tasks = {p.task for p in self.train_parts} | {self.test.task}
+        extra = [d for d in (self.val, self.alignment, self.public) if d is not None]
+        tasks = {p.task for p in self.train_parts} | {self.test.task} | {d.task for d in extra}
         if len(tasks) != 1:
-            raise DatasetError(f"client parts and test set mix tasks {sorted(tasks)}")
+            raise DatasetError(f"client parts and test, validation, alignment or public sets mix tasks "
+                               f"{sorted(tasks)}")
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
-        for part in [*self.train_parts, self.test]:
+        for part in [*self.train_parts, self.test, *extra]:
             if part.input_shape != self.input_shape:
                 raise DatasetError(f"part {part.name!r} has input shape {part.input_shape}, expected "
                                    f"{self.input_shape}")

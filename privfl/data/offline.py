@@ -53,8 +53,9 @@ def _mnist5k_raw() -> tuple[np.ndarray, np.ndarray]:
 def load_diabetes(*, standardized: bool = True) -> ArrayDataset:
     """scikit-learn's diabetes regression set: 442 patients, 10 raw features, target = disease progression after
     one year (25..346). With ``standardized`` features and target are standardised with the statistics of all
-    442 rows; ``target_scale`` keeps the target's std so an RMSE can be reported in original units.
-    (``make_federated`` loads it unstandardised and fits the standardisation on the training split only.)"""
+    442 rows; ``target_scale`` keeps the target's std so an RMSE can be reported in original units. Those statistics
+    involve every record, so that version is for centralised analysis: to federate, load it with
+    ``standardized=False`` (``make_federated`` does, and fits the standardisation on its public reference split)."""
     from sklearn.datasets import load_diabetes as _sk_diabetes
 
     bunch = _sk_diabetes(scaled=False)

@@ -260,8 +260,9 @@ def load_uci(name: str, root: str | os.PathLike | None = None, download: bool = 
 
     Files are looked up in ``ROOT/uci/<name>/`` (``ROOT`` defaults to ``$PRIVFL_DATA`` or ``~/.cache/privfl``) and,
     with ``download=True``, the official zip is fetched there once. With ``standardized`` features and target are
-    standardised over all rows (``target_scale`` keeps the target's std for reporting RMSE in original units);
-    ``make_federated`` instead fits the standardisation on its training split.
+    standardised over all rows (``target_scale`` keeps the target's std for reporting RMSE in original units), for
+    centralised analysis; ``make_federated`` loads the raw rows and fits the standardisation on its public reference
+    split, which no client holds.
     """
     key = str(name).lower()
     if key not in UCI_DATASETS:

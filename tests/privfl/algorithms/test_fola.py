@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from accounting import GaussianEvent, SelfComposedEvent
+from privfl.public import PublicFacts
 from privfl.aggregation import Aggregate
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
@@ -95,7 +96,8 @@ def test_example_unit_server_matches_the_product_of_eq_24_posteriors():
 
     def server(noise_std):
         alg = FOLA(FED, EXAMPLE)
-        alg.total_records, alg.n_clients = 3 * n_k, 3
+        alg.public = PublicFacts(n_clients=3, task="classification", num_classes=10, input_shape=(8,),
+                                 client_size=n_k)  # the server divides by the public record count 3 * n_k
         alg.mean, alg.precision = global_mean.copy(), prior.copy()
         changes = [f * (m - global_mean) for f, m in zip(fishers, means)]  # |change| < B: no clipping
         alg.server_update({"mean": aggregate("mean", means, [1.0] * 3),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from privfl.data import DATASETS, DatasetError, PartitionError, make_federated
+from privfl.data import DATASETS, DatasetError, PartitionError, Standardizer, make_federated
 
 
 def _rows(fd):
@@ -25,7 +25,8 @@ def test_offline_datasets_end_to_end(name, shape, task):
     assert fd.partition == ("dirichlet" if task == "classification" else "sorted_chunk")
     n_all = fd.info["n_total"]
     assert len(fd.test) == round(0.2 * n_all)
-    assert fd.client_sizes.sum() + len(fd.test) == n_all
+    n_public = len(fd.public) if fd.public is not None else 0  # the public reference split (diabetes: 5%)
+    assert fd.client_sizes.sum() + len(fd.test) + n_public == n_all
     clients, test = _rows(fd)
     for c in clients:
         assert not (c & test)
@@ -40,13 +41,15 @@ def test_reproducible_from_seed():
     assert not np.array_equal(a.client_sizes, c.client_sizes)
 
 
-def test_regression_standardised_on_train_only():
+def test_regression_standardised_with_public_statistics_only():
     fd = make_federated("diabetes", 3, "iid", seed=1)
-    pooled = fd.pooled_train()
-    assert np.allclose(pooled.x.mean(axis=0), 0, atol=1e-5) and abs(pooled.y.mean()) < 1e-5
-    assert abs(fd.test.y.mean()) > 1e-4  # test set uses the training statistics, not its own
+    assert fd.info["standardize"] == "public" and len(fd.public) == 22  # 5% of 442
+    assert np.allclose(fd.public.x.mean(axis=0), 0, atol=1e-5) and abs(fd.public.y.mean()) < 1e-5
+    assert abs(fd.pooled_train().y.mean()) > 1e-4  # the clients' statistics are never fitted
+    assert abs(fd.test.y.mean()) > 1e-4  # test set uses the public statistics, not its own
     assert fd.target_scale == pytest.approx(fd.info["standardizer"].y_std)
-    raw = make_federated("diabetes", 3, "iid", seed=1, standardize=False)
+    raw = make_federated("diabetes", 3, "iid", seed=1, standardize=False, public_size=22)
+    assert np.array_equal(fd.info["standardizer"].x_mean, Standardizer.fit(raw.public).x_mean)
     assert np.allclose(fd.test.to_original_units(fd.test.y), raw.test.y, atol=1e-3)
 
 

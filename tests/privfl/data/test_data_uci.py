@@ -12,7 +12,8 @@ from xml.sax.saxutils import escape
 import numpy as np
 import pytest
 
-from privfl.data import DatasetError, DatasetNotFoundError, load_diabetes, load_uci, make_federated
+from privfl.data import (DatasetError, DatasetNotFoundError, Standardizer, federated_from_arrays, load_diabetes,
+                         load_uci, make_federated)
 from privfl.data.uci import UCI_DATASETS, uci_feature_names, uci_folder
 from privfl.data.xlsx import read_xlsx
 
@@ -311,9 +312,27 @@ def test_make_federated_on_uci_uses_fedbnr_split(tmp_path):
     ccpp_archive(tmp_path, n=60)
     fd = make_federated("ccpp", 3, root=tmp_path, test_fraction=0.1, val_fraction=0.1)
     assert fd.partition == "sorted_chunk" and len(fd.test) == 6 and len(fd.val) == 6
-    assert fd.client_sizes.sum() == 48 and fd.target_scale > 1.0
+    assert fd.client_sizes.sum() + len(fd.public) == 48 and fd.target_scale > 1.0  # 20 public: the minimum
     with pytest.raises(DatasetError, match="loader options"):
         make_federated("ccpp", 3, root=tmp_path, flatten=True)
+
+
+def test_make_federated_on_uci_standardises_with_its_public_split_only(tmp_path):
+    ccpp_archive(tmp_path, n=60)
+    fd = make_federated("ccpp", 3, root=tmp_path, test_fraction=0.1)
+    assert fd.info["standardize"] == "public" and len(fd.public) == 20
+    raw = make_federated("ccpp", 3, root=tmp_path, test_fraction=0.1, standardize=None, public_size=20)
+    ref, used = Standardizer.fit(raw.public), fd.info["standardizer"]
+    assert np.array_equal(used.x_mean, ref.x_mean) and (used.y_mean, used.y_std) == (ref.y_mean, ref.y_std)
+    # one extreme record added to client 0's raw data changes no other client's preprocessed records
+    first = raw.train_parts[0]
+    added = (np.concatenate([first.x, np.full((1, 4), 1e6, np.float32)]), np.concatenate([first.y, [-1e6]]))
+    d2 = federated_from_arrays([added, *raw.train_parts[1:]], raw.test, name="ccpp", standardize="public",
+                               public=raw.public)
+    for k in (1, 2):
+        assert d2.train_parts[k].x.tobytes() == fd.train_parts[k].x.tobytes()
+        assert d2.train_parts[k].y.tobytes() == fd.train_parts[k].y.tobytes()
+    assert d2.train_parts[0].subset(range(len(first))).x.tobytes() == fd.train_parts[0].x.tobytes()
 
 
 def test_unknown_uci_name():
