@@ -9,7 +9,12 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+
+# argparse reads "-1e-5" as an option name; numbers in scientific notation and -inf are values here, so that
+# "--delta -1e-5" reaches the validation that explains what is wrong with it.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf(inity)?$", re.IGNORECASE)
 
 
 def _float(text: str) -> float:
@@ -84,10 +89,10 @@ def cmd_run(args) -> int:
             setattr(args, key, value)
     privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, clip=args.clip,
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
-                            secure_noise=args.secure_noise)
+                            secure_noise=not args.seeded_noise)
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
-                           seed=args.seed)
+                           seed=args.seed, client_size=args.client_size, record_cap=args.record_cap)
     two_phase = args.algorithm == "fedbnr" and args.kernel_rounds > 0
     distil = two_phase and args.kernel_aggregation == "distillation"
     if (args.kernel_rounds or args.kernel_aggregation != "fedavg") and args.algorithm != "fedbnr":
@@ -108,7 +113,8 @@ def cmd_run(args) -> int:
                                  "here: drop the flag")
     algorithm = make_algorithm(args.algorithm, fed, privacy)
     data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
-                          alignment_size=args.alignment_size or 0)
+                          alignment_size=args.alignment_size or 0, public_size=args.public_size,
+                          standardize=None if args.standardize == "none" else args.standardize)
     if args.ledger and args.ledger != ":memory:":
         os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
 
@@ -139,10 +145,14 @@ def cmd_run(args) -> int:
         "epsilon_spent_per_round": [r.epsilon_max for r in result.history],
         "epsilon_spent_max": result.audit["max_epsilon"],
         "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
-        "ledger": result.ledger, "run_id": result.run_id,
+        "ledger": result.ledger, "run_id": result.run_id, "noise": result.noise,
     }
+    if "warning" in result.audit:
+        out["warning"] = result.audit["warning"]
     if args.json:
         _dump(out, args.json)
+    if "warning" in result.audit:
+        print(f"warning: {result.audit['warning']}", file=sys.stderr)
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
     print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
@@ -315,7 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-survivors", type=int, default=None,
                    help="secure aggregation: abort a round with fewer survivors (distributed noise is charged for it)")
     r.add_argument("--sampling-rate", type=_float, default=1.0)
-    r.add_argument("--secure-noise", action="store_true", help="draw noise from the OS CSPRNG (not reproducible)")
+    r.add_argument("--secure-noise", action="store_true",
+                   help="draw noise from the OS CSPRNG (the default; kept for scripts that pass it)")
+    r.add_argument("--seeded-noise", action="store_true",
+                   help="draw the noise from --seed (reproducible experiments only: the run is then not private "
+                        "against anyone who knows the seed, and the ledger and audit say so)")
+    r.add_argument("--client-size", type=int, default=None, metavar="N",
+                   help="public design size of a client's data (DP-SGD's sampling rate and steps when record counts "
+                        "are private; default: the data set's training size over --clients)")
+    r.add_argument("--record-cap", type=int, default=None, metavar="N",
+                   help="public cap on a client's records for quantisation ranges (default 4 x the design size)")
+    r.add_argument("--standardize", choices=["auto", "public", "none"], default="auto",
+                   help="feature/target standardisation from public statistics only: 'public' fits it on a public "
+                        "reference split held by no client; 'auto' is the data set's default")
+    r.add_argument("--public-size", type=int, default=None, metavar="N",
+                   help="size of the public reference split used by --standardize public")
     r.add_argument("--secure-agg", action="store_true", help="aggregate through pairwise-masked secure aggregation")
     r.add_argument("--secagg-bits", type=int, default=48)
     r.add_argument("--dropout", type=_float, default=0.0, help="simulated fraction of clients dropping per round")
@@ -372,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     from mechanisms.errors import InvalidRelease
     from privfl.errors import ConfigurationError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    for action in parser._subparsers._group_actions:
+        for sub in {id(p): p for p in action.choices.values()}.values():
+            sub._negative_number_matcher = _NEGATIVE_NUMBER
+    parser._negative_number_matcher = _NEGATIVE_NUMBER
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (PrivacyError, InvalidRelease, ConfigurationError, ValueError) as exc:

@@ -53,6 +53,29 @@ def _clopper_pearson(successes: int, n: int, alpha: float) -> tuple[float, float
     return lo, hi
 
 
+def epsilon_lower_bound(score_in: np.ndarray, score_out: np.ndarray, *, delta: float, alpha: float = 0.025
+                        ) -> tuple[float, float, float, float]:
+    """A black-box lower bound on epsilon from a distinguisher's scores on two neighbouring inputs (higher: more
+    likely ``in``). The threshold is chosen on the first half of each sample (the point estimate of
+    log(TPR / FPR) with FPR >= 10 / half), the rates are bounded on the second half by Clopper-Pearson intervals at
+    level ``alpha`` each. Returns (epsilon lower bound, threshold, FPR upper bound, TPR lower bound)."""
+    score_in, score_out = np.asarray(score_in, float), np.asarray(score_out, float)
+    half = min(len(score_in), len(score_out)) // 2
+    candidates = np.quantile(score_out[:half], np.linspace(0.5, 1 - 10.0 / half, 200))
+    best_t, best = candidates[0], -np.inf
+    for t in candidates:
+        fpr = max(np.mean(score_out[:half] > t), 1.0 / half)
+        tpr = np.mean(score_in[:half] > t)
+        if tpr > delta and math.log((tpr - delta) / fpr) > best:
+            best, best_t = math.log((tpr - delta) / fpr), t
+    fp, n_out = int(np.sum(score_out[half:] > best_t)), len(score_out) - half
+    tp, n_in = int(np.sum(score_in[half:] > best_t)), len(score_in) - half
+    fpr_hi = _clopper_pearson(fp, n_out, alpha)[1]
+    tpr_lo = _clopper_pearson(tp, n_in, alpha)[0]
+    eps_lb = max(0.0, math.log((tpr_lo - delta) / fpr_hi)) if tpr_lo > delta else 0.0
+    return eps_lb, float(best_t), fpr_hi, tpr_lo
+
+
 def _release_path(contribution: np.ndarray, bound: float, noise_multiplier: float, *, mutation: str, clients: int,
                   bits: int, rng: np.random.Generator) -> np.ndarray:
     """Run every trial (rows of ``contribution``) through clip -> noise -> quantise -> modular sum -> decode."""
@@ -89,20 +112,6 @@ def audit_gaussian_release(noise_multiplier: float, *, delta: float = 1e-5, tria
                              rng=rng) @ direction
     score_out = _release_path(absent, bound, noise_multiplier, mutation=mutation, clients=clients, bits=bits,
                               rng=rng) @ direction
-    half = trials // 2
-    # choose the threshold on the first half: maximise the point estimate of log(TPR / FPR) with FPR >= 10/half
-    candidates = np.quantile(score_out[:half], np.linspace(0.5, 1 - 10.0 / half, 200))
-    best_t, best = candidates[0], -np.inf
-    for t in candidates:
-        fpr = max(np.mean(score_out[:half] > t), 1.0 / half)
-        tpr = np.mean(score_in[:half] > t)
-        if tpr > delta and math.log((tpr - delta) / fpr) > best:
-            best, best_t = math.log((tpr - delta) / fpr), t
-    n_eval = trials - half
-    fp = int(np.sum(score_out[half:] > best_t))
-    tp = int(np.sum(score_in[half:] > best_t))
-    fpr_hi = _clopper_pearson(fp, n_eval, alpha)[1]
-    tpr_lo = _clopper_pearson(tp, n_eval, alpha)[0]
-    eps_lb = max(0.0, math.log((tpr_lo - delta) / fpr_hi)) if tpr_lo > delta else 0.0
+    eps_lb, best_t, fpr_hi, tpr_lo = epsilon_lower_bound(score_in, score_out, delta=delta, alpha=alpha)
     claimed = make_accountant("exact").compose(GaussianEvent(bound, noise_multiplier * bound)).get_epsilon(delta)
     return AuditResult(claimed, eps_lb, delta, trials, noise_multiplier, mutation, float(best_t), fpr_hi, tpr_lo)

@@ -13,7 +13,9 @@ contribution is clipped into the range before rounding: for a noisy value that i
 release; for an un-noised one (central or distributed placement) a per-coordinate clip to a public box is a
 contraction, so the channel's declared sensitivity still holds. A private channel without a public coordinate bound
 is refused (:func:`check_secure_channels`): a range read off the un-noised uploads would reveal their largest value.
-Only non-private channels (``epsilon = inf``) may use the round's largest |value|, rounded up to a power of two.
+Only non-private channels (``epsilon = inf``) and values that are already private (DP-SGD-trained models, whose
+range is post-processing of the training's release) may use the round's largest |value|, rounded up to a power of
+two.
 
 Distributed noise is planned for the channel's sensitivity under its own relation (add/remove: C; replace one: 2C,
 and two independent roundings), so the charged zCDP event is the one of the relation the run declares.
@@ -33,7 +35,7 @@ from mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, lo
 from mechanisms.gaussian import gaussian_noise
 from mechanisms.noise import NoiseSource, as_noise_source
 from privfl.aggregation import Aggregate
-from privfl.channels import Channel
+from privfl.channels import Channel, TrainedPrivately
 from privfl.errors import ConfigurationError
 from privfl.public import private_rng
 from privfl.release import Release
@@ -145,10 +147,17 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     return plans
 
 
+def _range_needs_public_bound(channel: Channel) -> bool:
+    """A private channel's range must be public unless its values are already private (DP-SGD-trained: reading
+    their range is post-processing of the training's release)."""
+    return channel.private and not isinstance(channel.clip, TrainedPrivately)
+
+
 def check_secure_channels(channels: Sequence[Channel]) -> None:
-    """Refuse, before a round, a private channel whose quantisation range would have to be read off its uploads."""
+    """Refuse, before a round, a private channel whose quantisation range would have to be read off un-noised
+    uploads."""
     for c in channels:
-        if c.private and c.coordinate_bound is None:
+        if _range_needs_public_bound(c) and c.coordinate_bound is None:
             raise ConfigurationError(
                 f"channel {c.name!r} has no public coordinate bound, so secure aggregation could only size its "
                 "quantisation range from the un-noised uploads, which would reveal them; declare a public "
@@ -166,9 +175,8 @@ def quantisation_half_width(channel: Channel, weights: Sequence[float], local_no
 
 def _range(channel: Channel, releases: Sequence[Release]) -> float:
     if channel.coordinate_bound is None:
-        if channel.private:
-            check_secure_channels([channel])
-        # non-private only: nothing to hide, so the round's largest value may size the range
+        check_secure_channels([channel])
+        # non-private, or already private (DP-SGD-trained) values: the round's largest value may size the range
         peak = max(float(np.abs(r.weight * r.value).max(initial=0.0)) for r in releases)
         return 2.0 ** math.ceil(math.log2(max(peak, 1e-12))) if peak > 0 else 1.0
     return quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
