@@ -4,7 +4,8 @@ Writes ``experiments/results/fedbnr.json`` (every run and the per-setting means)
 (the table). Usage: ``python experiments/run_fedbnr.py [--seeds 3] [--out experiments/results]``.
 
 Setting: 10 clients, FedBNR's sorted-chunk split (sorted by the feature most correlated with the target, two chunks
-per client), 20% of the data held out for testing; diabetes (442 patients, standardised with training statistics) and
+per client), 20% of the data held out for testing; diabetes (442 patients, standardised with the statistics of a public
+reference split of 22 patients (5%) that no client holds: never with the clients' pooled data) and
 synthetic1d with 1,000 points (the paper's 200 leave a 40-point test set, too small for calibration). About 8% of the
 data (35 and 80 points, the paper's share) is carved from the training data as the server's labelled distillation
 set before partitioning, for every method (so all methods see the same client data); only the FedBNR-KD rows use it.

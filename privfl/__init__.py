@@ -17,7 +17,8 @@ Typical use::
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, RangeBound, TrainedPrivately
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.data import make_federated
+from privfl.data import federated_from_arrays, make_federated
+from privfl.public import PublicFacts
 from privfl.release import Release, ReleasePipeline
 from privfl.runtime import RunResult, Simulation
 from privfl.secure import SecureAggregation
@@ -27,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS", "Channel", "ClippedValue", "FederationConfig", "NormClip", "PreClipped", "PrivacyConfig",
     "PrivatizedValue", "RangeBound", "Release", "ReleasePipeline", "RunResult", "SecureAggregation", "Simulation",
-    "TrainedPrivately", "make_algorithm", "make_federated",
+    "PublicFacts", "TrainedPrivately", "federated_from_arrays", "make_algorithm", "make_federated",
 ]

@@ -16,6 +16,7 @@ adjacency, never typed in by hand. Clip kinds:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -76,14 +77,36 @@ class PreClipped:
 
 @dataclass(frozen=True)
 class RangeBound:
-    """Values whose range bounds the sensitivity, whatever the adjacency: any two probability vectors are at most
-    sqrt(2) apart in L2, so ``rows`` probability vectors move by at most ``per_row_sensitivity * sqrt(rows)``."""
+    """Values whose range bounds the sensitivity: ``rows`` rows, each a probability vector.
+
+    - ``per_row_sensitivity``: how far one row can move, the diameter of its set (any two probability vectors are at
+      most sqrt(2) apart in L2);
+    - ``row_norm``: the largest norm of one row (a probability vector has |p|_2 <= |p|_1 = 1);
+    - ``unit``: the privacy unit of the channel that carries the bound (give the channel's own).
+
+    A neighbour that changes the upload moves it by at most ``per_row_sensitivity * sqrt(rows)``: one record of a
+    client that still uploads (unit ``"example"``, either adjacency; the default, valid for any channel) or a client
+    replaced by another (unit ``"client"``, replace-one). A neighbour that removes the whole upload (unit
+    ``"client"``, add/remove) moves the sum by the upload itself: at most ``row_norm * sqrt(rows)``.
+    """
 
     per_row_sensitivity: float
     rows: int
+    unit: str = "example"
+    row_norm: float = 1.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "per_row_sensitivity", check_bound("per-row sensitivity", self.per_row_sensitivity))
+        object.__setattr__(self, "row_norm", check_bound("row norm", self.row_norm))
+        if isinstance(self.rows, bool) or not isinstance(self.rows, (int, np.integer)) or self.rows < 1:
+            raise InvalidRelease(f"rows must be an integer >= 1, got {self.rows!r}")
+        object.__setattr__(self, "rows", int(self.rows))
+        if self.unit not in UNITS:
+            raise InvalidRelease(f"RangeBound unit must be one of {UNITS} (the channel's), got {self.unit!r}")
 
     def sensitivity(self, adjacency: str) -> float:
-        check_adjacency(adjacency)
+        if check_adjacency(adjacency) == "add_remove" and self.unit == "client":
+            return self.row_norm * math.sqrt(self.rows)
         return self.per_row_sensitivity * math.sqrt(self.rows)
 
     def apply(self, value: np.ndarray) -> np.ndarray:
@@ -209,6 +232,17 @@ class Channel:
         if isinstance(value, PrivatizedValue):
             return PrivatizedValue(arr, value.event)
         return arr
+
+
+def charged_channels(channels, privacy, secure_aggregation: bool) -> list:
+    """The channels as the run charges them. At client level under add/remove, a client's upload is protected as a
+    whole only inside the sum; with local noise and no secure aggregation the server sees every upload on its own,
+    from a client it knows took part, so any two uploads of that client are neighbours: such channels are charged
+    (and noised) as replace-one. Every runtime applies this rule before it plans noise."""
+    if not (privacy.private and privacy.unit == "client" and privacy.placement == "local" and not secure_aggregation):
+        return list(channels)
+    return [dataclasses.replace(c, adjacency="replace_one") if c.private and c.adjacency == "add_remove" else c
+            for c in channels]
 
 
 def check_record_level_clips(channels, privacy) -> None:

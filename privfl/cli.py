@@ -87,7 +87,8 @@ def cmd_run(args) -> int:
     for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "pool": 1}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, clip=args.clip,
+    privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, adjacency=args.adjacency,
+                            clip=args.clip,
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
                             secure_noise=not args.seeded_noise)
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
@@ -317,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "disjoint_class", "sorted_chunk"])
     r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
     r.add_argument("--unit", default="client", choices=["client", "example"])
+    r.add_argument("--adjacency", default="add_remove", choices=["add_remove", "replace_one"],
+                   help="neighbouring relation; at --unit example, replace_one declares the clients' record counts "
+                        "public (schedules and weights may use them; every event is accounted as replace-one)")
     r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")
     r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
     r.add_argument("--placement", choices=["local", "central", "distributed"], default="central",

@@ -68,6 +68,9 @@ class PrivacyConfig:
                                      "rdp accountant")
         if not isinstance(self.secure_noise, bool):
             raise ConfigurationError(f"secure_noise must be True or False, got {self.secure_noise!r}")
+        if self.placement == "distributed" and self.sampling_rate < 1:
+            raise ConfigurationError("distributed noise is planned for a fixed set of survivors; client sampling is "
+                                     "not supported with it: set --sampling-rate 1 or choose local/central placement")
         if self.accountant == "exact" and self.sampling_rate < 1:
             raise ConfigurationError("the exact accountant composes unsampled Gaussians only; with --sampling-rate < 1 "
                                      "use the pld or rdp accountant")

@@ -6,12 +6,17 @@ A kernel network maps an input x to ``phi(x) = s^m(x) / sqrt(m)``, the concatena
 features (Rahimi and Recht 2007) of the Gaussian kernel exp(-|h - h'|^2 / (2 l^2)) on ``h(x)``, where h is the
 identity (pure RFF, the default) or a small MLP (deep kernel, learned in FedBNR's phase 1).
 
-Two facts the privacy analysis of FedBNR's phase 2 uses:
+Facts the privacy analysis of FedBNR's phase 2 uses:
 
 - omega is drawn from a seed every party knows, so the feature map costs no privacy; only the extractor's weights
   (learned from data) are charged, in phase 1.
 - each (cos, sin) pair has norm 1, so **every feature row has norm exactly 1**: clipping rows to B = 1 never changes
   a row, and ``Phi^T Phi`` has trace n.
+- the row is made of m = ``num_samples`` disjoint (cos, sin) pairs, coordinates k and m + k, each of squared norm
+  |phi|^2 / m, and nothing else (no bias feature); scaling a row (the row clip) keeps that. Whatever h is, then
+  sum_i phi_i^4 <= sum_k (cos_k^2 + sin_k^2)^2 = |phi|^4 / m, which FedBNR's symmetric scatter release uses
+  (:func:`cos_sin_pairs` declares m for a feature map of this module, :func:`pair_squared_norms` checks it on rows).
+  m counts frequencies, not features (2m); reading it as 2m would understate that bound.
 """
 
 from __future__ import annotations
@@ -141,19 +146,46 @@ class KernelNetwork(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.as_tensor(x).reshape(len(x), -1)
-        h = self.extractor(x.float()).double() if self.hidden else x.double()
+        if self.hidden:  # in the extractor's own precision (float32 for training; float64 after ``.double()``)
+            h = self.extractor(x.to(next(self.extractor.parameters()).dtype)).double()
+        else:
+            h = x.double()
         proj = h @ self.omega / self.log_lengthscale.double().exp()
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(self.num_samples)
 
     @torch.no_grad()
     def features(self, x) -> np.ndarray:
-        """Phi as a float64 numpy array (the fixed feature map of phase 2)."""
+        """Phi as a float64 numpy array (the fixed feature map of phase 2). On a ``.double()`` copy every row is
+        computed in float64, so a record's row does not depend, beyond float64 rounding, on the other records of its
+        batch (float32 matrix products do, by ~1e-8, with the batch's shape)."""
         was = self.training
         self.eval()
         try:
             return self(torch.as_tensor(np.asarray(x, dtype=np.float32))).numpy()
         finally:
             self.train(was)
+
+
+def cos_sin_pairs(feature_map) -> int | None:
+    """m, the number of (cos, sin) pairs every row of ``feature_map`` is made of, when the map is one of this module's
+    (a :class:`RandomFourierFeatures`, a :class:`KernelNetwork` or its bound ``features``; not a subclass, which may
+    change ``forward``); None for any other callable, of whose rows nothing is known beyond their clip."""
+    if type(feature_map) in (RandomFourierFeatures, KernelNetwork):
+        return feature_map.num_samples
+    owner = getattr(feature_map, "__self__", None)
+    if type(owner) is KernelNetwork and getattr(feature_map, "__func__", None) is KernelNetwork.features:
+        return owner.num_samples
+    return None
+
+
+def pair_squared_norms(phi: np.ndarray, pairs: int) -> np.ndarray:
+    """cos_k^2 + sin_k^2 of each row of ``phi`` (shape ``(n, 2 pairs)``, the layout of this module's feature maps:
+    m cosines, then m sines): an ``(n, pairs)`` array, every entry of a row equal to |phi|^2 / m for a feature row
+    of this module, scaled or not."""
+    phi = np.asarray(phi, dtype=np.float64)
+    if phi.ndim != 2 or phi.shape[1] != 2 * pairs:
+        raise ConfigurationError(f"rows of {pairs} (cos, sin) pairs have {2 * pairs} features, got shape {phi.shape}")
+    return phi[:, :pairs] ** 2 + phi[:, pairs:] ** 2
 
 
 def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: torch.Tensor,
@@ -178,4 +210,5 @@ def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: t
             - 0.5 * (y @ y) / s2 + 0.5 * (b @ alpha))
 
 
-__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "fourier_frequencies"]
+__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "cos_sin_pairs",
+           "fourier_frequencies", "pair_squared_norms"]

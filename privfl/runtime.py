@@ -23,7 +23,7 @@ from accounting.ledger import PrivacyLedger
 from mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
-from privfl.channels import check_record_level_clips
+from privfl.channels import charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import ReleasePipeline
 from privfl.errors import ConfigurationError
@@ -70,15 +70,15 @@ class RunResult:
         return d
 
 
-def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig, rounds: int
-                          ) -> dict[str, float] | None:
+def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig, rounds: int,
+                          channels=None) -> dict[str, float] | None:
     """Calibrate one noise multiplier per private channel so each client's composition over ``rounds`` meets
     (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
     amplifies client-level guarantees only (``ReleasePipeline``): a record-level run is calibrated as if its client
     released every round."""
     if not privacy.private:
         return None
-    channels = {c.name: c.budget_share for c in algorithm.channels() if c.private}
+    channels = {c.name: c.budget_share for c in (channels or algorithm.channels()) if c.private}
     if not channels:
         return {}
     q = privacy.sampling_rate if privacy.unit == "client" else 1.0
@@ -128,7 +128,7 @@ class Simulation:
         self.secure_rng = np.random.default_rng(secure_seq)
         self.train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
         alg.setup(self.public, np.random.default_rng(setup_seq))
-        channels = alg.channels()
+        channels = charged_channels(alg.channels(), privacy, self.secure is not None)
         check_record_level_clips(channels, privacy)
         if self.secure is not None:
             check_secure_channels(channels)
@@ -142,7 +142,7 @@ class Simulation:
             distributed_events = {name: p.event for name, p in plans.items()}
             placement = "distributed"
         else:
-            multipliers = noise_multipliers_for(alg, privacy, fed.rounds)
+            multipliers = noise_multipliers_for(alg, privacy, fed.rounds, channels)
             placement = "local" if privacy.placement == "local" else "central"
         self.pipelines = [ReleasePipeline(str(k), channels, self.ledger, multipliers, placement=placement,
                                           sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]),

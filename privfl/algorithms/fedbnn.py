@@ -29,23 +29,35 @@ Paper settings (Sec. 5.1): 50 warm-up epochs, 20 local epochs, |AD| = 2000, prio
 BBB Adam 1e-3 with batches of 128, gamma = 0.7, 30% small nets; they are this class's defaults except the local
 epochs, which come from ``fed.local_epochs`` (the CLI's ``defaults`` keep a ``privfl run`` to minutes on 2 cores).
 
-Privacy (Sec. 4, made exact). Whatever the local training does, each row of the upload is a probability vector, and
-any two probability vectors are at most sqrt(2) apart in L2, so one record (or one whole client) changes the upload by
-at most sqrt(2 |AD|): the channel's ``RangeBound(sqrt(2), |AD|)``, valid for either unit and adjacency. (The paper
-bounds the squared sensitivity by 2 for the whole upload, which holds per AD point only, and converts zCDP to
-(epsilon, delta) loosely; privfl charges one Gaussian event per round and composes them with the run's accountant:
-``accountant="exact"`` composes unsampled Gaussians exactly.) The pipeline checks the rows are probability vectors
-before anything is charged. The noisy sum is then public; the clients' prior tuning and training use only it and
-their own data, so later rounds are post-processing plus fresh releases (adaptive composition over rounds).
+Privacy (Sec. 4, made exact). Whatever the local training does, each row of the upload is a probability vector: any
+two are at most sqrt(2) apart in L2, and none has norm above 1 (|p|_2 <= |p|_1 = 1). So the channel's
+``RangeBound(sqrt(2), |AD|, unit, row_norm=1)`` has sensitivity
+
+- sqrt(2 |AD|) at record level (``unit="example"``), either adjacency: one record can move every row of its client's
+  upload anywhere in the simplex, and the upload is still sent;
+- sqrt(2 |AD|) at client level under replace-one: one client's upload replaced by any other;
+- sqrt(|AD|) at client level under add/remove: the client's whole upload leaves the sum, and it has norm at most
+  sqrt(|AD|) (attained by one-hot rows). That is a guarantee about the sum, so with local noise and no secure
+  aggregation (the server then sees every upload on its own and knows which clients took part) the runtime charges
+  the channel as replace-one, sqrt(2 |AD|), whatever the configured relation (``privfl.channels.charged_channels``,
+  the same rule for every algorithm).
+
+(The paper bounds the squared sensitivity by 2 for the whole upload, which holds per AD point only, and converts
+zCDP to (epsilon, delta) loosely; privfl charges one Gaussian event per round and composes them with the run's
+accountant: ``accountant="exact"`` composes unsampled Gaussians exactly.) The pipeline checks the rows are
+probability vectors before anything is charged. The noisy sum is then public; the clients' prior tuning and training
+use only it and their own data, so later rounds are post-processing plus fresh releases (adaptive composition over
+rounds).
 
 Noise placement: FedBNN's threat model is an honest-but-curious server, so each client's upload must be private by
-itself: *local* placement (the client adds N(0, (z sqrt(2 |AD|))^2) per coordinate), this algorithm's ``defaults``
-(``privfl compare`` uses them; ``privfl run`` takes ``--placement local``). ``central`` placement (a trusted
-aggregator adds the noise once to the sum) is accepted and gives the same epsilon against everyone who sees only the
-broadcast average, with sqrt(N) less noise on it. ``distributed`` placement is refused: its discrete-Gaussian plan
-is for vector channels with a norm clip. Under secure aggregation the channel's public coordinate bound is 1
-(``value_bound``). The honest sensitivity grows with sqrt(|AD|), so the noise per coordinate is large unless AD is
-small; the server's clip-and-renormalise then pulls Phi_bar towards uniform, and gamma weighs that in.
+itself: *local* placement (the client adds N(0, (z Delta)^2) per coordinate, Delta the sensitivity above), this
+algorithm's ``defaults`` (``privfl compare`` uses them; ``privfl run`` takes ``--placement local``). ``central``
+placement (a trusted aggregator adds the noise once to the sum) is accepted and gives the same epsilon against
+everyone who sees only the broadcast average, with sqrt(N) less noise on it. ``distributed`` placement is refused:
+its discrete-Gaussian plan is for vector channels with a norm clip. Under secure aggregation the channel's public
+coordinate bound is 1 (``value_bound``). The honest sensitivity grows with sqrt(|AD|), so the noise per
+coordinate is large unless AD is small; the server's clip-and-renormalise then pulls Phi_bar towards uniform, and
+gamma weighs that in.
 
 Alignment set: ``data.alignment`` (``make_federated(..., alignment_size=N)``), or a seeded random subset of it of
 ``alignment_size`` points when it is larger; ``privfl run --algorithm fedbnn`` builds it from ``--alignment-size``
@@ -61,6 +73,12 @@ clients the split is the whole test set); ``nll``, ``ece``, ``mce`` and ``brier`
 ``accuracy_all_classes`` is the mean over clients on the whole test set; ``accuracy_small_nets`` and
 ``accuracy_large_nets`` split ``accuracy`` by architecture group; ``effective_gamma`` is the gamma the next prior
 tuning uses. ``predict_proba`` returns None: there is no global model. The labels of AD are never read.
+
+What leaves a client: only the channel (and its public weight, 1 under DP). The server half is set up from public
+facts (``PublicFacts``: client count, shapes, classes, the alignment set); the per-client architecture choice is the
+server's, from the run's seed. The personalised evaluation runs on state the clients hold (their posteriors, their own
+label sets, recorded by their own steps): a simulation's diagnostic, which a deployment would compute on each client
+and must not send out uncharged.
 """
 
 from __future__ import annotations
@@ -86,6 +104,8 @@ from privfl.training import batches, torch_generator
 CHANNEL = "alignment_probs"
 #: any two probability vectors are at most sqrt(2) apart in L2
 PER_POINT_SENSITIVITY = math.sqrt(2.0)
+#: and none has L2 norm above 1 (|p|_2 <= |p|_1 = 1; a one-hot row attains it)
+MAX_ROW_NORM = 1.0
 WEIGHTINGS = ("uniform", "size")
 
 
@@ -266,7 +286,9 @@ class FedBNN(FederatedAlgorithm):
         self.global_probs: np.ndarray | None = None  # Phi_bar(AD), post-processed
         self.reliability = 1.0  # lambda in [0, 1]: the share of Phi_bar's spread that is signal, not release noise
         self.alignment_x: torch.Tensor | None = None
-        self.client_classes: list[np.ndarray] = []
+        #: each client's own label set, recorded by the client's own step for its personalised evaluation (client
+        #: state, never released or used by the server step)
+        self.client_classes: dict[int, np.ndarray] = {}
         self._input_shape: tuple[int, ...] = ()
         self._num_classes = 0
         self._init_seeds: list[int] = []
@@ -277,11 +299,14 @@ class FedBNN(FederatedAlgorithm):
     # -- setup ---------------------------------------------------------------------------------------------------
 
     def setup(self, data, rng):
-        if getattr(data, "task", "classification") != "classification" or any(
-                p.task != "classification" for p in data.train_parts):
+        """The server half from public facts only (``privfl.public.PublicFacts``): the number of clients, the task,
+        the input shape and classes, the public alignment set (or the public test set to carve one from). No
+        client's records, labels or label set are read here."""
+        public = self.bind_public(data)
+        if public.task != "classification":
             raise ConfigurationError("fedbnn aligns class probabilities; it needs a classification data set")
-        self._input_shape, self._num_classes = tuple(data.input_shape), int(data.num_classes)
-        n = len(data.train_parts)
+        self._input_shape, self._num_classes = tuple(public.input_shape), int(public.num_classes)
+        n = public.n_clients
         if self.small_fraction > 0:
             self.small_clients = frozenset(
                 rng.choice(n, size=int(round(self.small_fraction * n)), replace=False).tolist())
@@ -291,23 +316,24 @@ class FedBNN(FederatedAlgorithm):
             self.small_clients = frozenset()
             self.client_architectures = [self.architectures[k % len(self.architectures)] for k in range(n)]
         self._test_given, self._test_rest = None, None
-        if data.alignment is not None and len(data.alignment):
-            ad = data.alignment
+        if public.alignment is not None and len(public.alignment):
+            ad = public.alignment
             if len(ad) > self.alignment_size:
                 ad = ad.subset(np.sort(rng.choice(len(ad), self.alignment_size, replace=False)))
         else:
-            size = min(self.alignment_size, len(data.test) // 2)
+            test = public.test
+            size = min(self.alignment_size, len(test) // 2) if test is not None else 0
             if size < 1:
                 raise ConfigurationError("fedbnn needs a public alignment set: build the data with "
                                          "make_federated(..., alignment_size=N)")
-            order = rng.permutation(len(data.test))
-            ad = data.test.subset(np.sort(order[:size]))
-            self._test_given, self._test_rest = data.test, data.test.subset(np.sort(order[size:]))
+            order = rng.permutation(len(test))
+            ad = test.subset(np.sort(order[:size]))
+            self._test_given, self._test_rest = test, test.subset(np.sort(order[size:]))
         if tuple(ad.input_shape) != self._input_shape:
             raise ConfigurationError(f"the alignment set's inputs have shape {ad.input_shape}, the clients' "
                                      f"{self._input_shape}")
         self.alignment_x = torch.from_numpy(ad.x.copy())  # its labels are never read
-        self.client_classes = [np.unique(p.y) for p in data.train_parts]
+        self.client_classes = {}
         self._init_seeds = [int(s) for s in rng.integers(0, 2 ** 63 - 1, size=n)]
         self._eval_seed = int(rng.integers(0, 2 ** 63 - 1))
         self.models, self.warmed_up, self.global_probs, self.reliability = {}, set(), None, 1.0
@@ -318,10 +344,16 @@ class FedBNN(FederatedAlgorithm):
 
     def channels(self):
         p = self.privacy
-        clip = RangeBound(PER_POINT_SENSITIVITY, self.alignment_rows) if p.private else Unclipped()
+        clip = RangeBound(PER_POINT_SENSITIVITY, self.alignment_rows, unit=p.unit, row_norm=MAX_ROW_NORM) \
+            if p.private else Unclipped()
         return [Channel(CHANNEL, (self.alignment_rows, self._num_classes), unit=p.unit if p.private else "client",
-                        clip=clip, adjacency=p.adjacency, value_bound=1.0,
+                        clip=clip, adjacency=self._adjacency(), value_bound=1.0,
                         description="Monte-Carlo class probabilities of the client's BNN on the alignment set")]
+
+    def _adjacency(self) -> str:
+        """The configured relation. At client level with local noise and no secure aggregation the runtime charges
+        the channel as replace-one (``privfl.channels.charged_channels``, see the module docstring)."""
+        return self.privacy.adjacency
 
     # -- client --------------------------------------------------------------------------------------------------
 
@@ -334,12 +366,14 @@ class FedBNN(FederatedAlgorithm):
                                                                               self.init_rho)
         return self.models[client]
 
-    def release_weight(self, dataset) -> float:
+    def release_weight(self, dataset, client: int = 0) -> float:
+        """1, or n_k with ``weighting="size"``, which only non-private runs accept (n_k is private)."""
         return float(len(dataset)) if self.weighting == "size" else 1.0
 
     def client_update(self, client, dataset, round, rng):
         model = self.local_model(client)
         x, y = dataset.tensors()
+        self.client_classes[client] = np.unique(y.numpy())
         gen = torch_generator(rng)
         metrics: dict[str, float] = {}
         if client not in self.warmed_up:
@@ -358,7 +392,7 @@ class FedBNN(FederatedAlgorithm):
             prior, epochs = ModelPrior.isotropic(self.init_prior_std), self.fed.local_epochs
         metrics["elbo_loss"] = self.train_posterior(model, prior, x, y, epochs, rng, gen)
         probs = mc_predict(model, self.alignment_x, self.mc_samples, gen)
-        return ClientOutput({CHANNEL: probs}, weight=self.release_weight(dataset), metrics=metrics)
+        return ClientOutput({CHANNEL: probs}, weight=self.release_weight(dataset, client), metrics=metrics)
 
     def tune_prior(self, model: nn.Module, target: np.ndarray, generator: torch.Generator
                    ) -> tuple[ModelPrior, float]:
@@ -444,7 +478,7 @@ class FedBNN(FederatedAlgorithm):
         """Per-client predictions on ``dataset``, and each client's own-class split of them."""
         y = self._eval_set(dataset).tensors()[1].numpy()
         preds = self.client_predictions(dataset)
-        own = {k: (proba[mask], y[mask]) for k, proba in preds.items()
+        own = {k: (proba[mask], y[mask]) for k, proba in preds.items() if k in self.client_classes
                for mask in [np.isin(y, self.client_classes[k])] if mask.any()}
         return y, preds, own
 
@@ -511,5 +545,5 @@ def _fraction(name: str, value) -> float:
     return float(value)
 
 
-__all__ = ["Architecture", "CHANNEL", "FedBNN", "PER_POINT_SENSITIVITY", "clip_and_renormalise", "mc_predict",
-           "label_shifted", "release_reliability", "soft_cross_entropy"]
+__all__ = ["Architecture", "CHANNEL", "FedBNN", "MAX_ROW_NORM", "PER_POINT_SENSITIVITY", "clip_and_renormalise",
+           "mc_predict", "label_shifted", "release_reliability", "soft_cross_entropy"]

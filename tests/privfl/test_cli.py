@@ -101,3 +101,23 @@ def test_run_refuses_private_fedavg_and_unknown_names(capsys):
 def test_audit_of_a_missing_ledger(tmp_path, capsys):
     code, _, err = run_cli(capsys, "audit", str(tmp_path / "none.sqlite"), "--json")
     assert code == 2 and "no ledger" in err
+
+
+@pytest.mark.parametrize("flag, value, needle", [("--delta", "-1e-5", "delta"), ("--delta", "-0.5", "delta"),
+                                                 ("--epsilon", "-3", "epsilon"), ("--epsilon", "-inf", "epsilon"),
+                                                 ("--delta", "1e-320", "delta")])
+def test_negative_and_extreme_numbers_reach_validation(capsys, flag, value, needle):
+    """``--delta -1e-5`` used to be read by argparse as an option ("expected one argument"); it must reach the
+    validation that says what is wrong, exit 2, and print no traceback."""
+    argv = {"--delta": "1e-5", "--epsilon": "3"}
+    argv[flag] = value
+    code, out, err = run_cli(capsys, "calibrate", "--epsilon", argv["--epsilon"], "--delta", argv["--delta"],
+                             "--rounds", "3")
+    assert code == 2
+    assert needle in err and "Traceback" not in err and "expected one argument" not in err
+
+
+def test_run_refuses_a_negative_delta_cleanly(capsys):
+    code, _, err = run_cli(capsys, "run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--rounds", "1",
+                           "--delta", "-1e-5", "--quiet")
+    assert code == 2 and "delta" in err and "Traceback" not in err

@@ -17,16 +17,17 @@ from hypothesis.extra.numpy import arrays
 from scipy.stats import multivariate_normal
 
 from accounting.ledger import PrivacyLedger
-from mechanisms import SeededNoise
+from mechanisms import InvalidRelease, SeededNoise
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, blr_from_statistics, centralised_blr, distill_kernel,
-                                      distillation_loss, phase_budgets, run_fedbnr)
+from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, PairedScatter, _check_pairs, blr_from_statistics,
+                                      centralised_blr, distill_kernel, distillation_loss, phase_budgets, run_fedbnr)
 from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.data import ArrayDataset, make_federated
+from privfl.data import ArrayDataset, FederatedData, make_federated
 from privfl.errors import ConfigurationError
-from privfl.features import KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood
+from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
+                             pair_squared_norms)
 from privfl.release import ReleasePipeline
 from privfl.runtime import Simulation
 from privfl.secure import SecureAggregation
@@ -146,16 +147,22 @@ def test_channels_follow_privacy():
     private = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5), num_samples=5, target_clip=2.0)
     private.setup(data, None)
     scatter, cross = private.channels()
-    assert scatter.clip == PreClipped(0.5, "squared_sum") and scatter.symmetric and scatter.sensitivity == 0.25
+    # tightened (was PreClipped with B^2): RFF rows are m = 5 (cos, sin) pairs and the noise is on the upper triangle
+    assert scatter.clip == PairedScatter(0.5, pairs=5) and scatter.symmetric
+    assert scatter.sensitivity == pytest.approx(0.25 * math.sqrt((1 + 1 / 5) / 2))
     assert cross.clip == PreClipped(1.0, "sum") and cross.sensitivity == 1.0
+    # public coordinate bounds from the record cap (default 100): client_rows B^2 and client_rows B B_y
+    assert (scatter.coordinate_bound, cross.coordinate_bound) == (100 * 0.25, 100 * 1.0)
     replace = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5, adjacency="replace_one"),
                      num_samples=5, target_clip=2.0)
     replace.setup(data, None)
-    assert [c.sensitivity for c in replace.channels()] == pytest.approx([math.sqrt(2) * 0.25, 2.0])
+    # tightened from sqrt(2) B^2 to B^2 sqrt(1 + 1/m)
+    assert [c.sensitivity for c in replace.channels()] == pytest.approx([math.sqrt(1 + 1 / 5) * 0.25, 2.0])
     client = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="client", clip=1.0), num_samples=5, target_clip=2.0,
                     client_rows=30)
     client.setup(data, None)
     assert [c.clip for c in client.channels()] == [NormClip(30.0), NormClip(60.0)]
+    assert [c.coordinate_bound for c in client.channels()] == [30.0, 60.0]
 
 
 def _unbounded(alg: FedBNR, dim: int, scale: float = 4.0):
@@ -197,6 +204,192 @@ def test_scatter_channels_move_by_at_most_their_sensitivity(adjacency):
     assert worst["scatter"] > 0.3 and worst["cross"] > 0.3  # the bounds are not vacuous on these data
 
 
+# -- paired features: the scatter's tightened sensitivity ----------------------------------------------------------
+
+M, IN = 20, 25  # m frequencies, inputs of dimension >= m: every vector of m angles is reachable by some input
+
+
+def _upper_norm(matrix) -> float:
+    """Norm of the upper triangle including the diagonal: what a symmetric channel's noise is added to."""
+    matrix = np.asarray(matrix)
+    return float(np.linalg.norm(matrix[np.triu_indices(len(matrix))]))
+
+
+def _paired_fedbnr(privacy, kernel=None, client_rows=100, num_samples=M, target_clip=2.0) -> FedBNR:
+    x = np.zeros((4, IN), np.float32)
+    part = ArrayDataset(x, np.zeros(4, np.float32), "regression", 1)
+    alg = FedBNR(ONE_ROUND, privacy, kernel=kernel, num_samples=num_samples, lengthscale=1.3,
+                 target_clip=target_clip, client_rows=client_rows)
+    alg.setup(FederatedData([part], part, "adversarial", 1, (IN,)), np.random.default_rng(0))
+    return alg
+
+
+def _all_sine_input(rff: RandomFourierFeatures) -> np.ndarray:
+    """An input whose every angle omega_k^T x / l is pi/2: phi = (0, ..., 0, 1, ..., 1) / sqrt(m)."""
+    return np.linalg.lstsq(rff.omega.T / rff.lengthscale, np.full(rff.num_samples, np.pi / 2), rcond=None)[0]
+
+
+def _released(alg: FedBNR, x, y) -> dict[str, np.ndarray]:
+    """What the pipeline would noise: validated and clipped channel values of one client step."""
+    ds = ArrayDataset(np.asarray(x, np.float32), np.asarray(y, np.float32), "regression", 1)
+    out = alg.client_update(0, ds, 0, None).values
+    return {c.name: np.asarray(c.clip.apply(c.validate(out[c.name]))) for c in alg.channels()}
+
+
+def test_feature_maps_declare_their_cos_sin_pairs():
+    rff = RandomFourierFeatures(3, 7, seed=0)
+    net = KernelNetwork(3, num_samples=9, hidden=(4,))
+
+    class Shifted(KernelNetwork):  # a subclass may change forward: nothing is assumed of it
+        pass
+
+    assert cos_sin_pairs(rff) == 7 and cos_sin_pairs(net) == 9 and cos_sin_pairs(net.features) == 9
+    assert cos_sin_pairs(lambda x: x) is None and cos_sin_pairs(Shifted(3, num_samples=9).features) is None
+    assert cos_sin_pairs(KernelNetwork(3).forward) is None  # only the features method is recognised
+    x = np.random.default_rng(0).normal(size=(30, 3)) * 5
+    for phi, m in [(rff(x), 7), (0.3 * net.features(x), 9)]:  # scaling (the row clip) keeps the pairs equal
+        expected = np.broadcast_to(np.sum(phi ** 2, 1, keepdims=True) / m, (len(phi), m))
+        np.testing.assert_allclose(pair_squared_norms(phi, m), expected, rtol=1e-12)
+
+
+def test_paired_scatter_declares_its_sensitivity_from_the_pairs():
+    for b, m in [(1.0, 20), (0.5, 5), (2.0, 1)]:
+        assert PairedScatter(b, pairs=m).sensitivity("add_remove") == pytest.approx(b * b * math.sqrt((1 + 1 / m) / 2))
+        assert PairedScatter(b, pairs=m).sensitivity("replace_one") == pytest.approx(b * b * math.sqrt(1 + 1 / m))
+    # one "pair" is any row: PreClipped's bounds
+    assert PairedScatter(0.7, pairs=1).sensitivity("add_remove") == pytest.approx(
+        PreClipped(0.7, "squared_sum").sensitivity("add_remove"))
+    assert PairedScatter(0.7, pairs=1).sensitivity("replace_one") == pytest.approx(
+        PreClipped(0.7, "squared_sum").sensitivity("replace_one"))
+    # the audit measured 0.724 B^2 at m = 20: the exact bound sqrt(0.525) = 0.7246 (attained, see below); the 0.714 of
+    # its write-up is the bound at m = 50, and m read as the 2m = 40 features would give 0.7159, below what is attained
+    assert PairedScatter(1.0, pairs=20).sensitivity("add_remove") == pytest.approx(0.72457, abs=1e-5)
+    assert PairedScatter(1.0, pairs=50).sensitivity("add_remove") == pytest.approx(0.71414, abs=1e-5)
+    for bad in (dict(pairs=0), dict(pairs=2.5), dict(pairs=3, statistic="sum")):
+        with pytest.raises(InvalidRelease):
+            PairedScatter(1.0, **bad)
+
+
+def test_rows_that_are_not_paired_are_refused_before_release():
+    rows = RandomFourierFeatures(2, 4, seed=0)(np.random.default_rng(0).normal(size=(5, 2)))
+    _check_pairs(rows, 4)
+    _check_pairs(0.2 * rows, 4)
+    bad = rows.copy()
+    bad[0] = np.eye(8)[0]  # one coordinate carries the whole row
+    with pytest.raises(InvalidRelease, match="pairs"):
+        _check_pairs(bad, 4)
+
+
+_angles = st.sampled_from(["zero", "sine", "normal", "tiny", "huge", "duplicate"])
+
+
+def _adversarial_record(data, kind, rff, earlier):
+    """One input: the all-cosine row (x = 0), the all-sine row, random, tiny or huge inputs, or an earlier record."""
+    if kind == "zero":
+        return np.zeros(IN)
+    if kind == "sine" and rff is not None:
+        return _all_sine_input(rff)
+    if kind == "duplicate" and earlier:
+        return earlier[data.draw(st.integers(0, len(earlier) - 1))]
+    scale = {"tiny": 1e-4, "huge": 1e3}.get(kind, 1.0)
+    seed = data.draw(st.integers(0, 2 ** 32 - 1))
+    return np.random.default_rng(seed).normal(size=IN) * scale
+
+
+_targets_st = st.one_of(st.floats(-1e3, 1e3), st.sampled_from([2.0, -2.0, 0.0, 1e6, -1e6]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), clip=st.sampled_from([0.3, 1.0, 1.7]), adjacency=st.sampled_from(["add_remove", "replace_one"]),
+       deep=st.booleans(), client_rows=st.sampled_from([1, 100]))
+def test_paired_scatter_moves_by_at_most_its_tightened_sensitivity(data, clip, adjacency, deep, client_rows):
+    """Neighbouring record sets (one record removed, or replaced) drawn from the worst rows (all-cosine, all-sine),
+    random, tiny and huge inputs, duplicates, targets at and far beyond the clip, with pure RFF or a learned extractor
+    before the cos/sin layer, and with a record cap that clips the sums: the released upper triangle of the scatter
+    and the cross vector move by at most the declared sensitivities."""
+    privacy = PrivacyConfig(epsilon=1.0, unit="example", clip=clip, adjacency=adjacency)
+    kernel = KernelNetwork(IN, num_samples=M, hidden=(8,), latent_dim=4, seed=3) if deep else None
+    alg = _paired_fedbnr(privacy, kernel=kernel, client_rows=client_rows)
+    scatter, cross = alg.channels()
+    assert isinstance(scatter.clip, PairedScatter) and scatter.clip.pairs == M and scatter.symmetric
+    rff = None if deep else alg.feature_map
+    records: list[np.ndarray] = []
+    for _ in range(data.draw(st.integers(2, 7))):
+        records.append(_adversarial_record(data, data.draw(_angles), rff, records))
+    x = np.array(records)
+    y = np.array([data.draw(_targets_st) for _ in records])
+    i = data.draw(st.integers(0, len(x) - 1))
+    if adjacency == "add_remove":
+        x2, y2 = np.delete(x, i, axis=0), np.delete(y, i)
+    else:
+        x2, y2 = x.copy(), y.copy()
+        x2[i], y2[i] = _adversarial_record(data, data.draw(_angles), rff, records), data.draw(_targets_st)
+    a, b = _released(alg, x, y), _released(alg, x2, y2)
+    assert _upper_norm(a["scatter"] - b["scatter"]) <= scatter.sensitivity * (1 + 1e-9)
+    assert np.linalg.norm(a["cross"] - b["cross"]) <= cross.sensitivity * (1 + 1e-9)
+    for v in (a, b):
+        assert np.abs(v["scatter"]).max() <= scatter.coordinate_bound and \
+            np.abs(v["cross"]).max() <= cross.coordinate_bound
+
+
+@pytest.mark.parametrize("clip", [0.5, 1.0])
+def test_paired_scatter_sensitivity_is_attained(clip):
+    """The worst cases: removing the all-cosine row (RFF at x = 0), or replacing it by the all-sine row, moves the
+    released upper triangle by the declared sensitivity; a target at the clip (removed, or flipped) does the same for
+    cross."""
+    rest = np.random.default_rng(0).normal(size=(3, IN))
+    y_rest = [0.1, 0.2, 0.3]
+    with_cosine = np.vstack([rest, np.zeros(IN)])
+    remove = _paired_fedbnr(PrivacyConfig(epsilon=1.0, unit="example", clip=clip))
+    scatter, cross = remove.channels()
+    a, b = _released(remove, with_cosine, y_rest + [2.0]), _released(remove, rest, y_rest)
+    assert _upper_norm(a["scatter"] - b["scatter"]) == pytest.approx(scatter.sensitivity, rel=1e-6)
+    assert np.linalg.norm(a["cross"] - b["cross"]) == pytest.approx(cross.sensitivity, rel=1e-6)
+    replace = _paired_fedbnr(PrivacyConfig(epsilon=1.0, unit="example", clip=clip, adjacency="replace_one"))
+    scatter, cross = replace.channels()
+    with_sine = np.vstack([rest, _all_sine_input(replace.feature_map)])
+    a, b = _released(replace, with_cosine, y_rest + [0.0]), _released(replace, with_sine, y_rest + [0.0])
+    assert _upper_norm(a["scatter"] - b["scatter"]) >= 0.999 * scatter.sensitivity  # float32 inputs: angles ~1e-7
+    a, b = _released(replace, with_cosine, y_rest + [2.0]), _released(replace, with_cosine, y_rest + [-2.0])
+    assert np.linalg.norm(a["cross"] - b["cross"]) == pytest.approx(cross.sensitivity, rel=1e-6)
+    # what is attained at m = 20 exceeds the bound with m misread as the 40 features: that reading is unsound
+    moved = _upper_norm(_released(remove, np.zeros((1, IN)), [0.0])["scatter"]) / clip ** 2
+    assert math.sqrt((1 + 1 / (2 * M)) / 2) < moved <= math.sqrt((1 + 1 / M) / 2) * (1 + 1e-12)
+
+
+def test_a_client_beyond_the_record_cap_has_its_sums_clipped_into_the_public_bounds():
+    privacy = PrivacyConfig(epsilon=1.0, unit="example", clip=1.0)
+    alg = _paired_fedbnr(privacy, client_rows=2, num_samples=2)  # bounds: 2 B^2 = 2 and 2 B B_y = 4
+    scatter, cross = alg.channels()
+    assert (scatter.coordinate_bound, cross.coordinate_bound) == (2.0, 4.0)
+    small = alg.client_update(0, ArrayDataset(np.zeros((2, IN), np.float32), np.full(2, 2.0, np.float32),
+                                              "regression", 1), 0, None)
+    np.testing.assert_allclose(small.values["scatter"].value[:2, :2], 1.0)  # 2 rows x 1/m: within the cap
+    assert small.metrics["sums_clipped"] == 0.0
+    big = alg.client_update(0, ArrayDataset(np.zeros((10, IN), np.float32), np.full(10, 2.0, np.float32),
+                                            "regression", 1), 0, None)
+    np.testing.assert_allclose(big.values["scatter"].value[:2, :2], 2.0)  # 10 / m = 5, clipped to 2
+    np.testing.assert_allclose(big.values["cross"].value[:2], 4.0)  # 10 * 2 / sqrt(2), clipped to 4
+    assert big.metrics["sums_clipped"] == 1.0
+
+
+def test_private_channels_have_public_coordinate_bounds_and_run_under_secure_aggregation():
+    """Secure aggregation sizes each private channel's quantisation range from its public coordinate bound only."""
+    data = make_federated("synthetic1d", 4, partition="iid", seed=0, n=120, alignment_size=10)
+    for unit in ("example", "client"):
+        privacy = PrivacyConfig(epsilon=3.0, unit=unit, accountant="exact")
+        algs = [FedBNR(ONE_ROUND, privacy, num_samples=10, client_rows=50),
+                _kd(privacy), _kd(privacy, aggregation="fedavg")]
+        for alg in algs:
+            alg.setup(data, np.random.default_rng(0))
+            assert all(c.coordinate_bound is not None and math.isfinite(c.coordinate_bound)
+                       for c in alg.channels())
+        scatter, cross = algs[0].channels()
+        assert (scatter.coordinate_bound, cross.coordinate_bound) == (50.0, 150.0)  # 50 B^2, 50 B B_y (B_y = 3)
+        alg, result = _fitted(data, privacy, secure=SecureAggregation(bits=48), num_samples=10, client_rows=50)
+        assert result.audit["max_epsilon"] <= 3.0 + 1e-9 and np.isfinite(result.final["rmse"])
+
+
 def test_private_scatter_release_is_symmetric_noise_of_the_calibrated_size():
     data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=60)
     alg = FedBNR(ONE_ROUND, EXAMPLE_DP, num_samples=60)
@@ -210,7 +403,8 @@ def test_private_scatter_release_is_symmetric_noise_of_the_calibrated_size():
     noise = rel["scatter"].value - out.values["scatter"].value
     np.testing.assert_array_equal(noise, noise.T)
     upper = noise[np.triu_indices(120)]
-    assert upper.std() == pytest.approx(2.0 * 1.0, rel=0.05)  # z * B^2 with B = 1
+    # z * B^2 sqrt((1 + 1/m) / 2) with B = 1, m = 60 (tightened from z * B^2: paired features, symmetric noise)
+    assert upper.std() == pytest.approx(2.0 * math.sqrt((1 + 1 / 60) / 2), rel=0.05)
     assert rel["cross"].local_noise_std == pytest.approx(2.0 * 3.0)  # z * B * B_y
 
 
@@ -441,8 +635,9 @@ def test_kd_under_dp_stays_within_one_budget_and_charges_every_release(tmp_path)
 
 
 @pytest.mark.parametrize("privacy", [NONPRIVATE, PrivacyConfig(epsilon=3.0, unit="client", placement="central",
-                                                               accountant="exact")])
+                                                               accountant="exact", secure_noise=False)])
 def test_kd_secure_aggregation_changes_only_quantisation(privacy):
+    # seeded noise (secure_noise=False): both runs draw the same central noise, so only quantisation differs
     data = _kd_data(n_clients=4)
     fed = FederationConfig(rounds=2, local_epochs=5, lr=0.05, seed=0)
     plain, masked = _kd(privacy, fed, kd_steps=5), _kd(privacy, fed, kd_steps=5)
