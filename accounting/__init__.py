@@ -1,21 +1,21 @@
 """privfl's accounting: privacy events, accountants (exact Gaussian, zCDP, RDP, PLD) and noise calibration.
 
 Imports nothing of the rest of the project; see ``accounting.events``, ``accounting.accountants`` and
-``accounting.calibration``.
+``accounting.calibration``. The limits every entry point enforces are listed in ``accounting.validation``.
 """
 
-from accounting.errors import (InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded, PrivacyError,
-                               UnsupportedEventError)
-from accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
-                               PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent, event_from_dict, flatten,
-                               rho_of)
+from accounting.errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
+                               PrivacyError, UnsupportedEventError)
+from accounting.events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
+                               PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
+                               event_from_dict, flatten, rho_of)
 from accounting.accountants import (ACCOUNTANTS, Accountant, ExactAccountant, PLDAccountant, RDPAccountant,
                                     ZCDPAccountant, make_accountant)
 from accounting.calibration import Calibration, calibrate, epsilon_for, round_event
 
 __all__ = [
     "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",
-    "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
+    "InvalidLedgerArgument", "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
     "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
     "Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
     "make_accountant", "Calibration", "calibrate", "epsilon_for", "round_event",

@@ -5,6 +5,10 @@ rate q < 1, the whole round (all channels) is one Poisson-sampled event, since a
 Budget shares split one scalar s across channels, z_c = s / sqrt(share_c): under zCDP or Gaussian DP, channel c then
 carries share_c of the total rho (or mu^2), and the round as a whole is a Gaussian with noise multiplier exactly s.
 
+With ``relation="replace_one"`` (clients' record counts public) the sampled round is a replace-one Poisson-sampled
+event; noise multipliers are then relative to the replace-one displacement (2C for a unit clipped to C), as every
+sensitivity is (see ``PoissonSampledEvent``). Only the ``pld`` backend composes replace-one sampled events.
+
 Calibration sees only events and accountants (a factory in, a number out). It bisects s, keeping the end that meets
 the target, so the returned noise never overshoots the target and lies within ``tol`` (relative) of the smallest noise
 the accountant accepts. Without sampling under ``exact`` the answer has a closed form: solve the analytic Gaussian for
@@ -22,8 +26,9 @@ from accounting.accountants import ACCOUNTANTS, Accountant, make_accountant
 from accounting.accountants.analytic_gaussian import gaussian_mu
 from accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
 from accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
-from accounting.validation import (check_count, check_delta, check_epsilon, check_non_negative_finite,
-                                   check_positive_finite, check_probability)
+from accounting.validation import (MAX_TOL, MIN_SHARE_RATIO, MIN_TOL, check_count, check_delta,
+                                   check_non_negative_finite, check_positive_finite, check_probability,
+                                   check_relation, check_target_epsilon)
 
 DEFAULT_CHANNELS: Mapping[str, float] = MappingProxyType({"update": 1.0})
 DEFAULT_TOL = 1e-3
@@ -38,7 +43,8 @@ class Calibration:
     """The result of :func:`calibrate`.
 
     ``noise_multipliers``: noise std / sensitivity per channel (one release per channel per round); ``epsilon``: the
-    epsilon the accountant certifies for them at ``delta`` (never above ``target_epsilon``); ``accountant``: its name.
+    epsilon the accountant certifies for them at ``delta`` (never above ``target_epsilon``); ``accountant``: its name;
+    ``relation``: the neighbouring relation the sampled rounds were accounted under.
     """
 
     noise_multipliers: dict[str, float]
@@ -48,6 +54,7 @@ class Calibration:
     rounds: int = 1
     sampling_rate: float = 1.0
     target_epsilon: float | None = None
+    relation: str = "add_remove"
 
     def __post_init__(self):
         if not isinstance(self.noise_multipliers, Mapping):
@@ -59,6 +66,9 @@ class Calibration:
         object.__setattr__(self, "sampling_rate", check_probability("sampling_rate", self.sampling_rate))
         if not isinstance(self.accountant, str) or not self.accountant:
             raise InvalidPrivacyParameter("accountant must be the non-empty name of the accountant used")
+        if self.target_epsilon is not None:
+            object.__setattr__(self, "target_epsilon", check_positive_finite("target_epsilon", self.target_epsilon))
+        check_relation(self.relation)
 
     @property
     def noise_multiplier(self) -> float:
@@ -71,7 +81,7 @@ class Calibration:
 
 
 def _check_channels(channels: Mapping[str, float] | None) -> dict[str, float]:
-    """Validate budget shares and normalise them to sum to 1."""
+    """Validate budget shares and normalise them to sum to 1 (the smallest at least MIN_SHARE_RATIO of the largest)."""
     if channels is None:
         channels = DEFAULT_CHANNELS
     if not isinstance(channels, Mapping) or not channels:
@@ -82,8 +92,15 @@ def _check_channels(channels: Mapping[str, float] | None) -> dict[str, float]:
         if not isinstance(name, str) or not name:
             raise InvalidPrivacyParameter(f"channel names must be non-empty strings, got {name!r}")
         shares[name] = check_positive_finite(f"budget share of channel {name!r}", share)
-    total = math.fsum(shares.values())
-    return {name: share / total for name, share in shares.items()}
+    largest = max(shares.values())
+    relative = {name: share / largest for name, share in shares.items()}  # in (0, 1]: the sum cannot overflow
+    smallest = min(relative, key=relative.get)
+    if relative[smallest] < MIN_SHARE_RATIO:
+        raise InvalidPrivacyParameter(
+            f"channel {smallest!r} has {relative[smallest]:.3g} of the largest budget share; below "
+            f"{MIN_SHARE_RATIO:g} it would carry no signal under its noise: drop the channel or raise its share")
+    total = math.fsum(relative.values())
+    return {name: share / total for name, share in relative.items()}
 
 
 def _check_noise_multipliers(noise_multipliers: Mapping[str, float] | float) -> dict[str, float]:
@@ -91,7 +108,10 @@ def _check_noise_multipliers(noise_multipliers: Mapping[str, float] | float) -> 
         return {"update": check_positive_finite("noise_multiplier", noise_multipliers)}
     if not noise_multipliers:
         raise InvalidPrivacyParameter("noise_multipliers must name at least one channel")
-    return {str(name): check_positive_finite(f"noise multiplier of channel {name!r}", z)
+    for name in noise_multipliers:
+        if not isinstance(name, str) or not name:
+            raise InvalidPrivacyParameter(f"channel names must be non-empty strings, got {name!r}")
+    return {name: check_positive_finite(f"noise multiplier of channel {name!r}", z)
             for name, z in noise_multipliers.items()}
 
 
@@ -121,13 +141,16 @@ def _resolve_accountant(accountant: AccountantSpec, sampling_rate: float) -> tup
     return factory, name
 
 
-def round_event(noise_multipliers: Mapping[str, float] | float, sampling_rate: float = 1.0) -> PrivacyEvent:
-    """The event of one round: one unit-sensitivity Gaussian release per channel, Poisson-sampled together if q < 1."""
+def round_event(noise_multipliers: Mapping[str, float] | float, sampling_rate: float = 1.0,
+                relation: str = "add_remove") -> PrivacyEvent:
+    """The event of one round: one unit-sensitivity Gaussian release per channel, Poisson-sampled together (under
+    ``relation``) if q < 1."""
     zs = _check_noise_multipliers(noise_multipliers)
     sampling_rate = check_probability("sampling_rate", sampling_rate)
+    relation = check_relation(relation)
     releases = [GaussianEvent(1.0, zs[name]) for name in zs]
     event: PrivacyEvent = releases[0] if len(releases) == 1 else ComposedEvent(tuple(releases))
-    return event if sampling_rate == 1.0 else PoissonSampledEvent(sampling_rate, event)
+    return event if sampling_rate == 1.0 else PoissonSampledEvent(sampling_rate, event, relation)
 
 
 def _epsilon_of(factory: Callable[[], Accountant], event: PrivacyEvent, rounds: int, delta: float) -> float:
@@ -141,34 +164,38 @@ def _epsilon_of(factory: Callable[[], Accountant], event: PrivacyEvent, rounds: 
 
 
 def epsilon_for(noise_multipliers: Mapping[str, float] | float, rounds: int, sampling_rate: float = 1.0,
-                delta: float = 1e-5, accountant: AccountantSpec = None) -> float:
+                delta: float = 1e-5, accountant: AccountantSpec = None, relation: str = "add_remove") -> float:
     """The epsilon at ``delta`` of ``rounds`` rounds with these noise multipliers, built from the same events as
     :func:`calibrate` (so a ledger or the CLI can recompute what a calibration promised)."""
     rounds = check_count("rounds", rounds)
     sampling_rate = check_probability("sampling_rate", sampling_rate)
     delta = check_delta(delta)
+    event = round_event(noise_multipliers, sampling_rate, relation)
     factory, _ = _resolve_accountant(accountant, sampling_rate)
-    return _epsilon_of(factory, round_event(noise_multipliers, sampling_rate), rounds, delta)
+    return _epsilon_of(factory, event, rounds, delta)
 
 
 def calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling_rate: float = 1.0,
               channels: Mapping[str, float] | None = None, accountant: AccountantSpec = None,
-              tol: float = DEFAULT_TOL) -> Calibration:
+              tol: float = DEFAULT_TOL, relation: str = "add_remove") -> Calibration:
     """The smallest noise multipliers meeting (target_epsilon, target_delta) after ``rounds`` rounds.
 
     ``channels`` maps channel name -> budget share (positive; normalised); channel c gets z_c = s / sqrt(share_c).
     ``accountant``: a backend name, a factory of fresh accountants, or None (``exact`` if sampling_rate == 1, else
     ``pld``). ``tol``: relative precision of s; the result meets the target and is at most (1 + tol) times the
-    smallest s the accountant accepts.
+    smallest s the accountant accepts. ``relation``: the run's neighbouring relation (``"add_remove"`` or
+    ``"replace_one"``); the sampled rounds are accounted under it, and the noise multipliers are relative to the
+    displacement under it. Limits on every argument: ``accounting.validation``.
     """
-    target_epsilon = check_epsilon(target_epsilon)
+    target_epsilon = check_target_epsilon(target_epsilon)
     target_delta = check_delta(target_delta)
     rounds = check_count("rounds", rounds)
     sampling_rate = check_probability("sampling_rate", sampling_rate)
     shares = _check_channels(channels)
     tol = check_positive_finite("tol", tol)
-    if tol > 0.01:
-        raise InvalidPrivacyParameter(f"tol must be at most 0.01 (1%), got {tol}")
+    if not MIN_TOL <= tol <= MAX_TOL:
+        raise InvalidPrivacyParameter(f"tol must lie in [{MIN_TOL:g}, {MAX_TOL:g}] (relative precision), got {tol}")
+    relation = check_relation(relation)
     if sampling_rate < 1.0 and sampling_rate <= target_delta:
         raise InvalidPrivacyParameter(
             f"sampling_rate={sampling_rate} is not above delta={target_delta}: the target would hold with almost no "
@@ -179,7 +206,7 @@ def calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling_
         return {c: s / math.sqrt(share) for c, share in shares.items()}
 
     def epsilon_at(s: float) -> float:
-        return _epsilon_of(factory, round_event(multipliers(s), sampling_rate), rounds, target_delta)
+        return _epsilon_of(factory, round_event(multipliers(s), sampling_rate, relation), rounds, target_delta)
 
     found = None
     if name == "exact":
@@ -189,7 +216,7 @@ def calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling_
                                                                              sampling_rate))
     s, epsilon = found
     return Calibration(noise_multipliers=multipliers(s), epsilon=epsilon, delta=target_delta, accountant=name,
-                       rounds=rounds, sampling_rate=sampling_rate, target_epsilon=target_epsilon)
+                       rounds=rounds, sampling_rate=sampling_rate, target_epsilon=target_epsilon, relation=relation)
 
 
 def _closed_form_exact(target_epsilon: float, target_delta: float, rounds: int,

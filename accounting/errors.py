@@ -32,3 +32,7 @@ class PrivacyBudgetExceeded(PrivacyError):
 
 class LedgerError(PrivacyError):
     """The ledger refused an operation (conflicting replay, run mismatch, corrupt row)."""
+
+
+class InvalidLedgerArgument(LedgerError, ValueError):
+    """A ledger key or label is malformed (client id, round, channel, unit, run id); nothing was written."""

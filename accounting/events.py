@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.errors import InvalidPrivacyParameter
-from accounting.validation import check_count, check_positive_finite, check_probability
+from accounting.validation import (RELATIONS, check_count, check_positive_finite, check_probability,
+                                   check_relation)
 
 
 class PrivacyEvent:
@@ -34,8 +35,11 @@ class PrivacyEvent:
 class GaussianEvent(PrivacyEvent):
     """One release of the Gaussian mechanism: noise N(0, noise_std^2 I) on a value of L2 sensitivity ``sensitivity``.
 
+    ``sensitivity`` is always the largest L2 distance between the value on two neighbouring data sets under the run's
+    neighbouring relation (a unit clipped to norm C moves a sum by C under add/remove, by 2C under replace-one).
     It is exactly rho-zCDP with rho = sensitivity^2 / (2 noise_std^2), and exactly a mu-Gaussian-DP mechanism with
-    mu = sensitivity / noise_std (Dong, Roth and Su 2019).
+    mu = sensitivity / noise_std (Dong, Roth and Su 2019). ``mu`` may overflow to inf (or underflow to 0) for extreme
+    ratios; accountants then report epsilon = inf (or charge nothing).
     """
 
     sensitivity: float
@@ -56,7 +60,8 @@ class GaussianEvent(PrivacyEvent):
 
     @property
     def rho(self) -> float:
-        return self.sensitivity ** 2 / (2.0 * self.noise_std ** 2)
+        mu = self.mu
+        return mu * mu / 2.0  # products overflow to inf where ** would raise
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "sensitivity": self.sensitivity, "noise_std": self.noise_std}
@@ -85,23 +90,42 @@ class ZCDPEvent(PrivacyEvent):
 
 @dataclass(frozen=True)
 class PoissonSampledEvent(PrivacyEvent):
-    """``event`` applied to a Poisson sample of the population, each member included with probability q."""
+    """``event`` applied to a Poisson sample of the population, each member included with probability q.
+
+    ``relation`` is the run's neighbouring relation, ``"add_remove"`` (default) or ``"replace_one"`` (clients' record
+    counts are public, so neighbours replace one unit). Every sensitivity inside ``event`` is, as everywhere, the L2
+    displacement between the two neighbouring outputs under that relation: a unit clipped to norm C gives C under
+    add/remove and 2C under replace-one.
+
+    Under replace-one the accountant charges the Poisson-sampled Gaussian whose sampled component sits at +r or -r
+    around the output without the unit, with r = sensitivity / 2 (dp-accounting's ``REPLACE_ONE`` relation with
+    radius r; at q = 1 it is exactly the unsampled Gaussian with sensitivity 2r). That is sound when every unit's
+    contribution has norm at most sensitivity / 2, which holds for a sum of units clipped to C (2C = twice the clip).
+    A channel whose replace-one displacement is below twice its per-unit norm bound (e.g. sums of squares of
+    non-negative terms: sqrt(2) C^2 apart, each of norm C^2) must pass twice the per-unit bound (2 C^2) inside a
+    sampled replace-one event, not its displacement.
+    """
 
     sampling_rate: float
     event: PrivacyEvent
+    relation: str = "add_remove"
     kind = "poisson_sampled"
 
     def __post_init__(self):
         object.__setattr__(self, "sampling_rate", check_probability("sampling_rate", self.sampling_rate))
         if not isinstance(self.event, PrivacyEvent):
             raise InvalidPrivacyParameter(f"event must be a PrivacyEvent, got {type(self.event).__name__}")
+        check_relation(self.relation)
 
     @property
     def mechanism(self) -> str:
-        return f"poisson({self.event.mechanism})"
+        if self.relation == "add_remove":
+            return f"poisson({self.event.mechanism})"
+        return f"poisson_{self.relation}({self.event.mechanism})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "sampling_rate": self.sampling_rate, "event": self.event.to_dict()}
+        return {"kind": self.kind, "sampling_rate": self.sampling_rate, "relation": self.relation,
+                "event": self.event.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,8 @@ class ComposedEvent(PrivacyEvent):
     kind = "composed"
 
     def __post_init__(self):
+        if isinstance(self.events, (str, bytes, dict)) or not hasattr(self.events, "__iter__"):
+            raise InvalidPrivacyParameter(f"events must be a sequence of PrivacyEvent, got {self.events!r}")
         events = tuple(self.events)
         for e in events:
             if not isinstance(e, PrivacyEvent):
@@ -166,25 +192,38 @@ class UnsupportedEvent(PrivacyEvent):
     reason: str = "unknown mechanism"
     kind = "unsupported"
 
+    def __post_init__(self):
+        if not isinstance(self.reason, str):
+            raise InvalidPrivacyParameter(f"reason must be a string saying why, got {self.reason!r}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "reason": self.reason}
 
 
 def event_from_dict(d: dict[str, Any]) -> PrivacyEvent:
     """Inverse of ``PrivacyEvent.to_dict``; validates as the constructors do."""
+    try:
+        return _event_from_dict(d)
+    except (KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise InvalidPrivacyParameter(f"not a serialised privacy event ({type(exc).__name__}: {exc}): "
+                                      f"{str(d)[:200]}") from None
+
+
+def _event_from_dict(d: dict[str, Any]) -> PrivacyEvent:
     if not isinstance(d, dict) or "kind" not in d:
-        raise InvalidPrivacyParameter(f"not a serialised privacy event: {d!r}")
+        raise InvalidPrivacyParameter(f"not a serialised privacy event: {str(d)[:200]}")
     kind = d["kind"]
     if kind == GaussianEvent.kind:
         return GaussianEvent(d["sensitivity"], d["noise_std"])
     if kind == ZCDPEvent.kind:
         return ZCDPEvent(d["rho"], d.get("label", "zcdp"))
     if kind == PoissonSampledEvent.kind:
-        return PoissonSampledEvent(d["sampling_rate"], event_from_dict(d["event"]))
+        # Rows written before relations existed carry none: they were add/remove.
+        return PoissonSampledEvent(d["sampling_rate"], _event_from_dict(d["event"]), d.get("relation", "add_remove"))
     if kind == SelfComposedEvent.kind:
-        return SelfComposedEvent(event_from_dict(d["event"]), d["count"])
+        return SelfComposedEvent(_event_from_dict(d["event"]), d["count"])
     if kind == ComposedEvent.kind:
-        return ComposedEvent(tuple(event_from_dict(e) for e in d["events"]))
+        return ComposedEvent(tuple(_event_from_dict(e) for e in d["events"]))
     if kind == NoOpEvent.kind:
         return NoOpEvent()
     if kind == NonPrivateEvent.kind:
@@ -227,6 +266,6 @@ def rho_of(event: PrivacyEvent) -> float:
 
 
 __all__ = [
-    "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
+    "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
     "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
 ]

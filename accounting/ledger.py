@@ -8,6 +8,10 @@ its budget raises :class:`PrivacyBudgetExceeded` and writes nothing.
 A row also records whether its value was released. Replaying a charge (same client, round and channel, same event)
 charges nothing twice; releasing the same row twice is refused, because a second noisy copy of a value would need a
 second charge.
+
+Keys are checked before anything is written (``accounting.validation``): a client id is a non-empty string or an
+integer (stored as its decimal string), a round an integer in [0, 1e9], a channel a non-empty string, the unit
+``"example"`` or ``"client"``. A refused call (bad argument, unsupported event, budget) writes no row.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from accounting.accountants import make_accountant
-from accounting.errors import InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
+from accounting.accountants.tree import unamplified_rho
+from accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
 from accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
-                               ZCDPEvent, event_from_dict, flatten)
-from accounting.validation import check_delta, check_epsilon
+                               event_from_dict, flatten)
+from accounting.validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
+                                   check_unit)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -65,6 +71,13 @@ class ChargeRequest:
     channel: str
     event: PrivacyEvent
     unit: str = "example"
+
+    def __post_init__(self):
+        check_name("channel", self.channel)
+        if not isinstance(self.event, PrivacyEvent):
+            raise InvalidPrivacyParameter(f"channel {self.channel!r}: event must be a PrivacyEvent, got "
+                                          f"{type(self.event).__name__}")
+        check_unit(self.unit)
 
 
 @dataclass(frozen=True)
@@ -109,22 +122,33 @@ class PrivacyLedger:
 
     def __init__(self, path: str | os.PathLike, run_id: str = "default", *, delta: float = 1e-5,
                  epsilon_budget: float = math.inf, accountant: str = "exact", meta: dict | None = None):
-        if not isinstance(run_id, str) or not run_id:
-            raise LedgerError("run_id must be a non-empty string")
+        check_name("run_id", run_id)
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise InvalidLedgerArgument(f"path must be a file path (or ':memory:'), got {path!r}")
         self.path = str(path)
         self.run_id = run_id
         delta = check_delta(delta)
         epsilon_budget = check_epsilon(epsilon_budget, allow_inf=True)
         make_accountant(accountant)  # validates the name before anything is written
-        self._conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL" if self.path != ":memory:" else "PRAGMA journal_mode=MEMORY")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(_SCHEMA)
-        row = self._conn.execute("SELECT delta, epsilon_budget, accountant FROM runs WHERE run_id=?",
-                                 (run_id,)).fetchone()
+        if meta is not None and not isinstance(meta, dict):
+            raise InvalidLedgerArgument(f"meta must be a dict of JSON values, got {type(meta).__name__}")
+        try:
+            meta_json = json.dumps(meta or {}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidLedgerArgument(f"meta must hold JSON values only (strings, finite numbers, lists, dicts): "
+                                        f"{exc}") from None
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            self._conn.execute("PRAGMA journal_mode=WAL" if self.path != ":memory:" else "PRAGMA journal_mode=MEMORY")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.executescript(_SCHEMA)
+            row = self._conn.execute("SELECT delta, epsilon_budget, accountant FROM runs WHERE run_id=?",
+                                     (run_id,)).fetchone()
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open a ledger at {self.path}: {exc}; pass a writable file path") from None
         if row is None:
             self._conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
-                               (run_id, delta, epsilon_budget, accountant, time.time(), json.dumps(meta or {})))
+                               (run_id, delta, epsilon_budget, accountant, time.time(), meta_json))
         else:
             stored = (row[0], row[1], row[2])
             if not (math.isclose(stored[0], delta) and (stored[1] == epsilon_budget
@@ -142,9 +166,14 @@ class PrivacyLedger:
     @classmethod
     def open_existing(cls, path: str | os.PathLike, run_id: str | None = None) -> "PrivacyLedger":
         """Reopen a ledger with the parameters stored in it (the only run, or ``run_id``)."""
-        if not os.path.exists(path):
-            raise LedgerError(f"no ledger at {path}; pass the path written by `privfl run --ledger`")
-        conn = sqlite3.connect(str(path))
+        if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+            raise LedgerError(f"no ledger at {path!r}; pass the path written by `privfl run --ledger`")
+        if run_id is not None:
+            check_name("run_id", run_id)
+        try:
+            conn = sqlite3.connect(str(path))
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open {path}: {exc}") from None
         try:
             rows = conn.execute("SELECT run_id, delta, epsilon_budget, accountant FROM runs").fetchall()
         except sqlite3.DatabaseError as exc:
@@ -158,6 +187,15 @@ class PrivacyLedger:
             raise LedgerError(f"{path} holds runs [{names}]; pass run_id to choose one")
         rid, delta, budget, accountant = rows[0]
         return cls(path, rid, delta=delta, epsilon_budget=budget, accountant=accountant)
+
+    @property
+    def meta(self) -> dict:
+        """The run's metadata, as stored when the run was first opened (a fresh copy)."""
+        row = self._conn.execute("SELECT meta FROM runs WHERE run_id=?", (self.run_id,)).fetchone()
+        try:
+            return json.loads(row[0]) if row else {}
+        except (TypeError, ValueError):
+            raise LedgerError(f"run {self.run_id!r} in {self.path} has corrupt metadata: {row[0]!r}") from None
 
     @staticmethod
     def run_ids(path: str | os.PathLike) -> list[str]:
@@ -180,7 +218,7 @@ class PrivacyLedger:
 
     def charges(self, client_id: str | None = None) -> list[Charge]:
         """All committed charges of this run (of one client if given), in round order."""
-        return self._rows(None if client_id is None else str(client_id))
+        return self._rows(None if client_id is None else check_client_id(client_id))
 
     def clients(self) -> list[str]:
         return [r[0] for r in self._conn.execute(
@@ -200,8 +238,9 @@ class PrivacyLedger:
 
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
         """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta)."""
+        client_id = check_client_id(client_id)
         delta = self.delta if delta is None else check_delta(delta)
-        return self._epsilon_of(((c.round, c.event) for c in self._rows(str(client_id))), delta)
+        return self._epsilon_of(((c.round, c.event) for c in self._rows(client_id)), delta)
 
     def remaining(self, client_id: str) -> float:
         return self.epsilon_budget - self.epsilon(client_id)
@@ -220,19 +259,18 @@ class PrivacyLedger:
         a replay with a different event raises :class:`LedgerError`. Raises :class:`PrivacyBudgetExceeded`
         (nothing written) if the client's composed epsilon at the ledger's delta would exceed its budget.
         """
-        client_id = str(client_id)
-        if isinstance(round, bool) or not isinstance(round, int) or round < 0:
-            raise LedgerError(f"round must be an integer >= 0, got {round!r}")
+        client_id = check_client_id(client_id)
+        round = check_round(round)
+        if isinstance(requests, (str, bytes, dict)) or not isinstance(requests, (list, tuple)):
+            raise InvalidLedgerArgument(f"requests must be a list of ChargeRequest, got {type(requests).__name__}")
         if not requests:
-            raise LedgerError("charge_all needs at least one ChargeRequest")
+            raise InvalidLedgerArgument("charge_all needs at least one ChargeRequest")
+        for r in requests:
+            if not isinstance(r, ChargeRequest):
+                raise InvalidLedgerArgument(f"requests must be ChargeRequest(channel, event, unit), got {r!r}")
         names = [r.channel for r in requests]
         if len(set(names)) != len(names):
             raise LedgerError(f"channels charged twice in one request: {names}")
-        for r in requests:
-            if not isinstance(r.event, PrivacyEvent):
-                raise InvalidPrivacyParameter(f"channel {r.channel!r}: event must be a PrivacyEvent")
-            if not isinstance(r.channel, str) or not r.channel:
-                raise LedgerError("channel names must be non-empty strings")
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -272,6 +310,8 @@ class PrivacyLedger:
 
     def mark_released(self, charge: Charge) -> None:
         """Record that ``charge``'s value has been revealed; refuses a second release of the same row."""
+        if not isinstance(charge, Charge):
+            raise InvalidLedgerArgument(f"mark_released takes the Charge returned by charge(), got {charge!r}")
         cur = self._conn.execute(
             "UPDATE charges SET released=1, released_at=? WHERE run_id=? AND client_id=? AND round=? AND channel=? "
             "AND released=0", (time.time(), charge.run_id, charge.client_id, charge.round, charge.channel))
@@ -335,37 +375,29 @@ def round_events(charged: Iterable[tuple[int, PrivacyEvent]]) -> list[PrivacyEve
 
     A round's channels released on one Poisson sample share one sampling coin: ``PoissonSampled(q, A)`` and
     ``PoissonSampled(q, B)`` charged in the same round are the mechanism ``PoissonSampled(q, Composed(A, B))``, which
-    is what calibration composes (charging them as two independent samples would be a different mechanism).
+    is what calibration composes (charging them as two independent samples would be a different mechanism). Events
+    are grouped by (sampling rate, relation); a run has one relation, and the accountant refuses a mix.
     """
     by_round: dict[int, list[PrivacyEvent]] = {}
     for rnd, event in charged:
         by_round.setdefault(rnd, []).append(event)
     out: list[PrivacyEvent] = []
     for rnd in sorted(by_round):
-        sampled: dict[float, list[PrivacyEvent]] = {}
+        sampled: dict[tuple[float, str], list[PrivacyEvent]] = {}
         for event in by_round[rnd]:
             if isinstance(event, PoissonSampledEvent):
-                sampled.setdefault(event.sampling_rate, []).append(event.event)
+                sampled.setdefault((event.sampling_rate, event.relation), []).append(event.event)
             else:
                 out.append(event)
-        for q, inner in sampled.items():
-            out.append(PoissonSampledEvent(q, inner[0] if len(inner) == 1 else ComposedEvent(tuple(inner))))
+        for (q, relation), inner in sampled.items():
+            out.append(PoissonSampledEvent(q, inner[0] if len(inner) == 1 else ComposedEvent(tuple(inner)), relation))
     return out
 
 
 def _rho_upper_bound(events: list[PrivacyEvent]) -> float | None:
-    total = 0.0
-    for leaf, count in flatten(ComposedEvent(tuple(events))):
-        if isinstance(leaf, PoissonSampledEvent):
-            leaf = leaf.event
-        if isinstance(leaf, (GaussianEvent, ZCDPEvent)):
-            total += count * leaf.rho
-        elif isinstance(leaf, NonPrivateEvent):
-            return math.inf
-        else:
-            return None
-    return total
+    """zCDP of a client's charges without amplification by sampling (an upper bound); None if one has no rho."""
+    return unamplified_rho(ComposedEvent(tuple(events)))
 
 
 def _natural_key(s: str):
-    return (0, int(s), "") if s.isdigit() else (1, 0, s)
+    return (0, int(s), "") if s.isdecimal() else (1, 0, s)

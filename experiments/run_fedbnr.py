@@ -48,13 +48,14 @@ from torch import nn
 from privfl import FederationConfig, PrivacyConfig, Simulation, make_federated
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd
+from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, dpsgd_schedule
 from privfl.algorithms.fedbnr import FedBNR, run_fedbnr
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.data import FederatedData
 from privfl.features import RandomFourierFeatures
 from privfl.metrics import regression_metrics
-from privfl.training import batches, flat_parameters, load_flat_parameters, torch_generator
+from privfl.public import private_torch_generator, release_weight
+from privfl.training import batches, flat_parameters, load_flat_parameters
 
 EPSILON, DELTA = 3.0, 1e-5
 N_CLIENTS = 10
@@ -87,7 +88,9 @@ def gaussian_nll_loss(model, x, y):
 
 class FedAvgRegression(FederatedAlgorithm):
     """FedAvg of a :class:`GaussianMLP`; private runs train each client with DP-SGD (per-example clip C, Poisson
-    sampling, noise z C per step), so the upload is post-processing of record-level DP training."""
+    sampling, noise z C per step), so the upload is post-processing of record-level DP training. As in privfl's
+    algorithms, the schedule, the expected batch and the weight come from public facts (never len(dataset)), and
+    the noise and Poisson coins from the OS CSPRNG unless the run asks for seeded noise."""
 
     name = "fedavg_regression"
 
@@ -96,8 +99,9 @@ class FedAvgRegression(FederatedAlgorithm):
         self._multipliers: dict[DPSGDSchedule, float] = {}
 
     def setup(self, data, rng):
+        public = self.bind_public(data)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = GaussianMLP(int(np.prod(data.input_shape)))
+        self.model = GaussianMLP(int(np.prod(public.input_shape)))
         self.global_params = flat_parameters(self.model)
 
     def channels(self):
@@ -119,7 +123,7 @@ class FedAvgRegression(FederatedAlgorithm):
 
         clip = self.privacy.clip
         names = [n for n, _ in model.named_parameters()]
-        gen = torch_generator(rng)
+        gen = private_torch_generator(rng, self.privacy.secure_noise)
         opt = torch.optim.SGD(model.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
 
         def one(params, xi, yi):
@@ -135,7 +139,7 @@ class FedAvgRegression(FederatedAlgorithm):
                 norms = torch.sqrt(sum((grads[n].reshape(len(grads[n]), -1) ** 2).sum(1) for n in names))
                 scale = torch.clamp(clip / (norms + 1e-12), max=1.0)
                 summed = {n: (grads[n] * scale.reshape(-1, *[1] * (grads[n].dim() - 1))).sum(0) for n in names}
-            expected = schedule.sample_rate * len(x)
+            expected = schedule.expected_batch
             for n, p in model.named_parameters():
                 noise = torch.randn(p.shape, generator=gen) * z * clip
                 p.grad = (summed[n] + noise) / expected
@@ -149,14 +153,15 @@ class FedAvgRegression(FederatedAlgorithm):
             self._train_plain(local, x, y, rng)
             update = flat_parameters(local) - self.global_params
             return ClientOutput({"update": update}, weight=float(len(dataset)))
-        schedule = DPSGDSchedule.for_client(len(dataset), self.fed.batch_size, self.fed.local_epochs)
+        schedule = dpsgd_schedule(self, client)
         if schedule not in self._multipliers:
             self._multipliers[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
                                                           schedule, self.privacy.resolved_accountant)
         z = self._multipliers[schedule]
         self._train_dpsgd(local, x, y, schedule, z, rng)
         update = flat_parameters(local) - self.global_params
-        return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))}, weight=float(len(dataset)))
+        return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
+                            weight=release_weight(self.privacy, self.public, client, dataset))
 
     def server_update(self, aggregates: dict[str, Aggregate], round):
         agg = aggregates["update"]

@@ -235,14 +235,34 @@ class Channel:
 
 
 def charged_channels(channels, privacy, secure_aggregation: bool) -> list:
-    """The channels as the run charges them. At client level under add/remove, a client's upload is protected as a
-    whole only inside the sum; with local noise and no secure aggregation the server sees every upload on its own,
-    from a client it knows took part, so any two uploads of that client are neighbours: such channels are charged
-    (and noised) as replace-one. Every runtime applies this rule before it plans noise."""
-    if not (privacy.private and privacy.unit == "client" and privacy.placement == "local" and not secure_aggregation):
-        return list(channels)
-    return [dataclasses.replace(c, adjacency="replace_one") if c.private and c.adjacency == "add_remove" else c
-            for c in channels]
+    """The channels as the run charges them; every runtime applies these rules before it plans noise.
+
+    - At client level under add/remove, a client's upload is protected as a whole only inside the sum; with local
+      noise and no secure aggregation the server sees every upload on its own, from a client it knows took part, so
+      any two uploads of that client are neighbours: such channels are charged (and noised) as replace-one.
+    - A Poisson-sampled replace-one event is accounted with dp-accounting's radius = displacement / 2, which holds
+      only if each client's whole upload has norm at most half the declared displacement. A norm clip C (2C apart)
+      satisfies it; probability rows (FedBNN: sqrt(2 |AD|) apart, but an upload of norm up to sqrt(|AD|)) do not, so
+      their displacement is raised to twice the upload's norm bound. Other clips cannot be sampled under replace-one.
+    """
+    from privfl.release import amplifies
+
+    out = list(channels)
+    if privacy.private and privacy.unit == "client" and privacy.placement == "local" and not secure_aggregation:
+        out = [dataclasses.replace(c, adjacency="replace_one") if c.private and c.adjacency == "add_remove" else c
+               for c in out]
+    if privacy.private and amplifies(privacy.sampling_rate, privacy.unit, privacy.placement):
+        sampled = []
+        for c in out:
+            if c.private and c.adjacency == "replace_one" and not isinstance(c.clip, NormClip):
+                if not isinstance(c.clip, RangeBound):
+                    raise ConfigurationError(
+                        f"channel {c.name!r}: client sampling under replace-one needs a public bound on a client's "
+                        "whole upload (a norm clip); use add_remove adjacency or sampling_rate=1")
+                c = dataclasses.replace(c, clip=dataclasses.replace(c.clip, per_row_sensitivity=2 * c.clip.row_norm))
+            sampled.append(c)
+        out = sampled
+    return out
 
 
 def check_record_level_clips(channels, privacy) -> None:

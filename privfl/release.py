@@ -30,6 +30,12 @@ from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
 PLACEMENTS = ("local", "central", "distributed")
 
 
+def amplifies(sampling_rate: float, unit: str, placement: str) -> bool:
+    """Whether client sampling amplifies a run's guarantee: client-level privacy, central noise (the only observer,
+    of the published model, cannot tell who took part), and a sampling rate below 1."""
+    return sampling_rate < 1.0 and unit == "client" and placement == "central"
+
+
 @dataclass(frozen=True)
 class Release:
     """What the server receives for one channel of one client in one round.
@@ -58,11 +64,13 @@ class ReleasePipeline:
         noise_multipliers: channel name -> noise std / sensitivity; ``None`` for a non-private run (every channel must
             then be :class:`privfl.channels.Unclipped`, and every release is charged as non-private).
         placement: ``local`` (the client adds the noise) or ``central`` (the aggregator adds it to the sum).
-        sampling_rate: Poisson client-sampling rate q. Under client-level privacy (``privacy_unit="client"``) each
-            round's event is then a Poisson-sampled Gaussian under the channel's relation, charged every round,
-            sampled or not. Under record-level privacy sampling buys no amplification (the output of a round that
-            skips the client is not the output of a neighbouring dataset: the client's other records are still
-            missing from it), so a sampled round is charged the plain Gaussian and a skipped round nothing.
+        sampling_rate: Poisson client-sampling rate q. Amplification by sampling needs an observer who cannot tell
+            whether the client took part: client-level privacy (``privacy_unit="client"``) with ``central``
+            placement, where the trusted aggregator publishes only the noised model. Each round's event is then a
+            Poisson-sampled Gaussian under the channel's relation, charged every round, sampled or not. Otherwise
+            sampling buys no amplification: at record level the output of a round that skips the client is not a
+            neighbour's (its other records are missing too); with local or distributed noise the server sees who
+            sent. A sampled round is then charged the plain Gaussian and a skipped round nothing.
         noise: a :class:`NoiseSource`, numpy Generator, int seed, or ``"secure"``.
         privacy_unit: the run's privacy unit (``PrivacyConfig.unit``).
     """
@@ -127,8 +135,8 @@ class ReleasePipeline:
 
     @property
     def amplified(self) -> bool:
-        """Whether rounds are charged as Poisson-sampled events (client-level privacy with client sampling)."""
-        return self.sampling_rate < 1.0 and self.privacy_unit == "client"
+        """Whether rounds are charged as Poisson-sampled events (see the class docstring)."""
+        return amplifies(self.sampling_rate, self.privacy_unit, self.placement)
 
     def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
         values = values or {}

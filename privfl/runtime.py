@@ -7,10 +7,21 @@ depend on it, so a deployment runtime can carry the same :class:`Release` object
 The algorithm is set up from the federation's :class:`privfl.public.PublicFacts` only (never from the clients' data),
 and what one client sends in one round is :meth:`Simulation.client_step`: the client's work, then its release
 pipeline. The neighbouring-dataset contract test runs exactly that step on neighbouring datasets.
+
+Executors. An algorithm whose local step is the same computation on every client (FedAvg, FedProx, DP-FedAvg; it
+offers ``client_updates`` and says ``vectorisable``) has a round's clients trained together by the vectorised executor
+(``privfl.executor``); each client's output then goes through its own pipeline exactly as ``client_step`` sends it
+(:meth:`Simulation.client_steps`). ``executor="per_client"`` forces the loop; ``"auto"`` (the default) picks.
+
+Threads. BLAS thread pools (numpy's OpenBLAS/MKL) are limited to ``blas_threads`` (default 1) while a run executes:
+the runtime's numpy work is on vectors of a few hundred thousand floats, where a threaded pool on a busy machine
+costs far more in synchronisation than it saves. torch's own intra-op threads are left as the user set them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -25,7 +36,7 @@ from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.channels import charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.release import ReleasePipeline
+from privfl.release import ReleasePipeline, amplifies
 from privfl.errors import ConfigurationError
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, secure_weighted_sums
@@ -74,18 +85,39 @@ def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig,
                           channels=None) -> dict[str, float] | None:
     """Calibrate one noise multiplier per private channel so each client's composition over ``rounds`` meets
     (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
-    amplifies client-level guarantees only (``ReleasePipeline``): a record-level run is calibrated as if its client
-    released every round."""
+    amplifies client-level guarantees under central noise only (``ReleasePipeline``); any other run is calibrated as
+    if its client released every round."""
     if not privacy.private:
         return None
-    channels = {c.name: c.budget_share for c in (channels or algorithm.channels()) if c.private}
-    if not channels:
+    private = [c for c in (channels or algorithm.channels()) if c.private]
+    shares = {c.name: c.budget_share for c in private}
+    if not shares:
         return {}
-    q = privacy.sampling_rate if privacy.unit == "client" else 1.0
-    kwargs = {"relation": privacy.adjacency} if q < 1 else {}
-    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=channels,
+    q = privacy.sampling_rate if amplifies(privacy.sampling_rate, privacy.unit, privacy.placement) else 1.0
+    kwargs = {}
+    if q < 1:
+        relations = {c.adjacency for c in private}
+        if len(relations) != 1:
+            raise ConfigurationError(f"client sampling composes one neighbouring relation; the channels declare "
+                                     f"{sorted(relations)}")
+        kwargs["relation"] = relations.pop()
+    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=shares,
                     accountant=privacy.resolved_accountant, **kwargs)
     return dict(cal.noise_multipliers)
+
+
+EXECUTORS = ("auto", "vectorised", "per_client")
+
+
+def _blas_limit(threads: int | None):
+    """Limit numpy's BLAS pools to ``threads`` (threadpoolctl, shipped with scikit-learn) for a run."""
+    if threads is None:
+        return contextlib.nullcontext()
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scikit-learn brings it
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=threads, user_api="blas")
 
 
 class Simulation:
@@ -94,7 +126,14 @@ class Simulation:
     def __init__(self, algorithm: FederatedAlgorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
                  ledger_path: str = ":memory:", run_id: str | None = None,
                  progress: Callable[[RoundRecord], None] | None = None, secure: SecureAggregation | None = None,
-                 public: PublicFacts | None = None):
+                 public: PublicFacts | None = None, executor: str = "auto", blas_threads: int | None = 1):
+        if executor not in EXECUTORS:
+            raise ConfigurationError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if blas_threads is not None and (isinstance(blas_threads, bool) or not isinstance(blas_threads, int)
+                                         or blas_threads < 1):
+            raise ConfigurationError(f"blas_threads must be an integer >= 1 or None, got {blas_threads!r}")
+        self.executor = executor
+        self.blas_threads = blas_threads
         self.algorithm = algorithm
         self.data = data
         self.fed = fed
@@ -161,7 +200,42 @@ class Simulation:
         out = self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
         return self.pipelines[k].release(rnd, out.values, out.weight)
 
+    @property
+    def vectorised(self) -> bool:
+        """Whether this run's rounds use the vectorised executor (see the module docstring)."""
+        if self.executor == "per_client":
+            return False
+        alg = self.algorithm
+        able = hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
+        if self.executor == "vectorised" and not able:
+            raise ConfigurationError(f"{alg.name} with this model cannot run on the vectorised executor; use "
+                                     f"executor='auto' or 'per_client'")
+        return able
+
+    def client_steps(self, clients, rnd: int):
+        """``(k, releases)`` for each client of ``clients``: what :meth:`client_step` would send, with the local work
+        of all of them done by the round's executor; ``releases`` is the :class:`PrivacyBudgetExceeded` raised by a
+        client whose budget is spent (nothing charged or released for it)."""
+        if not self._prepared:
+            self.prepare()
+        clients = [int(k) for k in clients]
+        if self.vectorised:
+            outputs = self.algorithm.client_updates(clients, [self.data.train_parts[k] for k in clients], rnd,
+                                                    [self.train_rngs[k] for k in clients])
+        else:
+            outputs = ((k, self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k]))
+                       for k in clients)
+        for k, out in outputs:
+            try:
+                yield k, self.pipelines[k].release(rnd, out.values, out.weight)
+            except PrivacyBudgetExceeded as exc:
+                yield k, exc
+
     def run(self) -> RunResult:
+        with _blas_limit(self.blas_threads):
+            return self._run()
+
+    def _run(self) -> RunResult:
         fed, privacy, alg = self.fed, self.privacy, self.algorithm
         self.prepare()
         n_clients, pipelines, sampler = self.public.n_clients, self.pipelines, self.sampler
@@ -171,6 +245,7 @@ class Simulation:
                            run_id=self.run_id, noise="secure" if privacy.secure_noise else "seeded")
         by_name = {c.name: c for c in channels}
         exhausted: set[int] = set()  # clients whose budget is spent take no further part, charged or not
+        released_any = False
         for rnd in range(fed.rounds):
             start = time.perf_counter()
             if privacy.sampling_rate < 1:
@@ -179,18 +254,27 @@ class Simulation:
                 selected = np.arange(n_clients)
             chosen = set(selected.tolist())
             releases, sat_out, aborted = [], [], False
+            training = []
             for k in range(n_clients):
                 if k in exhausted:
                     sat_out.append(str(k))
                     continue
+                if k in chosen:
+                    training.append(k)
+                    continue
                 try:
-                    if k not in chosen:
-                        pipelines[k].charge_only(rnd)
-                        continue
-                    releases.extend(self.client_step(k, rnd).values())
+                    pipelines[k].charge_only(rnd)
                 except PrivacyBudgetExceeded:
                     exhausted.add(k)
                     sat_out.append(str(k))
+            for k, sent in self.client_steps(training, rnd):
+                if isinstance(sent, PrivacyBudgetExceeded):
+                    exhausted.add(k)
+                    sat_out.append(str(k))
+                else:
+                    releases.extend(sent.values())
+            sat_out.sort(key=int)
+            releases.sort(key=lambda r: int(r.client_id))  # sums in client order, whichever executor trained them
             if releases:
                 try:
                     if self.secure is not None:
@@ -203,8 +287,12 @@ class Simulation:
                 except ProtocolAbort:
                     aborted = True  # too few survivors: nothing is revealed, the global state stays as it was
             metrics = alg.evaluate(self.data.test)
-            audit = self.ledger.audit()
-            eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]
+            if privacy.private:
+                audit = self.ledger.audit()
+                eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]
+            else:  # every release of a non-private run is charged NonPrivateEvent: epsilon = inf once one is made
+                released_any = released_any or bool(releases)
+                eps = [math.inf] if released_any else [0.0]
             record = RoundRecord(rnd, aborted, len({r.client_id for r in releases}), sat_out, metrics,
                                  float(max(eps)), float(np.mean(eps)), time.perf_counter() - start)
             result.history.append(record)

@@ -31,7 +31,12 @@ def make_accountant(name: str, **options) -> Accountant:
     if not isinstance(name, str) or name not in ACCOUNTANTS:
         raise InvalidPrivacyParameter(
             f"unknown accountant {name!r}; choose one of {', '.join(sorted(ACCOUNTANTS))}")
-    return ACCOUNTANTS[name](**options)
+    try:
+        return ACCOUNTANTS[name](**options)
+    except TypeError as exc:  # an option this backend does not take
+        raise InvalidPrivacyParameter(
+            f"the {name!r} accountant does not take options {sorted(options)} ({exc}); pld takes "
+            "value_discretization_interval, rdp takes orders, exact and zcdp take none") from None
 
 
 __all__ = ["Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",

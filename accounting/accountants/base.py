@@ -29,6 +29,15 @@ class Accountant(abc.ABC):
     def supports(self, event: PrivacyEvent) -> bool:
         """Whether ``event`` can be composed by this accountant."""
 
+    def _refusal(self, event: PrivacyEvent) -> str | None:
+        """Why ``event`` cannot be composed now (a message that says what to change), or None if it can."""
+        if self.supports(event):
+            return None
+        return (f"the {self.name!r} accountant cannot compose a {event.mechanism!r} event; "
+                f"choose an accountant that supports it (exact: unsampled Gaussians; pld: sampled Gaussians under "
+                f"add/remove or replace-one; rdp: add/remove-sampled Gaussians and zCDP events; zcdp: Gaussian and "
+                f"zCDP events)")
+
     @abc.abstractmethod
     def _compose(self, event: PrivacyEvent, count: int) -> None:
         """Update the state; called only with supported events."""
@@ -40,11 +49,9 @@ class Accountant(abc.ABC):
         count = check_count("count", count)
         if not isinstance(event, PrivacyEvent):
             raise UnsupportedEventError(f"expected a PrivacyEvent, got {type(event).__name__}")
-        if not self.supports(event):
-            raise UnsupportedEventError(
-                f"the {self.name!r} accountant cannot compose a {event.mechanism!r} event; "
-                f"choose an accountant that supports it (exact: unsampled Gaussians; pld/rdp: sampled Gaussians; "
-                f"zcdp: Gaussian and zCDP events)")
+        reason = self._refusal(event)
+        if reason is not None:
+            raise UnsupportedEventError(reason)
         self._compose(event, count)
         self._events.append((event, count))
         return self

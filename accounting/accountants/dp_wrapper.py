@@ -1,4 +1,4 @@
-"""The common shell of the backends that delegate to a dp-accounting ``PrivacyAccountant`` (``rdp``, ``pld``).
+"""The common shell of a backend that delegates to a dp-accounting ``PrivacyAccountant`` (``rdp``).
 
 Events are translated (``dp_events.to_dp_event``) and checked by both this shell and dp-accounting before any state
 changes, so a refused event leaves no trace. ``count`` is passed down as a self-composition, never a Python loop.
@@ -11,7 +11,7 @@ import math
 import dp_accounting
 
 from accounting.accountants.base import Accountant
-from accounting.accountants.dp_events import to_dp_event
+from accounting.accountants.dp_events import has_replace_one_sampling, to_dp_event
 from accounting.errors import InvalidPrivacyParameter
 from accounting.events import PrivacyEvent
 from accounting.validation import check_delta, check_non_negative_finite
@@ -35,19 +35,26 @@ class DpAccountingAccountant(Accountant):
         dp_event = self._translate(event)
         return dp_event is not None and self._inner.supports(dp_event)
 
+    def _refusal(self, event: PrivacyEvent) -> str | None:
+        if isinstance(event, PrivacyEvent) and has_replace_one_sampling(event):
+            return (f"the {self.name!r} accountant cannot compose Poisson-sampled events under the replace_one "
+                    "relation (dp-accounting's RDP accountant has no replace-one sampled Gaussian); use the pld "
+                    "accountant (accountant='pld'), which composes them exactly")
+        return super()._refusal(event)
+
     def _compose(self, event: PrivacyEvent, count: int) -> None:
         self._inner.compose(self._translate(event), count)
 
     def get_epsilon(self, delta: float) -> float:
         delta = check_delta(delta)
-        return _clean("epsilon", self._inner.get_epsilon(delta), upper=math.inf)
+        return clamp_answer("epsilon", self._inner.get_epsilon(delta), upper=math.inf)
 
     def get_delta(self, epsilon: float) -> float:
         epsilon = check_non_negative_finite("epsilon", epsilon)
-        return _clean("delta", self._inner.get_delta(epsilon), upper=1.0)
+        return clamp_answer("delta", self._inner.get_delta(epsilon), upper=1.0)
 
 
-def _clean(name: str, value, *, upper: float) -> float:
+def clamp_answer(name: str, value, *, upper: float) -> float:
     """Clamp a backend's answer into [0, upper]; a NaN is an error, never a silent zero."""
     value = float(value)
     if math.isnan(value):
@@ -55,4 +62,4 @@ def _clean(name: str, value, *, upper: float) -> float:
     return min(upper, max(0.0, value))
 
 
-__all__ = ["DpAccountingAccountant"]
+__all__ = ["DpAccountingAccountant", "clamp_answer"]

@@ -43,7 +43,7 @@ class ExactAccountant(Accountant):
             if isinstance(leaf, NonPrivateEvent):
                 self._non_private = True
             else:
-                mu_squared += times * leaf.mu ** 2
+                mu_squared += times * leaf.mu * leaf.mu  # products overflow to inf, ** would raise
         self._mu_squared += count * mu_squared
 
     def get_epsilon(self, delta: float) -> float:

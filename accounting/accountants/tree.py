@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from accounting.events import PoissonSampledEvent, PrivacyEvent, flatten
+import math
+
+from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent, ZCDPEvent, flatten
 
 
 def unsampled_leaves(event: PrivacyEvent) -> list[tuple[PrivacyEvent, int]]:
@@ -19,4 +21,23 @@ def unsampled_leaves(event: PrivacyEvent) -> list[tuple[PrivacyEvent, int]]:
     return out
 
 
-__all__ = ["unsampled_leaves"]
+def unamplified_rho(event: PrivacyEvent) -> float | None:
+    """The zCDP parameter of ``event`` with every sampling ignored: an upper bound, since Poisson sampling (under
+    either relation) never costs privacy. inf if a release is non-private, None if a leaf has no rho."""
+    total = 0.0
+    for leaf, count in flatten(event):
+        if isinstance(leaf, PoissonSampledEvent):
+            inner = unamplified_rho(leaf.event)
+            if inner is None:
+                return None
+            total += count * inner
+        elif isinstance(leaf, (GaussianEvent, ZCDPEvent)):
+            total += count * leaf.rho
+        elif isinstance(leaf, NonPrivateEvent):
+            return math.inf
+        else:
+            return None
+    return total
+
+
+__all__ = ["unsampled_leaves", "unamplified_rho"]

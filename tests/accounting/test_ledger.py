@@ -148,3 +148,14 @@ def test_sampled_channels_of_one_round_share_one_coin_as_in_calibration(tmp_path
     expected = epsilon_for({"mean": 1.5, "precision": 3.0}, rounds=5, sampling_rate=0.2, delta=1e-5,
                            accountant="pld")
     assert led.epsilon("a") == pytest.approx(expected, rel=1e-6)
+
+
+def test_run_metadata_is_stored_and_read_back(tmp_path):
+    led = ledger(tmp_path, meta={"algorithm": "hbfl", "noise": "secure"})
+    assert led.meta == {"algorithm": "hbfl", "noise": "secure"}
+    led.close()
+    again = PrivacyLedger.open_existing(tmp_path / "ledger.sqlite")
+    assert again.meta["noise"] == "secure"
+    with pytest.raises(LedgerError, match="JSON"):
+        ledger(tmp_path, run_id="other", meta={"bad": object()})
+    assert PrivacyLedger.run_ids(tmp_path / "ledger.sqlite") == ["run"]
