@@ -224,6 +224,11 @@ def cmd_audit(args) -> int:
 
     ledger = PrivacyLedger.open_existing(args.ledger, args.run_id)
     report = ledger.audit(args.delta)
+    meta = ledger.meta
+    if meta.get("noise"):
+        report["noise"] = meta["noise"]
+    if meta.get("warning"):
+        report["warning"] = meta["warning"]
     if args.json:
         _dump(report, None)
     else:
@@ -234,6 +239,8 @@ def cmd_audit(args) -> int:
             rho = "n/a" if v["rho"] is None else f"{v['rho']:.6g}"
             print(f"{cid:>8} {v['epsilon']:>12.6g} {rho:>12} {v['releases']:>9d} {v['charges']:>8d}")
         print(f"max epsilon {report['max_epsilon']:.6g}")
+        if "warning" in report:
+            print(f"warning: {report['warning']}")
     if args.png:
         from privfl.plots import plot_epsilon_per_client
 

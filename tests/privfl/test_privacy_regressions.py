@@ -167,3 +167,23 @@ def test_same_seed_on_other_data_does_not_reveal_the_noise_by_default():
 
 def test_private_runs_draw_noise_from_the_os_by_default():
     assert PrivacyConfig(epsilon=1.0).secure_noise is True
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_the_audit_says_when_noise_was_seeded(tmp_path, capsys, seeded):
+    import json
+
+    from privfl.cli import main
+
+    ledger = str(tmp_path / "l.sqlite")
+    flags = ["run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--clients", "3", "--rounds", "1",
+             "--ledger", ledger, "--run-id", "r", "--quiet"] + (["--seeded-noise"] if seeded else [])
+    assert main(flags) == 0
+    err = capsys.readouterr().err
+    assert ("only against parties who do not know the seed" in err) == seeded
+    assert main(["audit", ledger, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["noise"] == ("seeded" if seeded else "secure")
+    assert ("warning" in report) == seeded
+    assert main(["audit", ledger]) == 0
+    assert ("warning:" in capsys.readouterr().out) == seeded
