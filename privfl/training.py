@@ -30,9 +30,9 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: 
     epoch's mean loss."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     model.train()
-    last = 0.0
+    last = torch.zeros(())
     for _ in range(epochs):
-        total, seen = 0.0, 0
+        total, seen = torch.zeros(()), 0
         for idx in batches(len(x), batch_size, rng):
             idx_t = torch.as_tensor(idx)
             opt.zero_grad(set_to_none=True)
@@ -41,10 +41,10 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: 
                 loss = loss + extra_loss(model)
             loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(idx)
+            total += loss.detach() * len(idx)  # a tensor: no host sync per batch
             seen += len(idx)
         last = total / max(seen, 1)
-    return last
+    return float(last)
 
 
 @torch.no_grad()

@@ -6,8 +6,7 @@ Non-private: the upload is released unclipped and charged as non-private (epsilo
 
 from __future__ import annotations
 
-import copy
-from typing import Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
+from privfl.executor import VectorisedSGD, vectorisable
 from privfl.metrics import classification_metrics
 from privfl.models import make_model
 from privfl.public import release_weight
@@ -33,12 +33,14 @@ class FedAvg(FederatedAlgorithm):
                                      f"dp_fedavg for client-level DP")
         self.model: torch.nn.Module | None = None
         self.global_params: np.ndarray | None = None
+        self._local: torch.nn.Module | None = None  # one working copy, reloaded for every client (no deepcopy)
 
     def setup(self, data, rng):
         public = self.bind_public(data)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
         self.global_params = flat_parameters(self.model)
+        self._local = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
 
     @property
     def dim(self) -> int:
@@ -57,12 +59,40 @@ class FedAvg(FederatedAlgorithm):
         return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
-        local = copy.deepcopy(self.model)
+        local = self._local
         load_flat_parameters(local, self.global_params)
-        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         self.local_train(local, dataset, rng)
         update = flat_parameters(local) - self.global_params
         return ClientOutput({"update": update}, weight=self.release_weight(dataset, client))
+
+    #: FedProx's proximal coefficient on the vectorised path (0: plain FedAvg)
+    prox_mu: float = 0.0
+
+    @property
+    def vectorisable(self) -> bool:
+        """Whether :meth:`client_updates` trains clients together (``privfl.executor``): the local step is plain
+        SGD on cross-entropy (a subclass that overrides ``local_train`` differently runs per client) and the model is
+        built of stateless layers."""
+        return self._vectorises(FedAvg.local_train)
+
+    def _vectorises(self, local_train) -> bool:
+        cls = type(self)
+        same_step = cls.client_update is FedAvg.client_update and cls.local_train is local_train
+        return same_step and self.model is not None and vectorisable(self.model)
+
+    def client_updates(self, clients: Sequence[int], datasets, round, rngs) -> "Iterator[tuple[int, ClientOutput]]":
+        """``(k, client_update(k, ...))`` for every client of ``clients``, computed together by the vectorised
+        executor when :attr:`vectorisable` (the same outputs to float tolerance), else one after another. Yields in
+        chunks, so a large federation never holds every client's training state at once."""
+        if not self.vectorisable:
+            for k, dataset, rng in zip(clients, datasets, rngs):
+                yield k, self.client_update(k, dataset, round, rng)
+            return
+        sgd = VectorisedSGD(self.model, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
+                            momentum=self.fed.momentum, prox_mu=self.prox_mu)
+        for i, update in sgd.train(self.global_params, [d.tensors() for d in datasets], rngs):
+            k = clients[i]
+            yield k, ClientOutput({"update": update}, weight=self.release_weight(datasets[i], k))
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         agg = aggregates["update"]

@@ -27,6 +27,11 @@ class FedProx(FedAvg):
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu < 0:
             raise ConfigurationError(f"fedprox: mu must be a finite number >= 0, got {mu!r}")
         self.mu = float(mu)
+        self.prox_mu = self.mu  # the vectorised executor adds the same proximal term
+
+    @property
+    def vectorisable(self) -> bool:
+        return self._vectorises(FedProx.local_train)
 
     def local_train(self, model, dataset, rng) -> None:
         anchor = [p.detach().clone() for p in model.parameters()]  # the global model this round started from

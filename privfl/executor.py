@@ -1,0 +1,146 @@
+"""The vectorised client executor: many clients' local SGD trained at once with ``torch.func``.
+
+FedAvg-style local training is the same computation on every client: from the broadcast model, ``epochs`` passes of
+shuffled mini-batch SGD (with momentum, and FedProx's proximal term mu/2 ||w - w_global||^2) over the client's own
+records. Clients whose record counts are equal have identical batch schedules, so a chunk of them is trained as one
+batched computation: their parameters are stacked along a leading client axis and ``vmap(grad(loss))`` over
+``functional_call`` gives each client its own gradient on its own batch.
+
+Each client keeps its own generator: its shuffles are drawn from the same ``numpy.random.Generator`` in the same order
+as the per-client loop (``privfl.training.train_epochs``), and the optimiser step is torch's SGD update written out
+(``buf = momentum * buf + grad``, first step ``buf = grad``; ``p -= lr * buf``), so the result equals the per-client
+loop to float tolerance. Nothing here touches privacy: every client's output still goes through its own release
+pipeline (``privfl.runtime``).
+
+Chunk size: stacked parameters, gradients, momentum buffers and a chunk's activations must fit in memory (and, on a
+CPU, in cache: stacking 1,000 copies of a 79,510-weight MLP at once is memory-bound). The default chunk holds about
+``memory_budget`` bytes of per-client state.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+#: bytes of per-client training state (parameters, gradients, momentum, batch activations) one chunk may hold
+DEFAULT_MEMORY_BUDGET = 64 * 2 ** 20
+
+#: module types whose computation is the same pure function on every client (no buffers, no randomness)
+_PURE = (nn.Linear, nn.ReLU, nn.Sequential, nn.AvgPool2d, nn.MaxPool2d, nn.Flatten, nn.Conv2d, nn.Tanh, nn.Sigmoid,
+         nn.Identity, nn.Softplus, nn.GELU, nn.LeakyReLU)
+
+
+def vectorisable(model: nn.Module) -> bool:
+    """Whether ``model`` can be trained by the vectorised executor: built only of stateless layers (no buffers such as
+    batch-norm statistics, no dropout), every parameter a float32 tensor. Anything else runs on the per-client loop."""
+    if any(True for _ in model.buffers()):
+        return False
+    for m in model.modules():
+        if type(m).__module__.startswith("torch.nn") and not isinstance(m, _PURE):
+            return False
+        if isinstance(m, (nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)):
+            return False
+    return all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def chunk_size(model: nn.Module, n_records: int, batch_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
+    """Clients per chunk: about ``memory_budget`` bytes of parameters, gradients, momentum and one batch's
+    activations per chunk (at least one client)."""
+    dim = sum(p.numel() for p in model.parameters())
+    width = max((p.shape[0] for p in model.parameters() if p.dim() >= 1), default=1)
+    per_client = 4 * (4 * dim + 4 * min(batch_size, n_records) * width)
+    return max(1, int(memory_budget // per_client))
+
+
+class VectorisedSGD:
+    """Trains chunks of clients of one model architecture at once (see the module docstring).
+
+    Args:
+        model: a module of the architecture every client trains (its parameters are not changed; only its structure
+            is used through ``functional_call``).
+        epochs, batch_size, lr, momentum: the local optimiser, as in :func:`privfl.training.train_epochs`.
+        prox_mu: FedProx's proximal coefficient (0 for FedAvg).
+        memory_budget: bytes of per-client state one chunk may hold.
+    """
+
+    def __init__(self, model: nn.Module, *, epochs: int, batch_size: int, lr: float, momentum: float,
+                 prox_mu: float = 0.0, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+        self.epochs, self.batch_size, self.lr, self.momentum = int(epochs), int(batch_size), float(lr), float(momentum)
+        self.prox_mu = float(prox_mu)
+        self.memory_budget = int(memory_budget)
+        self._buffer: torch.Tensor | None = None
+        self._grad = vmap(grad(self._loss), in_dims=(0, 0, 0, None))
+
+    def _loss(self, params: dict, x: torch.Tensor, y: torch.Tensor, anchor: dict) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(functional_call(self.model, params, (x,)), y)
+        if self.prox_mu > 0:
+            loss = loss + 0.5 * self.prox_mu * sum((params[n] - anchor[n]).pow(2).sum() for n in self.names)
+        return loss
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, start = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = shape.numel()
+            out[name] = flat[..., start:start + size].reshape(*flat.shape[:-1], *shape)
+            start += size
+        return out
+
+    def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              rngs: Sequence[np.random.Generator]) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield ``(i, update_i)`` for every client ``i`` of ``datasets``: its local model after training minus
+        ``global_params`` (float64, as ``privfl.training.flat_parameters`` gives it), chunk by chunk. Clients are
+        grouped by record count; ``rngs[i]`` is consumed exactly as the per-client loop would consume it."""
+        by_size: dict[int, list[int]] = {}
+        for i, (x, _) in enumerate(datasets):
+            by_size.setdefault(len(x), []).append(i)
+        start32 = torch.as_tensor(global_params, dtype=torch.float32)
+        for n, members in by_size.items():
+            step = chunk_size(self.model, n, self.batch_size, self.memory_budget)
+            for lo in range(0, len(members), step):
+                chunk = members[lo:lo + step]
+                final = self._train_chunk(start32, [datasets[i] for i in chunk], [rngs[i] for i in chunk], n)
+                # float32 model -> float64 minus the float64 global model, as flat_parameters(local) - global does
+                updates = np.subtract(final.numpy(), global_params, dtype=np.float64)
+                for row, i in enumerate(chunk):
+                    yield i, updates[row]
+
+    def _train_chunk(self, start32: torch.Tensor, datasets, rngs, n: int) -> torch.Tensor:
+        """The chunk's final parameters, one flat float32 row per client."""
+        c = len(datasets)
+        anchor = self._unflatten(start32)
+        if self._buffer is None or self._buffer.shape[0] < c or self._buffer.shape[1] != start32.numel():
+            self._buffer = torch.empty(c, start32.numel())  # reused by every chunk: its pages are already mapped
+        flat = self._buffer[:c]
+        flat.copy_(start32.unsqueeze(0).expand(c, -1))  # every client starts from the broadcast model
+        params = self._unflatten(flat)  # views of ``flat``, updated in place
+        if n == 0:
+            return flat
+        x = torch.stack([d[0] for d in datasets])  # (c, n, ...)
+        y = torch.stack([d[1] for d in datasets])  # (c, n)
+        rows = torch.arange(c).unsqueeze(1)
+        buf: dict[str, torch.Tensor] | None = None
+        for _ in range(self.epochs):
+            order = torch.as_tensor(np.stack([rng.permutation(n) for rng in rngs]))  # each client's own shuffle
+            for s in range(0, n, self.batch_size):
+                idx = order[:, s:s + self.batch_size]
+                grads = self._grad(params, x[rows, idx], y[rows, idx], anchor)
+                if self.momentum != 0:  # torch.optim.SGD: buf = g on the first step, then momentum * buf + g
+                    if buf is None:
+                        buf = grads
+                    else:
+                        for k in self.names:
+                            buf[k].mul_(self.momentum).add_(grads[k])
+                    grads = buf
+                for k in self.names:
+                    params[k].add_(grads[k], alpha=-self.lr)
+        return flat
+
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "VectorisedSGD", "chunk_size", "vectorisable"]
