@@ -187,3 +187,37 @@ def test_the_audit_says_when_noise_was_seeded(tmp_path, capsys, seeded):
     assert ("warning" in report) == seeded
     assert main(["audit", ledger]) == 0
     assert ("warning:" in capsys.readouterr().out) == seeded
+
+
+def _distributed_scores(plan, value, direction, trials, rng):
+    """The server's view of one distributed-noise round in which client 0 sends ``value`` and two others send 0:
+    the decoded sum, projected on ``direction`` (integer arithmetic, no wrap at 48 bits)."""
+    from mechanisms.discrete_gaussian import sample_discrete_gaussian
+
+    q, d = plan.quantiser, value.size
+    total = np.zeros((trials, d), dtype=np.int64)
+    for contribution in (value, np.zeros(d), np.zeros(d)):
+        ints = q.to_integers(np.tile(contribution, (trials, 1)).ravel(), rng).reshape(trials, d)
+        total += ints + sample_discrete_gaussian(plan.local_sigma, (trials, d), rng=rng)
+    return (total * q.step) @ direction
+
+
+@pytest.mark.timeout(120)
+def test_replace_one_distributed_noise_is_not_distinguishable_beyond_the_claim():
+    """Black box for bug 3: a replace-one channel's client sends +C or -C (2C apart) under distributed noise planned
+    for epsilon = 1 in one round. With the noise planned for the relation the distinguisher's lower bound stays
+    below the claim; with the landed plan (the add/remove noise for a 2C displacement) it exceeds it."""
+    cfg = SecureAggregation(bits=48)
+    d = 1
+    value = np.ones(d)  # norm C = 1
+    rng = np.random.default_rng(5)
+    trials = 1_000_000  # a tail distinguisher: the false-positive rate it needs is ~1e-4
+    bounds = {}
+    for adjacency in ("replace_one", "add_remove"):  # add_remove: the landed plan, which ignored the relation
+        ch = Channel("u", (d,), unit="client", clip=NormClip(1.0), adjacency=adjacency)
+        plan = calibrate_distributed([ch], 1.0, 1e-5, 1, 3, cfg)["u"]
+        plus = _distributed_scores(plan, value, value, trials, rng)
+        minus = _distributed_scores(plan, -value, value, trials, rng)
+        bounds[adjacency] = epsilon_lower_bound(plus, minus, delta=1e-5)[0]
+    assert bounds["replace_one"] <= 1.0
+    assert bounds["add_remove"] > 1.0  # the test has the power to see the landed bug
