@@ -36,7 +36,7 @@ from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.channels import charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.release import ReleasePipeline, amplifies
+from privfl.release import Release, ReleasePipeline, amplifies
 from privfl.errors import ConfigurationError
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, secure_weighted_sums

@@ -47,15 +47,6 @@ CLIENTS = 3
 RECORDS = 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class ZeroNoise(NoiseSource):
     """Switches the pipeline's Gaussian noise off, so that pre-noise values can be compared (noise levels are

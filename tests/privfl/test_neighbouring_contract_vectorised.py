@@ -21,15 +21,6 @@ VECTORISED = ("fedavg", "fedprox", "dp_fedavg")
 GRID = [g for g in contract.GRID if g[0] in VECTORISED]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def vectorised_transcript(name, data, public, fed, privacy, secure):
     sim = Simulation(contract.make(name, fed, privacy), data, fed, privacy, secure=secure, public=public,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from sklearn.datasets import load_digits
 
 from accounting.accountants import make_accountant
@@ -25,13 +24,6 @@ from privfl.release import ReleasePipeline
 from privfl.runtime import Simulation
 from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, plan_distributed_noise
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _digits(sizes):
