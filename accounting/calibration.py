@@ -26,6 +26,7 @@ from accounting.accountants import ACCOUNTANTS, Accountant, make_accountant
 from accounting.accountants.analytic_gaussian import gaussian_mu
 from accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
 from accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
+from accounting.rounds import round_events
 from accounting.validation import (MAX_TOL, MIN_SHARE_RATIO, MIN_TOL, check_count, check_delta,
                                    check_non_negative_finite, check_positive_finite, check_probability,
                                    check_relation, check_target_epsilon)
@@ -149,8 +150,10 @@ def round_event(noise_multipliers: Mapping[str, float] | float, sampling_rate: f
     sampling_rate = check_probability("sampling_rate", sampling_rate)
     relation = check_relation(relation)
     releases = [GaussianEvent(1.0, zs[name]) for name in zs]
-    event: PrivacyEvent = releases[0] if len(releases) == 1 else ComposedEvent(tuple(releases))
-    return event if sampling_rate == 1.0 else PoissonSampledEvent(sampling_rate, event, relation)
+    if sampling_rate < 1.0:  # every channel sampled on the round's one coin, grouped as the ledger groups them
+        releases = [PoissonSampledEvent(sampling_rate, r, relation) for r in releases]
+    events = round_events((0, r) for r in releases)
+    return events[0] if len(events) == 1 else ComposedEvent(tuple(events))
 
 
 def _epsilon_of(factory: Callable[[], Accountant], event: PrivacyEvent, rounds: int, delta: float) -> float:
@@ -243,9 +246,47 @@ def _initial_guess(target_epsilon: float, target_delta: float, rounds: int, samp
     return min(max(s * max(sampling_rate, 1e-3), 0.3), _MAX_NOISE / 10)
 
 
+def calibrate_noise(make_event: Callable[[float], PrivacyEvent], target_epsilon: float, target_delta: float,
+                    accountant: AccountantSpec = "pld", *, guess: float = 1.0, tol: float = DEFAULT_TOL,
+                    lower: float = _MIN_NOISE, upper: float = _MAX_NOISE) -> tuple[float, float]:
+    """The one search behind every calibration (dp-accounting's ``calibrate_dp_mechanism``, over privfl's events):
+    the smallest noise parameter s, to relative precision ``tol``, such that ``make_event(s)`` composed by a fresh
+    ``accountant`` meets (target_epsilon, target_delta). Returns (s, its epsilon).
+
+    epsilon must not increase with s (more noise never costs more). The search keeps the end that meets the target, so
+    the answer never overshoots it. Below ``lower`` it stops (even that little noise meets the target); above ``upper``
+    it raises :class:`InvalidPrivacyParameter`.
+    """
+    target_epsilon = check_target_epsilon(target_epsilon)
+    target_delta = check_delta(target_delta)
+    tol = check_positive_finite("tol", tol)
+    if not callable(make_event):
+        raise InvalidPrivacyParameter("make_event must be a function noise -> PrivacyEvent")
+    factory, _ = _resolve_accountant(accountant, 0.5 if accountant is None else 1.0)
+
+    def epsilon_at(s: float) -> float:
+        event = make_event(s)
+        if not isinstance(event, PrivacyEvent):
+            raise InvalidPrivacyParameter(f"make_event({s:g}) returned {type(event).__name__}, not a PrivacyEvent")
+        return _epsilon_of(factory, event, 1, target_delta)
+
+    guess = min(max(check_positive_finite("guess", guess), lower), upper)
+    return _search(target_epsilon, epsilon_at, tol, guess, lower, upper)
+
+
 def _bisect(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float,
             guess: float) -> tuple[float, float]:
-    """Bisect s in log space; invariant: epsilon_at(hi) <= target < epsilon_at(lo). Returns (hi, epsilon_at(hi))."""
+    return _search(target_epsilon, epsilon_at, tol, guess, _MIN_NOISE, _MAX_NOISE)
+
+
+def _search(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float, guess: float,
+            lower: float, upper: float) -> tuple[float, float]:
+    """Bracket s by doubling from ``guess``, then close the bracket; invariant: epsilon_at(hi) <= target <
+    epsilon_at(lo). Returns (hi, epsilon_at(hi)).
+
+    epsilon(s) is smooth in log-log scale, so the bracket is closed by secant steps in (log s, log epsilon), each
+    kept inside the inner 90% of the bracket, and by a bisection whenever the same end moved twice: 5 to 11
+    evaluations where bisection to the same precision takes about 13."""
     eps_guess = epsilon_at(guess)
     if eps_guess <= target_epsilon:
         hi, eps_hi = guess, eps_guess
@@ -255,30 +296,38 @@ def _bisect(target_epsilon: float, epsilon_at: Callable[[float], float], tol: fl
             if eps_lo > target_epsilon:
                 break
             hi, eps_hi = lo, eps_lo
-            if hi < _MIN_NOISE:
+            if hi < lower:
                 return hi, eps_hi  # even vanishing noise meets the target (only for degenerate accountants)
     else:
-        lo = guess
+        lo, eps_lo = guess, eps_guess
         hi = 2.0 * lo
         while True:
-            if hi > _MAX_NOISE:
+            if hi > upper:
                 raise InvalidPrivacyParameter(
-                    f"no noise multiplier up to {_MAX_NOISE:g} meets epsilon={target_epsilon}; the accountant cannot "
+                    f"no noise multiplier up to {upper:g} meets epsilon={target_epsilon}; the accountant cannot "
                     "certify so small an epsilon (with pld, try a finer value_discretization_interval)")
             eps_hi = epsilon_at(hi)
             if eps_hi <= target_epsilon:
                 break
-            lo, hi = hi, 2.0 * hi
+            lo, eps_lo, hi = hi, eps_hi, 2.0 * hi
+    moved: tuple[str | None, str | None] = (None, None)
     for _ in range(_MAX_BISECTIONS):
         if hi <= lo * (1.0 + tol):
             break
-        mid = math.sqrt(lo * hi)
+        a, b = math.log(lo), math.log(hi)
+        if moved[0] is not None and moved[0] == moved[1] or not (eps_hi > 0.0 and math.isfinite(eps_lo)):
+            mid = math.sqrt(lo * hi)
+        else:
+            la, lb, lt = math.log(eps_lo), math.log(eps_hi), math.log(target_epsilon)
+            t = (la - lt) / (la - lb) if la != lb else 0.5
+            mid = math.exp(a + min(max(t, 0.05), 0.95) * (b - a))
         eps_mid = epsilon_at(mid)
         if eps_mid <= target_epsilon:
-            hi, eps_hi = mid, eps_mid
+            hi, eps_hi, side = mid, eps_mid, "hi"
         else:
-            lo = mid
+            lo, eps_lo, side = mid, eps_mid, "lo"
+        moved = (side, moved[0])
     return hi, eps_hi
 
 
-__all__ = ["Calibration", "calibrate", "epsilon_for", "round_event", "DEFAULT_TOL"]
+__all__ = ["Calibration", "calibrate", "calibrate_noise", "epsilon_for", "round_event", "DEFAULT_TOL"]

@@ -12,10 +12,21 @@ second charge.
 Keys are checked before anything is written (``accounting.validation``): a client id is a non-empty string or an
 integer (stored as its decimal string), a round an integer in [0, 1e9], a channel a non-empty string, the unit
 ``"example"`` or ``"client"``. A refused call (bad argument, unsupported event, budget) writes no row.
+
+Incremental accounting. The rows are the source of truth; each ledger object keeps, per client, a cache of what they
+compose to: the round's channels and the merged (leaf event, count) multiset of ``round_events`` over its rounds, in a
+canonical order. A client's epsilon is a pure function of that multiset (``composed_epsilon``), memoised across
+clients and ledgers, so identical histories (every client charged the same events each round) compose once, repeated
+identical events compose by self-composition with a count, and a charge or an audit costs a lookup. The cache is
+synchronised with the rows inside every charge's transaction and before every read: ``PRAGMA data_version`` tells
+whether another connection committed; if one did, the rows past the last rowid seen are applied and the run's row
+count is compared with the cache's, and any disagreement rebuilds the cache from all rows. A refused charge is
+evaluated on a copy and leaves the cache as it was; the cache is updated only after the row is committed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -27,8 +38,9 @@ from typing import Iterable
 from accounting.accountants import make_accountant
 from accounting.accountants.tree import unamplified_rho
 from accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
+from accounting.rounds import round_events
 from accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
-                               event_from_dict, flatten)
+                               SelfComposedEvent, event_from_dict, flatten)
 from accounting.validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
                                    check_unit)
 
@@ -160,6 +172,7 @@ class PrivacyLedger:
         self.delta = delta
         self.epsilon_budget = epsilon_budget
         self.accountant = accountant
+        self._reset_cache()
 
     # -- reading -------------------------------------------------------------------------------------------------
 
@@ -213,7 +226,7 @@ class PrivacyLedger:
             sql += " AND client_id=?"
             args += (client_id,)
         sql += " ORDER BY round, client_id, channel"
-        return [Charge(self.run_id, c, r, ch, event_from_dict(json.loads(ev)), unit, t, bool(rel))
+        return [Charge(self.run_id, c, r, ch, _parse_event(ev), unit, t, bool(rel))
                 for c, r, ch, ev, unit, t, rel in conn.execute(sql, args)]
 
     def charges(self, client_id: str | None = None) -> list[Charge]:
@@ -225,22 +238,16 @@ class PrivacyLedger:
             "SELECT DISTINCT client_id FROM charges WHERE run_id=? ORDER BY client_id", (self.run_id,))]
 
     def _epsilon_of(self, charged: Iterable[tuple[int, PrivacyEvent]], delta: float) -> float:
-        """Epsilon of a client's (round, event) charges: the round's mechanisms composed over rounds."""
-        merged = flatten(ComposedEvent(tuple(round_events(charged))))
-        if not merged:
-            return 0.0
-        if any(isinstance(e, NonPrivateEvent) for e, _ in merged):
-            return math.inf
-        accountant = make_accountant(self.accountant)
-        for event, count in merged:
-            accountant.compose(event, count)
-        return float(accountant.get_epsilon(delta))
+        """Epsilon of a client's (round, event) charges (channel order within a round), composed from scratch."""
+        return composed_epsilon(self.accountant, history_key(charged), delta)
 
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
-        """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta)."""
+        """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta), from the cached state."""
         client_id = check_client_id(client_id)
         delta = self.delta if delta is None else check_delta(delta)
-        return self._epsilon_of(((c.round, c.event) for c in self._rows(client_id)), delta)
+        self._sync()
+        state = self._states.get(client_id)
+        return 0.0 if state is None else composed_epsilon(self.accountant, state.key(), delta)
 
     def remaining(self, client_id: str) -> float:
         return self.epsilon_budget - self.epsilon(client_id)
@@ -274,19 +281,26 @@ class PrivacyLedger:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            existing = {c.channel: c for c in self._rows(client_id, conn) if c.round == round}
+            self._sync()
+            state = self._states.get(client_id)
+            existing = {} if state is None else state.rounds.get(round, {})
             new: list[ChargeRequest] = []
             for r in requests:
                 old = existing.get(r.channel)
                 if old is None:
                     new.append(r)
-                elif old.event != r.event or old.unit != r.unit:
+                elif old[0] != r.event or old[1] != r.unit:
                     raise LedgerError(
                         f"release {self.run_id}/{client_id}/{round}/{r.channel} was already charged as "
-                        f"{old.event.to_dict()} ({old.unit}); a replay must carry the same event")
+                        f"{old[0].to_dict()} ({old[1]}); a replay must carry the same event")
+            inserted: list[tuple[int, str, int, str, PrivacyEvent, str]] = []
+            after_key, after = None, 0.0
             if new:
-                history = [(c.round, c.event) for c in self._rows(client_id, conn)]
-                after = self._epsilon_of(history + [(round, r.event) for r in new], self.delta)
+                # "Would this exceed?": the round's new channels on a copy of the cached state; nothing is mutated.
+                trial = _ClientState() if state is None else state.copy()
+                trial.add_round(round, {r.channel: (r.event, r.unit) for r in new})
+                after_key = trial.key()
+                after = composed_epsilon(self.accountant, after_key, self.delta, remember=False)
                 if after > self.epsilon_budget * (1 + _BUDGET_RTOL):
                     raise PrivacyBudgetExceeded(
                         f"client {client_id} would spend epsilon={after:.4g} (delta={self.delta:g}) after round "
@@ -296,17 +310,75 @@ class PrivacyLedger:
                 now = time.time()
                 for r in new:
                     mech, sens, std, q = _describe(r.event)
-                    conn.execute(
+                    cur = conn.execute(
                         "INSERT INTO charges (run_id, client_id, round, channel, mechanism, sensitivity, noise_std, "
                         "sampling_rate, unit, event, charged_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (self.run_id, client_id, round, r.channel, mech, sens, std, q, r.unit,
                          json.dumps(r.event.to_dict()), now))
+                    inserted.append((cur.lastrowid, client_id, round, r.channel, r.event, r.unit))
+            # Until the cache has learnt these rows, the next sync must look at the file (an interrupt between the
+            # commit and the update below then costs a re-read, never a stale cache).
+            synced, self._data_version = self._data_version, None
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        rows = {c.channel: c for c in self._rows(client_id) if c.round == round}
+        if inserted:  # committed: now, and only now, the cache learns the rows
+            self._apply(inserted)
+            _remember(self.accountant, after_key, self.delta, after)  # the checked value, for the next lookup
+        self._data_version = synced
+        rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
+                for ch, ev, unit, t, rel in conn.execute(
+                    "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND client_id=? "
+                    "AND round=?", (self.run_id, client_id, round))}
         return [rows[r.channel] for r in requests]
+
+    # -- the cache ----------------------------------------------------------------------------------------------
+
+    def _reset_cache(self) -> None:
+        self._states: dict[str, _ClientState] = {}
+        self._last_rowid = 0
+        self._row_count = 0
+        self._data_version: int | None = None
+
+    def _sync(self) -> None:
+        """Bring the cache up to date with the rows: a no-op unless another connection committed since the last sync
+        (``PRAGMA data_version``); then apply the rows past the last rowid seen and compare the run's row count with
+        the cache's, rebuilding from all rows on any disagreement."""
+        conn = self._conn
+        version = conn.execute("PRAGMA data_version").fetchone()[0]
+        if version == self._data_version:
+            return
+        rows = conn.execute("SELECT rowid, client_id, round, channel, event, unit FROM charges WHERE run_id=? AND "
+                            "rowid>? ORDER BY rowid", (self.run_id, self._last_rowid)).fetchall()
+        applied = self._apply([(rid, c, r, ch, _parse_event(ev), unit) for rid, c, r, ch, ev, unit in rows])
+        count = conn.execute("SELECT COUNT(*) FROM charges WHERE run_id=?", (self.run_id,)).fetchone()[0]
+        if not applied or count != self._row_count:
+            self._reset_cache()
+            rows = conn.execute("SELECT rowid, client_id, round, channel, event, unit FROM charges WHERE run_id=? "
+                                "ORDER BY rowid", (self.run_id,)).fetchall()
+            if not self._apply([(rid, c, r, ch, _parse_event(ev), unit) for rid, c, r, ch, ev, unit in rows]):
+                raise LedgerError(f"run {self.run_id!r} in {self.path} holds a (client, round, channel) twice; "
+                                  "the ledger file was edited outside privfl")
+            self._row_count = len(rows)
+        self._data_version = version
+
+    def _apply(self, rows: list[tuple[int, str, int, str, PrivacyEvent, str]]) -> bool:
+        """Add committed rows (rowid, client, round, channel, event, unit) to the cache; False if one is already
+        there (the rows changed under the cache, which must then be rebuilt)."""
+        by_round: dict[tuple[str, int], dict[str, tuple[PrivacyEvent, str]]] = {}
+        for rowid, client_id, rnd, channel, event, unit in rows:
+            by_round.setdefault((client_id, rnd), {})[channel] = (event, unit)
+            self._last_rowid = max(self._last_rowid, rowid)
+        for (client_id, rnd), channels in by_round.items():
+            state = self._states.get(client_id)
+            if state is None:
+                state = self._states[client_id] = _ClientState()
+            if any(ch in state.rounds.get(rnd, ()) for ch in channels):
+                return False
+            state.add_round(rnd, channels)
+        self._row_count += len(rows)
+        return True
 
     def mark_released(self, charge: Charge) -> None:
         """Record that ``charge``'s value has been revealed; refuses a second release of the same row."""
@@ -328,18 +400,16 @@ class PrivacyLedger:
         bound); ``releases`` counts rows whose value was revealed.
         """
         delta = self.delta if delta is None else check_delta(delta)
-        by_client: dict[str, list[Charge]] = {}
-        for c in self._rows():
-            by_client.setdefault(c.client_id, []).append(c)
+        self._sync()
+        counts = {c: (n, int(rel or 0)) for c, n, rel in self._conn.execute(
+            "SELECT client_id, COUNT(*), SUM(released) FROM charges WHERE run_id=? GROUP BY client_id",
+            (self.run_id,))}
         clients = {}
-        for cid in sorted(by_client, key=_natural_key):
-            events = [(c.round, c.event) for c in by_client[cid]]
-            clients[cid] = {
-                "epsilon": self._epsilon_of(events, delta),
-                "rho": _rho_upper_bound([e for _, e in events]),
-                "releases": sum(c.released for c in by_client[cid]),
-                "charges": len(events),
-            }
+        for cid in sorted(self._states, key=_natural_key):
+            key = self._states[cid].key()
+            n, released = counts.get(cid, (0, 0))
+            clients[cid] = {"epsilon": composed_epsilon(self.accountant, key, delta), "rho": _key_rho(key),
+                            "releases": released, "charges": n}
         max_eps = max((v["epsilon"] for v in clients.values()), default=0.0)
         return {"delta": delta, "max_epsilon": max_eps, "run_id": self.run_id, "accountant": self.accountant,
                 "epsilon_budget": self.epsilon_budget, "clients": clients}
@@ -347,16 +417,14 @@ class PrivacyLedger:
     def epsilon_by_round(self, delta: float | None = None) -> dict[str, list[tuple[int, float]]]:
         """Each client's cumulative epsilon after each round it was charged in."""
         delta = self.delta if delta is None else check_delta(delta)
+        self._sync()
         out: dict[str, list[tuple[int, float]]] = {}
-        by_client: dict[str, dict[int, list[PrivacyEvent]]] = {}
-        for c in self._rows():
-            by_client.setdefault(c.client_id, {}).setdefault(c.round, []).append(c.event)
-        for cid in sorted(by_client, key=_natural_key):
-            history: list[tuple[int, PrivacyEvent]] = []
+        for cid in sorted(self._states, key=_natural_key):
+            partial = _ClientState()
             series = []
-            for rnd in sorted(by_client[cid]):
-                history.extend((rnd, e) for e in by_client[cid][rnd])
-                series.append((rnd, self._epsilon_of(history, delta)))
+            for rnd, channels in sorted(self._states[cid].rounds.items()):
+                partial.add_round(rnd, channels)
+                series.append((rnd, composed_epsilon(self.accountant, partial.key(), delta)))
             out[cid] = series
         return out
 
@@ -370,28 +438,116 @@ class PrivacyLedger:
         self.close()
 
 
-def round_events(charged: Iterable[tuple[int, PrivacyEvent]]) -> list[PrivacyEvent]:
-    """The mechanisms a client's charges describe, one list entry per round's mechanism.
+class _ClientState:
+    """One client's cached composition: its rounds' channels, and the multiset of (leaf event, count) that
+    ``round_events`` over those rounds flattens to. Equal multisets give equal canonical keys, whatever the client."""
 
-    A round's channels released on one Poisson sample share one sampling coin: ``PoissonSampled(q, A)`` and
-    ``PoissonSampled(q, B)`` charged in the same round are the mechanism ``PoissonSampled(q, Composed(A, B))``, which
-    is what calibration composes (charging them as two independent samples would be a different mechanism). Events
-    are grouped by (sampling rate, relation); a run has one relation, and the accountant refuses a mix.
-    """
-    by_round: dict[int, list[PrivacyEvent]] = {}
-    for rnd, event in charged:
-        by_round.setdefault(rnd, []).append(event)
-    out: list[PrivacyEvent] = []
-    for rnd in sorted(by_round):
-        sampled: dict[tuple[float, str], list[PrivacyEvent]] = {}
-        for event in by_round[rnd]:
-            if isinstance(event, PoissonSampledEvent):
-                sampled.setdefault((event.sampling_rate, event.relation), []).append(event.event)
+    __slots__ = ("rounds", "_contributions", "_totals", "_key")
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, dict[str, tuple[PrivacyEvent, str]]] = {}
+        self._contributions: dict[int, tuple[tuple[PrivacyEvent, int], ...]] = {}
+        self._totals: dict[PrivacyEvent, int] = {}
+        self._key: tuple | None = ()
+
+    def copy(self) -> "_ClientState":
+        other = _ClientState()
+        other.rounds = dict(self.rounds)  # a round's dict is replaced, never mutated, by add_round
+        other._contributions = dict(self._contributions)
+        other._totals = dict(self._totals)
+        other._key = self._key
+        return other
+
+    def add_round(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]]) -> None:
+        """Add channels charged in round ``rnd``: the round's mechanism is regrouped (its sampled channels share one
+        coin), its old contribution taken out and the new one put in."""
+        merged = {**self.rounds.get(rnd, {}), **channels}
+        self.rounds[rnd] = merged
+        for leaf, count in self._contributions.get(rnd, ()):
+            left = self._totals[leaf] - count
+            if left:
+                self._totals[leaf] = left
             else:
-                out.append(event)
-        for (q, relation), inner in sampled.items():
-            out.append(PoissonSampledEvent(q, inner[0] if len(inner) == 1 else ComposedEvent(tuple(inner)), relation))
-    return out
+                del self._totals[leaf]
+        contribution = _round_contribution(tuple(merged[ch][0] for ch in sorted(merged)))
+        self._contributions[rnd] = contribution
+        for leaf, count in contribution:
+            self._totals[leaf] = self._totals.get(leaf, 0) + count
+        self._key = None
+
+    def key(self) -> tuple:
+        if self._key is None:
+            self._key = _canonical(self._totals.items())
+        return self._key
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_event(text: str) -> PrivacyEvent:
+    """A stored event (JSON) back to its frozen event; identical rows share one parse."""
+    return event_from_dict(json.loads(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _round_contribution(events: tuple[PrivacyEvent, ...]) -> tuple[tuple[PrivacyEvent, int], ...]:
+    """The (leaf, count) pairs one round's events (in channel order) add to a client's composition."""
+    return tuple(flatten(ComposedEvent(tuple(round_events((0, e) for e in events)))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sort_key(event: PrivacyEvent) -> str:
+    return json.dumps(event.to_dict(), sort_keys=True)
+
+
+def _canonical(pairs: Iterable[tuple[PrivacyEvent, int]]) -> tuple[tuple[PrivacyEvent, int], ...]:
+    """A composition's (leaf, count) pairs in a canonical order: the key its epsilon is remembered under."""
+    return tuple(sorted(((e, c) for e, c in pairs if c), key=lambda ec: _sort_key(ec[0])))
+
+
+def history_key(charged: Iterable[tuple[int, PrivacyEvent]]) -> tuple[tuple[PrivacyEvent, int], ...]:
+    """The canonical composition of a client's (round, event) charges, from scratch: ``round_events`` over all
+    rounds, flattened and merged. Events of one round must come in channel order (as the ledger's rows do)."""
+    return _canonical(flatten(ComposedEvent(tuple(round_events(charged)))))
+
+
+_MEMO_SIZE = 4096
+_memo: dict[tuple, float] = {}
+
+
+def composed_epsilon(accountant: str, key: tuple[tuple[PrivacyEvent, int], ...], delta: float, *,
+                     remember: bool = True, fresh: bool = False) -> float:
+    """Epsilon at ``delta`` of the composition ``key`` (canonical (leaf, count) pairs) under ``accountant``.
+
+    A pure function of its arguments, memoised (``remember``) across clients and ledgers; ``fresh`` recomputes it
+    with a new accountant regardless of the memo (what the equality tests compare against)."""
+    memo_key = (accountant, key, delta)
+    if not fresh:
+        hit = _memo.get(memo_key)
+        if hit is not None:
+            return hit
+    if not key:
+        value = 0.0
+    elif any(isinstance(e, NonPrivateEvent) for e, _ in key):
+        value = math.inf
+    else:
+        acct = make_accountant(accountant)
+        for event, count in key:
+            acct.compose(event, count)
+        value = float(acct.get_epsilon(delta))
+    if remember and not fresh:
+        _remember(accountant, key, delta, value)
+    return value
+
+
+def _remember(accountant: str, key: tuple, delta: float, value: float) -> None:
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.pop(next(iter(_memo)))
+    _memo[(accountant, key, delta)] = value
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_rho(key: tuple[tuple[PrivacyEvent, int], ...]) -> float | None:
+    """zCDP of a composition without amplification by sampling (an upper bound); None if a leaf has no rho."""
+    return unamplified_rho(ComposedEvent(tuple(SelfComposedEvent(e, c) for e, c in key)))
 
 
 def _rho_upper_bound(events: list[PrivacyEvent]) -> float | None:

@@ -324,25 +324,47 @@ def _widths(leaf: Leaf, count: int) -> tuple[float, float, int]:
     directions built): the grid cost of a leaf, estimated without building it.
 
     The loss is evaluated on a fine grid of noise values over dp-accounting's truncation range; the self-composition
-    is truncated as dp-accounting does, with a Chernoff bound at orders k / width, k = 1..20.
+    is truncated as dp-accounting does, with a Chernoff bound at orders k / width, k = 1..20. The per-leaf part (the
+    losses and their moment generating functions) is computed once per leaf, so a new count costs a few flops.
     """
-    with np.errstate(all="ignore"):
-        if leaf[0] == "gaussian":  # one Gaussian of mu = sqrt(count) / z: loss mu x + mu^2/2, x within truncation
+    if leaf[0] == "gaussian":  # one Gaussian of mu = sqrt(count) / z: loss mu x + mu^2/2, x within truncation
+        with np.errstate(all="ignore"):
             mu = math.sqrt(count) / min(leaf[1], _MAX_NOISE_MULTIPLIER)
             return mu * (2.0 * _TRUNCATION_SIGMAS + mu), 0.0, 1
-        _, q, z, relation = leaf
+    directions = _leaf_moments(leaf)
+    if directions is None:
+        return math.inf, math.inf, 2
+    leaf_width = composed = 0.0
+    for width, log_mgf_up, log_mgf_down in directions:
+        leaf_width = max(leaf_width, width)
+        composed = max(composed, _self_composed_width(width, log_mgf_up, log_mgf_down, count))
+    return leaf_width, composed, len(directions)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_moments(leaf: Leaf) -> tuple[tuple[float, tuple[float, ...], tuple[float, ...]], ...] | None:
+    """Per PLD direction of a sampled leaf: (loss width, log-MGFs of the shifted loss at orders k / width and
+    -k / width, k = 1..20); None if the leaf's loss is unbounded."""
+    _, q, z, relation = leaf
+    with np.errstate(all="ignore"):
         s = 1.0 / min(z, _MAX_NOISE_MULTIPLIER)
         if not math.isfinite(s * s):
-            return math.inf, math.inf, 2
-        directions = [_loss_samples(q, s, relation, remove=True)]
+            return None
+        samples = [_loss_samples(q, s, relation, remove=True)]
         if relation == "add_remove":
-            directions.append(_loss_samples(q, s, relation, remove=False))
-        leaf_width = composed = 0.0
-        for losses, weights in directions:
+            samples.append(_loss_samples(q, s, relation, remove=False))
+        out = []
+        for losses, weights in samples:
             width = float(np.max(losses) - np.min(losses))
-            leaf_width = max(leaf_width, width)
-            composed = max(composed, _self_composed_width(losses - np.min(losses), weights, width, count))
-        return leaf_width, composed, len(directions)
+            shifted = losses - np.min(losses)
+            up, down = [], []
+            if width != 0.0:
+                for k in range(1, 21):
+                    t = k / width
+                    up.append(float(special.logsumexp(t * shifted, b=weights)))
+                    down.append(float(special.logsumexp(-t * shifted, b=weights)))
+            out.append((width, tuple(up), tuple(down)))
+        return tuple(out)
 
 
 def _log_mixture(q: float, a):
@@ -370,17 +392,16 @@ def _loss_samples(q: float, s: float, relation: str, *, remove: bool):
     return losses, weights
 
 
-def _self_composed_width(shifted_losses, weights, width: float, count: int) -> float:
+def _self_composed_width(width: float, log_mgf_up: tuple[float, ...], log_mgf_down: tuple[float, ...],
+                         count: int) -> float:
     """Width in nats of the ``count``-fold self-convolution after dp-accounting's Chernoff truncation."""
     if count == 1 or width == 0.0:
         return width
     upper, lower = count * width, 0.0
     for k in range(1, 21):
         t = k / width
-        log_mgf_up = float(special.logsumexp(t * shifted_losses, b=weights))
-        log_mgf_down = float(special.logsumexp(-t * shifted_losses, b=weights))
-        upper = min(upper, (count * log_mgf_up + _LOG_TWO_OVER_TAIL) / t)
-        lower = max(lower, -(count * log_mgf_down + _LOG_TWO_OVER_TAIL) / t)
+        upper = min(upper, (count * log_mgf_up[k - 1] + _LOG_TWO_OVER_TAIL) / t)
+        lower = max(lower, -(count * log_mgf_down[k - 1] + _LOG_TWO_OVER_TAIL) / t)
     return max(upper - lower, width)
 
 

@@ -137,21 +137,24 @@ def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSc
     ledger's own composition order cannot tip it over). epsilon(z) is monotone and smooth in log-log scale, so a
     bracket is found by doubling and closed by safeguarded secant steps in (log z, log epsilon): 5 to 11 accountant
     evaluations where bisection to the same tolerance takes about 13 (each is a PLD or RDP composition, 0.03-0.3 s).
+    The search is ``accounting.calibration.calibrate_noise`` over the factory z -> the run's events.
     """
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ConfigurationError(f"DP-SGD needs a finite target epsilon > 0, got {epsilon!r}")
     if schedule.sample_rate < 1 and schedule.sample_rate <= delta:
         raise ConfigurationError(f"sampling rate {schedule.sample_rate} is not above delta={delta}; choose a delta "
                                  "much smaller than batch_size / n")
+    from accounting.calibration import calibrate_noise
+    from accounting.errors import InvalidPrivacyParameter
+    from accounting.events import ComposedEvent
+
     total_steps = rounds * schedule.steps
     target = epsilon * (1 - 1e-4)
+    others = tuple(SelfComposedEvent(event, rounds) for event in other_round_events)
 
-    def eps_at(z: float) -> float:
-        acct = make_accountant(accountant)
-        for event in other_round_events:
-            acct.compose(event, rounds)
-        acct.compose(schedule.step_event(z), total_steps)
-        return acct.get_epsilon(delta)
+    def run_event(z: float) -> PrivacyEvent:
+        """Every round's other releases, then every DP-SGD step: the composition the ledger charges."""
+        return ComposedEvent(others + (SelfComposedEvent(schedule.step_event(z), total_steps),))
 
     if other_round_events:
         alone = make_accountant(accountant)
@@ -160,34 +163,14 @@ def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSc
         if alone.get_epsilon(delta) >= target * (1 - 1e-3):
             raise ConfigurationError(f"no DP-SGD noise meets epsilon={epsilon}: the other releases alone spend "
                                      f"(almost) all of it; give the DP-SGD-trained channel a larger budget_share")
-    hi, eps_hi = 1.0, eps_at(1.0)
-    while eps_hi > target:
-        hi, eps_hi = 2.0 * hi, eps_at(2.0 * hi)
-        if hi > 1e6:
-            raise ConfigurationError(f"no DP-SGD noise up to {hi:g} meets epsilon={epsilon}")
-    lo, eps_lo = hi / 2.0, eps_at(hi / 2.0)
-    while eps_lo <= target:
-        hi, eps_hi = lo, eps_lo
-        if hi < 1e-3:
-            return hi  # (almost) no noise needed: a degenerate target
-        lo, eps_lo = lo / 2.0, eps_at(lo / 2.0)
-    last_side = None
-    while hi > lo * (1 + _CALIBRATION_TOL) and eps_hi < target * (1 - _CALIBRATION_TOL):
-        a, b = math.log(lo), math.log(hi)
-        if last_side is not None and last_side[0] == last_side[1]:
-            mid = math.sqrt(lo * hi)  # the same end moved twice: bisect to keep the bracket shrinking
-        else:
-            la, lb, lt = math.log(eps_lo), math.log(max(eps_hi, 1e-300)), math.log(target)
-            t = (la - lt) / (la - lb) if la != lb else 0.5
-            mid = math.exp(a + min(max(t, 0.05), 0.95) * (b - a))
-        eps_mid = eps_at(mid)
-        side = "hi" if eps_mid <= target else "lo"
-        if side == "hi":
-            hi, eps_hi = mid, eps_mid
-        else:
-            lo, eps_lo = mid, eps_mid
-        last_side = (side, None if last_side is None else last_side[0])
-    return hi
+    try:
+        z, _ = calibrate_noise(run_event, target, delta, lambda: make_accountant(accountant), guess=1.0,
+                               tol=_CALIBRATION_TOL, lower=1e-3, upper=1e6)
+    except InvalidPrivacyParameter as exc:
+        if str(exc).startswith("no noise multiplier up to"):
+            raise ConfigurationError(f"no DP-SGD noise up to 1e+06 meets epsilon={epsilon}") from None
+        raise
+    return z
 
 
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,

@@ -1,0 +1,163 @@
+"""Cost of privacy accounting in a private run, printed as ``key=value`` lines measured side by side in one run.
+
+- ``accounting_share_R<R>``: for record-level ``dpsgd_fedavg`` and ``fola`` (epsilon 3, 10 IID clients of MNIST-5k,
+  logistic regression on 2x2-pooled images, one local epoch), the time spent in calibration (``calibrate``,
+  ``calibrate_dpsgd``), ledger charges (``PrivacyLedger.charge_all``) and audits (``PrivacyLedger.audit``) over the
+  run's wall time, the larger of the two algorithms, for R in {5, 50, 200} rounds. Goal <= 0.05 at every R.
+- ``charge_ms_R<R>``: the median time of one ``charge_all`` (one client's round of channels) over both runs; goal:
+  flat, within 1.5x from R = 5 to R = 200.
+- ``audit_ms_1000x200``: ``audit()`` of a ledger (PLD accountant) holding 1,000 clients x 200 rounds x 3 channels,
+  on the ledger object that wrote it; goal <= 2000. ``audit_reopen_ms_1000x200``: the first audit after reopening
+  the file (the cache is rebuilt from the rows once).
+- ``commit_ms``: the median charge whose accounting is trivial, i.e. the durable SQLite commit (``synchronous=FULL``)
+  that every charge pays before its value is released; it bounds ``charge_ms`` from below on this disk.
+
+Timers wrap the entry points from outside (nothing in privfl is changed); nested calls are counted once.
+Run: ``python experiments/bench_accounting.py`` (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+import accounting.ledger as ledger_module
+import privfl.algorithms.dpsgd_fedavg as dpsgd_module
+import privfl.algorithms.fola as fola_module
+import privfl.runtime as runtime_module
+from accounting.events import GaussianEvent, PoissonSampledEvent
+from accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
+from privfl.runtime import Simulation
+
+ROUNDS = (5, 50, 200)
+ALGORITHMS = ("dpsgd_fedavg", "fola")
+
+
+class Timers:
+    """Wall time inside wrapped accounting entry points (outermost calls only) and each charge's duration."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.charges: list[float] = []
+        self._depth = 0
+
+    def wrap(self, fn, *, charge: bool = False):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self._depth -= 1
+                self.total += elapsed
+                if charge:
+                    self.charges.append(elapsed)
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(timers: Timers):
+    patches = [(ledger_module.PrivacyLedger, "charge_all", True), (ledger_module.PrivacyLedger, "audit", False),
+               (runtime_module, "calibrate", False), (dpsgd_module, "calibrate_dpsgd", False),
+               (fola_module, "calibrate_dpsgd", False)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, charge in patches:
+        setattr(owner, name, timers.wrap(getattr(owner, name), charge=charge))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def private_run(name: str, rounds: int, data, tmp: str) -> tuple[float, Timers]:
+    fed = FederationConfig(rounds=rounds, hidden=(), pool=2, local_epochs=1, batch_size=64, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, clip=1.0, unit="example")
+    timers = Timers()
+    with instrumented(timers):
+        start = time.perf_counter()
+        sim = Simulation(make_algorithm(name, fed, privacy), data, fed, privacy,
+                         ledger_path=os.path.join(tmp, f"{name}_{rounds}.sqlite"))
+        sim.run()
+        wall = time.perf_counter() - start
+    return wall, timers
+
+
+def audit_bench(tmp: str, clients: int = 1000, rounds: int = 200) -> tuple[float, float]:
+    path = os.path.join(tmp, "audit.sqlite")
+    event = PoissonSampledEvent(0.05, GaussianEvent(1.0, 1.0))
+    fixed = GaussianEvent(1.0, 20.0)
+    led = PrivacyLedger(path, "audit", delta=1e-5, accountant="pld")
+    rows = []
+    for rnd in range(rounds):  # written in bulk (the charging path is what the runs above time)
+        for k in range(clients):
+            for channel, ev in (("natural_mean", event), ("precision", event), ("fisher_diag", fixed)):
+                rows.append(("audit", str(k), rnd, channel, ev.mechanism, 1.0, 1.0, 1.0, "example",
+                             ledger_module.json.dumps(ev.to_dict()), time.time()))
+    with led._conn:
+        led._conn.execute("BEGIN")
+        led._conn.executemany(
+            "INSERT INTO charges (run_id, client_id, round, channel, mechanism, sensitivity, noise_std, "
+            "sampling_rate, unit, event, charged_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        led._conn.execute("COMMIT")
+    led.audit()  # the writer's cache is now warm, as in a run
+    start = time.perf_counter()
+    audit = led.audit()
+    warm = time.perf_counter() - start
+    led.close()
+    assert len(audit["clients"]) == clients
+    start = time.perf_counter()
+    with PrivacyLedger.open_existing(path, "audit") as again:
+        again.audit()
+    cold = time.perf_counter() - start
+    return warm, cold
+
+
+def commit_ms(tmp: str, n: int = 200) -> float:
+    """Median time of a charge whose accounting is trivial (exact accountant, one unsampled Gaussian per client):
+    the durable SQLite commit every charge pays before its release, on this disk."""
+    led = PrivacyLedger(os.path.join(tmp, "commit.sqlite"), "commit", delta=1e-5)
+    times = []
+    for k in range(n):
+        start = time.perf_counter()
+        led.charge_all(str(k), 0, [ChargeRequest("update", GaussianEvent(1.0, 10.0))])
+        times.append(time.perf_counter() - start)
+    led.close()
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    print(f"machine={platform.machine()} cpus={os.cpu_count()} python={platform.python_version()}")
+    data = make_federated("mnist5k", 10, partition="iid", seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rounds in ROUNDS:
+            shares, charges = [], []
+            for name in ALGORITHMS:
+                wall, timers = private_run(name, rounds, data, tmp)
+                shares.append(timers.total / wall)
+                charges.extend(timers.charges)
+                print(f"{name}_wall_s_R{rounds}={wall:.2f} {name}_accounting_s_R{rounds}={timers.total:.3f}",
+                      flush=True)
+            print(f"accounting_share_R{rounds}={max(shares):.4f}")
+            print(f"charge_ms_R{rounds}={1000 * statistics.median(charges):.3f}", flush=True)
+        print(f"commit_ms={commit_ms(tmp):.3f}")
+        warm, cold = audit_bench(tmp)
+        print(f"audit_ms_1000x200={1000 * warm:.1f}")
+        print(f"audit_reopen_ms_1000x200={1000 * cold:.1f}")
+
+
+if __name__ == "__main__":
+    main()
