@@ -52,14 +52,19 @@ def privfl_round(name: str, data, fed: FederationConfig, privacy: PrivacyConfig)
     return sim
 
 
-def hand_fedavg_round(data, fed: FederationConfig, seed: int = 0):
-    """The naive FedAvg round a user writes by hand in PyTorch."""
+def _hand_mlp(data, seed: int):
+    """The MLP 784-100-10 a user writes by hand, its starting parameters and the clients' tensors."""
     torch.manual_seed(seed)
     x0 = data.train_parts[0].x
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(x0.shape[1:])), 100),
                                 torch.nn.ReLU(), torch.nn.Linear(100, data.num_classes))
     global_state = [p.detach().clone() for p in model.parameters()]
-    parts = [p.tensors() for p in data.train_parts]
+    return model, global_state, [p.tensors() for p in data.train_parts]
+
+
+def hand_fedavg_round(data, fed: FederationConfig, seed: int = 0):
+    """The naive FedAvg round a user writes by hand in PyTorch."""
+    model, global_state, parts = _hand_mlp(data, seed)
     test_x, test_y = data.test.tensors()
     rng = np.random.default_rng(seed)
 
@@ -102,12 +107,7 @@ def hand_opacus_round(data, fed: FederationConfig, sim: Simulation, seed: int = 
     alg = sim.algorithm
     schedule = dpsgd_schedule(alg, 0)
     z = alg.noise_multiplier(schedule)
-    torch.manual_seed(seed)
-    x0 = data.train_parts[0].x
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(x0.shape[1:])), 100),
-                                torch.nn.ReLU(), torch.nn.Linear(100, data.num_classes))
-    global_state = [p.detach().clone() for p in model.parameters()]
-    parts = [p.tensors() for p in data.train_parts]
+    model, global_state, parts = _hand_mlp(data, seed)
     gen = torch.Generator().manual_seed(seed)
 
     def one_round():
