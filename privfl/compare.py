@@ -40,7 +40,7 @@ class CompareConfig:
 
     The defaults are the README's main job: MNIST-5k, 10 clients, Dirichlet(0.1), record level, delta 1e-5,
     epsilon in {1, 3, 8, inf}, every classification algorithm, one seed, 5 rounds of small (32-unit) models, sized to
-    finish in under 10 minutes on 2 cores (about 6.5 measured). FedBNR is a regression method and runs in
+    finish in under 10 minutes on 2 cores (about 4 measured). FedBNR is a regression method and runs in
     ``experiments/run_fedbnr.py`` instead.
     """
 
