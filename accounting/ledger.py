@@ -14,24 +14,36 @@ integer (stored as its decimal string), a round an integer in [0, 1e9], a channe
 ``"example"`` or ``"client"``. A refused call (bad argument, unsupported event, budget) writes no row.
 
 Incremental accounting. The rows are the source of truth; each ledger object keeps, per client, a cache of what they
-compose to: the round's channels and the merged (leaf event, count) multiset of ``round_events`` over its rounds, in a
-canonical order. A client's epsilon is a pure function of that multiset (``composed_epsilon``), memoised across
-clients and ledgers, so identical histories (every client charged the same events each round) compose once, repeated
-identical events compose by self-composition with a count, and a charge or an audit costs a lookup. The cache is
+compose to. A client's history is the path of its rounds' contributions in round order (a contribution: the
+``round_events`` of the round's channels, flattened to (leaf event, count) pairs), and its epsilon is that of an
+accountant given one composition per round along the path (``composed_epsilon``: the same fold from scratch). The
+paths of all clients form a tree whose nodes keep their epsilon and, for the nodes clients stand on, the composed
+accountant state: a new round composes only that round into its parent's state (a PLD convolution, not a rebuild),
+identical histories share nodes (every client charged the same events each round composes once), and an audit is a
+lookup per client. The "would this exceed?" check composes the round into a copy and changes nothing. The cache is
 synchronised with the rows inside every charge's transaction and before every read: ``PRAGMA data_version`` tells
 whether another connection committed; if one did, the rows past the last rowid seen are applied and the run's row
-count is compared with the cache's, and any disagreement rebuilds the cache from all rows. A refused charge is
-evaluated on a copy and leaves the cache as it was; the cache is updated only after the row is committed.
+count is compared with the cache's, and any disagreement rebuilds the cache from all rows. A refused charge leaves
+the cache as it was; the cache is updated only with rows written in the current transaction, and rebuilt if that
+transaction is rolled back.
+
+Transactions. Each charge commits (``synchronous=FULL``) before it returns, unless it runs inside
+:meth:`PrivacyLedger.transaction`: then the charges and release marks of many clients (one simulated round) share
+one durable commit at the end of the block, each charge still atomic (a savepoint) and budget-checked. A runtime
+that uses it hands nothing to the server before the block has committed, so "no release without its row" still
+holds: a crash inside the block loses the round's rows and its releases together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import sqlite3
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -172,6 +184,7 @@ class PrivacyLedger:
         self.delta = delta
         self.epsilon_budget = epsilon_budget
         self.accountant = accountant
+        self._batch_depth = 0
         self._reset_cache()
 
     # -- reading -------------------------------------------------------------------------------------------------
@@ -239,7 +252,7 @@ class PrivacyLedger:
 
     def _epsilon_of(self, charged: Iterable[tuple[int, PrivacyEvent]], delta: float) -> float:
         """Epsilon of a client's (round, event) charges (channel order within a round), composed from scratch."""
-        return composed_epsilon(self.accountant, history_key(charged), delta)
+        return composed_epsilon(self.accountant, history_key(charged), delta, fresh=True)
 
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
         """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta), from the cached state."""
@@ -247,7 +260,7 @@ class PrivacyLedger:
         delta = self.delta if delta is None else check_delta(delta)
         self._sync()
         state = self._states.get(client_id)
-        return 0.0 if state is None else composed_epsilon(self.accountant, state.key(), delta)
+        return 0.0 if state is None else self._tree.epsilon(state.node, delta)
 
     def remaining(self, client_id: str) -> float:
         return self.epsilon_budget - self.epsilon(client_id)
@@ -279,7 +292,8 @@ class PrivacyLedger:
         if len(set(names)) != len(names):
             raise LedgerError(f"channels charged twice in one request: {names}")
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        batched = self._batch_depth > 0
+        conn.execute("SAVEPOINT charge" if batched else "BEGIN IMMEDIATE")
         try:
             self._sync()
             state = self._states.get(client_id)
@@ -294,49 +308,99 @@ class PrivacyLedger:
                         f"release {self.run_id}/{client_id}/{round}/{r.channel} was already charged as "
                         f"{old[0].to_dict()} ({old[1]}); a replay must carry the same event")
             inserted: list[tuple[int, str, int, str, PrivacyEvent, str]] = []
-            after_key, after = None, 0.0
+            now = time.time()
             if new:
                 # "Would this exceed?": the round's new channels on a copy of the cached state; nothing is mutated.
                 trial = _ClientState() if state is None else state.copy()
-                trial.add_round(round, {r.channel: (r.event, r.unit) for r in new})
-                after_key = trial.key()
-                after = composed_epsilon(self.accountant, after_key, self.delta, remember=False)
+                trial.add_round(round, {r.channel: (r.event, r.unit) for r in new}, self._tree)
+                after = self._tree.epsilon(trial.node, self.delta)
                 if after > self.epsilon_budget * (1 + _BUDGET_RTOL):
                     raise PrivacyBudgetExceeded(
                         f"client {client_id} would spend epsilon={after:.4g} (delta={self.delta:g}) after round "
                         f"{round}, over its budget {self.epsilon_budget:g}; it sits this round out "
                         f"(raise the budget or the noise to let it take part)",
                         client_id=client_id, epsilon_after=after, epsilon_budget=self.epsilon_budget)
-                now = time.time()
                 for r in new:
                     mech, sens, std, q = _describe(r.event)
                     cur = conn.execute(
                         "INSERT INTO charges (run_id, client_id, round, channel, mechanism, sensitivity, noise_std, "
                         "sampling_rate, unit, event, charged_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (self.run_id, client_id, round, r.channel, mech, sens, std, q, r.unit,
-                         json.dumps(r.event.to_dict()), now))
+                         _event_json(r.event), now))
                     inserted.append((cur.lastrowid, client_id, round, r.channel, r.event, r.unit))
-            # Until the cache has learnt these rows, the next sync must look at the file (an interrupt between the
-            # commit and the update below then costs a re-read, never a stale cache).
-            synced, self._data_version = self._data_version, None
-            conn.execute("COMMIT")
+            if batched:
+                conn.execute("RELEASE charge")
+            else:
+                # Until the cache has learnt these rows, the next sync must look at the file (an interrupt between
+                # the commit and the update below then costs a re-read, never a stale cache).
+                synced, self._data_version = self._data_version, None
+                conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if batched:
+                conn.execute("ROLLBACK TO charge")
+                conn.execute("RELEASE charge")
+            else:
+                conn.execute("ROLLBACK")
             raise
-        if inserted:  # committed: now, and only now, the cache learns the rows
+        if inserted:  # written in this transaction (committed unless batched): now, and only now, the cache learns
             self._apply(inserted)
-            _remember(self.accountant, after_key, self.delta, after)  # the checked value, for the next lookup
-        self._data_version = synced
+        if not batched:
+            self._data_version = synced
+        if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
+            return [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, False) for r in requests]
         rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
                 for ch, ev, unit, t, rel in conn.execute(
                     "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND client_id=? "
                     "AND round=?", (self.run_id, client_id, round))}
         return [rows[r.channel] for r in requests]
 
+    @contextlib.contextmanager
+    def transaction(self):
+        """One durable commit for every charge and release mark made inside the block (e.g. one round's clients).
+
+        Each charge is still atomic and budget-checked; a charge refused inside the block leaves no trace and the
+        block goes on. An exception escaping the block rolls back everything written in it. Nothing charged inside
+        the block may be revealed before the block has exited normally (the commit). Blocks nest (inner ones join).
+        """
+        if self._batch_depth:
+            self._batch_depth += 1
+            try:
+                yield self
+            finally:
+                self._batch_depth -= 1
+            return
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        self._batch_depth = 1
+        try:
+            self._sync()
+            synced, self._data_version = self._data_version, None
+            yield self
+        except BaseException:
+            self._batch_depth = 0
+            conn.execute("ROLLBACK")
+            self._reset_cache()  # the cache learnt rows that are gone now
+            raise
+        self._batch_depth = 0
+        try:
+            self._commit()
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self._reset_cache()
+            raise
+        self._data_version = synced
+
     # -- the cache ----------------------------------------------------------------------------------------------
 
+    def _commit(self) -> None:
+        """The durable commit that closes a :meth:`transaction` block."""
+        self._conn.execute("COMMIT")
+
     def _reset_cache(self) -> None:
+        self._tree = _CompositionTree(self.accountant)
         self._states: dict[str, _ClientState] = {}
+        self._released: dict[str, int] | None = None  # per client; None: read from the file at the next audit
         self._last_rowid = 0
         self._row_count = 0
         self._data_version: int | None = None
@@ -349,6 +413,7 @@ class PrivacyLedger:
         version = conn.execute("PRAGMA data_version").fetchone()[0]
         if version == self._data_version:
             return
+        self._released = None  # another connection may have marked rows released
         rows = conn.execute("SELECT rowid, client_id, round, channel, event, unit FROM charges WHERE run_id=? AND "
                             "rowid>? ORDER BY rowid", (self.run_id, self._last_rowid)).fetchall()
         applied = self._apply([(rid, c, r, ch, _parse_event(ev), unit) for rid, c, r, ch, ev, unit in rows])
@@ -376,7 +441,8 @@ class PrivacyLedger:
                 state = self._states[client_id] = _ClientState()
             if any(ch in state.rounds.get(rnd, ()) for ch in channels):
                 return False
-            state.add_round(rnd, channels)
+            state.add_round(rnd, channels, self._tree)
+            state.charges += len(channels)
         self._row_count += len(rows)
         return True
 
@@ -384,12 +450,16 @@ class PrivacyLedger:
         """Record that ``charge``'s value has been revealed; refuses a second release of the same row."""
         if not isinstance(charge, Charge):
             raise InvalidLedgerArgument(f"mark_released takes the Charge returned by charge(), got {charge!r}")
+        if not self._batch_depth:
+            self._sync()  # the released counts must be the file's before this mark is added to them
         cur = self._conn.execute(
             "UPDATE charges SET released=1, released_at=? WHERE run_id=? AND client_id=? AND round=? AND channel=? "
             "AND released=0", (time.time(), charge.run_id, charge.client_id, charge.round, charge.channel))
         if cur.rowcount != 1:
             raise LedgerError(f"release {charge.release_id} is not charged or was already released; releasing a "
                               f"value twice would need a second charge")
+        if self._released is not None:
+            self._released[charge.client_id] = self._released.get(charge.client_id, 0) + 1
 
     # -- auditing ------------------------------------------------------------------------------------------------
 
@@ -401,15 +471,15 @@ class PrivacyLedger:
         """
         delta = self.delta if delta is None else check_delta(delta)
         self._sync()
-        counts = {c: (n, int(rel or 0)) for c, n, rel in self._conn.execute(
-            "SELECT client_id, COUNT(*), SUM(released) FROM charges WHERE run_id=? GROUP BY client_id",
-            (self.run_id,))}
+        if self._released is None:
+            self._released = {c: int(rel or 0) for c, rel in self._conn.execute(
+                "SELECT client_id, SUM(released) FROM charges WHERE run_id=? GROUP BY client_id", (self.run_id,))}
         clients = {}
+        tree = self._tree
         for cid in sorted(self._states, key=_natural_key):
-            key = self._states[cid].key()
-            n, released = counts.get(cid, (0, 0))
-            clients[cid] = {"epsilon": composed_epsilon(self.accountant, key, delta), "rho": _key_rho(key),
-                            "releases": released, "charges": n}
+            state = self._states[cid]
+            clients[cid] = {"epsilon": tree.epsilon(state.node, delta), "rho": tree.rho(state.node),
+                            "releases": self._released.get(cid, 0), "charges": state.charges}
         max_eps = max((v["epsilon"] for v in clients.values()), default=0.0)
         return {"delta": delta, "max_epsilon": max_eps, "run_id": self.run_id, "accountant": self.accountant,
                 "epsilon_budget": self.epsilon_budget, "clients": clients}
@@ -419,12 +489,13 @@ class PrivacyLedger:
         delta = self.delta if delta is None else check_delta(delta)
         self._sync()
         out: dict[str, list[tuple[int, float]]] = {}
+        tree = self._tree
         for cid in sorted(self._states, key=_natural_key):
-            partial = _ClientState()
-            series = []
-            for rnd, channels in sorted(self._states[cid].rounds.items()):
-                partial.add_round(rnd, channels)
-                series.append((rnd, composed_epsilon(self.accountant, partial.key(), delta)))
+            state = self._states[cid]
+            node, series = tree.root, []
+            for rnd in sorted(state.rounds):  # prefixes in order: each composes one round into its parent's state
+                node = tree.child(node, state.contributions[rnd])
+                series.append((rnd, tree.epsilon(node, delta)))
             out[cid] = series
         return out
 
@@ -439,46 +510,125 @@ class PrivacyLedger:
 
 
 class _ClientState:
-    """One client's cached composition: its rounds' channels, and the multiset of (leaf event, count) that
-    ``round_events`` over those rounds flattens to. Equal multisets give equal canonical keys, whatever the client."""
+    """One client's cached composition: its rounds' channels, each round's contribution, its row count and the node
+    of the composition tree its history leads to."""
 
-    __slots__ = ("rounds", "_contributions", "_totals", "_key")
+    __slots__ = ("rounds", "contributions", "node", "charges")
 
     def __init__(self) -> None:
         self.rounds: dict[int, dict[str, tuple[PrivacyEvent, str]]] = {}
-        self._contributions: dict[int, tuple[tuple[PrivacyEvent, int], ...]] = {}
-        self._totals: dict[PrivacyEvent, int] = {}
-        self._key: tuple | None = ()
+        self.contributions: dict[int, tuple[tuple[PrivacyEvent, int], ...]] = {}
+        self.node: _Node | None = None
+        self.charges = 0
 
     def copy(self) -> "_ClientState":
         other = _ClientState()
         other.rounds = dict(self.rounds)  # a round's dict is replaced, never mutated, by add_round
-        other._contributions = dict(self._contributions)
-        other._totals = dict(self._totals)
-        other._key = self._key
+        other.contributions = dict(self.contributions)
+        other.node = self.node
+        other.charges = self.charges
         return other
 
-    def add_round(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]]) -> None:
-        """Add channels charged in round ``rnd``: the round's mechanism is regrouped (its sampled channels share one
-        coin), its old contribution taken out and the new one put in."""
+    def add_round(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]], tree: "_CompositionTree") -> None:
+        """Add channels charged in round ``rnd`` (the round's sampled channels share one coin). A round after every
+        other is one step down the tree; anything else (a round filled in, an earlier round) re-walks the path."""
+        latest = max(self.rounds, default=-1)
         merged = {**self.rounds.get(rnd, {}), **channels}
         self.rounds[rnd] = merged
-        for leaf, count in self._contributions.get(rnd, ()):
-            left = self._totals[leaf] - count
-            if left:
-                self._totals[leaf] = left
-            else:
-                del self._totals[leaf]
         contribution = _round_contribution(tuple(merged[ch][0] for ch in sorted(merged)))
-        self._contributions[rnd] = contribution
-        for leaf, count in contribution:
-            self._totals[leaf] = self._totals.get(leaf, 0) + count
-        self._key = None
+        self.contributions[rnd] = contribution
+        if rnd > latest and self.node is not None:
+            self.node = tree.child(self.node, contribution)
+        else:
+            self.node = tree.path(self.contributions[r] for r in sorted(self.contributions))
 
     def key(self) -> tuple:
-        if self._key is None:
-            self._key = _canonical(self._totals.items())
-        return self._key
+        """The client's history: its rounds' contributions in round order (what ``composed_epsilon`` composes)."""
+        return tuple(self.contributions[r] for r in sorted(self.contributions))
+
+
+class _Node:
+    """A history in the composition tree: its parent's history and one more round's contribution."""
+
+    __slots__ = ("parent", "contribution", "children", "epsilons", "non_private", "_rho", "__weakref__")
+
+    def __init__(self, parent: "_Node | None", contribution: tuple) -> None:
+        self.parent = parent
+        self.contribution = contribution
+        self.children: dict[tuple, _Node] = {}
+        self.epsilons: dict[float, float] = {}
+        self.non_private = (parent is not None and parent.non_private) or any(
+            isinstance(e, NonPrivateEvent) for e, _ in contribution)
+        self._rho: float | None | bool = False  # False: not computed yet
+
+
+class _CompositionTree:
+    """Every history a ledger has seen, as paths from an empty root, one round's contribution per step; each node
+    memoises its epsilon per delta, and the accountant states of recently used nodes are kept (``states`` of them,
+    least recently used dropped), so a child's state is its parent's plus one composition."""
+
+    def __init__(self, accountant: str, states: int = 256) -> None:
+        self.accountant = accountant
+        self.root = _Node(None, ())
+        self._states: OrderedDict[_Node, object] = OrderedDict()
+        self._capacity = states
+
+    def child(self, node: _Node, contribution: tuple) -> _Node:
+        found = node.children.get(contribution)
+        if found is None:
+            found = node.children[contribution] = _Node(node, contribution)
+        return found
+
+    def path(self, contributions: Iterable[tuple]) -> _Node:
+        node = self.root
+        for contribution in contributions:
+            node = self.child(node, contribution)
+        return node
+
+    def state(self, node: _Node):
+        """The accountant composed along the path to ``node``: the nearest kept ancestor's state, copied, with the
+        rounds below it composed (one composition per round, as ``composed_epsilon`` does)."""
+        kept = self._states.get(node)
+        if kept is not None:
+            self._states.move_to_end(node)
+            return kept
+        chain = []
+        cur = node
+        while cur is not self.root and cur not in self._states:
+            chain.append(cur)
+            cur = cur.parent
+        accountant = make_accountant(self.accountant) if cur is self.root else self._states[cur].copy()
+        for step in reversed(chain):
+            accountant.compose(_contribution_event(step.contribution))
+        self._states[node] = accountant
+        if len(self._states) > self._capacity:
+            self._states.popitem(last=False)
+        return accountant
+
+    def epsilon(self, node: _Node | None, delta: float) -> float:
+        if node is None or node is self.root:
+            return 0.0
+        value = node.epsilons.get(delta)
+        if value is None:
+            value = math.inf if node.non_private else float(self.state(node).get_epsilon(delta))
+            node.epsilons[delta] = value
+        return value
+
+    def rho(self, node: _Node | None) -> float | None:
+        """zCDP of the path without amplification by sampling (an upper bound); None if a leaf has no rho."""
+        if node is None or node is self.root:
+            return 0.0
+        chain = []
+        cur = node
+        while cur is not self.root and cur._rho is False:
+            chain.append(cur)
+            cur = cur.parent
+        total = 0.0 if cur is self.root else cur._rho
+        for step in reversed(chain):
+            part = _contribution_rho(step.contribution)
+            total = None if total is None or part is None else total + part
+            step._rho = total
+        return node._rho
 
 
 @functools.lru_cache(maxsize=4096)
@@ -488,37 +638,48 @@ def _parse_event(text: str) -> PrivacyEvent:
 
 
 @functools.lru_cache(maxsize=4096)
+def _event_json(event: PrivacyEvent) -> str:
+    return json.dumps(event.to_dict())
+
+
+@functools.lru_cache(maxsize=4096)
 def _round_contribution(events: tuple[PrivacyEvent, ...]) -> tuple[tuple[PrivacyEvent, int], ...]:
     """The (leaf, count) pairs one round's events (in channel order) add to a client's composition."""
     return tuple(flatten(ComposedEvent(tuple(round_events((0, e) for e in events)))))
 
 
 @functools.lru_cache(maxsize=4096)
-def _sort_key(event: PrivacyEvent) -> str:
-    return json.dumps(event.to_dict(), sort_keys=True)
+def _contribution_event(contribution: tuple[tuple[PrivacyEvent, int], ...]) -> PrivacyEvent:
+    """One round's contribution as the single event an accountant composes for it."""
+    parts = tuple(e if c == 1 else SelfComposedEvent(e, c) for e, c in contribution)
+    return parts[0] if len(parts) == 1 else ComposedEvent(parts)
 
 
-def _canonical(pairs: Iterable[tuple[PrivacyEvent, int]]) -> tuple[tuple[PrivacyEvent, int], ...]:
-    """A composition's (leaf, count) pairs in a canonical order: the key its epsilon is remembered under."""
-    return tuple(sorted(((e, c) for e, c in pairs if c), key=lambda ec: _sort_key(ec[0])))
+@functools.lru_cache(maxsize=4096)
+def _contribution_rho(contribution: tuple[tuple[PrivacyEvent, int], ...]) -> float | None:
+    return unamplified_rho(ComposedEvent(tuple(SelfComposedEvent(e, c) for e, c in contribution)))
 
 
-def history_key(charged: Iterable[tuple[int, PrivacyEvent]]) -> tuple[tuple[PrivacyEvent, int], ...]:
-    """The canonical composition of a client's (round, event) charges, from scratch: ``round_events`` over all
-    rounds, flattened and merged. Events of one round must come in channel order (as the ledger's rows do)."""
-    return _canonical(flatten(ComposedEvent(tuple(round_events(charged)))))
+def history_key(charged: Iterable[tuple[int, PrivacyEvent]]) -> tuple[tuple[tuple[PrivacyEvent, int], ...], ...]:
+    """A client's history from its (round, event) charges, from scratch: each round's contribution (its
+    ``round_events``, flattened), in round order. Events of one round must come in channel order (as the rows do)."""
+    by_round: dict[int, list[PrivacyEvent]] = {}
+    for rnd, event in charged:
+        by_round.setdefault(rnd, []).append(event)
+    return tuple(_round_contribution(tuple(by_round[r])) for r in sorted(by_round))
 
 
 _MEMO_SIZE = 4096
 _memo: dict[tuple, float] = {}
 
 
-def composed_epsilon(accountant: str, key: tuple[tuple[PrivacyEvent, int], ...], delta: float, *,
-                     remember: bool = True, fresh: bool = False) -> float:
-    """Epsilon at ``delta`` of the composition ``key`` (canonical (leaf, count) pairs) under ``accountant``.
+def composed_epsilon(accountant: str, key: tuple, delta: float, *, remember: bool = True,
+                     fresh: bool = False) -> float:
+    """Epsilon at ``delta`` of the history ``key`` (``history_key``: per round, its contribution) under
+    ``accountant``: a fresh accountant composes each round's contribution, in order, once.
 
-    A pure function of its arguments, memoised (``remember``) across clients and ledgers; ``fresh`` recomputes it
-    with a new accountant regardless of the memo (what the equality tests compare against)."""
+    A pure function of its arguments, memoised (``remember``); ``fresh`` recomputes it regardless of the memo (what
+    the equality tests compare the ledger's incremental state against)."""
     memo_key = (accountant, key, delta)
     if not fresh:
         hit = _memo.get(memo_key)
@@ -526,33 +687,18 @@ def composed_epsilon(accountant: str, key: tuple[tuple[PrivacyEvent, int], ...],
             return hit
     if not key:
         value = 0.0
-    elif any(isinstance(e, NonPrivateEvent) for e, _ in key):
+    elif any(isinstance(e, NonPrivateEvent) for contribution in key for e, _ in contribution):
         value = math.inf
     else:
         acct = make_accountant(accountant)
-        for event, count in key:
-            acct.compose(event, count)
+        for contribution in key:
+            acct.compose(_contribution_event(contribution))
         value = float(acct.get_epsilon(delta))
     if remember and not fresh:
-        _remember(accountant, key, delta, value)
+        if len(_memo) >= _MEMO_SIZE:
+            _memo.pop(next(iter(_memo)))
+        _memo[memo_key] = value
     return value
-
-
-def _remember(accountant: str, key: tuple, delta: float, value: float) -> None:
-    if len(_memo) >= _MEMO_SIZE:
-        _memo.pop(next(iter(_memo)))
-    _memo[(accountant, key, delta)] = value
-
-
-@functools.lru_cache(maxsize=4096)
-def _key_rho(key: tuple[tuple[PrivacyEvent, int], ...]) -> float | None:
-    """zCDP of a composition without amplification by sampling (an upper bound); None if a leaf has no rho."""
-    return unamplified_rho(ComposedEvent(tuple(SelfComposedEvent(e, c) for e, c in key)))
-
-
-def _rho_upper_bound(events: list[PrivacyEvent]) -> float | None:
-    """zCDP of a client's charges without amplification by sampling (an upper bound); None if one has no rho."""
-    return unamplified_rho(ComposedEvent(tuple(events)))
 
 
 def _natural_key(s: str):

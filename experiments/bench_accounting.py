@@ -70,6 +70,8 @@ class Timers:
 @contextlib.contextmanager
 def instrumented(timers: Timers):
     patches = [(ledger_module.PrivacyLedger, "charge_all", True), (ledger_module.PrivacyLedger, "audit", False),
+               (ledger_module.PrivacyLedger, "mark_released", False), (ledger_module.PrivacyLedger, "_commit", False),
+               (ledger_module.PrivacyLedger, "epsilon_by_round", False),
                (runtime_module, "calibrate", False), (dpsgd_module, "calibrate_dpsgd", False),
                (fola_module, "calibrate_dpsgd", False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]

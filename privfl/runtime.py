@@ -34,7 +34,7 @@ from accounting.ledger import PrivacyLedger
 from mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
-from privfl.channels import charged_channels, check_record_level_clips
+from privfl.channels import TrainedPrivately, charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.release import Release, ReleasePipeline, amplifies
 from privfl.errors import ConfigurationError
@@ -91,8 +91,8 @@ def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig,
         return None
     private = [c for c in (channels or algorithm.channels()) if c.private]
     shares = {c.name: c.budget_share for c in private}
-    if not shares:
-        return {}
+    if not shares or all(isinstance(c.clip, TrainedPrivately) for c in private):
+        return {}  # nothing noised here: DP-SGD's own calibration (calibrate_dpsgd) sets its noise
     q = privacy.sampling_rate if amplifies(privacy.sampling_rate, privacy.unit, privacy.placement) else 1.0
     kwargs = {}
     if q < 1:
@@ -255,24 +255,27 @@ class Simulation:
             chosen = set(selected.tolist())
             releases, sat_out, aborted = [], [], False
             training = []
-            for k in range(n_clients):
-                if k in exhausted:
-                    sat_out.append(str(k))
-                    continue
-                if k in chosen:
-                    training.append(k)
-                    continue
-                try:
-                    pipelines[k].charge_only(rnd)
-                except PrivacyBudgetExceeded:
-                    exhausted.add(k)
-                    sat_out.append(str(k))
-            for k, sent in self.client_steps(training, rnd):
-                if isinstance(sent, PrivacyBudgetExceeded):
-                    exhausted.add(k)
-                    sat_out.append(str(k))
-                else:
-                    releases.extend(sent.values())
+            # The round's charges and release marks share one durable commit; nothing reaches the server (the sums
+            # below) before it, so no release leaves without its row.
+            with self.ledger.transaction():
+                for k in range(n_clients):
+                    if k in exhausted:
+                        sat_out.append(str(k))
+                        continue
+                    if k in chosen:
+                        training.append(k)
+                        continue
+                    try:
+                        pipelines[k].charge_only(rnd)
+                    except PrivacyBudgetExceeded:
+                        exhausted.add(k)
+                        sat_out.append(str(k))
+                for k, sent in self.client_steps(training, rnd):
+                    if isinstance(sent, PrivacyBudgetExceeded):
+                        exhausted.add(k)
+                        sat_out.append(str(k))
+                    else:
+                        releases.extend(sent.values())
             sat_out.sort(key=int)
             releases.sort(key=lambda r: int(r.client_id))  # sums in client order, whichever executor trained them
             if releases:

@@ -7,6 +7,7 @@ before changing any state, so a refused event leaves no trace (dp-accounting's h
 from __future__ import annotations
 
 import abc
+import copy
 
 from accounting.errors import UnsupportedEventError
 from accounting.events import PrivacyEvent
@@ -55,6 +56,10 @@ class Accountant(abc.ABC):
         self._compose(event, count)
         self._events.append((event, count))
         return self
+
+    def copy(self) -> "Accountant":
+        """An independent accountant in the same state (composing into it leaves this one as it is)."""
+        return copy.deepcopy(self)
 
     @abc.abstractmethod
     def get_epsilon(self, delta: float) -> float:

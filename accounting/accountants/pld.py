@@ -89,11 +89,27 @@ class PLDAccountant(Accountant):
                 f"{interval!r}; the default {DEFAULT_VALUE_DISCRETIZATION_INTERVAL:g} suits epsilon >= 0.1")
         super().__init__()
         self.value_discretization_interval = interval
-        self._leaves: list[tuple[Leaf, int]] = []
+        self._blocks: list[tuple[tuple[Leaf, int], ...]] = []  # one per compose() call, in order
+        self._totals: dict[Leaf, int] = {}  # every leaf's total count (the grid is sized for the whole composition)
         self._mu_squared = 0.0  # Gaussian-DP parameter of the composition without amplification (an upper bound)
         self._non_private = False
         self._relation: str | None = None  # of the sampled (q < 1) events composed so far
-        self._built: tuple[object, float] | None = None  # (PLD or None, grid interval) of the current leaves
+        # (PLD or None, grid interval or None, number of blocks in it): the fold of the first blocks, extended in
+        # place by later compositions as long as the grid they need stays the same
+        self._built: tuple[object, float | None, int] | None = None
+
+    def copy(self) -> "PLDAccountant":
+        """An independent accountant in the same state (the built distribution is shared: PLDs are immutable)."""
+        other = PLDAccountant.__new__(PLDAccountant)
+        other.value_discretization_interval = self.value_discretization_interval
+        other._events = list(self._events)
+        other._blocks = list(self._blocks)
+        other._totals = dict(self._totals)
+        other._mu_squared = self._mu_squared
+        other._non_private = self._non_private
+        other._relation = self._relation
+        other._built = self._built
+        return other
 
     # -- composing ---------------------------------------------------------------------------------------------
 
@@ -117,13 +133,16 @@ class PLDAccountant(Accountant):
 
     def _compose(self, event: PrivacyEvent, count: int) -> None:
         plan = _plan(event)
-        self._leaves.extend((leaf, n * count) for leaf, n in plan.leaves)
+        block = tuple((leaf, n * count) for leaf, n in plan.leaves)
+        if block:
+            self._blocks.append(block)
+        for leaf, n in block:
+            self._totals[leaf] = self._totals.get(leaf, 0) + n
         self._mu_squared += count * plan.mu_squared
         self._non_private = self._non_private or plan.non_private
         for leaf, _ in plan.leaves:
             if leaf[0] == "sampled":
                 self._relation = leaf[3]
-        self._built = None
 
     @property
     def relation(self) -> str | None:
@@ -144,9 +163,25 @@ class PLDAccountant(Accountant):
         return self._build()[1]
 
     def _build(self) -> tuple[object, float | None]:
-        if self._built is None:
-            self._built = _compose_leaves(tuple(self._leaves), self.value_discretization_interval)
-        return self._built
+        """(PLD of the composition or None, its grid): the blocks folded in order, each block's PLD composed into the
+        fold of those before it. Incremental: blocks composed since the last answer are folded into the distribution
+        built then, unless the whole composition now needs a coarser grid (then it is rebuilt). Either way the
+        result is the same fold a fresh accountant given the same compositions would build."""
+        n_blocks = len(self._blocks)
+        built = self._built
+        if built is not None and built[2] == n_blocks:
+            return built[0], built[1]
+        grid = _grid_for(self._totals.items(), self.value_discretization_interval) if self._blocks else \
+            self.value_discretization_interval
+        if built is not None and built[1] == grid and built[0] is not None:
+            pld, start = built[0], built[2]
+        else:
+            pld, start = None, 0
+        if grid is None or not self._blocks:
+            self._built = (None, grid, n_blocks)
+        else:
+            self._built = _fold(pld, tuple(self._blocks[start:]), grid) + (n_blocks,)
+        return self._built[0], self._built[1]
 
     def get_epsilon(self, delta: float) -> float:
         delta = check_delta(delta)
@@ -251,19 +286,33 @@ def _call_pld(fn):
     return None if math.isnan(value) else value
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
+def _single_pld(leaf: Leaf, interval: float):
+    """The PLD of one sampled-Gaussian ``leaf`` on a grid of ``interval`` (cached: building it is most of the cost)."""
+    _, q, z, relation = leaf
+    return dp_pld.from_gaussian_mechanism(
+        standard_deviation=min(z, _MAX_NOISE_MULTIPLIER), sampling_prob=q,
+        neighboring_relation=_RELATIONS[relation], value_discretization_interval=interval,
+        pessimistic_estimate=True)
+
+
+@functools.lru_cache(maxsize=256)
 def _leaf_pld(leaf: Leaf, count: int, interval: float):
     """The PLD of ``leaf`` composed ``count`` times on a grid of ``interval`` (cached: leaves recur across calls)."""
     if leaf[0] == "gaussian":
         return dp_pld.from_gaussian_mechanism(
             standard_deviation=min(leaf[1] / math.sqrt(count), _MAX_NOISE_MULTIPLIER),
             value_discretization_interval=interval, pessimistic_estimate=True)
-    _, q, z, relation = leaf
-    single = dp_pld.from_gaussian_mechanism(
-        standard_deviation=min(z, _MAX_NOISE_MULTIPLIER), sampling_prob=q,
-        neighboring_relation=_RELATIONS[relation], value_discretization_interval=interval,
-        pessimistic_estimate=True)
-    return _self_compose(single, count)
+    return _self_compose(_single_pld(leaf, interval), count)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_pld(block: tuple[tuple[Leaf, int], ...], interval: float):
+    """The PLD of one composition's leaves, folded in order (cached: every round of a run is the same block)."""
+    pld = _leaf_pld(block[0][0], block[0][1], interval)
+    for leaf, count in block[1:]:
+        pld = pld.compose(_leaf_pld(leaf, count, interval))
+    return pld
 
 
 def _self_compose(pld, count: int):
@@ -281,30 +330,27 @@ def _self_compose(pld, count: int):
     return out if rest == 0 else out.compose(pld.self_compose(rest) if rest > 1 else pld)
 
 
-def _compose_leaves(leaves: tuple[tuple[Leaf, int], ...], interval: float) -> tuple[object, float | None]:
-    """(composed PLD or None, grid used). None when the loss is too spread for any grid or dp-accounting fails;
-    the accountant then answers with its Gaussian-DP bound alone."""
-    if not leaves:
-        return None, interval
-    grid = _grid_for(leaves, interval)
-    if grid is None:
-        return None, None
+def _fold(pld, blocks: tuple[tuple[tuple[Leaf, int], ...], ...], grid: float) -> tuple[object, float | None]:
+    """(``pld`` composed with each block's PLD in order (``pld`` None: from the identity), grid); (None, None)
+    when dp-accounting fails numerically: the accountant then answers with its Gaussian-DP bound alone."""
     try:
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pld = dp_pld.identity(value_discretization_interval=grid)
-            for leaf, count in leaves:
-                pld = pld.compose(_leaf_pld(leaf, count, grid))
+            if pld is None:  # dp-accounting's accountant starts from the identity too (so its results are ours)
+                pld = dp_pld.identity(value_discretization_interval=grid)
+            for block in blocks:
+                pld = pld.compose(_block_pld(block, grid))
     except (ValueError, ArithmeticError, MemoryError, IndexError):
         return None, None
     return pld, grid
 
 
-def _grid_for(leaves: tuple[tuple[Leaf, int], ...], interval: float) -> float | None:
+def _grid_for(totals, interval: float) -> float | None:
     """The requested interval, coarsened so that no leaf exceeds PLD_MAX_LEAF_POINTS grid points and the whole
-    composition PLD_MAX_TOTAL_POINTS; None if that would need more than PLD_MAX_INTERVAL."""
+    composition (``totals``: each distinct leaf with its total count) PLD_MAX_TOTAL_POINTS; None if that would need
+    more than PLD_MAX_INTERVAL."""
     widest_leaf = total = 0.0
-    for leaf, count in set(leaves):  # the cost is per distinct (leaf, count) pair; equal pairs share a cached build
+    for leaf, count in totals:
         leaf_width, composed_width, directions = _widths(leaf, count)
         widest_leaf = max(widest_leaf, leaf_width)
         total += directions * (leaf_width + 2.0 * composed_width)
@@ -357,13 +403,13 @@ def _leaf_moments(leaf: Leaf) -> tuple[tuple[float, tuple[float, ...], tuple[flo
         for losses, weights in samples:
             width = float(np.max(losses) - np.min(losses))
             shifted = losses - np.min(losses)
-            up, down = [], []
-            if width != 0.0:
-                for k in range(1, 21):
-                    t = k / width
-                    up.append(float(special.logsumexp(t * shifted, b=weights)))
-                    down.append(float(special.logsumexp(-t * shifted, b=weights)))
-            out.append((width, tuple(up), tuple(down)))
+            up: tuple[float, ...] = ()
+            down: tuple[float, ...] = ()
+            if width != 0.0:  # orders k / width, k = 1..20, all at once
+                t = np.arange(1, 21)[:, None] / width
+                up = tuple(special.logsumexp(t * shifted, b=weights, axis=1).tolist())
+                down = tuple(special.logsumexp(-t * shifted, b=weights, axis=1).tolist())
+            out.append((width, up, down))
         return tuple(out)
 
 

@@ -57,7 +57,15 @@ operation = st.one_of(
     st.tuples(st.just("replay")),
     st.tuples(st.just("reopen")),
     st.tuples(st.just("other_writer"), st.sampled_from(CLIENTS), st.integers(5, 7), st.integers(0, 3)),
+    # one transaction for several clients' charges (a simulated round), committed or rolled back as a whole
+    st.tuples(st.just("batch"), st.integers(0, 4),
+              st.lists(st.tuples(st.sampled_from(CLIENTS), st.integers(0, 3)), min_size=1, max_size=3),
+              st.booleans()),
 )
+
+
+class Abandon(Exception):
+    """Raised inside a transaction to roll it back."""
 
 
 @pytest.mark.parametrize("accountant", sorted(POOLS))
@@ -90,6 +98,20 @@ def test_cached_epsilon_equals_a_from_scratch_composition_of_the_rows(tmp_path_f
                 count = led._row_count
                 led.charge_all(last[0], last[1], last[2])  # charges nothing twice
                 assert led._row_count == count
+            elif op[0] == "batch":
+                _, rnd, picks, abandon = op
+                rows = led._row_count
+                try:
+                    with led.transaction():
+                        for client, i in picks:
+                            try:
+                                led.charge_all(client, rnd, [ChargeRequest("batched", pool[i])])
+                            except (PrivacyBudgetExceeded, LedgerError):
+                                pass  # refused inside the block: no trace, the block goes on
+                        if abandon:
+                            raise Abandon
+                except Abandon:
+                    assert led.audit() is not None and led._row_count == rows  # all of it rolled back
             elif op[0] == "reopen":
                 led.close()
                 led = open_ledger()
@@ -150,5 +172,30 @@ def test_identical_histories_share_one_composition(tmp_path):
         for client in range(5):
             led.charge(client, rnd, "update", event)
     keys = {led._states[str(c)].key() for c in range(5)}
-    assert keys == {((event, 3),)}  # one self-composition with a count, the same key for every client
+    assert keys == {(((event, 1),),) * 3}  # the same history (one contribution per round) for every client
+    assert len({id(led._states[str(c)].node) for c in range(5)}) == 1  # one node of the tree: composed once
     assert len({led.epsilon(c) for c in range(5)}) == 1
+
+
+def test_a_new_round_composes_one_round_into_its_parents_state(tmp_path, monkeypatch):
+    """Incremental: charging round r costs one composition into the state after round r - 1, never a rebuild."""
+    import accounting.ledger as ledger_module
+
+    led = PrivacyLedger(tmp_path / "l.sqlite", "run", delta=DELTA, accountant="pld")
+    event = PoissonSampledEvent(0.1, GaussianEvent(1.0, 2.0))
+    composed = []
+    real = ledger_module._contribution_event
+
+    def counting(contribution):
+        composed.append(contribution)
+        return real(contribution)
+
+    monkeypatch.setattr(ledger_module, "_contribution_event", counting)
+    for rnd in range(40):
+        before = len(composed)
+        for client in range(3):
+            led.charge(client, rnd, "update", event)
+        led.audit()
+        assert len(composed) - before == 1  # one composition per round, whatever the round number
+    assert led.epsilon(0) == pytest.approx(composed_epsilon("pld", led._states["0"].key(), DELTA, fresh=True),
+                                           rel=1e-12)

@@ -155,11 +155,15 @@ def test_rdp_refuses_replace_one_sampling_and_points_to_pld():
 def test_leaf_distributions_are_built_once_and_reused():
     event = sampled(0.07, 2.0, 1.3)
     make_accountant("pld").compose(event, 37).get_epsilon(DELTA)
-    hits = pld_module._leaf_pld.cache_info().hits
+    blocks, leaves = pld_module._block_pld.cache_info(), pld_module._leaf_pld.cache_info()
     again = make_accountant("pld").compose(event, 37)
     again.get_epsilon(DELTA)
     again.get_delta(1.0)
-    assert pld_module._leaf_pld.cache_info().hits == hits + 1
+    assert pld_module._block_pld.cache_info().hits == blocks.hits + 1  # built once for both answers, from cache
+    assert pld_module._leaf_pld.cache_info().misses == leaves.misses
+    singles = pld_module._single_pld.cache_info()
+    make_accountant("pld").compose(event, 38).get_epsilon(DELTA)  # a new count reuses the one-step distribution
+    assert pld_module._single_pld.cache_info().misses == singles.misses
 
 
 # -- the ledger ------------------------------------------------------------------------------------------------------
