@@ -112,8 +112,9 @@ from scipy.linalg import cho_factor, cho_solve, solve_triangular
 
 from accounting.accountants import make_accountant
 from accounting.accountants.analytic_gaussian import gaussian_epsilon, gaussian_mu
-from accounting.calibration import calibrate, round_event
-from accounting.events import NonPrivateEvent
+from accounting.calibration import calibrate, calibrate_noise, round_event
+from accounting.errors import InvalidPrivacyParameter
+from accounting.events import ComposedEvent, NonPrivateEvent, PrivacyEvent, SelfComposedEvent
 from mechanisms import InvalidRelease, clip_rows, clip_values
 from mechanisms.clipping import check_adjacency
 from privfl.aggregation import Aggregate
@@ -716,32 +717,38 @@ def phase_budgets(epsilon: float, delta: float, kernel_rounds: int, regression_r
 
     Gaussian releases compose by adding mu^2 (Gaussian DP; rho in zCDP), so phase 1 gets ``kernel_share`` of
     mu(epsilon, delta)^2 and phase 2 the rest; each share is turned back into an epsilon at ``delta``. Then the
-    noise both calibrations will choose is composed under ``accountant`` (which may be slightly looser than exact)
-    and both shares shrink (by rounding-sized, then 0.5% steps) until the composition meets the target.
+    noise both calibrations will choose is composed under ``accountant`` (which may be slightly looser than exact),
+    and both shares shrink by the smallest factor (to 1e-4) for which the composition meets the target.
     ``kernel_shares``: the kernel phase's channels and budget shares (default ``{"update": 1.0}``, FedAvg; FedBNR-KD
     releases ``{"gram": 1.0}``: :attr:`FedBNRKernel.channel_shares`).
     """
     if not 0 < kernel_share < 1:
         raise ConfigurationError(f"kernel_share must lie in (0, 1), got {kernel_share!r}")
     mu = gaussian_mu(epsilon, delta)
-    # shrink both shares until the composition meets the target: first by rounding-sized steps (the exact
-    # accountant lands on the target up to float error), then by 0.5% steps (looser accountants)
-    steps = [0.0, 1e-12, 1e-9, 1e-6, 1e-4, 1e-3] + [5e-3] * 200
-    shrink = 1.0
-    for step in steps:
-        shrink *= 1.0 - step
-        eps_k = gaussian_epsilon(mu * shrink * math.sqrt(kernel_share), delta)
-        eps_r = gaussian_epsilon(mu * shrink * math.sqrt(1.0 - kernel_share), delta)
+
+    def split(s: float) -> tuple[float, float]:
+        """Each phase's epsilon when the phases share mu / s (s >= 1 shrinks both)."""
+        return (gaussian_epsilon(mu * math.sqrt(kernel_share) / s, delta),
+                gaussian_epsilon(mu * math.sqrt(1.0 - kernel_share) / s, delta))
+
+    def both_phases(s: float) -> PrivacyEvent:
+        """The run's events when each phase is calibrated to its share of mu / s: the factory the search uses."""
+        eps_k, eps_r = split(s)
         cal_k = calibrate(eps_k, delta, kernel_rounds, channels=dict(kernel_shares or {"update": 1.0}),
                           accountant=accountant)
         cal_r = calibrate(eps_r, delta, regression_rounds, channels=dict(regression_shares), accountant=accountant)
-        acct = make_accountant(accountant)
-        acct.compose(round_event(cal_k.noise_multipliers), kernel_rounds)
-        acct.compose(round_event(cal_r.noise_multipliers), regression_rounds)
-        if acct.get_epsilon(delta) <= epsilon:
-            return eps_k, eps_r
-    raise ConfigurationError(f"could not split epsilon={epsilon} between FedBNR's phases under the {accountant} "
-                             "accountant; use the exact or zcdp accountant")
+        return ComposedEvent((SelfComposedEvent(round_event(cal_k.noise_multipliers), kernel_rounds),
+                              SelfComposedEvent(round_event(cal_r.noise_multipliers), regression_rounds)))
+
+    # The one search (accounting.calibration.calibrate_noise) over the shrink s: the exact accountant lands on s = 1
+    # up to float error; looser accountants need s a little above 1.
+    try:
+        s, _ = calibrate_noise(both_phases, epsilon, delta, accountant, guess=1.0, step=1.001, tol=1e-4,
+                               lower=1e-3, upper=1e3)
+    except InvalidPrivacyParameter as exc:
+        raise ConfigurationError(f"could not split epsilon={epsilon} between FedBNR's phases under the "
+                                 f"{accountant} accountant ({exc}); use the exact or zcdp accountant") from None
+    return split(s)
 
 
 def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]:
