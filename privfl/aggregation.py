@@ -42,9 +42,12 @@ def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
         if len(centrals) != 1:
             raise InvalidRelease(f"channel {name}: releases disagree on the central noise std {sorted(centrals)}")
         weights = np.array([r.weight for r in rs])
-        total = np.zeros_like(rs[0].value)
+        total = np.zeros(np.shape(rs[0].value), dtype=np.float64)  # float32 uploads are summed in float64
         for w, r in zip(weights, rs):
-            total += w * r.value
+            if w == 1.0:
+                total += r.value
+            else:
+                total += w * np.asarray(r.value, dtype=np.float64)
         central = centrals.pop() * float(weights.max())
         if central > 0:
             total = total + gaussian_noise(total.shape, central, source, channels[name].symmetric)

@@ -220,7 +220,10 @@ class Channel:
     def validate(self, value) -> np.ndarray | ClippedValue:
         """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel."""
         raw = value.value if isinstance(value, (ClippedValue, PrivatizedValue)) else value
-        arr = np.asarray(raw, dtype=np.float64)
+        # An unclipped (non-private) float32 value stays float32 (no copy): nothing about it needs float64. Anything
+        # clipped or noised is float64 from here on, so that its clip and its noise hold as computed.
+        keep32 = not self.private and isinstance(raw, np.ndarray) and raw.dtype == np.float32
+        arr = raw if keep32 else np.asarray(raw, dtype=np.float64)
         if arr.shape != self.shape:
             raise InvalidRelease(f"channel {self.name}: expected shape {self.shape}, got {arr.shape}; nothing was "
                                  f"released")

@@ -94,8 +94,8 @@ class VectorisedSGD:
 
     def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
               rngs: Sequence[np.random.Generator]) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield ``(i, update_i)`` for every client ``i`` of ``datasets``: its local model after training minus
-        ``global_params`` (float64, as ``privfl.training.flat_parameters`` gives it), chunk by chunk. Clients are
+        """Yield ``(i, update_i)`` for every client ``i`` of ``datasets``: its local model after training minus the
+        broadcast model (float32, as the per-client loop of ``FedAvg.client_update`` computes it), chunk by chunk. Clients are
         grouped by record count; ``rngs[i]`` is consumed exactly as the per-client loop would consume it."""
         by_size: dict[int, list[int]] = {}
         for i, (x, _) in enumerate(datasets):
@@ -106,8 +106,9 @@ class VectorisedSGD:
             for lo in range(0, len(members), step):
                 chunk = members[lo:lo + step]
                 final = self._train_chunk(start32, [datasets[i] for i in chunk], [rngs[i] for i in chunk], n)
-                # float32 model -> float64 minus the float64 global model, as flat_parameters(local) - global does
-                updates = np.subtract(final.numpy(), global_params, dtype=np.float64)
+                # float32 end to end, as the per-client loop computes it (trained model minus the broadcast model);
+                # a fresh array per chunk (the training buffer is reused by the next chunk)
+                updates = np.subtract(final.numpy(), start32.numpy())
                 for row, i in enumerate(chunk):
                     yield i, updates[row]
 

@@ -175,7 +175,7 @@ class ReleasePipeline:
         releases = {}
         for name, ch in self.channels.items():
             mech = self.mechanisms[name]
-            value = np.asarray(clipped[name], dtype=np.float64)
+            value = clipped[name] if mech is None and not ch.private else np.asarray(clipped[name], dtype=np.float64)
             local_std = central_std = 0.0
             if mech is not None:
                 if self.placement == "local":

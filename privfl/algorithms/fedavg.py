@@ -60,9 +60,12 @@ class FedAvg(FederatedAlgorithm):
 
     def client_update(self, client, dataset, round, rng):
         local = self._local
-        load_flat_parameters(local, self.global_params)
+        start = torch.as_tensor(self.global_params, dtype=torch.float32)
+        torch.nn.utils.vector_to_parameters(start.clone(), local.parameters())  # the parameters become its views
         self.local_train(local, dataset, rng)
-        update = flat_parameters(local) - self.global_params
+        # float32 end to end, as the model trains (the vectorised executor gives the same rows); the release pipeline
+        # turns what it clips or noises into float64
+        update = (torch.nn.utils.parameters_to_vector(local.parameters()).detach() - start).numpy()
         return ClientOutput({"update": update}, weight=self.release_weight(dataset, client))
 
     #: FedProx's proximal coefficient on the vectorised path (0: plain FedAvg)
