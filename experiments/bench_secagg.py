@@ -7,10 +7,15 @@ Measured side by side in one run on this machine:
 - ``keystream_bound_ms``: N x (X25519 key agreement + AES-CTR keystream of d words + numpy add), the raw cost of the
   same work with nothing else; ``mask_over_bound`` is their ratio (goal <= 1.2). Best of interleaved repeats (the
   least-disturbed run of deterministic work), with the medians printed too;
-- ``round_s``: a full protocol round in process (quantise N float vectors, the four stages, decode) for N clients,
+- ``round_s``: a full protocol round in process (quantise N float vectors, the stages, decode) for N clients,
   d coordinates and a dropout fraction of clients that drop after sharing keys, before sending their masked input
-  (every such dropout forces the server to reconstruct a key and regenerate its pairwise masks); ``round_spread_s``
-  spreads the same number of dropouts over the share-keys, masked-input and unmask stages;
+  (every such dropout forces the server to reconstruct a key and regenerate its pairwise masks), in the
+  malicious-server variant that privfl runs by default: Ed25519 signatures of every key bundle and masked input and
+  the consistency round are counted here (and only here: ``mask_over_bound`` measures the masking alone);
+  ``round_semi_honest_s`` is the same round without them, ``round_spread_s`` spreads the same number of dropouts over
+  the share-keys, masked-input and unmask stages; the degree and threshold are derived from the dropout
+  (``secure_agg.derive_parameters``); ``input_signature_ms`` is one client's signature of its masked input
+  (SHA-256 of the d words + Ed25519);
 - ``flower_round_s``: the same round (same N, d, dropouts, share-holder count and threshold) through Flower's SecAgg+
   (``SecAggPlusWorkflow`` + ``secaggplus_mod``) over an in-process loopback grid, when ``flwr`` is importable, and
   ``flower_over_privfl`` = flower_round_s / round_s (goal >= 5). Flower is a comparison only, not a dependency.
@@ -34,7 +39,8 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from secure_agg import ClientSession, Quantiser, SessionConfig, run_round
+from secure_agg import ClientSession, Quantiser, SessionConfig, derive_parameters, generate_identity, run_round
+from secure_agg import identity as I
 from secure_agg import messages as M
 from secure_agg import primitives as P
 
@@ -96,6 +102,19 @@ def bench_masking(n: int, d: int, bits: int, repeats: int) -> None:
     emit("keystream_bound_median_ms", 1e3 * statistics.median(bound_times))
 
 
+def bench_input_signature(d: int, bits: int, repeats: int) -> float:
+    """Milliseconds (best of ``repeats``) for one client to sign its masked input of d words."""
+    key = generate_identity()
+    payload = np.random.default_rng(0).integers(0, 2 ** bits, size=d, dtype=np.uint64).astype(
+        P.word_dtype(bits)).tobytes()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        I.sign(key, I.INPUT_PURPOSE, bytes(32), 1, I.digest(payload))
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
 # ---------------------------------------------------------------------------------------------- full round
 def _dropouts(keys, fraction: float, spread: bool) -> dict:
     k = int(round(fraction * len(keys)))
@@ -106,12 +125,14 @@ def _dropouts(keys, fraction: float, spread: bool) -> dict:
     return {"share_keys": gone[:a], "masked_input": gone[a:a + b], "unmask": gone[a + b:]}
 
 
-def privfl_round(vectors: dict, bits: int, clip: float, drop_at: dict, degree: int, threshold: int):
+def privfl_round(vectors: dict, bits: int, clip: float, drop_at: dict, degree: int, threshold: int,
+                 dropout: float, malicious: bool = True):
     rng = np.random.default_rng(1)
     start = time.perf_counter()
     q = Quantiser(low=-clip, high=clip, bits=bits, n_clients=len(vectors))
     words = {k: q.quantise(v, rng) for k, v in vectors.items()}
-    result = run_round(words, bits=bits, degree=degree, threshold=threshold, drop_at=drop_at)
+    result = run_round(words, bits=bits, degree=degree, threshold=threshold, drop_at=drop_at, dropout=dropout,
+                       malicious=malicious)
     mean = q.decode_sum(result.sum, len(result.included)) / len(result.included)
     elapsed = time.perf_counter() - start
     plain = np.zeros(len(next(iter(words.values()))), dtype=np.uint64)
@@ -243,17 +264,23 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     vectors = {node: rng.uniform(-args.clip, args.clip, size=args.d) for node in range(1001, 1001 + args.n)}
     keys = list(vectors)
-    probe = SessionConfig.create(range(1, args.n + 1), bits=args.bits, dimension=1)
+    probe = derive_parameters(args.n, dropout=args.dropout, malicious=True)
     emit("degree", probe.degree)
     emit("threshold", probe.threshold)
+    emit("input_signature_ms", bench_input_signature(args.d, args.bits, args.repeats))
     drop = _dropouts(keys, args.dropout, spread=False)
-    round_s, exact, error, included = privfl_round(vectors, args.bits, args.clip, drop, probe.degree, probe.threshold)
+    common = (args.bits, args.clip)
+    params = dict(degree=probe.degree, threshold=probe.threshold, dropout=args.dropout)
+    round_s, exact, error, included = privfl_round(vectors, *common, drop, **params)
     emit("round_s", round_s)
     emit("round_included", included)
     emit("round_sum_exact", str(exact).lower())
     emit("round_mean_max_abs_error", error)
+    elapsed, exact, _, _ = privfl_round(vectors, *common, drop, **params, malicious=False)
+    emit("round_semi_honest_s", elapsed)
+    emit("round_semi_honest_sum_exact", str(exact).lower())
     spread = _dropouts(keys, args.dropout, spread=True)
-    elapsed, exact, _, included = privfl_round(vectors, args.bits, args.clip, spread, probe.degree, probe.threshold)
+    elapsed, exact, _, included = privfl_round(vectors, *common, spread, **params)
     emit("round_spread_s", elapsed)
     emit("round_spread_sum_exact", str(exact).lower())
 

@@ -125,13 +125,16 @@ def cmd_run(args) -> int:
                    else f"accuracy {m.get('accuracy', float('nan')):.4f}")
         print(f"round {rec.round + 1:3d}/{fed.rounds}  {utility}  "
               f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
-              f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else ""),
+              f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else "")
+              + ("  ABORTED (secure aggregation: nothing revealed)" if rec.aborted else ""),
               file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
 
     from privfl.secure import SecureAggregation
 
     secure = (SecureAggregation(bits=args.secagg_bits, dropout=args.dropout, min_survivors=args.min_survivors)
               if args.secure_agg else None)
+    if secure is not None:
+        secure.check(args.clients)  # a threat model no degree and threshold meet is refused before any round
     if two_phase:
         return _run_fedbnr_two_phases(args, data, fed, privacy, secure, None if args.quiet else show)
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
@@ -150,15 +153,33 @@ def cmd_run(args) -> int:
     }
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
+    aborted = _aborted_rounds(out, secure, result.history)
     if args.json:
         _dump(out, args.json)
     if "warning" in result.audit:
         print(f"warning: {result.audit['warning']}", file=sys.stderr)
+    _warn_aborted(aborted, len(result.history))
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
     print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _aborted_rounds(out: dict, secure, history, offset: int = 0) -> list[int]:
+    """The rounds (0-based, shifted by ``offset``) secure aggregation aborted; under ``--secure-agg`` also the JSON key
+    ``aborted_rounds``."""
+    aborted = sorted(set(out.get("aborted_rounds", [])) | {offset + r.round for r in history if r.aborted})
+    if secure is not None:
+        out["aborted_rounds"] = aborted
+    return aborted
+
+
+def _warn_aborted(aborted: list[int], rounds: int) -> None:
+    if aborted:
+        print(f"warning: {len(aborted)} of {rounds} rounds were aborted by secure aggregation (too few clients or "
+              f"survivors: nothing was revealed and the model did not change in them; their privacy charges stand in "
+              f"the ledger)", file=sys.stderr)
 
 
 def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
@@ -210,8 +231,11 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
         "epsilon_spent": run.epsilon_per_client,
         "ledger": result.ledger, "run_id": [run.kernel.run_id, result.run_id],
     }
+    _aborted_rounds(out, secure, run.kernel.history if run.kernel is not None else [])
+    aborted = _aborted_rounds(out, secure, result.history, offset=args.kernel_rounds)
     if args.json:
         _dump(out, args.json)
+    _warn_aborted(aborted, total_rounds)
     print(f"final rmse {result.final['rmse']:.4g}; max epsilon spent over both phases {run.epsilon:.4g} "
           f"(target {args.epsilon:g}, delta {args.delta:g})", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0

@@ -171,6 +171,7 @@ class Simulation:
         check_record_level_clips(channels, privacy)
         if self.secure is not None:
             check_secure_channels(channels)
+            self.secure.check(n_clients)
         plans, distributed_events = None, None
         if privacy.placement == "distributed" and privacy.private:
             if self.secure is None:
@@ -288,7 +289,7 @@ class Simulation:
                         aggregates = weighted_sums(releases, by_name, self.server_noise)
                     alg.server_update(aggregates, rnd)
                 except ProtocolAbort:
-                    aborted = True  # too few survivors: nothing is revealed, the global state stays as it was
+                    aborted = True  # the round could not be aggregated safely: nothing is revealed, the global state stays
             metrics = alg.evaluate(self.data.test)
             if privacy.private:
                 audit = self.ledger.audit()

@@ -2,9 +2,12 @@
 
 Each client scales its release by its public weight, quantises it to Z_{2^bits} by stochastic rounding
 (``secure_agg.Quantiser``, sized so the sum of all clients cannot wrap) and masks it in the pairwise-masked protocol
-(``secure_agg.run_round``); the server unmasks only the sum and decodes it. Algorithms are unchanged: they receive the
-same :class:`privfl.aggregation.Aggregate` as without secure aggregation, up to quantisation error (one rounding step
-per client and coordinate, unbiased).
+(``secure_agg.run_round``, by default its variant that holds against an active server, with the degree and threshold
+derived from the declared dropout and corruption); the server unmasks only the sum and decodes it. A round that cannot
+be aggregated safely (one client, fewer than ``min_survivors``, a value too large to quantise, too few clients for the
+declared threat model) aborts with ``ProtocolAbort``: nothing of it is revealed, and the run goes on.
+Algorithms are unchanged: they receive the same :class:`privfl.aggregation.Aggregate` as without secure aggregation,
+up to quantisation error (one rounding step per client and coordinate, unbiased).
 
 Quantisation range of a channel: a function of public facts only (:func:`quantisation_half_width`): its public
 coordinate bound (``Channel.coordinate_bound``; a NormClip's C, or a declared ``value_bound``) times the largest
@@ -29,8 +32,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from accounting.calibration import calibrate
-from accounting.events import PrivacyEvent
+from accounting.calibration import calibrate, calibrate_noise
+from accounting.events import ComposedEvent, GaussianEvent, PrivacyEvent, SelfComposedEvent
 from mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, local_sigma, sample_discrete_gaussian
 from mechanisms.gaussian import gaussian_noise
 from mechanisms.noise import NoiseSource, as_noise_source
@@ -39,24 +42,59 @@ from privfl.channels import Channel, TrainedPrivately
 from privfl.errors import ConfigurationError
 from privfl.public import private_rng
 from privfl.release import Release
-from secure_agg import Quantiser, noise_headroom, run_round
+from secure_agg import ProtocolAbort, Quantiser, noise_headroom, run_round
+from secure_agg.params import ParameterError
 
 
 @dataclass(frozen=True)
 class SecureAggregation:
     """Secure-aggregation settings: ``bits`` of the modular ring, simulated ``dropout`` (fraction of the round's
     clients that drop after sharing keys, before sending their masked input), and ``min_survivors`` below which the
-    round aborts (default: the protocol's threshold)."""
+    round aborts (default: the protocol's threshold). ``malicious``: run the variant that holds against an active
+    server (signed keys and inputs, consistency round; in this in-process simulation every client draws its identity
+    key and the registry is built in process). ``corruption``: the declared fraction of clients that may collude with
+    the server; with ``dropout`` it sets the neighbour-graph degree and threshold (``secure_agg.params``)."""
 
     bits: int = 48
     dropout: float = 0.0
     min_survivors: int | None = None
+    malicious: bool = True
+    corruption: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 8 <= self.bits <= 64:
-            raise ConfigurationError(f"secure aggregation bits must be an integer in [8, 64], got {self.bits!r}")
+            raise ConfigurationError(f"secure aggregation bits must be an integer in [8, 64] (--secagg-bits), got "
+                                     f"{self.bits!r}")
         if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
             raise ConfigurationError(f"dropout must lie in [0, 1), got {self.dropout!r}")
+        if self.min_survivors is not None and (isinstance(self.min_survivors, bool)
+                                               or not isinstance(self.min_survivors, int) or self.min_survivors < 1):
+            raise ConfigurationError(f"min survivors must be a positive integer (--min-survivors), got "
+                                     f"{self.min_survivors!r}")
+        if not isinstance(self.malicious, bool):
+            raise ConfigurationError(f"malicious must be True or False, got {self.malicious!r}")
+        if not (isinstance(self.corruption, (int, float)) and not isinstance(self.corruption, bool)
+                and 0 <= self.corruption < 1):
+            raise ConfigurationError(f"corruption must lie in [0, 1), got {self.corruption!r}")
+
+    def check(self, n_clients: int) -> None:
+        """Refuse, before the run, a ring too small for ``n_clients`` and a threat model (dropout, corruption, active
+        server) that no degree and threshold can meet with all of them (every round would fail)."""
+        from secure_agg.params import derive_parameters
+
+        try:
+            Quantiser(low=-1.0, high=1.0, bits=self.bits, n_clients=n_clients)
+        except ValueError as exc:
+            raise ConfigurationError(f"secure aggregation: {exc} (--secagg-bits)") from exc
+        try:
+            derive_parameters(n_clients, dropout=self.dropout, corruption=self.corruption, malicious=self.malicious,
+                              min_inputs=self.min_survivors)
+        except ParameterError as exc:
+            raise ConfigurationError(f"secure aggregation: {exc}") from exc
+
+    def survivors(self, n_clients: int) -> int:
+        """How many of ``n_clients`` remain after the simulated dropout (the count ``secure_weighted_sums`` keeps)."""
+        return n_clients - int(math.floor(self.dropout * n_clients))
 
 
 @dataclass(frozen=True)
@@ -116,34 +154,43 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     """Plan each private channel's distributed noise so the run meets (epsilon, delta) under the zCDP accountant.
 
     The continuous Gaussian calibration gives each channel's per-round rho; the distributed plan's noise multiplier is
-    then raised (bisection) until its Kairouz-Liu-Steinke rho, for the channel's sensitivity under its relation, is
-    no larger, so the charged events never overshoot.
+    then raised (the one search, ``accounting.calibration.calibrate_noise``, over the factory noise -> the run's
+    events) until its Kairouz-Liu-Steinke rho, for the channel's sensitivity under its relation, is no larger, so the
+    charged events never overshoot.
     """
     private = [c for c in channels if c.private]
     for c in private:
         if c.coordinate_bound is None or len(c.shape) != 1:
             raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a norm clip")
+    survivors = config.survivors(n_clients)
+    if config.min_survivors is None and survivors < n_clients:
+        raise ConfigurationError(
+            f"distributed noise with dropout {config.dropout:g}: {survivors} of {n_clients} clients survive a round, "
+            f"fewer than the {n_clients} noise shares the noise would be calibrated for, so every round would abort; "
+            f"set --min-survivors to at most {survivors} (the noise is then calibrated for that many shares)")
+    if config.min_survivors is not None and config.min_survivors > survivors:
+        raise ConfigurationError(
+            f"--min-survivors {config.min_survivors} exceeds the {survivors} of {n_clients} clients that survive a "
+            f"dropout of {config.dropout:g}, so every round would abort; set --min-survivors to at most {survivors}")
     cal = calibrate(epsilon, delta, rounds, channels={c.name: c.budget_share for c in private}, accountant="zcdp")
     n_min = config.min_survivors or n_clients
     plans = {}
     for c in private:
-        z = cal.noise_multipliers[c.name]
-        target_rho = 1.0 / (2.0 * z * z)
-
         def plan(m: float, c=c) -> DistributedNoise:
             return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
                                           sensitivity=c.sensitivity, relation=c.adjacency)
 
-        lo, hi = z, 2.0 * z
-        while plan(hi).event.rho > target_rho:
-            lo, hi = hi, 2.0 * hi
-        for _ in range(40):
-            mid = (lo + hi) / 2.0
-            if plan(mid).event.rho > target_rho:
-                lo = mid
-            else:
-                hi = mid
-        plans[c.name] = plan(hi)
+        others = tuple(GaussianEvent(1.0, cal.noise_multipliers[o.name]) for o in private if o is not c)
+
+        def run_events(m: float, plan=plan, others=others) -> PrivacyEvent:
+            """The run with this channel on its distributed plan and the others at their continuous noise: under
+            zCDP it meets the calibrated epsilon exactly when the plan's rho is at most the channel's share."""
+            return SelfComposedEvent(ComposedEvent((plan(m).event,) + others), rounds)
+
+        z = cal.noise_multipliers[c.name]
+        m, _ = calibrate_noise(run_events, cal.epsilon, delta, "zcdp", guess=z, step=1.1, tol=1e-9, lower=z,
+                               upper=1e6 * z)
+        plans[c.name] = plan(m)
     return plans
 
 
@@ -173,13 +220,26 @@ def quantisation_half_width(channel: Channel, weights: Sequence[float], local_no
     return max(weights) * (bound + 8.0 * max(local_noise_stds))
 
 
+_MAX_HALF_WIDTH = 2.0 ** 1022  # the range [-h, h] must have a finite float64 width 2h
+
+
 def _range(channel: Channel, releases: Sequence[Release]) -> float:
     if channel.coordinate_bound is None:
         check_secure_channels([channel])
         # non-private, or already private (DP-SGD-trained) values: the round's largest value may size the range
-        peak = max(float(np.abs(r.weight * r.value).max(initial=0.0)) for r in releases)
+        with np.errstate(over="ignore", invalid="ignore"):
+            peak = max(float(np.abs(np.multiply(r.weight, r.value, dtype=np.float64)).max(initial=0.0))
+                       for r in releases)
+        if not peak <= _MAX_HALF_WIDTH:  # also catches inf and nan
+            raise ProtocolAbort(f"channel {channel.name!r}: a weighted contribution of magnitude {peak:.4g} cannot be "
+                                f"quantised (the limit is 2^1022); nothing of this round is revealed. Clip the channel "
+                                f"(declare a clip or a value_bound) or lower its weights", party="server")
         return 2.0 ** math.ceil(math.log2(max(peak, 1e-12))) if peak > 0 else 1.0
-    return quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
+    half = quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
+    if not (math.isfinite(half) and half <= _MAX_HALF_WIDTH):
+        raise ProtocolAbort(f"channel {channel.name!r}: the quantisation half-width {half:.4g} is too large for "
+                            f"float64 (at most 2^1022); declare a smaller coordinate bound or weights", party="server")
+    return half
 
 
 def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel], config: SecureAggregation,
@@ -221,8 +281,18 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
                          else sample_discrete_gaussian(plan.local_sigma, ints.shape, rng=coins))
                 ints = ints + share
             words[r.client_id] = quantiser.encode(ints)
+        need = max(2, min_inputs or 0)
+        if len(words) < need:  # e.g. a sampled round with one client: abort the round, reveal nothing
+            flag = " (--min-survivors)" if min_inputs and min_inputs > 1 else ""
+            raise ProtocolAbort(f"channel {name!r}: only {len(words)} client(s) in this round, secure aggregation "
+                                f"needs at least {need}{flag}; the round is aborted", party="server")
         drop_at = {"masked_input": dropped & set(words)} if dropped else None
-        result = run_round(words, bits=config.bits, min_inputs=min_inputs, drop_at=drop_at)
+        try:
+            result = run_round(words, bits=config.bits, min_inputs=min_inputs, drop_at=drop_at,
+                               malicious=config.malicious, dropout=config.dropout, corruption=config.corruption)
+        except ParameterError as exc:  # e.g. a sampled round too small for the declared dropout: abort the round
+            raise ProtocolAbort(f"channel {name!r}: {len(words)} clients cannot be aggregated safely under the "
+                                f"declared threat model ({exc})", party="server") from exc
         included = [r for r in rs if r.client_id in set(result.included)]
         total = quantiser.decode_sum(result.sum, len(included)).reshape(rs[0].value.shape)
         weights = np.array([r.weight for r in included])

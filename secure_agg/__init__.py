@@ -27,14 +27,42 @@ closes each stage with ``key_directories``, ``share_deliveries``, ``unmask_reque
 with ``advertise_keys``, ``share_keys``, ``masked_input`` and ``unmask`` (or ``handle(message)``). Every message is a
 frozen dataclass with ``to_dict``/``from_dict`` and ``to_bytes``/``from_bytes``.
 
-Security model: honest-but-curious server and clients (the semi-honest setting of Bonawitz et al., Thm. 6.3-6.4); no
-signatures or consistency-check round against an actively malicious server. See ``protocol`` for the stages.
+Malicious-server variant: ``SessionConfig.create(..., malicious=True)``; each client gets its long-term Ed25519
+``identity_key`` and every party the deployment's ``IdentityRegistry`` (client id -> public key, registered out of
+band); the server closes one more stage, ``consistency_proof``, between ``unmask_request`` and ``finalize``, and clients
+answer ``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True)``.
+
+Parameters: declare the threat model (``dropout``, ``corruption`` fractions) to ``SessionConfig.create`` or
+``run_round``; the degree and threshold are derived from it (``derive_parameters``, after Bell et al. CCS 2020) and
+given ones are checked, refused with ``ParameterError`` saying what to change (``check=False``: tests only).
+
+Security model (what holds, and what it needs):
+
+- Honest-but-curious server, and any set of fewer than ``threshold`` share holders of each client colluding with it
+  (``corruption`` declared): the server learns only sums over survivor sets of at least ``max(threshold, min_inputs)``
+  clients (Bonawitz et al. Thm. 6.3 on the complete graph; Bell et al. on the sparse graph with the declared
+  parameters). Clients and the honest server refuse a survivor set that splits the neighbour graph into a part
+  smaller than that, so no sub-sum of a small group is ever unmasked.
+- Active server (``malicious=True``): key bundles and masked inputs are signed under the registered identity keys
+  (no key substitution, no forged input enters the sum); every survivor signs the survivor set it is shown and
+  unmasks only if ``threshold`` holders of each peer it helps signed the same set (no inconsistent alive/dropped
+  lists; Bonawitz Thm. 6.4: ``threshold > (holders + corrupt) / 2``); clients refuse fewer than ``min_inputs``
+  survivors (the floor distributed noise was charged for) and cut graphs. With corrupt clients the complete graph is
+  required (``derive_parameters`` says so): a sparse graph can be cut unseen next to corrupt clients.
+- Integrity: a reconstructed mask key is checked against its public key and a self-mask seed against its owner's
+  commitment, so a corrupted share aborts the round (``ProtocolAbort``) instead of giving a wrong sum, even with
+  exactly ``threshold`` holders answering.
+- Not covered: the server can always abort a round or drop clients (availability), and in the semi-honest variant the
+  transport must authenticate the clients (messages carry no signatures there). A client must check that a
+  ``SessionConfig`` it receives carries the ``min_inputs`` it was charged for (``ClientSession(min_inputs=...)``).
 """
 
 from secure_agg.client import ClientSession
 from secure_agg.errors import ProtocolAbort, QuantisationRangeError
 from secure_agg.graph import default_degree, neighbour_graph
+from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
 from secure_agg.messages import message_from_dict
+from secure_agg.params import ParameterError, Parameters, check_parameters, derive_parameters
 from secure_agg.protocol import STAGES, SessionConfig, default_threshold
 from secure_agg.quantize import Quantiser, noise_headroom
 from secure_agg.runtime import RoundResult, run_round
@@ -44,4 +72,6 @@ __all__ = [
     "run_round", "RoundResult", "Quantiser", "noise_headroom", "ProtocolAbort", "QuantisationRangeError",
     "SessionConfig", "ClientSession", "ServerSession", "AggregateResult", "STAGES", "message_from_dict",
     "default_degree", "default_threshold", "neighbour_graph",
+    "IdentityRegistry", "generate_identity", "identity_public_bytes",
+    "ParameterError", "Parameters", "check_parameters", "derive_parameters",
 ]

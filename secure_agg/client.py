@@ -6,19 +6,28 @@ abort for good (``ProtocolAbort``), wiping its secrets, before it sends anything
 another client, an out-of-order stage, a peer listed twice, an unknown or non-neighbour id, duplicate public keys,
 fewer than ``threshold`` live share holders, a peer listed both alive and dropped, itself listed as dropped, or a share
 ciphertext that fails authentication. It reveals, per peer, the self-seed share (peer alive) or the mask-key share
-(peer dropped), never both.
+(peer dropped), never both, and never for a survivor set smaller than the session's ``min_inputs`` or one that cuts
+the neighbour graph into a part smaller than that (``protocol.survivor_set_problem``).
+
+Malicious-server variant (``config.malicious``; needs the client's long-term Ed25519 ``identity_key`` and the
+deployment's ``IdentityRegistry``): the client signs its advertised keys and its masked input, aborts on a peer key
+bundle whose signature does not verify under the registry (key substitution), signs the survivor set the server
+announces in the consistency round, and unmasks only if, for every peer whose share it reveals, at least
+``threshold`` of that peer's share holders signed the very same set.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from secure_agg import identity as I
 from secure_agg import primitives as P
 from secure_agg import shamir
 from secure_agg.errors import ProtocolAbort
-from secure_agg.messages import (AdvertiseKeys, EncryptedShare, KeyDirectory, MaskedInput, RevealedShare,
-                                 ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
-from secure_agg.protocol import ADVERTISE_KEYS, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+from secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
+                                 MaskedInput, RevealedShare, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
+from secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
+                                 SessionConfig, survivor_set_problem)
 
 __all__ = ["ClientSession", "check_input_vector"]
 
@@ -54,14 +63,35 @@ def _parse_share_plaintext(raw: bytes) -> tuple[int, int, int, int]:
 class ClientSession:
     """One client in one round. Feed it the server's messages; it returns its own messages.
 
-    ``value`` is the client's (already quantised, possibly noised) vector in Z_{2^bits}^dimension.
+    ``value`` is the client's (already quantised, possibly noised) vector in Z_{2^bits}^dimension. In the malicious
+    variant pass the client's ``identity_key`` (Ed25519 private key) and the deployment's ``registry``. ``min_inputs``:
+    the survivor floor this client's (distributed) noise was charged for; a session configured below it is refused.
     """
 
-    def __init__(self, config: SessionConfig, client_id: int, value: np.ndarray):
+    def __init__(self, config: SessionConfig, client_id: int, value: np.ndarray, *, identity_key=None,
+                 registry: I.IdentityRegistry | None = None, min_inputs: int | None = None):
         if not isinstance(config, SessionConfig):
             raise TypeError("config must be a SessionConfig")
         if client_id not in config.client_ids:
             raise ValueError(f"client {client_id!r} is not in the session's roster")
+        if min_inputs is not None and config.required_inputs < min_inputs:
+            # the configuration comes from the server: a client holds it to the floor its own noise was charged for
+            raise ProtocolAbort(f"the session requires only {config.required_inputs} inputs, fewer than the "
+                                f"{min_inputs} our noise share was charged for; refusing to take part",
+                                party=client_id, stage=ADVERTISE_KEYS)
+        if config.malicious:
+            if not isinstance(registry, I.IdentityRegistry) or identity_key is None:
+                raise ValueError("the malicious-server variant needs the client's identity_key and the deployment's "
+                                 "IdentityRegistry (client id -> Ed25519 public key)")
+            missing = sorted(set(config.client_ids) - registry.ids())
+            if missing:
+                raise ValueError(f"the identity registry has no key for client(s) {missing[:5]}; register every "
+                                 f"client of the roster")
+            if I.identity_public_bytes(identity_key) != registry.public_key(client_id).public_bytes_raw():
+                raise ValueError(f"identity_key is not the key registered for client {client_id}")
+        self._identity = identity_key
+        self._registry = registry
+        self._survivors: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (alive, dropped) we signed
         self.config = config
         self.client_id = client_id
         self._value = check_input_vector(value, config.bits, config.dimension)
@@ -115,6 +145,8 @@ class ClientSession:
         if isinstance(message, ShareDelivery):
             return self.masked_input(message)
         if isinstance(message, UnmaskRequest):
+            return self.consistency_check(message) if self.config.malicious else self.unmask(message)
+        if isinstance(message, ConsistencyProof):
             return self.unmask(message)
         if self._aborted is not None:
             raise ProtocolAbort(f"client already aborted: {self._aborted.reason}", party=self.client_id)
@@ -127,8 +159,12 @@ class ClientSession:
         self._mask_key = P.generate_private_key()
         self._self_seed = P.random_seed()
         self._next += 1
-        return AdvertiseKeys(session_id=self.config.session_id, sender=self.client_id,
-                             encryption_key=P.public_bytes(self._enc_key), mask_key=P.public_bytes(self._mask_key))
+        sid, enc, mask = self.config.session_id, P.public_bytes(self._enc_key), P.public_bytes(self._mask_key)
+        commitment = P.seed_commitment(self._self_seed, sid, self.client_id)
+        signature = (I.sign(self._identity, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment)
+                     if self.config.malicious else b"")
+        return AdvertiseKeys(session_id=sid, sender=self.client_id, encryption_key=enc, mask_key=mask,
+                             seed_commitment=commitment, signature=signature)
 
     # ------------------------------------------------------------------ stage 2
     def share_keys(self, directory: KeyDirectory) -> ShareKeys:
@@ -155,6 +191,10 @@ class ClientSession:
                 if key in public_keys:
                     self._abort(f"duplicate public key (peer {c})")
                 public_keys.add(key)
+            if self.config.malicious and not self._registry.verify(
+                    entry.signature, I.KEYS_PURPOSE, self.config.session_id, c, entry.encryption_key, entry.mask_key,
+                    entry.seed_commitment):
+                self._abort(f"the keys of peer {c} are not signed by its registered identity key (key substitution?)")
         if len(seen) + 1 < self.config.threshold:
             self._abort(f"only {len(seen) + 1} live share holders, fewer than the threshold {self.config.threshold}")
         try:
@@ -217,24 +257,38 @@ class ClientSession:
             expander.add(masked, key, +1 if self.client_id < peer else -1)
         P.reduce_mod(masked, bits)
         self._value = None  # the plain input is no longer needed
-        self._next += 1
-        return MaskedInput(session_id=self.config.session_id, sender=self.client_id, masked=masked.tobytes())
+        self._next += 1 if self.config.malicious else 2  # the consistency round is the malicious variant's
+        payload = masked.tobytes()
+        signature = (I.sign(self._identity, I.INPUT_PURPOSE, self.config.session_id, self.client_id,
+                            I.digest(payload)) if self.config.malicious else b"")
+        return MaskedInput(session_id=self.config.session_id, sender=self.client_id, masked=payload,
+                           signature=signature)
 
-    # ------------------------------------------------------------------ stage 4
-    def unmask(self, request: UnmaskRequest) -> UnmaskShares:
-        self._enter(UNMASK)
+    # ------------------------------------------------------------------ consistency round (malicious variant)
+    def consistency_check(self, request: UnmaskRequest) -> ConsistencySignature:
+        """Check the survivor set the server announces and sign it (Bonawitz et al. 2017, Fig. 5, round 3)."""
+        self._enter(CONSISTENCY)
         if not isinstance(request, UnmaskRequest):
             self._abort(f"expected an UnmaskRequest, got {type(request).__name__}")
         self._check_session(request)
+        alive, dropped = self._check_survivors(request.alive, request.dropped)
+        self._survivors = (tuple(sorted(alive)), tuple(sorted(dropped)))
+        self._next += 1
+        signature = I.sign(self._identity, I.SURVIVORS_PURPOSE, self.config.session_id, self.client_id,
+                           I.encode_ids(alive))
+        return ConsistencySignature(session_id=self.config.session_id, sender=self.client_id, signature=signature)
+
+    def _check_survivors(self, listed_alive, listed_dropped) -> tuple[set[int], set[int]]:
         roster = set(self.config.client_ids)
-        for name, listed in (("alive", request.alive), ("dropped", request.dropped)):
+        for name, listed in (("alive", listed_alive), ("dropped", listed_dropped)):
+            listed = list(listed)
             if len(set(listed)) != len(listed):
                 twice = sorted({c for c in listed if listed.count(c) > 1})
                 self._abort(f"peer(s) {twice} listed twice as {name}")
             unknown = sorted(set(listed) - roster)
             if unknown:
                 self._abort(f"unknown client id(s) {unknown} listed as {name}")
-        alive, dropped = set(request.alive), set(request.dropped)
+        alive, dropped = set(listed_alive), set(listed_dropped)
         both = sorted(alive & dropped)
         if both:
             self._abort(f"peer(s) {both} listed both alive and dropped")
@@ -252,6 +306,54 @@ class ClientSession:
         live_holders = len(alive & self.config.holders(self.client_id))
         if live_holders < self.config.threshold:
             self._abort(f"only {live_holders} live share holders, fewer than the threshold {self.config.threshold}")
+        problem = survivor_set_problem(self.config, self.client_id, alive)
+        if problem is not None:
+            self._abort(problem)
+        return alive, dropped
+
+    def _check_consistency(self, proof: ConsistencyProof) -> None:
+        """At least ``threshold`` holders of every peer whose share we reveal signed the survivor set we signed."""
+        alive, dropped = self._survivors
+        if tuple(sorted(proof.alive)) != alive or tuple(sorted(proof.dropped)) != dropped:
+            self._abort("the survivor set in the consistency proof differs from the one we signed")
+        content = I.encode_ids(alive)
+        offered: dict[int, bytes] = {}
+        for entry in proof.signatures:
+            if entry.client_id in alive:
+                offered.setdefault(entry.client_id, entry.signature)  # one per signer: the first
+        valid: dict[int, bool] = {}  # signer -> verified; each signer checked at most once, and only if needed
+
+        def signed(c: int) -> bool:
+            if c not in valid:
+                valid[c] = self._registry.verify(offered[c], I.SURVIVORS_PURPOSE, self.config.session_id, c, content)
+            return valid[c]
+
+        t = self.config.threshold
+        for peer in sorted(set(self._received) | {self.client_id}):
+            count = 0
+            for holder in sorted(self.config.holders(peer) & offered.keys(), key=lambda c: c not in valid):
+                count += signed(holder)
+                if count >= t:
+                    break
+            if count < t:
+                self._abort(f"only {count} of peer {peer}'s share holders signed this survivor set (threshold {t}): "
+                            f"the server may be showing clients different sets")
+
+    # ------------------------------------------------------------------ unmasking (the last stage)
+    def unmask(self, request: UnmaskRequest | ConsistencyProof) -> UnmaskShares:
+        """Reveal the shares that remove the masks: answers an ``UnmaskRequest`` (semi-honest variant) or the
+        ``ConsistencyProof`` of the consistency round (malicious variant)."""
+        self._enter(UNMASK)
+        expected = ConsistencyProof if self.config.malicious else UnmaskRequest
+        if not isinstance(request, expected):
+            self._abort(f"expected a {expected.__name__}, got {type(request).__name__}")
+        self._check_session(request)
+        if self.config.malicious:
+            self._check_consistency(request)
+            alive = set(self._survivors[0])
+        else:
+            alive, _ = self._check_survivors(request.alive, request.dropped)
+        senders = set(self._received)
 
         self_mask_shares, mask_key_shares = [], []
         for peer in sorted(senders | {self.client_id}):

@@ -2,7 +2,8 @@
 
 ``to_plain`` turns a dataclass into a JSON-compatible dict (bytes as base64 text, tuples as lists, nested dataclasses
 as dicts, plus a ``"type"`` key); ``from_plain`` validates and rebuilds it using the dataclass's type hints. Only the
-types the protocol uses are supported: int, bool, bytes, str, tuples of those, and nested dataclasses.
+types the protocol uses are supported: int, bool, bytes, str, tuples of those, and nested dataclasses. A field with
+a default may be absent (it then takes its default).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _decode(value, hint, where: str):
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected an object")
         return _build(hint, value, where)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false")
+        return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{where}: expected an integer")
@@ -73,6 +78,8 @@ def _build(cls, data: dict, where: str):
     kwargs = {}
     for f in fields:
         if f.name not in data:
+            if f.default is not dataclasses.MISSING:  # optional field (e.g. a signature of the malicious variant)
+                continue
             raise ValueError(f"{where}: missing field {f.name!r}")
         kwargs[f.name] = _decode(data[f.name], hints[f.name], f"{where}.{f.name}")
     return cls(**kwargs)

@@ -21,7 +21,8 @@ def default_degree(n_clients: int) -> int:
     """A k = O(log n) degree: the smallest even number >= 4 log2(n), or n - 1 (complete graph) if that is smaller.
 
     A heuristic in the spirit of Bell et al.: large enough that random dropouts of a few tens of percent leave every
-    neighbourhood a majority of survivors with high probability. Pass ``degree`` explicitly for a formal parameter set.
+    neighbourhood a majority of survivors with high probability. For a degree that carries a guarantee, declare the
+    dropout (and corruption) to ``SessionConfig.create`` or use ``params.derive_parameters``.
     """
     if n_clients < 2:
         raise ValueError("secure aggregation needs at least 2 clients")

@@ -4,6 +4,7 @@ Every message names its session; client-to-server messages name their ``sender``
 ``recipient``. ``to_dict``/``from_dict`` give JSON-compatible dicts and ``to_bytes``/``from_bytes`` JSON bytes, so any
 transport (the in-process runtime, Flower, gRPC, a queue) can carry them. ``message_from_dict`` dispatches on the
 ``"type"`` key. Construction checks shapes (32-byte keys, positive ids); protocol rules are checked by the parties.
+``signature`` fields (Ed25519, 64 bytes) are empty outside the malicious-server variant.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from secure_agg import codec
-from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, UNMASK
+from secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
 from secure_agg.shamir import PRIME
 
 __all__ = ["AdvertiseKeys", "PublicKeys", "KeyDirectory", "EncryptedShare", "ShareKeys", "ShareDelivery",
-           "MaskedInput", "UnmaskRequest", "RevealedShare", "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
+           "MaskedInput", "UnmaskRequest", "ConsistencySignature", "SignedBy", "ConsistencyProof", "RevealedShare",
+           "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
 
 
 def _check_id(name: str, value) -> None:
@@ -28,6 +30,13 @@ def _check_bytes(name: str, value, length: int | None = None) -> None:
         raise ValueError(f"{name} must be bytes")
     if length is not None and len(value) != length:
         raise ValueError(f"{name} must be {length} bytes, got {len(value)}")
+
+
+def _check_optional(name: str, value, length: int) -> None:
+    """Empty bytes (the field is unused in this variant) or exactly ``length`` bytes."""
+    _check_bytes(name, value)
+    if value and len(value) != length:
+        raise ValueError(f"{name} must be empty or {length} bytes, got {len(value)}")
 
 
 class _Message:
@@ -53,12 +62,16 @@ class _Message:
 
 @dataclass(frozen=True)
 class AdvertiseKeys(_Message):
-    """Stage 1, client -> server: the client's two X25519 public keys."""
+    """Stage 1, client -> server: the client's two X25519 public keys, a commitment to its self-mask seed (checked after
+    reconstruction, so a corrupted share is detected), and (malicious variant) its identity key's signature of all
+    three."""
 
     session_id: bytes
     sender: int
     encryption_key: bytes
     mask_key: bytes
+    seed_commitment: bytes = b""
+    signature: bytes = b""
     stage = ADVERTISE_KEYS
 
     def __post_init__(self):
@@ -66,18 +79,26 @@ class AdvertiseKeys(_Message):
         _check_id("sender", self.sender)
         _check_bytes("encryption_key", self.encryption_key, 32)
         _check_bytes("mask_key", self.mask_key, 32)
+        _check_optional("seed_commitment", self.seed_commitment, 32)
+        _check_optional("signature", self.signature, 64)
 
 
 @dataclass(frozen=True)
 class PublicKeys:
+    """One peer's advertised keys as forwarded by the server (with its signature in the malicious variant)."""
+
     client_id: int
     encryption_key: bytes
     mask_key: bytes
+    seed_commitment: bytes = b""
+    signature: bytes = b""
 
     def __post_init__(self):
         _check_id("client_id", self.client_id)
         _check_bytes("encryption_key", self.encryption_key, 32)
         _check_bytes("mask_key", self.mask_key, 32)
+        _check_optional("seed_commitment", self.seed_commitment, 32)
+        _check_optional("signature", self.signature, 64)
 
 
 @dataclass(frozen=True)
@@ -152,17 +173,21 @@ class MaskedInput(_Message):
     session_id: bytes
     sender: int
     masked: bytes
+    signature: bytes = b""  # malicious variant: the sender's signature of (session, sender, SHA-256 of masked)
     stage = MASKED_INPUT
 
     def __post_init__(self):
         self._check_session()
         _check_id("sender", self.sender)
         _check_bytes("masked", self.masked)
+        _check_optional("signature", self.signature, 64)
 
 
 @dataclass(frozen=True)
 class UnmaskRequest(_Message):
-    """Server -> clients after stage 3: whose input is in the sum (alive) and who shared keys but dropped."""
+    """Server -> clients after stage 3: whose input is in the sum (alive) and who shared keys but dropped. Clients of
+    the semi-honest variant answer it with their shares; those of the malicious variant first check and sign it
+    (``ConsistencySignature``)."""
 
     session_id: bytes
     alive: tuple[int, ...]
@@ -175,6 +200,52 @@ class UnmaskRequest(_Message):
             _check_id("listed id", c)
         object.__setattr__(self, "alive", tuple(self.alive))
         object.__setattr__(self, "dropped", tuple(self.dropped))
+
+
+@dataclass(frozen=True)
+class ConsistencySignature(_Message):
+    """Consistency round, client -> server (malicious variant): the sender's signature of the survivor set it saw."""
+
+    session_id: bytes
+    sender: int
+    signature: bytes
+    stage = CONSISTENCY
+
+    def __post_init__(self):
+        self._check_session()
+        _check_id("sender", self.sender)
+        _check_bytes("signature", self.signature, 64)
+
+
+@dataclass(frozen=True)
+class SignedBy:
+    client_id: int
+    signature: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("signature", self.signature, 64)
+
+
+@dataclass(frozen=True)
+class ConsistencyProof(_Message):
+    """Server -> clients after the consistency round: the survivor set and the survivors' signatures of it."""
+
+    session_id: bytes
+    alive: tuple[int, ...]
+    dropped: tuple[int, ...]
+    signatures: tuple[SignedBy, ...]
+    stage = CONSISTENCY
+
+    def __post_init__(self):
+        self._check_session()
+        for c in tuple(self.alive) + tuple(self.dropped):
+            _check_id("listed id", c)
+        if not all(isinstance(s, SignedBy) for s in self.signatures):
+            raise ValueError("signatures must be SignedBy entries")
+        object.__setattr__(self, "alive", tuple(self.alive))
+        object.__setattr__(self, "dropped", tuple(self.dropped))
+        object.__setattr__(self, "signatures", tuple(self.signatures))
 
 
 @dataclass(frozen=True)
@@ -218,7 +289,7 @@ class UnmaskShares(_Message):
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (AdvertiseKeys, KeyDirectory, ShareKeys, ShareDelivery, MaskedInput,
-                                               UnmaskRequest, UnmaskShares)}
+                                               UnmaskRequest, ConsistencySignature, ConsistencyProof, UnmaskShares)}
 
 
 def message_from_dict(data: dict):

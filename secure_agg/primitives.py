@@ -27,7 +27,7 @@ __all__ = [
     "PROTOCOL_LABEL", "InvalidTag", "KEY_BYTES", "SEED_BYTES",
     "generate_private_key", "public_bytes", "private_bytes", "private_key_from_bytes", "load_public_key",
     "key_agreement", "hkdf",
-    "pairwise_mask_key", "self_mask_key", "share_encryption_key", "encode_id",
+    "pairwise_mask_key", "self_mask_key", "seed_commitment", "share_encryption_key", "encode_id",
     "word_dtype", "reduce_mod", "MaskExpander", "prg_mask", "encrypt_share", "decrypt_share", "random_seed",
 ]
 
@@ -91,6 +91,12 @@ def pairwise_mask_key(shared_secret: bytes, session_id: bytes, a: int, b: int) -
 def self_mask_key(seed: bytes, session_id: bytes, owner: int) -> bytes:
     """AES key of the self mask of ``owner`` (double masking, Bonawitz et al. 2017, Sec. 4)."""
     return hkdf(seed, salt=session_id, info=PROTOCOL_LABEL + b"/self-mask" + encode_id(owner))
+
+
+def seed_commitment(seed: bytes, session_id: bytes, owner: int) -> bytes:
+    """A binding commitment to a self-mask seed (HKDF of the 32 random bytes; hiding since the seed is uniform). The
+    server checks a reconstructed seed against it, so a corrupted share can never silently change the sum."""
+    return hkdf(seed, salt=session_id, info=PROTOCOL_LABEL + b"/seed-commitment" + encode_id(owner))
 
 
 def share_encryption_key(shared_secret: bytes, session_id: bytes) -> bytes:

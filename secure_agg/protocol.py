@@ -6,8 +6,14 @@ Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their or
 2. ``share_keys``      each client Shamir-shares its mask private key and a fresh self-mask seed among its
                        neighbours (Bell et al. CCS 2020) and sends each share encrypted to its holder;
 3. ``masked_input``    each client sends y = x + PRG(self seed) + sum_v +-PRG(pairwise key with v)  mod 2^k;
-4. ``unmask``          survivors reveal, for every neighbour, the self-seed share if it is alive or the mask-key share
-                       if it dropped - never both - and the server removes all masks.
+4. ``consistency_check`` (malicious-server variant only, ``SessionConfig.malicious``) each survivor checks the
+                       survivor set U3 the server announces (large enough, its own part of the graph large enough) and
+                       signs it with its long-term identity key; the server forwards all the signatures;
+5. ``unmask``          survivors reveal, for every neighbour, the self-seed share if it is alive or the mask-key share
+                       if it dropped - never both - and the server removes all masks. In the malicious variant a
+                       client first checks that, for every peer whose share it reveals, at least ``threshold`` of that
+                       peer's share holders signed the very same U3; honest clients sign one set per session, so two
+                       different sets can never both collect a majority of one peer's holders (Bonawitz Sec. 6.2).
 
 ``SessionConfig`` is everything public that all parties must agree on before the round: session id, roster, k, d,
 threshold and the neighbour graph (derived from a public seed).
@@ -18,19 +24,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from secure_agg import codec
+from secure_agg import codec, params
 from secure_agg.graph import default_degree, neighbour_graph
 from secure_agg.primitives import random_seed, word_dtype
 
-__all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "UNMASK", "DONE", "SessionConfig",
-           "default_threshold"]
+__all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK", "DONE", "SessionConfig",
+           "default_threshold", "survivor_set_problem", "component_of"]
 
 ADVERTISE_KEYS = "advertise_keys"
 SHARE_KEYS = "share_keys"
 MASKED_INPUT = "masked_input"
+CONSISTENCY = "consistency_check"
 UNMASK = "unmask"
 DONE = "done"
-STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, UNMASK, DONE)
+STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASK, DONE)
 
 _MAX_ID = 2 ** 63 - 1
 
@@ -54,7 +61,10 @@ class SessionConfig:
       disjoint groups of survivors can never both reach it (the reason a client never reveals both of a peer's shares);
     - ``degree``: neighbours per client (n - 1 means the complete graph of Bonawitz et al.);
     - ``min_inputs``: the round aborts unless at least this many inputs are in the sum (e.g. the minimum number of
-      noise shares a distributed DP guarantee needs); the effective minimum is max(threshold, min_inputs).
+      noise shares a distributed DP guarantee needs); the effective minimum is max(threshold, min_inputs). Clients
+      check it too: a client refuses to unmask a survivor set smaller than this, whatever the server says;
+    - ``malicious``: run the malicious-server variant (signed keys and inputs, consistency round, survivor-set checks);
+      every client and the server then need the deployment's ``IdentityRegistry``.
     """
 
     session_id: bytes
@@ -65,6 +75,7 @@ class SessionConfig:
     degree: int
     graph_seed: bytes
     min_inputs: int
+    malicious: bool = False
     _graph: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -96,24 +107,51 @@ class SessionConfig:
                              f"strict majority of the {holders} share holders of each client), got {self.threshold!r}")
         if not _is_int(self.min_inputs) or not 1 <= self.min_inputs <= n:
             raise ValueError(f"min_inputs must be an integer in [1, {n}], got {self.min_inputs!r}")
+        if not isinstance(self.malicious, bool):
+            raise ValueError(f"malicious must be True or False, got {self.malicious!r}")
         object.__setattr__(self, "_graph", neighbour_graph(self.client_ids, degree, self.graph_seed))
 
     @classmethod
     def create(cls, client_ids, *, bits: int, dimension: int, threshold: int | None = None,
-               degree: int | None = None, min_inputs: int | None = None) -> SessionConfig:
-        """A fresh session: random 32-byte session id and graph seed, default degree and threshold if not given."""
+               degree: int | None = None, min_inputs: int | None = None, malicious: bool = False,
+               dropout: float | None = None, corruption: float = 0.0, check: bool = True) -> SessionConfig:
+        """A fresh session: random 32-byte session id and graph seed.
+
+        Declare the threat model with ``dropout`` (the fraction of clients that may drop) and ``corruption`` (the
+        fraction that may collude with the server): a missing degree and threshold are then derived from it
+        (``params.derive_parameters``, after Bell et al. CCS 2020), and given ones are checked against it, raising
+        ``params.ParameterError`` with what to change. Without ``dropout`` the degree defaults to the O(log n)
+        heuristic ``default_degree`` and the check assumes no dropout. ``check=False`` skips the check: for tests that
+        need an unsafe configuration on purpose, never for a deployment.
+        """
         ids = tuple(client_ids)
         n = len(ids)
+        if corruption and dropout is None and not malicious:
+            raise params.ParameterError("with corrupt clients and a semi-honest server the guarantee depends on the "
+                                        "dropouts too: declare dropout as well")
+        declared = dropout is not None or bool(corruption)
+        if degree is None and declared and n >= 2:
+            degree = params.derive_parameters(n, dropout=dropout or 0.0, corruption=corruption,
+                                              malicious=malicious).degree
         if degree is None:
             degree = default_degree(n)
         elif _is_int(degree):
             degree = min(degree, n - 1) if n >= 2 else degree
         if threshold is None:
-            threshold = default_threshold(degree)
+            derived = (params.threshold_for(n, degree, dropout=dropout or 0.0, corruption=corruption,
+                                            malicious=malicious)
+                       if declared and n >= 2 and _is_int(degree) else None)
+            threshold = derived if derived is not None else default_threshold(degree)
+        if check and n >= 2 and _is_int(degree) and _is_int(threshold) and degree >= 1:
+            params.check_parameters(n, degree, threshold, dropout=dropout or 0.0, corruption=corruption,
+                                    malicious=malicious)
+        if min_inputs is None and declared and n >= 2 and _is_int(threshold):
+            min_inputs = params.default_min_inputs(n, threshold, dropout=dropout or 0.0, corruption=corruption,
+                                                   malicious=malicious)
         if min_inputs is None:
             min_inputs = threshold if _is_int(threshold) else 1
         return cls(session_id=random_seed(), client_ids=ids, bits=bits, dimension=dimension, threshold=threshold,
-                   degree=degree, graph_seed=random_seed(), min_inputs=min_inputs)
+                   degree=degree, graph_seed=random_seed(), min_inputs=min_inputs, malicious=malicious)
 
     @property
     def n_clients(self) -> int:
@@ -139,3 +177,42 @@ class SessionConfig:
 
     def replace(self, **changes) -> SessionConfig:
         return dataclasses.replace(self, **changes)
+
+
+def component_of(config: SessionConfig, client_id: int, alive) -> frozenset[int]:
+    """The connected component of ``client_id`` in the neighbour graph restricted to ``alive``.
+
+    Once the masks of the dropped clients are removed, the server can unmask the sum of each such component on its own
+    (the pairwise masks inside a component cancel, and no mask links it to another): these are the smallest sums it
+    can learn from one survivor set.
+    """
+    alive = frozenset(alive)
+    seen, frontier = {client_id}, [client_id]
+    while frontier:
+        c = frontier.pop()
+        for v in config.neighbours(c):
+            if v in alive and v not in seen:
+                seen.add(v)
+                frontier.append(v)
+    return frozenset(seen)
+
+
+def survivor_set_problem(config: SessionConfig, client_id: int, alive) -> str | None:
+    """Why ``client_id`` must refuse to unmask for the survivor set ``alive``, or None if it may.
+
+    Refused: fewer than ``required_inputs`` survivors (the ``min_inputs`` floor the ledger was charged for), and a
+    connected component of the graph restricted to ``alive`` holding ``client_id`` with fewer
+    than ``required_inputs`` clients: a server that declares chosen clients dropped (or random dropouts at a small
+    degree) could otherwise cut the sparse graph and unmask the sum of a small group on its own.
+    """
+    need = config.required_inputs
+    alive = frozenset(alive)
+    if len(alive) < need:
+        return (f"the server asks to unmask a sum of {len(alive)} inputs, fewer than the session's minimum {need} "
+                f"(min_inputs, the survivor floor the noise was charged for)")
+    if config.degree < config.n_clients - 1:
+        part = component_of(config, client_id, alive)
+        if len(part) < need:
+            return (f"the survivor set cuts the neighbour graph: our part of it has {len(part)} clients, fewer than "
+                    f"the minimum {need}, so its sum could be unmasked on its own")
+    return None

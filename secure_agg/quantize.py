@@ -62,6 +62,9 @@ class Quantiser:
         low, high = float(self.low), float(self.high)
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise ValueError(f"need finite low < high, got [{self.low}, {self.high}]")
+        if not math.isfinite(high - low):
+            raise QuantisationRangeError(f"the range [{low:g}, {high:g}] is wider than float64 can represent; clip the "
+                                         f"values to a narrower public range")
         bits = _check_int("bits", self.bits, 2)
         if bits > 64:
             raise ValueError(f"bits must be <= 64, got {bits}")
@@ -156,13 +159,12 @@ class Quantiser:
         if w.dtype.kind != "u":
             raise TypeError(f"expected unsigned words, got dtype {w.dtype}")
         w = w.astype(np.uint64, copy=False)
-        if self.bits == 64:
-            return w.view(np.int64).copy()
-        if w.size and int(w.max()) >= self.modulus:
+        if self.bits < 64 and w.size and int(w.max()) >= self.modulus:
             raise ValueError(f"words must be reduced mod 2^{self.bits}")
-        signed = w.astype(np.int64)
-        signed[signed >= (1 << (self.bits - 1))] -= self.modulus
-        return signed
+        # sign-extend from bit (bits - 1): shift the sign bit to bit 63, reinterpret, shift back arithmetically; exact
+        # for every 1 <= bits <= 64 (no constant 2^bits ever enters int64, so 63 bits works like the others)
+        shift = np.uint64(64 - self.bits)
+        return np.left_shift(w, shift).view(np.int64) >> np.int64(64 - self.bits)
 
     def decode_sum(self, total: np.ndarray, n_summed: int) -> np.ndarray:
         """The real-valued sum of ``n_summed`` quantised values from their modular sum (exact up to rounding)."""

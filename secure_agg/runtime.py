@@ -14,12 +14,13 @@ import numpy as np
 
 from secure_agg.client import ClientSession
 from secure_agg.errors import ProtocolAbort
-from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
+from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
+from secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
 from secure_agg.server import ServerSession
 
 __all__ = ["run_round", "RoundResult"]
 
-_DROP_STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, UNMASK)
+_DROP_STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASK)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,17 +45,29 @@ def _transport(message, serialise: bool):
 
 def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: int | None = None,
               degree: int | None = None, min_inputs: int | None = None,
-              drop_at: Mapping[str, Iterable[Hashable]] | None = None, serialise: bool = False) -> RoundResult:
+              drop_at: Mapping[str, Iterable[Hashable]] | None = None, serialise: bool = False,
+              malicious: bool = False, identities: Mapping[Hashable, object] | None = None,
+              dropout: float | None = None, corruption: float = 0.0, check: bool = True) -> RoundResult:
     """Securely sum ``values`` (client key -> 1-D integer vector mod 2^bits) with the full protocol, in process.
 
     ``threshold``/``degree`` default to a strict majority of a O(log n)-degree neighbour graph (see
     ``SessionConfig.create``); ``min_inputs`` makes the round abort unless that many inputs are in the sum.
-    ``drop_at`` maps a stage name (``"advertise_keys"``, ``"share_keys"``, ``"masked_input"``, ``"unmask"``) to the
+    ``drop_at`` maps a stage name (``"advertise_keys"``, ``"share_keys"``, ``"masked_input"``, ``"consistency_check"``
+    (malicious variant), ``"unmask"``) to the
     clients that drop before sending that stage's message. Raises ``ProtocolAbort`` when the server cannot finish
-    without revealing something it must not (then no sum is returned).
+    without revealing something it must not (then no sum is returned), including when ``min_inputs`` exceeds the
+    number of clients.
+
+    ``malicious=True`` runs the malicious-server variant, with the consistency round; ``identities`` maps each client
+    key to its Ed25519 identity key (fresh ones are drawn, and registered, when it is not given: a simulation).
+    ``dropout``/``corruption`` declare the threat model the degree and threshold are derived from, or checked against
+    (``SessionConfig.create``; ``check=False`` is for tests only).
     """
     if not isinstance(values, Mapping) or len(values) < 2:
         raise ValueError("values must map at least 2 client keys to vectors")
+    if isinstance(min_inputs, int) and not isinstance(min_inputs, bool) and min_inputs > len(values):
+        raise ProtocolAbort(f"only {len(values)} clients, fewer than min_inputs={min_inputs}: the round is aborted",
+                            party="server")
     keys = list(values)
     ids = {key: i + 1 for i, key in enumerate(keys)}
     dims = {np.asarray(v).shape for v in values.values()}
@@ -63,17 +76,24 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     dimension = next(iter(dims))[0]
     drops: dict[str, set[int]] = {s: set() for s in _DROP_STAGES}
     for stage, who in (drop_at or {}).items():
-        if stage not in _DROP_STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages are {_DROP_STAGES}")
+        if stage not in _DROP_STAGES or (stage == CONSISTENCY and not malicious):
+            raise ValueError(f"unknown stage {stage!r}; stages are {_DROP_STAGES} (the consistency check only in the "
+                             f"malicious variant)")
         for key in who:
             if key not in ids:
                 raise ValueError(f"drop_at[{stage!r}] names unknown client {key!r}")
             drops[stage].add(ids[key])
 
     config = SessionConfig.create(sorted(ids.values()), bits=bits, dimension=dimension, threshold=threshold,
-                                  degree=degree, min_inputs=min_inputs)
-    server = ServerSession(config)
-    clients = {ids[k]: ClientSession(config, ids[k], values[k]) for k in keys}
+                                  degree=degree, min_inputs=min_inputs, malicious=malicious, dropout=dropout,
+                                  corruption=corruption, check=check)
+    secret_keys, registry = {}, None
+    if malicious:
+        secret_keys = {ids[k]: (identities[k] if identities is not None else generate_identity()) for k in keys}
+        registry = IdentityRegistry({c: identity_public_bytes(key) for c, key in secret_keys.items()})
+    server = ServerSession(config, registry=registry)
+    clients = {ids[k]: ClientSession(config, ids[k], values[k], identity_key=secret_keys.get(ids[k]),
+                                     registry=registry) for k in keys}
     gone: set[int] = set()
     aborts: dict[int, ProtocolAbort] = {}
 
@@ -101,8 +121,16 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
         if c in deliveries:
             step(c, clients[c].masked_input, deliveries[c])
     request = server.unmask_request()
+    if malicious:
+        for c in talking(CONSISTENCY):
+            if c in request.alive:
+                step(c, clients[c].consistency_check, request)
+        request = server.consistency_proof()
+        signers = {s.client_id for s in request.signatures}
+    else:
+        signers = set(request.alive)
     for c in talking(UNMASK):
-        if c in request.alive:
+        if c in signers:
             step(c, clients[c].unmask, request)
     result = server.finalize()
 

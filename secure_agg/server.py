@@ -8,7 +8,15 @@ why in ``ignored``): in particular a masked input that arrives after its sender 
 sum, and double masking means the server could not unmask it anyway.
 
 The server aborts (``ProtocolAbort``) rather than reveal anything when fewer than ``threshold`` (or ``min_inputs``)
-clients remain, or when some secret needed to remove a mask has fewer than ``threshold`` shares.
+clients remain, when the survivors split the neighbour graph into a part smaller than that, or when some secret needed
+to remove a mask has fewer than ``threshold`` shares. A reconstructed secret is checked before use: a mask key against
+its advertised public key, a self-mask seed against its owner's commitment, so a corrupted share (even with exactly
+``threshold`` holders answering, where interpolation cannot notice) aborts instead of giving a wrong sum.
+
+Malicious-server variant (``config.malicious``, with the deployment's ``IdentityRegistry``): advertised keys and masked
+inputs whose signature does not verify are ignored (so a forged masked input never enters the sum), and the
+consistency round (``consistency_proof``) collects the survivors' signatures of U3 between ``unmask_request`` and
+``finalize``.
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from secure_agg import identity as I
 from secure_agg import primitives as P
 from secure_agg import shamir
 from secure_agg.errors import ProtocolAbort
-from secure_agg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys,
-                                 UnmaskRequest, UnmaskShares)
-from secure_agg.protocol import ADVERTISE_KEYS, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig
+from secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
+                                 PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest, UnmaskShares)
+from secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
+                                 component_of)
 
 __all__ = ["ServerSession", "AggregateResult"]
 
@@ -40,10 +50,15 @@ class AggregateResult:
 class ServerSession:
     """The server in one round; it never sees an individual input in the clear."""
 
-    def __init__(self, config: SessionConfig):
+    def __init__(self, config: SessionConfig, *, registry: I.IdentityRegistry | None = None):
         if not isinstance(config, SessionConfig):
             raise TypeError("config must be a SessionConfig")
+        if config.malicious and not isinstance(registry, I.IdentityRegistry):
+            raise ValueError("the malicious-server variant needs the deployment's IdentityRegistry to check signatures")
         self.config = config
+        self._registry = registry
+        self._survivor_signatures: dict[int, bytes] = {}
+        self.u4: frozenset[int] = frozenset()  # signed the survivor set (malicious variant)
         self._stage = 0
         self._roster = set(config.client_ids)
         self._keys: dict[int, AdvertiseKeys] = {}
@@ -90,7 +105,7 @@ class ServerSession:
         if self._aborted is not None:
             return self._ignore(message, "server aborted")
         kinds = {AdvertiseKeys: ADVERTISE_KEYS, ShareKeys: SHARE_KEYS, MaskedInput: MASKED_INPUT,
-                 UnmaskShares: UNMASK}
+                 ConsistencySignature: CONSISTENCY, UnmaskShares: UNMASK}
         stage = kinds.get(type(message))
         if stage is None:
             return self._ignore(message, "not a client message")
@@ -101,7 +116,8 @@ class ServerSession:
             return self._ignore(message, "unknown sender")
         if stage != self.stage:
             return self._ignore(message, f"stage {stage!r} is not the current stage {self.stage!r} (late or early)")
-        eligible = {ADVERTISE_KEYS: self._roster, SHARE_KEYS: self.u1, MASKED_INPUT: self.u2, UNMASK: self.u3}[stage]
+        eligible = {ADVERTISE_KEYS: self._roster, SHARE_KEYS: self.u1, MASKED_INPUT: self.u2, CONSISTENCY: self.u3,
+                    UNMASK: self.u4 if self.config.malicious else self.u3}[stage]
         if sender not in eligible:
             return self._ignore(message, "sender was declared dropped")
         if stage == ADVERTISE_KEYS:
@@ -110,6 +126,8 @@ class ServerSession:
             return self._receive_shares(message)
         if stage == MASKED_INPUT:
             return self._receive_input(message)
+        if stage == CONSISTENCY:
+            return self._receive_consistency(message)
         return self._receive_unmask(message)
 
     def _receive_keys(self, message: AdvertiseKeys) -> bool:
@@ -118,6 +136,10 @@ class ServerSession:
         keys = {message.encryption_key, message.mask_key}
         if len(keys) < 2 or keys & self._seen_public_keys:
             return self._ignore(message, "public key already in use")
+        if self.config.malicious and not (len(message.seed_commitment) == 32 and self._registry.verify(
+                message.signature, I.KEYS_PURPOSE, self.config.session_id, message.sender, message.encryption_key,
+                message.mask_key, message.seed_commitment)):
+            return self._ignore(message, "keys not signed by the sender's registered identity key")
         self._seen_public_keys |= keys
         self._keys[message.sender] = message
         return True
@@ -141,8 +163,21 @@ class ServerSession:
         words = np.frombuffer(message.masked, dtype=self._sum.dtype)
         if self.config.bits < 8 * self._sum.itemsize and int(words.max()) >> self.config.bits:
             return self._ignore(message, f"entries not reduced mod 2^{self.config.bits}")
+        if self.config.malicious and not self._registry.verify(message.signature, I.INPUT_PURPOSE,
+                                                               self.config.session_id, message.sender,
+                                                               I.digest(message.masked)):
+            return self._ignore(message, "masked input not signed by the sender's registered identity key (forged?)")
         np.add(self._sum, words, out=self._sum)
         self._inputs.add(message.sender)
+        return True
+
+    def _receive_consistency(self, message: ConsistencySignature) -> bool:
+        if message.sender in self._survivor_signatures:
+            return self._ignore(message, "duplicate")
+        if not self._registry.verify(message.signature, I.SURVIVORS_PURPOSE, self.config.session_id, message.sender,
+                                     I.encode_ids(self.u3)):
+            return self._ignore(message, "signature of the survivor set does not verify")
+        self._survivor_signatures[message.sender] = message.signature
         return True
 
     def _receive_unmask(self, message: UnmaskShares) -> bool:
@@ -178,7 +213,8 @@ class ServerSession:
         out = {}
         for c in sorted(self.u1):
             entries = tuple(PublicKeys(client_id=v, encryption_key=self._keys[v].encryption_key,
-                                       mask_key=self._keys[v].mask_key)
+                                       mask_key=self._keys[v].mask_key, seed_commitment=self._keys[v].seed_commitment,
+                                       signature=self._keys[v].signature)
                             for v in sorted(self.config.neighbours(c) & self.u1))
             out[c] = KeyDirectory(session_id=self.config.session_id, recipient=c, keys=entries)
         return out
@@ -209,8 +245,28 @@ class ServerSession:
             if live < t:
                 self._abort(f"the masks of client {c} cannot be removed: only {live} of its share holders are alive "
                             f"(threshold {t})")
+        need = self.config.required_inputs
+        if self.config.degree < self.config.n_clients - 1:
+            left = set(self.u3)
+            while left:
+                part = component_of(self.config, min(left), self.u3)
+                if len(part) < need:
+                    self._abort(f"the survivors split the neighbour graph: a part of {len(part)} clients (fewer than "
+                                f"{need}) could be unmasked on its own; use a larger degree")
+                left -= part
+        if not self.config.malicious:
+            self._stage += 1  # no consistency round in the semi-honest variant
         return UnmaskRequest(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
                              dropped=tuple(sorted(self.u2 - self.u3)))
+
+    def consistency_proof(self) -> ConsistencyProof:
+        """Close the consistency round (malicious variant): forward the survivors' signatures of U3 to every signer."""
+        self._close(CONSISTENCY)
+        self.u4 = frozenset(self._survivor_signatures)
+        self._require(self.u4, "signed the survivor set")
+        return ConsistencyProof(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
+                                dropped=tuple(sorted(self.u2 - self.u3)),
+                                signatures=tuple(SignedBy(c, self._survivor_signatures[c]) for c in sorted(self.u4)))
 
     def finalize(self) -> AggregateResult:
         """Close stage 4: reconstruct the secrets, remove all masks, return the sum of the alive clients' inputs."""
@@ -228,6 +284,10 @@ class ServerSession:
         total = self._sum.copy()
         for owner in sorted(self.u3):
             seed = self._reconstruct(owner, seed_shares[owner], "self-mask seed")
+            commitment = self._keys[owner].seed_commitment
+            if commitment and P.seed_commitment(seed, cfg.session_id, owner) != commitment:
+                self._abort(f"reconstructed self-mask seed of client {owner} does not match its commitment: a share "
+                            f"was corrupted")
             expander.add(total, P.self_mask_key(seed, cfg.session_id, owner), -1)
         for owner in sorted(self.u2 - self.u3):
             alive_neighbours = sorted(cfg.neighbours(owner) & self.u3)

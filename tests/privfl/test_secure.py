@@ -154,3 +154,127 @@ def test_weight_space_algorithms_agree_with_and_without_secure_aggregation(algor
         states.append(np.asarray(getattr(alg, attribute)))
     # same seeds: only the stochastic rounding of the quantiser differs
     np.testing.assert_allclose(states[0], states[1], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ clean failures (issue 14)
+def test_63_bit_ring_sums_exactly_instead_of_overflowing():
+    ch = Channel("update", (50,), unit="client", clip=NormClip(1.0))
+    rels = releases(ch, n=5, multipliers={"update": 0.5})
+    plain = weighted_sums(rels, {"update": ch})["update"]
+    got = secure_weighted_sums(rels, {"update": ch}, SecureAggregation(bits=63), np.random.default_rng(0))["update"]
+    np.testing.assert_allclose(got.total, plain.total, atol=1e-9)
+
+
+@pytest.mark.parametrize("bits", [7, 65, True])
+def test_bits_outside_the_supported_range_are_refused_with_the_range(bits):
+    from privfl.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"\[8, 64\].*--secagg-bits"):
+        SecureAggregation(bits=bits)
+
+
+def test_a_round_with_a_single_client_aborts_cleanly():
+    ch = Channel("update", (5,), unit="client", clip=NormClip(1.0))
+    rels = releases(ch, n=1, d=5, multipliers={"update": 0.5})
+    with pytest.raises(ProtocolAbort, match="only 1 client"):
+        secure_weighted_sums(rels, {"update": ch}, SecureAggregation(), np.random.default_rng(0))
+
+
+def test_a_round_with_fewer_clients_than_min_survivors_aborts_cleanly():
+    ch = Channel("update", (5,), unit="client", clip=NormClip(1.0))
+    rels = releases(ch, n=3, d=5, multipliers={"update": 0.5})
+    with pytest.raises(ProtocolAbort, match="min-survivors"):
+        secure_weighted_sums(rels, {"update": ch}, SecureAggregation(min_survivors=4), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("peak", [2.0 ** 1023, 1.7e308])
+def test_an_unclipped_value_too_large_to_quantise_aborts_the_round(peak):
+    ch = Channel("update", (5,), unit="client", clip=Unclipped())
+    rels = releases(ch, n=3, d=5)
+    rels[1].value[2] = peak
+    with pytest.raises(ProtocolAbort, match="cannot be quantised"):
+        secure_weighted_sums(rels, {"update": ch}, SecureAggregation(), np.random.default_rng(0))
+
+
+def test_min_survivors_must_be_a_positive_integer():
+    from privfl.errors import ConfigurationError
+
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ConfigurationError, match="--min-survivors"):
+            SecureAggregation(min_survivors=bad)
+
+
+def test_distributed_noise_with_dropout_needs_min_survivors_up_front():
+    from privfl.errors import ConfigurationError
+    from privfl.secure import calibrate_distributed
+
+    ch = Channel("update", (20,), unit="client", clip=NormClip(1.0))
+    with pytest.raises(ConfigurationError, match="set --min-survivors to at most 5"):
+        calibrate_distributed([ch], 3.0, 1e-5, 5, 6, SecureAggregation(dropout=0.2))
+    with pytest.raises(ConfigurationError, match="exceeds the 5 of 6"):
+        calibrate_distributed([ch], 3.0, 1e-5, 5, 6, SecureAggregation(dropout=0.2, min_survivors=6))
+    plan = calibrate_distributed([ch], 3.0, 1e-5, 5, 6, SecureAggregation(dropout=0.2, min_survivors=5))
+    assert plan["update"].n_min == 5
+
+
+@pytest.mark.timeout(240)
+def test_cli_refuses_distributed_dropout_without_min_survivors_and_reports_aborted_rounds(capsys, tmp_path):
+    import json
+
+    from privfl.cli import main
+
+    base = ["run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--clients", "6", "--rounds", "2",
+            "--hidden", "", "--secure-agg", "--quiet"]
+    code = main(base + ["--placement", "distributed", "--dropout", "0.2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--min-survivors" in err
+    # every round has more clients than it needs, except that --min-survivors 6 with a dropout leaves 5: refused too
+    code = main(base + ["--placement", "distributed", "--dropout", "0.2", "--min-survivors", "6"])
+    assert code == 2 and "at most 5" in capsys.readouterr().err
+    # central noise, --min-survivors above what survives the dropout: each round aborts, and the CLI says so
+    out = tmp_path / "r.json"
+    code = main(base + ["--dropout", "0.2", "--min-survivors", "6", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "2 of 2 rounds were aborted" in err
+    assert json.loads(out.read_text())["aborted_rounds"] == [0, 1]
+
+
+def test_a_round_too_small_for_the_declared_dropout_aborts_and_impossible_threats_are_refused_up_front():
+    from privfl.errors import ConfigurationError
+
+    ch = Channel("update", (5,), unit="client", clip=NormClip(1.0))
+    rels = releases(ch, n=2, d=5, multipliers={"update": 0.5})
+    with pytest.raises(ProtocolAbort, match="declared threat model"):
+        secure_weighted_sums(rels, {"update": ch}, SecureAggregation(dropout=0.5), np.random.default_rng(0))
+    with pytest.raises(ConfigurationError, match="no degree and threshold protect"):
+        SecureAggregation(dropout=0.3, corruption=0.3).check(4)
+    SecureAggregation(dropout=0.2).check(10)
+    with pytest.raises(ConfigurationError, match="corruption"):
+        SecureAggregation(corruption=1.5)
+
+
+@pytest.mark.parametrize("malicious", [False, True])
+def test_both_variants_give_the_same_sums(malicious):
+    ch = Channel("update", (30,), unit="client", clip=NormClip(1.0))
+    rels = releases(ch, n=7, d=30, multipliers={"update": 0.5})
+    plain = weighted_sums(rels, {"update": ch})["update"]
+    got = secure_weighted_sums(rels, {"update": ch}, SecureAggregation(malicious=malicious),
+                               np.random.default_rng(0))["update"]
+    np.testing.assert_allclose(got.total, plain.total, atol=1e-9)
+
+
+def test_cli_refuses_a_dropout_no_parameters_can_survive_before_any_round(capsys):
+    from privfl.cli import main
+
+    code = main(["run", "--algorithm", "fedavg", "--dataset", "digits", "--clients", "4", "--rounds", "1",
+                 "--epsilon", "inf", "--hidden", "", "--secure-agg", "--dropout", "0.6", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no degree and threshold protect 4 clients" in err and "round" not in err.split("error:")[0]
+
+
+def test_a_ring_too_small_for_the_clients_is_refused_up_front():
+    from privfl.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="8 bits cannot hold a sum of 300 clients.*--secagg-bits"):
+        SecureAggregation(bits=8).check(300)
+    SecureAggregation(bits=8).check(100)

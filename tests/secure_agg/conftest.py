@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from secure_agg.client import ClientSession
+from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
 from secure_agg.protocol import SessionConfig
 from secure_agg.server import ServerSession
 
@@ -15,15 +16,20 @@ from secure_agg.server import ServerSession
 class Harness:
     def __init__(self, n: int = 5, d: int = 16, bits: int = 16, threshold: int | None = None,
                  degree: int | None = None, min_inputs: int | None = None, seed: int = 0,
-                 graph_seed: bytes | None = None):
+                 graph_seed: bytes | None = None, malicious: bool = False):
         self.config = SessionConfig.create(range(1, n + 1), bits=bits, dimension=d, threshold=threshold,
-                                           degree=degree, min_inputs=min_inputs)
+                                           degree=degree, min_inputs=min_inputs, malicious=malicious)
         if graph_seed is not None:  # a fixed neighbour graph, for tests whose drops must leave every client enough
             self.config = dataclasses.replace(self.config, graph_seed=graph_seed)
         rng = np.random.default_rng(seed)
         self.values = {c: rng.integers(0, 2 ** bits, size=d, dtype=np.uint64) for c in self.config.client_ids}
-        self.server = ServerSession(self.config)
-        self.clients = {c: ClientSession(self.config, c, self.values[c]) for c in self.config.client_ids}
+        self.identities, self.registry = {}, None
+        if malicious:
+            self.identities = {c: generate_identity() for c in self.config.client_ids}
+            self.registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in self.identities.items()})
+        self.server = ServerSession(self.config, registry=self.registry)
+        self.clients = {c: ClientSession(self.config, c, self.values[c], identity_key=self.identities.get(c),
+                                         registry=self.registry) for c in self.config.client_ids}
         self.gone: set[int] = set()
         self.sent: dict[str, dict[int, object]] = {}
 
@@ -52,7 +58,14 @@ class Harness:
 
     def unmask(self, drop=()):
         self.request = self.server.unmask_request()
-        return self._talk("unmask", self.request.alive, lambda c: self.clients[c].unmask(self.request), drop)
+        if self.config.malicious:
+            self._talk("consistency_check", self.request.alive,
+                       lambda c: self.clients[c].consistency_check(self.request), ())
+            self.request = self.server.consistency_proof()
+            who = [s.client_id for s in self.request.signatures]
+        else:
+            who = self.request.alive
+        return self._talk("unmask", who, lambda c: self.clients[c].unmask(self.request), drop)
 
     def run(self, drops: dict | None = None):
         drops = drops or {}
