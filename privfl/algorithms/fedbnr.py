@@ -110,11 +110,10 @@ import numpy as np
 import torch
 from scipy.linalg import cho_factor, cho_solve, solve_triangular
 
-from accounting.accountants import make_accountant
 from accounting.accountants.analytic_gaussian import gaussian_epsilon, gaussian_mu
 from accounting.calibration import calibrate, calibrate_noise, round_event
 from accounting.errors import InvalidPrivacyParameter
-from accounting.events import ComposedEvent, NonPrivateEvent, PrivacyEvent, SelfComposedEvent
+from accounting.events import ComposedEvent, PrivacyEvent, SelfComposedEvent
 from mechanisms import InvalidRelease, clip_rows, clip_values
 from mechanisms.clipping import check_adjacency
 from privfl.aggregation import Aggregate
@@ -752,21 +751,19 @@ def phase_budgets(epsilon: float, delta: float, kernel_rounds: int, regression_r
 
 
 def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]:
-    """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed."""
-    events: dict[str, list] = {}
+    """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed: each ledger's
+    rounds grouped as the ledger groups them (``accounting.rounds.round_events``: a round's sampled channels share one
+    coin), the phases one after the other."""
+    from accounting.ledger import composed_epsilon as history_epsilon, history_key
+
+    histories: dict[str, tuple] = {}
     for ledger in ledgers:
+        by_client: dict[str, list] = {}
         for charge in ledger.charges():
-            events.setdefault(charge.client_id, []).append(charge.event)
-    out = {}
-    for cid, evs in events.items():
-        if any(isinstance(e, NonPrivateEvent) for e in evs):
-            out[cid] = math.inf
-            continue
-        acct = make_accountant(accountant)
-        for e in evs:
-            acct.compose(e)
-        out[cid] = float(acct.get_epsilon(delta))
-    return out
+            by_client.setdefault(charge.client_id, []).append((charge.round, charge.event))
+        for cid, charged in by_client.items():
+            histories[cid] = histories.get(cid, ()) + history_key(charged)
+    return {cid: history_epsilon(accountant, key, delta) for cid, key in histories.items()}
 
 
 @dataclass
