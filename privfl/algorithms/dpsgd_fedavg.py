@@ -47,6 +47,7 @@ from accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, 
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
+from privfl.executor import VectorisedDPSGD, vectorisable
 from privfl.errors import ConfigurationError
 from privfl.public import private_torch_generator
 from privfl.training import flat_parameters, load_flat_parameters
@@ -279,6 +280,39 @@ class DPSGDFedAvg(FedAvg):
             self._multipliers[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta,
                                                           self.fed.rounds, schedule, self.accountant)
         return self._multipliers[schedule]
+
+    @property
+    def vectorisable(self) -> bool:
+        """Whether :meth:`client_updates` trains clients together: DP-SGD on cross-entropy (this class's own local
+        step) over a model built of stateless layers (``privfl.executor.VectorisedDPSGD``); non-private runs use the
+        FedAvg executor."""
+        return (type(self).client_update is DPSGDFedAvg.client_update and self.model is not None
+                and vectorisable(self.model))
+
+    def client_updates(self, clients, datasets, round, rngs):
+        """``(k, client_update(k, ...))`` for every client, the clients of one DP-SGD schedule trained together
+        (same outputs to float tolerance, each client's sampling and noise drawn from its own generators)."""
+        if not self.vectorisable or not self.privacy.private:
+            yield from super().client_updates(clients, datasets, round, rngs)
+            return
+        groups: dict[DPSGDSchedule, list[int]] = {}
+        for i, k in enumerate(clients):
+            groups.setdefault(dpsgd_schedule(self, k), []).append(i)
+        secure = self.privacy.secure_noise
+        for schedule, members in groups.items():
+            z = self.noise_multiplier(schedule)
+            # the generators dpsgd_train creates, in its order: the optimiser's noise, then the Poisson sampler
+            generators = [(private_torch_generator(rngs[i], secure), private_torch_generator(rngs[i], secure))
+                          for i in members]
+            executor = VectorisedDPSGD(self.model, schedule=schedule, noise_multiplier=z, clip=self.privacy.clip,
+                                       lr=self.fed.lr, momentum=self.fed.momentum, secure_noise=secure)
+            for row, update, stats in executor.train(self.global_params, [datasets[i].tensors() for i in members],
+                                                     generators):
+                i = members[row]
+                k = clients[i]
+                yield k, ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
+                                      weight=self.release_weight(datasets[i], k),
+                                      metrics={"noise_multiplier": z, **stats})
 
     def client_update(self, client, dataset, round, rng):
         if not self.privacy.private:
