@@ -144,6 +144,37 @@ class VectorisedSGD:
         return flat
 
 
+_ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
+
+
+def linear_stack(model: nn.Module):
+    """``(prefix, layers)`` when ``model`` computes ``Sequential(parameter-free reshaping prefix, then linear layers
+    and elementwise activations)`` (an ``nn.Sequential``, or privfl's MLP), else None. ``prefix``: the modules before
+    the first linear layer (flatten, average pooling); ``layers``: ``("linear", qualified name)`` or
+    ``("act", module)`` in order."""
+    from privfl.models.nets import MLP
+
+    if isinstance(model, nn.Sequential):
+        seq, base = model, ""
+    elif type(model) is MLP and type(model).forward is MLP.forward:
+        seq, base = model.net, "net."
+    else:
+        return None
+    prefix, layers = [], []
+    for name, module in seq.named_children():
+        if type(module) is nn.Linear:
+            layers.append(("linear", base + name))
+        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
+            prefix.append(module)
+        elif layers and isinstance(module, _ELEMENTWISE):
+            layers.append(("act", module))
+        else:
+            return None
+    if not layers or layers[-1][0] != "linear":
+        return None
+    return prefix, layers
+
+
 class VectorisedDPSGD:
     """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
     of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
@@ -174,15 +205,69 @@ class VectorisedDPSGD:
         self.secure_noise = bool(secure_noise)
         self.memory_budget = int(memory_budget)
         self._per_example = vmap(vmap(grad(self._loss, has_aux=True), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
+        self._stack = linear_stack(model)
 
     def _loss(self, params: dict, x: torch.Tensor, y: torch.Tensor):
         loss = nn.functional.cross_entropy(functional_call(self.model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
         return loss, loss.detach()
 
+    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
+        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses)."""
+        c, width = weight.shape
+        if self._stack is not None:
+            return self._ghost_sums(params, xb, yb, weight)
+        per_example, losses = self._per_example(params, xb, yb)
+        norms = torch.sqrt(sum(g.reshape(c, width, -1).pow(2).sum(-1) for g in per_example.values()))
+        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0) * weight
+        return {k: torch.einsum("cb,cb...->c...", factor, g) for k, g in per_example.items()}, losses
+
+    def _ghost_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
+        """The same sums for a stack of linear layers and elementwise activations, without materialising per-example
+        gradients (ghost clipping, as opacus does it): a linear layer's per-example gradient is the outer product of
+        its output gradient b and its input a, so its norm is |a| |b| and the clipped sum is B^T diag(f) A."""
+        prefix, layers = self._stack
+        c, width = weight.shape
+        h = xb.reshape(c * width, *xb.shape[2:])
+        for module in prefix:
+            h = module(h)
+        h = h.reshape(c, width, -1).requires_grad_()
+        inputs, outputs = [], []
+        for kind, module in layers:
+            if kind == "linear":
+                w = params[module + ".weight"]
+                bias = params.get(module + ".bias")
+                inputs.append(h)
+                h = torch.bmm(h, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), h,
+                                                                                        w.transpose(1, 2))
+                outputs.append(h)
+            else:
+                h = module(h)
+        losses = nn.functional.cross_entropy(h.reshape(c * width, -1), yb.reshape(-1), reduction="none")
+        losses = losses.reshape(c, width)
+        backprops = torch.autograd.grad((losses * weight).sum(), outputs)
+        norms2 = torch.zeros(c, width)
+        for a, b, (_, module) in zip(inputs, backprops, [ly for ly in layers if ly[0] == "linear"]):
+            b2 = b.pow(2).sum(-1)
+            norms2 += a.detach().pow(2).sum(-1) * b2
+            if module + ".bias" in params:
+                norms2 += b2
+        factor = (self.clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0) * weight
+        sums = {}
+        for a, b, (_, module) in zip(inputs, backprops, [ly for ly in layers if ly[0] == "linear"]):
+            scaled = b * factor.unsqueeze(-1)
+            sums[module + ".weight"] = torch.bmm(scaled.transpose(1, 2), a.detach())
+            if module + ".bias" in params:
+                sums[module + ".bias"] = scaled.sum(1)
+        return sums, losses.detach()
+
     def chunk(self) -> int:
-        """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches) within the budget."""
+        """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
+        only its activations) and four copies of the parameters within the budget."""
         dim = sum(p.numel() for p in self.model.parameters())
         batch = max(1.0, 1.5 * self.schedule.sample_rate * max(self.schedule.size, 1))
+        if self._stack is not None:
+            width = max((p.shape[0] + p.shape[-1] for p in self.model.parameters() if p.dim() == 2), default=1)
+            return max(1, int(self.memory_budget // (4 * (4 * dim + 4 * batch * width))))
         return max(1, int(self.memory_budget // (4 * dim * (batch + 4))))
 
     def _noise(self, shape, generator: torch.Generator) -> torch.Tensor:
@@ -238,11 +323,9 @@ class VectorisedDPSGD:
                     weight = torch.zeros(c, width)
                     for r, ((x, y), i) in enumerate(zip(datasets, idx)):
                         xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
-                    per_example, losses = self._per_example(params, xb, yb)
-                    norms = torch.sqrt(sum(g.reshape(c, width, -1).pow(2).sum(-1) for g in per_example.values()))
-                    factor = (self.clip / (norms + 1e-6)).clamp(max=1.0) * weight
-                    for k, g in per_example.items():
-                        grads[k] = torch.einsum("cb,cb...->c...", factor, g)
+                    sums, losses = self._clipped_sums(params, xb, yb, weight)
+                    for k, g in sums.items():
+                        grads[k] = g
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
@@ -265,4 +348,4 @@ class VectorisedDPSGD:
         return flat, stats
 
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "VectorisedDPSGD", "VectorisedSGD", "chunk_size", "vectorisable"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "VectorisedDPSGD", "VectorisedSGD", "chunk_size", "linear_stack", "vectorisable"]

@@ -125,15 +125,27 @@ def test_what_cannot_be_batched_runs_per_client():
         Simulation(ALGORITHMS["fedavg"](FED, NON_PRIVATE), data, FED, NON_PRIVATE, executor="fast")
 
 
-def test_vectorised_dpsgd_matches_the_opacus_loop_client_by_client():
+def _linear_model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _conv_model():  # not a linear stack: per-example gradients by vmap
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 2, 2)), torch.nn.Conv2d(1, 2, 2), torch.nn.Tanh(),
+                               torch.nn.Flatten(), torch.nn.Linear(2, 3))
+
+
+@pytest.mark.parametrize("make_model, ghost", [(_linear_model, True), (_conv_model, False)])
+def test_vectorised_dpsgd_matches_the_opacus_loop_client_by_client(make_model, ghost):
     """Chunks of one client and one chunk of all: each client's update equals what dpsgd_train (opacus, ghost
-    clipping) gives from the same generators, with empty Poisson batches included (q small, few records)."""
+    clipping) gives from the same generators, with empty Poisson batches included (q small, few records), on the
+    ghost path (a linear stack) and on the per-example vmap path."""
     from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, dpsgd_train
-    from privfl.executor import VectorisedDPSGD
+    from privfl.executor import VectorisedDPSGD, linear_stack
     from privfl.public import private_torch_generator
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model = make_model()
+    assert (linear_stack(model) is not None) == ghost
     start = flat_parameters(model)
     data = [(torch.randn(n, 4), torch.randint(0, 3, (n,))) for n in (9, 3, 14, 1)]
     schedule = DPSGDSchedule.for_client(8, 2, 2)  # q = 0.25: some batches are empty
