@@ -343,7 +343,11 @@ class PrivacyLedger:
                 conn.execute("ROLLBACK")
             raise
         if inserted:  # written in this transaction (committed unless batched): now, and only now, the cache learns
-            self._apply(inserted)
+            # them, as the state the budget check composed (the rows it added are exactly these)
+            trial.charges += len(inserted)
+            self._states[client_id] = trial
+            self._row_count += len(inserted)
+            self._last_rowid = max(self._last_rowid, max(row[0] for row in inserted))
         if not batched:
             self._data_version = synced
         if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
@@ -550,12 +554,13 @@ class _ClientState:
 class _Node:
     """A history in the composition tree: its parent's history and one more round's contribution."""
 
-    __slots__ = ("parent", "contribution", "children", "epsilons", "non_private", "_rho", "__weakref__")
+    __slots__ = ("parent", "contribution", "children", "last", "epsilons", "non_private", "_rho", "__weakref__")
 
     def __init__(self, parent: "_Node | None", contribution: tuple) -> None:
         self.parent = parent
         self.contribution = contribution
         self.children: dict[tuple, _Node] = {}
+        self.last: tuple | None = None  # (contribution, child) of the last step taken: usually the same object
         self.epsilons: dict[float, float] = {}
         self.non_private = (parent is not None and parent.non_private) or any(
             isinstance(e, NonPrivateEvent) for e, _ in contribution)
@@ -574,9 +579,13 @@ class _CompositionTree:
         self._capacity = states
 
     def child(self, node: _Node, contribution: tuple) -> _Node:
+        last = node.last
+        if last is not None and last[0] is contribution:  # contributions are cached tuples: identity is equality
+            return last[1]
         found = node.children.get(contribution)
         if found is None:
             found = node.children[contribution] = _Node(node, contribution)
+        node.last = (contribution, found)
         return found
 
     def path(self, contributions: Iterable[tuple]) -> _Node:

@@ -14,19 +14,37 @@ Typical use::
     result.audit["max_epsilon"]  # <= 3
 """
 
-from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, RangeBound, TrainedPrivately
-from privfl.config import FederationConfig, PrivacyConfig
-from privfl.data import federated_from_arrays, make_federated
-from privfl.public import PublicFacts
-from privfl.release import Release, ReleasePipeline
-from privfl.runtime import RunResult, Simulation
-from privfl.secure import SecureAggregation
+import importlib
 
 __version__ = "0.1.0"
+
+# Names are imported on first use (PEP 562), so that ``privfl calibrate`` and ``import privfl.public`` do not pay for
+# torch; ``from privfl import Simulation`` works as before.
+_EXPORTS = {
+    "ALGORITHMS": "privfl.algorithms", "make_algorithm": "privfl.algorithms",
+    "Channel": "privfl.channels", "ClippedValue": "privfl.channels", "NormClip": "privfl.channels",
+    "PreClipped": "privfl.channels", "PrivatizedValue": "privfl.channels", "RangeBound": "privfl.channels",
+    "TrainedPrivately": "privfl.channels", "FederationConfig": "privfl.config", "PrivacyConfig": "privfl.config",
+    "federated_from_arrays": "privfl.data", "make_federated": "privfl.data", "PublicFacts": "privfl.public",
+    "Release": "privfl.release", "ReleasePipeline": "privfl.release", "RunResult": "privfl.runtime",
+    "Simulation": "privfl.runtime", "SecureAggregation": "privfl.secure",
+}
 
 __all__ = [
     "ALGORITHMS", "Channel", "ClippedValue", "FederationConfig", "NormClip", "PreClipped", "PrivacyConfig",
     "PrivatizedValue", "RangeBound", "Release", "ReleasePipeline", "RunResult", "SecureAggregation", "Simulation",
     "PublicFacts", "TrainedPrivately", "federated_from_arrays", "make_algorithm", "make_federated",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'privfl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

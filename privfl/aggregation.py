@@ -42,12 +42,16 @@ def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
         if len(centrals) != 1:
             raise InvalidRelease(f"channel {name}: releases disagree on the central noise std {sorted(centrals)}")
         weights = np.array([r.weight for r in rs])
-        total = np.zeros(np.shape(rs[0].value), dtype=np.float64)  # float32 uploads are summed in float64
+        # Uploads that stayed float32 (unclipped, un-noised: the model's own precision) are summed in float32, as
+        # the model trains; anything clipped or noised is float64 and summed in float64.
+        dtype = np.float32 if all(np.asarray(r.value).dtype == np.float32 for r in rs) else np.float64
+        total = np.zeros(np.shape(rs[0].value), dtype=dtype)
         for w, r in zip(weights, rs):
             if w == 1.0:
                 total += r.value
             else:
-                total += w * np.asarray(r.value, dtype=np.float64)
+                total += dtype(w) * np.asarray(r.value, dtype=dtype)
+        total = total.astype(np.float64, copy=False)
         central = centrals.pop() * float(weights.max())
         if central > 0:
             total = total + gaussian_noise(total.shape, central, source, channels[name].symmetric)

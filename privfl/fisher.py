@@ -228,7 +228,8 @@ def _record_pass(recorder: GradientRecorder, model: nn.Module, x: torch.Tensor, 
     """Forward and backward of the summed per-example loss, down to the layers' outputs only: the Fisher needs
     each layer's output gradient and input, not the parameters' gradients (which are neither computed nor stored)."""
     with torch.enable_grad():
-        loss = loss_fn(model(x), y).sum()
+        # inputs that require grad: the layers' full backward hooks then have a gradient to fire on (no torch warning)
+        loss = loss_fn(model(x.detach().requires_grad_(x.is_floating_point())), y).sum()
         outputs = [layer.output for layer in recorder.layers]
         torch.autograd.grad(loss, outputs, allow_unused=True)
 
