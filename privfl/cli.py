@@ -1,6 +1,11 @@
-"""The ``privfl`` command line: calibrate, run, audit.
+"""The ``privfl`` command line: calibrate, run, audit, compare, audit-mechanism.
 
 The flags and JSON keys documented in the README are contracts checked by automated tools; keep them.
+
+JSON output is strict JSON: an infinite number (a non-private run's epsilon) is written as the string ``"inf"`` and a
+number that is not defined (NaN, e.g. the AUROC of a test set with one class) as ``null``
+(:mod:`privfl.metrics.report`). Heavy libraries (torch, the algorithms) are imported only by the commands that train,
+so ``privfl calibrate`` stays quick.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ import json
 import math
 import os
 import re
+import sqlite3
 import sys
+import warnings
 
 # argparse reads "-1e-5" as an option name; numbers in scientific notation and -inf are values here, so that
 # "--delta -1e-5" reaches the validation that explains what is wrong with it.
@@ -31,14 +38,73 @@ def _widths(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 100,50, got {text!r}") from None
 
 
+#: the registered algorithms' names, for help texts (``privfl.algorithms.ALGORITHMS`` imports torch; a test keeps
+#: this tuple equal to its keys)
+ALGORITHM_NAMES = ("dp_fedavg", "dpsgd_fedavg", "fedavg", "fedbnn", "fedbnr", "fedprox", "fola", "hbfl")
+
+#: the privacy unit ``privfl run`` uses when ``--unit`` is not given: the one the algorithm's guarantee is stated in
+#: (DP-SGD FedAvg is record-level by construction); every other algorithm defaults to client level
+DEFAULT_UNITS = {"dpsgd_fedavg": "example"}
+
+#: torch's warning when a full backward hook fires on a module whose inputs need no gradient: raised inside opacus's
+#: per-sample gradient hooks and privfl's Fisher hooks on every first layer (inputs are data, never trainable), and
+#: harmless there: the hooks read gradients with respect to the module's outputs and parameters only
+_BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
+                          r"since no inputs require gradients")
+
+
+def version() -> str:
+    """privfl's installed version (the distribution's metadata, else the package's ``__version__``)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("privfl")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree that is not installed
+        return str(getattr(sys.modules.get("privfl"), "__version__", "unknown"))
+
+
 def _dump(obj, path: str | None) -> None:
-    text = json.dumps(obj, indent=2, default=_json_default)
+    from privfl.metrics.report import strict_json
+
+    text = json.dumps(strict_json(obj), indent=2, default=_json_default, allow_nan=False)
     if path in (None, "-"):
         print(text)
     else:
+        _check_out_path(path, "--json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(text + "\n")
+
+
+def _check_out_path(path: str, flag: str, *, create_folder: bool = True) -> None:
+    """Refuse an output path that is a directory, or (``create_folder=False``) whose folder does not exist."""
+    from privfl.errors import ConfigurationError
+
+    if os.path.isdir(path):
+        raise ConfigurationError(f"{flag} {path} is a directory; give a file name inside it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not create_folder and not os.path.isdir(folder):
+        raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another "
+                                 "path")
+
+
+def _check_ledger_file(path: str, flag: str) -> list[str]:
+    """The run ids an existing ledger file holds; a directory or a file that is not a privfl ledger is refused with a
+    message naming ``flag``. A missing file holds none."""
+    from accounting.ledger import PrivacyLedger
+    from privfl.errors import ConfigurationError
+
+    if path == ":memory:" or not os.path.exists(path):
+        return []
+    if os.path.isdir(path):
+        raise ConfigurationError(f"{flag} {path} is a directory; pass the ledger file (the .sqlite file that "
+                                 "privfl run --ledger wrote)")
+    try:
+        return PrivacyLedger.run_ids(path)
+    except sqlite3.DatabaseError as exc:
+        raise ConfigurationError(f"{flag} {path} is not a privfl ledger (SQLite: {exc}); pass the file that privfl run "
+                                 "--ledger wrote, or a new path") from None
 
 
 def _json_default(o):
@@ -80,11 +146,20 @@ def cmd_run(args) -> int:
     from privfl.errors import ConfigurationError
     from privfl.runtime import Simulation
 
+    data = _own_data(args)  # None for a built-in data set
+    _refuse_ignored_input(args)
+    if args.unit is None:
+        args.unit = DEFAULT_UNITS.get(args.algorithm, "client")
+        if math.isfinite(args.epsilon) and args.algorithm in ALGORITHMS:
+            print(f"privfl run: privacy unit {args.unit!r} (the default for {args.algorithm}; pass --unit to choose)",
+                  file=sys.stderr)
     if args.algorithm in ALGORITHMS:
         for key, value in ALGORITHMS[args.algorithm].defaults.items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-    for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "pool": 1}.items():
+    built_in = {"dataset": "mnist5k", "clients": 10, "partition": "iid", "alpha": 0.1} if data is None else {}
+    for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "pool": 1, "secagg_bits": 48, "dropout": 0.0,
+                       "model": "mlp", **built_in}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, adjacency=args.adjacency,
@@ -113,16 +188,36 @@ def cmd_run(args) -> int:
                                  f"and fedbnr with --kernel-aggregation distillation); {args.algorithm} has none "
                                  "here: drop the flag")
     algorithm = make_algorithm(args.algorithm, fed, privacy)
-    data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
-                          alignment_size=args.alignment_size or 0, public_size=args.public_size,
-                          standardize=None if args.standardize == "none" else args.standardize)
+    if data is None:
+        data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
+                              alignment_size=args.alignment_size or 0, public_size=args.public_size,
+                              standardize=None if args.standardize == "none" else args.standardize)
+    elif args.alignment_size is not None or getattr(ALGORITHMS.get(args.algorithm), "uses_alignment", False):
+        raise ConfigurationError(f"{args.algorithm} needs a public alignment set carved from a built-in data set "
+                                 "(--alignment-size); with --data or --entry choose another algorithm")
     if args.ledger and args.ledger != ":memory:":
+        held = _check_ledger_file(args.ledger, "--ledger")
+        if two_phase:
+            base = args.run_id or f"fedbnr-{fed.seed}"
+            ids = [f"{base}-kernel", f"{base}-regression"]
+        else:
+            ids = [args.run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"]
+        taken = [i for i in ids if i in held]
+        if taken:
+            raise ConfigurationError(f"--ledger {args.ledger} already holds run {taken[0]!r}; pass a new --run-id (or "
+                                     f"another --ledger) to start a new run; privfl audit {args.ledger} --run-id "
+                                     f"{taken[0]} reads the old one")
         os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
+    if args.save_model:
+        _check_out_path(args.save_model, "--save-model")
+    if args.json and args.json != "-":
+        _check_out_path(args.json, "--json")
 
     def show(rec):
         m = rec.metrics
         utility = (f"rmse {m['rmse']:.4g}  ece {m.get('ece', float('nan')):.4f}" if "rmse" in m  # regression
-                   else f"accuracy {m.get('accuracy', float('nan')):.4f}")
+                   else f"accuracy {m.get('accuracy', float('nan')):.4f}  "
+                        f"balanced accuracy {m.get('balanced_accuracy', float('nan')):.4f}")
         print(f"round {rec.round + 1:3d}/{fed.rounds}  {utility}  "
               f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
               f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else "")
@@ -137,6 +232,8 @@ def cmd_run(args) -> int:
         secure.check(args.clients)  # a threat model no degree and threshold meet is refused before any round
     if two_phase:
         return _run_fedbnr_two_phases(args, data, fed, privacy, secure, None if args.quiet else show)
+    from privfl.metrics.report import applied_noise
+
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
                      progress=None if args.quiet else show, secure=secure)
     result = sim.run()
@@ -150,7 +247,12 @@ def cmd_run(args) -> int:
         "epsilon_spent_max": result.audit["max_epsilon"],
         "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
         "ledger": result.ledger, "run_id": result.run_id, "noise": result.noise,
+        "balanced_accuracy": result.final.get("balanced_accuracy"), "auroc": result.final.get("auroc"),
+        "noise_applied": applied_noise(sim.ledger.charges()), "privfl_version": version(),
+        "settings": _settings(args, fed, privacy, secure),
     }
+    if args.save_model:
+        out["model_path"] = save_model(algorithm, args.save_model)
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
     aborted = _aborted_rounds(out, secure, result.history)
@@ -164,6 +266,158 @@ def cmd_run(args) -> int:
     print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+_OWN_DATA_FLAGS = (("--target", "target"), ("--client-column", "client_column"), ("--test-data", "test_data"),
+                   ("--test-fraction", "test_fraction"), ("--classes", "classes"), ("--task", "task"),
+                   ("--public-data", "public_data"))
+
+
+def _own_data(args):
+    """The federation of ``--data`` files or an ``--entry`` point (None without either): sets ``args.clients`` to
+    the clients found and the model settings an entry point returned (unless given on the command line)."""
+    from privfl.data.own import client_tables, federated_from_tables, load_entry, read_table
+    from privfl.errors import ConfigurationError
+
+    if args.data is None and args.entry is None:
+        given = [flag for flag, key in _OWN_DATA_FLAGS if getattr(args, key) is not None]
+        if given:
+            raise ConfigurationError(f"{', '.join(given)} describe your own data: add --data FILES (or --entry "
+                                     "module:function), or drop them")
+        return None
+    if args.data is not None and args.entry is not None:
+        raise ConfigurationError("--data and --entry both give the clients' data; choose one")
+    if args.dataset is not None:
+        raise ConfigurationError(f"--dataset {args.dataset} and {'--data' if args.data else '--entry'} both give "
+                                 "the data; choose one")
+    if args.partition is not None:
+        raise ConfigurationError("--partition splits a built-in data set; your own data comes split by client "
+                                 "(one file per client, --client-column, or the entry point's mapping): drop it")
+    if args.data is not None and args.target is None:
+        raise ConfigurationError("--data needs --target, the name of the label (or regression target) column")
+    if args.standardize == "public" and args.public_data is None:
+        raise ConfigurationError("--standardize public with your own data needs --public-data FILE: data no client "
+                                 "holds, whose statistics are public (nothing is fitted on the clients' data)")
+    if args.public_size is not None:
+        raise ConfigurationError("--public-size carves a public split from a built-in data set; with your own data "
+                                 "pass --public-data FILE")
+    if args.test_data is not None and args.test_fraction is not None:
+        raise ConfigurationError("--test-fraction holds out part of each client's records when there is no "
+                                 "--test-data; give one of them")
+    standardize = "public" if args.public_data is not None and args.standardize != "none" else None
+    if standardize is None and args.standardize == "auto":
+        print("privfl run: features are used as given (no standardisation): pass --public-data FILE (data no client "
+              "holds) to standardise them with public statistics, or --standardize none to silence this",
+              file=sys.stderr)
+    if args.data is not None:
+        clients = client_tables(args.data, args.client_column)
+        test = None if args.test_data is None else read_table(args.test_data, "--test-data")
+        name = "own"
+    else:
+        if args.client_column is not None:
+            raise ConfigurationError("--client-column applies to --data files; an --entry point returns a mapping of "
+                                     "clients already")
+        entry = load_entry(args.entry)
+        for key, value in entry.model.items():
+            if getattr(args, key) is None:
+                setattr(args, key, tuple(value) if key == "hidden" else value)
+        clients = entry.clients
+        test = read_table(args.test_data, "--test-data") if args.test_data is not None else entry.test
+        name = args.entry
+    public = None if args.public_data is None else read_table(args.public_data, "--public-data")
+    classes = None if args.classes is None else [c.strip() for c in args.classes.split(",") if c.strip()]
+    data = federated_from_tables(clients, args.target, task=args.task or "classification", classes=classes,
+                                 test=test, test_fraction=0.2 if args.test_fraction is None else args.test_fraction,
+                                 seed=args.seed, standardize=standardize, public=public, name=name)
+    if args.clients is not None and args.clients != len(data.train_parts):
+        raise ConfigurationError(f"--clients {args.clients} but the data has {len(data.train_parts)} clients "
+                                 f"({', '.join(data.info['clients'][:8])}); drop --clients")
+    args.clients = len(data.train_parts)
+    return data
+
+
+def _refuse_ignored_input(args) -> None:
+    """Flags that would be silently ignored are refused, with the flag to drop or the one to add."""
+    from privfl.errors import ConfigurationError
+
+    if args.clients is not None and args.clients < 2:
+        raise ConfigurationError(f"--clients {args.clients}: a federation needs at least 2 clients (one client is "
+                                 "centralised training, with nothing to aggregate); set --clients 2 or more")
+    if not args.secure_agg:
+        given = [flag for flag, value in (("--dropout", args.dropout), ("--min-survivors", args.min_survivors),
+                                          ("--secagg-bits", args.secagg_bits)) if value is not None]
+        if given:
+            raise ConfigurationError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
+                                     "secure aggregation; add --secure-agg or drop "
+                                     f"{'it' if len(given) == 1 else 'them'}")
+    if args.alpha is not None and args.partition != "dirichlet":
+        raise ConfigurationError(f"--alpha is the Dirichlet concentration; it applies with --partition dirichlet "
+                                 f"only (got --partition {args.partition}): drop it or change the partition")
+
+
+def _settings(args, fed, privacy, secure) -> dict:
+    """Everything that defines a run, for its JSON: the algorithm and its options, the federation (model, clip, lr,
+    batch, rounds, seed...), the privacy configuration, the data and partition, secure aggregation, privfl's
+    version."""
+    from dataclasses import asdict
+
+    from privfl.algorithms import ALGORITHMS
+
+    options = {k: getattr(args, k, None) for k in getattr(ALGORITHMS.get(args.algorithm), "defaults", {})}
+    data = {"dataset": args.dataset, "clients": args.clients, "partition": args.partition or "given",
+            "alpha": args.alpha if args.partition == "dirichlet" else None, "standardize": args.standardize,
+            "public_size": args.public_size, "alignment_size": args.alignment_size}
+    for key in ("data", "target", "client_column", "test_data", "test_fraction", "classes", "task", "public_data",
+                "entry"):
+        if getattr(args, key, None) is not None:
+            data[key] = getattr(args, key)
+    out = {"algorithm": args.algorithm, "algorithm_options": options, "federation": asdict(fed),
+           "privacy": asdict(privacy), "data": data, "privfl_version": version(),
+           "secure_aggregation": None if secure is None else {"bits": args.secagg_bits, "dropout": args.dropout,
+                                                               "min_survivors": args.min_survivors}}
+    if args.algorithm == "fedbnr":
+        out["algorithm_options"].update(kernel_rounds=args.kernel_rounds, kernel_aggregation=args.kernel_aggregation,
+                                        kernel_clip=args.kernel_clip)
+    return out
+
+
+def trained_state(algorithm) -> dict:
+    """The trained model(s) of ``algorithm`` as torch state_dicts: the global model's (FedAvg family, FOLA's mean,
+    HBFL's meme model at the global posterior), or, for FedBNN, one personalised model per client
+    (``{"client_<k>": state_dict}``), or FedBNR's last-layer posterior (``mean``, ``precision`` tensors)."""
+    import copy
+
+    import torch
+
+    from privfl.errors import ConfigurationError
+    from privfl.training import load_flat_parameters
+
+    if callable(getattr(algorithm, "global_model", None)):
+        return algorithm.global_model().state_dict()
+    vector = getattr(algorithm, "global_params", None)
+    if vector is None and algorithm.name == "fola":
+        vector = getattr(algorithm, "mean", None)
+    model = getattr(algorithm, "model", None)
+    if model is not None and vector is not None:
+        model = copy.deepcopy(model)
+        load_flat_parameters(model, vector)
+        return model.state_dict()
+    models = getattr(algorithm, "models", None)
+    if isinstance(models, dict) and models:
+        return {f"client_{k}": m.state_dict() for k, m in sorted(models.items())}
+    posterior = getattr(algorithm, "posterior", None)
+    if posterior is not None:
+        return {"mean": torch.as_tensor(posterior.mean), "precision": torch.as_tensor(posterior.precision)}
+    raise ConfigurationError(f"{algorithm.name} holds no trained model to save; drop --save-model")
+
+
+def save_model(algorithm, path: str) -> str:
+    """Write :func:`trained_state` with ``torch.save``; returns the path."""
+    import torch
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(trained_state(algorithm), path)
+    return path
 
 
 def _aborted_rounds(out: dict, secure, history, offset: int = 0) -> list[int]:
@@ -192,6 +446,7 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
 
     from accounting.accountants import make_accountant
     from privfl.algorithms.fedbnr import run_fedbnr
+    from privfl.metrics.report import applied_noise
 
     kernel_fed = replace(fed, rounds=args.kernel_rounds)
     kernel_options = {"aggregation": args.kernel_aggregation, "update_clip": args.kernel_clip,
@@ -230,7 +485,12 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
         "epsilon_spent_max": run.epsilon,
         "epsilon_spent": run.epsilon_per_client,
         "ledger": result.ledger, "run_id": [run.kernel.run_id, result.run_id],
+        "privfl_version": version(), "settings": _settings(args, fed, privacy, secure),
+        "noise_applied": {phase: applied_noise(ledger.charges())
+                          for phase, ledger in zip(("kernel", "regression"), run.ledgers)},
     }
+    if args.save_model:
+        out["model_path"] = save_model(run.algorithm, args.save_model)
     _aborted_rounds(out, secure, run.kernel.history if run.kernel is not None else [])
     aborted = _aborted_rounds(out, secure, result.history, offset=args.kernel_rounds)
     if args.json:
@@ -246,7 +506,15 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
 def cmd_audit(args) -> int:
     from accounting.ledger import PrivacyLedger
 
-    ledger = PrivacyLedger.open_existing(args.ledger, args.run_id)
+    _check_ledger_file(args.ledger, "ledger")
+    if args.png:
+        _check_out_path(args.png, "--png", create_folder=False)
+    try:
+        ledger = PrivacyLedger.open_existing(args.ledger, args.run_id)
+    except sqlite3.DatabaseError as exc:
+        from privfl.errors import ConfigurationError
+
+        raise ConfigurationError(f"{args.ledger} is not a readable privfl ledger (SQLite: {exc})") from None
     report = ledger.audit(args.delta)
     meta = ledger.meta
     if meta.get("noise"):
@@ -283,23 +551,29 @@ def cmd_compare(args) -> int:
     config = CompareConfig.from_toml(args.config) if args.config else CompareConfig()
     if args.out_dir:
         config = replace(config, out_dir=args.out_dir)
-    rows = compare(config, progress=not args.quiet)
+    if args.json and args.json != "-":
+        _check_out_path(args.json, "--json")
+    rows = compare(config, progress=not args.quiet, toml_path=args.config)
     table = summary_table(rows)
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"privfl compare: {config.dataset}, {config.clients} clients, {config.partition}"
-                    f"{f' alpha={config.alpha:g}' if config.partition == 'dirichlet' else ''}, {config.rounds} rounds, "
+    source = (f"{config.data or config.entry}, {config.clients} clients" if config.own_data else
+              f"{config.dataset}, {config.clients} clients, {config.partition}"
+              f"{f' alpha={config.alpha:g}' if config.partition == 'dirichlet' else ''}")
+    t = Table(title=f"privfl compare: {source}, {config.rounds} rounds, "
                     f"unit={config.unit}, delta={config.delta:g}")
-    for col in ("algorithm", "ε target", "seeds", "accuracy", "NLL", "ECE", "ε spent max", "ε spent mean"):
+    for col in ("algorithm", "ε target", "seeds", "accuracy", "balanced acc.", "AUROC", "NLL", "ECE", "ε spent max",
+                "ε spent mean"):
         t.add_column(col, justify="left" if col == "algorithm" else "right")
     for r in table:
         t.add_row(r["algorithm"], f"{r['epsilon_target']:g}", str(r["seeds"]),
-                  f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}", f"{r['nll']:.3f}", f"{r['ece']:.3f}",
+                  f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}", f"{r['balanced_accuracy']:.4f}",
+                  f"{r['auroc']:.4f}", f"{r['nll']:.3f}", f"{r['ece']:.3f}",
                   f"{r['epsilon_spent_max']:.3f}", f"{r['epsilon_spent_mean']:.3f}")
     Console(width=140).print(t)
     print(f"wrote {config.out_dir}/results.json, results.csv, accuracy_vs_epsilon.png, epsilon_per_client.png, "
-          f"reliability.png")
+          f"reliability.png, config.toml, models/")
     if args.json:
         _dump({"results": rows}, args.json)
     over = [r for r in rows if r["epsilon_spent_max"] > r["epsilon_target"] * (1 + 1e-9)]
@@ -323,43 +597,99 @@ def cmd_audit_mechanism(args) -> int:
     return 0 if result.passed or args.mutation != "none" else 1
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (``None``, a switch's ``False``)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, formatter_class=_HelpFormatter, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.")
+    p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("calibrate", help="smallest noise multiplier meeting (epsilon, delta) over R rounds")
-    c.add_argument("--epsilon", type=_float, required=True)
-    c.add_argument("--delta", type=_float, required=True)
-    c.add_argument("--rounds", type=int, required=True)
-    c.add_argument("--sampling-rate", type=_float, default=1.0)
-    c.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
+    c = _parser(sub, "calibrate", help="smallest noise multiplier meeting (epsilon, delta) over R rounds")
+    c.add_argument("--epsilon", type=_float, required=True, help="target epsilon per client (> 0)")
+    c.add_argument("--delta", type=_float, default=1e-5, help="target delta, in (0, 1)")
+    c.add_argument("--rounds", type=int, required=True, help="number of releases composed (one per round)")
+    c.add_argument("--sampling-rate", type=_float, default=1.0,
+                   help="Poisson client sampling rate q in (0, 1]; q < 1 amplifies privacy")
+    c.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,
+                   help="accountant (default: exact without sampling, pld with sampling)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=cmd_calibrate)
 
-    r = sub.add_parser("run", help="run a federation and write its results and ledger")
-    r.add_argument("--algorithm", default="dp_fedavg")
-    r.add_argument("--dataset", default="mnist5k")
-    r.add_argument("--clients", type=int, default=10)
-    r.add_argument("--rounds", type=int, default=20)
+    r = _parser(sub, "run", help="run a federation and write its results and ledger")
+    r.add_argument("--algorithm", default="dp_fedavg", metavar="NAME",
+                   help=f"one of {', '.join(ALGORITHM_NAMES)}")
+    r.add_argument("--dataset", default=None,
+                   help="built-in data set name (see the README's data sets; default mnist5k)")
+    r.add_argument("--clients", type=int, default=None,
+                   help="number of clients, at least 2 (default 10; with --data or --entry: the clients found)")
+    r.add_argument("--data", default=None, metavar="FILES",
+                   help="your own data instead of --dataset: CSV or Parquet files, one per client (a quoted glob such "
+                        "as 'clients/*.csv'; a file's name is its client's), or one file with --client-column")
+    r.add_argument("--target", default=None, metavar="COLUMN", help="with --data: the label (or target) column")
+    r.add_argument("--client-column", default=None, metavar="COLUMN",
+                   help="with --data FILE: the column saying whose record each row is")
+    r.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
+                   help="your own data from Python: a function returning (model, clients) or (model, clients, "
+                        "test); model: a built-in model name, {'model', 'hidden', 'pool'} settings or None; clients: "
+                        "name -> (x, y) arrays/tensors or a DataFrame with the --target column")
+    r.add_argument("--test-data", default=None, metavar="FILE",
+                   help="with --data/--entry: held-out test set (CSV/Parquet, no client's data); its labels are the "
+                        "label set unless --classes is given")
+    r.add_argument("--test-fraction", type=_float, default=None,
+                   help="with --data/--entry and no --test-data: each client holds out this share of its own records "
+                        "(a permutation from --seed and the client's index only) as the pooled test set (default 0.2)")
+    r.add_argument("--classes", default=None, metavar="A,B,...",
+                   help="with --data/--entry: the public label set, comma-separated (never read from the clients' "
+                        "labels; default: the labels of --test-data)")
+    r.add_argument("--task", choices=["classification", "regression"], default=None,
+                   help="with --data/--entry: the task (default classification)")
+    r.add_argument("--public-data", default=None, metavar="FILE",
+                   help="with --data/--entry: public data no client holds (same columns); features are standardised "
+                        "with its statistics (--standardize public; the default when given)")
+    r.add_argument("--rounds", type=int, default=20, help="federated rounds")
     r.add_argument("--epsilon", type=_float, default=3.0, help="per-client target; inf for a non-private run")
-    r.add_argument("--delta", type=_float, default=1e-5)
-    r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory)")
-    r.add_argument("--run-id", default=None)
-    r.add_argument("--json", default=None, metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    r.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "disjoint_class", "sorted_chunk"])
-    r.add_argument("--alpha", type=_float, default=0.1, help="Dirichlet concentration")
-    r.add_argument("--unit", default="client", choices=["client", "example"])
+    r.add_argument("--delta", type=_float, default=1e-5, help="per-client target delta")
+    r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory); a ledger that already "
+                                                 "holds the run id is refused")
+    r.add_argument("--run-id", default=None,
+                   help="run id in the ledger (default: <algorithm>-eps<epsilon>-seed<seed>)")
+    r.add_argument("--json", default=None, metavar="OUT",
+                   help="write results as strict JSON to OUT ('-' for stdout): infinite numbers (a non-private "
+                        "run's epsilon) are the string \"inf\", undefined ones (NaN) null")
+    r.add_argument("--save-model", default=None, metavar="PATH",
+                   help="save the trained model with torch.save: the global model's state_dict (FedBNN: one per "
+                        "client, {'client_<k>': state_dict})")
+    r.add_argument("--partition", default=None, choices=["iid", "dirichlet", "disjoint_class", "sorted_chunk"],
+                   help="how a built-in data set is split over clients (default iid)")
+    r.add_argument("--alpha", type=_float, default=None,
+                   help="Dirichlet concentration, with --partition dirichlet only (default 0.1)")
+    r.add_argument("--unit", default=None, choices=["client", "example"],
+                   help="privacy unit (default: the algorithm's: example for dpsgd_fedavg, client otherwise; the "
+                        "choice is printed)")
     r.add_argument("--adjacency", default="add_remove", choices=["add_remove", "replace_one"],
                    help="neighbouring relation; at --unit example, replace_one declares the clients' record counts "
                         "public (schedules and weights may use them; every event is accounted as replace-one)")
     r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")
-    r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None)
+    r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,
+                   help="accountant (default: the privacy configuration's choice for the unit and sampling)")
     r.add_argument("--placement", choices=["local", "central", "distributed"], default="central",
                    help="who adds the noise: each client (local), a trusted aggregator (central), or each client a "
                         "discrete Gaussian share under secure aggregation (distributed)")
     r.add_argument("--min-survivors", type=int, default=None,
                    help="secure aggregation: abort a round with fewer survivors (distributed noise is charged for it)")
-    r.add_argument("--sampling-rate", type=_float, default=1.0)
+    r.add_argument("--sampling-rate", type=_float, default=1.0, help="Poisson client sampling rate per round")
     r.add_argument("--secure-noise", action="store_true",
                    help="draw noise from the OS CSPRNG (the default; kept for scripts that pass it)")
     r.add_argument("--seeded-noise", action="store_true",
@@ -376,18 +706,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--public-size", type=int, default=None, metavar="N",
                    help="size of the public reference split used by --standardize public")
     r.add_argument("--secure-agg", action="store_true", help="aggregate through pairwise-masked secure aggregation")
-    r.add_argument("--secagg-bits", type=int, default=48)
-    r.add_argument("--dropout", type=_float, default=0.0, help="simulated fraction of clients dropping per round")
-    r.add_argument("--model", default="mlp")
+    r.add_argument("--secagg-bits", type=int, default=None,
+                   help="secure aggregation: bits of the integer ring 2^k (default 48)")
+    r.add_argument("--dropout", type=_float, default=None,
+                   help="secure aggregation: simulated fraction of clients dropping per round (default 0)")
+    r.add_argument("--model", default=None,
+                   help="model architecture, a name of privfl.models.MODELS (default mlp, or the --entry point's)")
     r.add_argument("--hidden", type=_widths, default=None,
                    help="MLP hidden widths, comma-separated ('' for logistic regression); default: the model's")
     r.add_argument("--pool", type=int, default=None, help="average-pool image inputs by this factor (MLP only)")
-    r.add_argument("--local-epochs", type=int, default=None)
-    r.add_argument("--batch-size", type=int, default=32)
-    r.add_argument("--lr", type=_float, default=None)
-    r.add_argument("--server-lr", type=_float, default=1.0)
+    r.add_argument("--local-epochs", type=int, default=None, help="local epochs per round (default: the algorithm's)")
+    r.add_argument("--batch-size", type=int, default=32, help="local batch size")
+    r.add_argument("--lr", type=_float, default=None, help="client learning rate (default: the algorithm's)")
+    r.add_argument("--server-lr", type=_float, default=1.0, help="server learning rate on the aggregated update")
     r.add_argument("--kernel-rounds", type=int, default=0, metavar="K",
-                   help="fedbnr: K rounds of phase 1 (kernel learning) before phase 2 (default 0: random features)")
+                   help="fedbnr: K rounds of phase 1 (kernel learning) before phase 2 (0: random features)")
     r.add_argument("--kernel-aggregation", choices=["fedavg", "distillation"], default="fedavg",
                    help="fedbnr phase 1: FedAvg of the kernel network, or kernel distillation on a server-held set "
                         "of --alignment-size examples (eq. 19)")
@@ -396,32 +729,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alignment-size", type=int, default=None, metavar="N",
                    help="public alignment set of N training examples, held out from every client (fedbnn; default "
                         "the algorithm's)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--quiet", action="store_true")
+    r.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and sampling")
+    r.add_argument("--quiet", action="store_true", help="no per-round progress")
     r.set_defaults(func=cmd_run)
 
-    a = sub.add_parser("audit", help="per-client privacy spent, from a ledger")
-    a.add_argument("ledger")
+    a = _parser(sub, "audit", help="per-client privacy spent, from a ledger")
+    a.add_argument("ledger", help="the SQLite ledger file privfl run --ledger wrote")
     a.add_argument("--delta", type=_float, default=None, help="delta to report at (default: the run's)")
-    a.add_argument("--run-id", default=None)
-    a.add_argument("--json", action="store_true")
-    a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG")
+    a.add_argument("--run-id", default=None, help="the run to audit (default: the ledger's only run)")
+    a.add_argument("--json", action="store_true", help="print one strict JSON object")
+    a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG (its folder "
+                                               "must exist)")
     a.set_defaults(func=cmd_audit)
-    k = sub.add_parser("compare", help="utility under DP against baselines: algorithms x epsilons x seeds")
-    k.add_argument("config", nargs="?", default=None, help="TOML file (see experiments/configs/)")
-    k.add_argument("--json", default=None, metavar="OUT", help="also write {\"results\": [...]} to OUT")
-    k.add_argument("--out-dir", default=None, help="where runs, ledgers, tables and figures go")
+    k = _parser(sub, "compare", help="utility under DP against baselines: algorithms x epsilons x seeds")
+    k.add_argument("config", nargs="?", default=None,
+                   help="TOML file (see experiments/configs/; default: the built-in grid)")
+    k.add_argument("--json", default=None, metavar="OUT", help="also write {\"results\": [...]} to OUT (strict JSON)")
+    k.add_argument("--out-dir", default=None, help="where runs, ledgers, tables, figures, models and a copy of the "
+                                                   "TOML go (default: the TOML's out_dir)")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     k.set_defaults(func=cmd_compare)
 
-    m = sub.add_parser("audit-mechanism", help="empirical (Clopper-Pearson) lower bound on epsilon of the release path")
-    m.add_argument("--noise-multiplier", type=_float, default=1.0)
-    m.add_argument("--delta", type=_float, default=1e-5)
-    m.add_argument("--trials", type=int, default=100_000)
+    m = _parser(sub, "audit-mechanism",
+                help="empirical (Clopper-Pearson) lower bound on epsilon of the release path")
+    m.add_argument("--noise-multiplier", type=_float, default=1.0, help="noise std / sensitivity under test")
+    m.add_argument("--delta", type=_float, default=1e-5, help="delta at which epsilon is bounded")
+    m.add_argument("--trials", type=int, default=100_000, help="releases per neighbouring data set")
     m.add_argument("--mutation", choices=["none", "half_noise", "no_clip"], default="none",
                    help="inject a fault the audit must detect")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--seed", type=int, default=0, help="seed of the trials")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(func=cmd_audit_mechanism)
     return p
 
@@ -438,9 +775,18 @@ def main(argv: list[str] | None = None) -> int:
     parser._negative_number_matcher = _NEGATIVE_NUMBER
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+            return args.func(args)
     except (PrivacyError, InvalidRelease, ConfigurationError, ValueError) as exc:
         print(f"privfl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the command was given could not be read or written
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"privfl {args.command}: error:{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as exc:
+        print(f"privfl {args.command}: error: a ledger could not be read (SQLite: {exc})", file=sys.stderr)
         return 2
 
 

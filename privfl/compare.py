@@ -1,9 +1,16 @@
 """``privfl compare``: utility under DP against baselines, a grid of algorithms x epsilon targets x seeds.
 
 Each run has its own ledger; a finished run leaves ``runs/<key>.json`` and is not redone when the comparison is
-started again (an interrupted run, with a ledger but no result, is redone from a fresh ledger). Outputs, in
-``out_dir``: ``results.json`` (``{"results": [...]}``), ``results.csv``, and the figures ``accuracy_vs_epsilon.png``,
-``epsilon_per_client.png`` and ``reliability.png``.
+started again (an interrupted run, with a ledger but no result, is redone from a fresh ledger). A run resumes only
+when its settings are identical: each row carries ``settings`` and their hash ``config_hash``, and a finished run of
+other settings in the same ``out_dir`` (other rounds, clients, partition, model...) is refused, never silently
+reused. Outputs, in ``out_dir``: ``results.json`` (``{"results": [...]}``), ``results.csv``, the figures
+``accuracy_vs_epsilon.png``, ``epsilon_per_client.png`` and ``reliability.png``, ``config.toml`` (a copy of the TOML
+the comparison was started from), ``config.json`` (the resolved grid) and ``models/<key>.pt`` (each run's trained
+model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
+
+Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, the noise
+the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``.
 
 Non-private baselines (fedavg, fedprox) run once per seed at epsilon = inf; private algorithms run at every target
 (at inf without noise). Client-level DP (dp_fedavg) implies record-level DP at the same epsilon, so it is a valid
@@ -13,12 +20,14 @@ baseline under the record-level unit.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -28,6 +37,7 @@ from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 from privfl.metrics.classification import reliability_bins
+from privfl.metrics.report import applied_noise, strict_json
 from privfl.runtime import Simulation
 
 _FED_FIELDS = {f.name for f in fields(FederationConfig)}
@@ -55,10 +65,30 @@ class CompareConfig:
     rounds: int = 5
     algorithms: tuple[str, ...] = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg", "fola", "hbfl", "fedbnn")
     accountant: str | None = None
-    overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: {
-        name: {"hidden": [32], "local_epochs": 1} for name in ("fedavg", "fedprox", "dpsgd_fedavg", "fola", "hbfl",
-                                                                "fedbnn")})
+    overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: _default_overrides())
     out_dir: str = "runs/compare"
+    # your own data instead of ``dataset`` (``privfl.data.own``; partition and alpha do not apply): ``data``, files
+    # (a glob, one per client, or one file with ``client_column``) with the ``target`` column, or ``entry``, a
+    # ``module:function`` returning (model, clients[, test]); ``test_data`` (else ``test_fraction`` of each client's
+    # records, 0.2), ``classes`` (the public label set; else the test file's labels), ``task``, and ``public_data``
+    # (standardise features with its statistics). Relative paths in a TOML are relative to the TOML's folder.
+    data: str | None = None
+    target: str | None = None
+    client_column: str | None = None
+    entry: str | None = None
+    test_data: str | None = None
+    test_fraction: float | None = None
+    classes: tuple | None = None
+    task: str = "classification"
+    public_data: str | None = None
+    # reference rows, non-private, with FedAvg's settings: "centralised" (one model trained on the clients' pooled
+    # data: the ceiling) and "local_only" (each client trains alone on its own data; the mean of their test metrics:
+    # the floor every federation must beat; nothing leaves a client, so epsilon spent is 0)
+    references: tuple[str, ...] = ()
+
+    @property
+    def own_data(self) -> bool:
+        return self.data is not None or self.entry is not None
 
     def __post_init__(self):
         object.__setattr__(self, "epsilons", tuple(float(e) for e in self.epsilons))
@@ -71,6 +101,34 @@ class CompareConfig:
             raise ConfigurationError(f"epsilons must be > 0 (inf allowed), got {self.epsilons}")
         if not self.seeds:
             raise ConfigurationError("seeds must not be empty")
+        if self.classes is not None:
+            object.__setattr__(self, "classes", tuple(self.classes))
+        object.__setattr__(self, "references", tuple(self.references))
+        bad_refs = sorted(set(self.references) - set(REFERENCES))
+        if bad_refs:
+            raise ConfigurationError(f"references {bad_refs} unknown; choose from {list(REFERENCES)}")
+        if self.data is not None and self.entry is not None:
+            raise ConfigurationError("data and entry both give the clients' data; choose one")
+        if self.data is not None and self.target is None:
+            raise ConfigurationError("data needs target, the name of the label (or target) column")
+        if not self.own_data:
+            given = [k for k in ("target", "client_column", "test_data", "test_fraction", "classes", "public_data")
+                     if getattr(self, k) is not None]
+            if given:
+                raise ConfigurationError(f"{given} describe your own data: add data (files) or entry "
+                                         "(module:function), or drop them")
+        uses_alignment = [a for a in self.algorithms if getattr(ALGORITHMS[a], "uses_alignment", False)]
+        if self.own_data and uses_alignment:
+            raise ConfigurationError(f"{uses_alignment} need a public alignment set carved from a built-in data set; "
+                                     "with your own data leave them out of algorithms")
+        if self.clients < 2:
+            raise ConfigurationError(f"clients = {self.clients}: a federation needs at least 2 clients")
+        if self.overrides == _default_overrides():  # the built-in sizes: only those of the grid's algorithms apply
+            object.__setattr__(self, "overrides", {k: v for k, v in self.overrides.items() if k in self.algorithms})
+        stray = sorted(set(self.overrides) - set(self.algorithms))
+        if stray:
+            raise ConfigurationError(f"[overrides.{stray[0]}] is for an algorithm not in the grid (algorithms = "
+                                     f"{list(self.algorithms)}); add it to algorithms or delete the section")
         for name, over in self.overrides.items():
             bad = set(over) - _FED_FIELDS - _PRIV_FIELDS
             if bad:
@@ -78,13 +136,51 @@ class CompareConfig:
 
     @classmethod
     def from_toml(cls, path: str) -> "CompareConfig":
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+        if not os.path.isfile(path):
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise ConfigurationError(f"compare config {path} {what}; pass a TOML file (see experiments/configs/)")
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"compare config {path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigurationError(f"compare config {path} is not a text (TOML) file") from None
         known = {f.name for f in fields(cls)}
+        folder = os.path.dirname(os.path.abspath(path))
+        for key in ("data", "test_data", "public_data"):  # relative to the TOML's folder
+            if isinstance(raw.get(key), str) and not os.path.isabs(raw[key]):
+                raw[key] = os.path.join(folder, raw[key])
+        if ("data" in raw or "entry" in raw) and "clients" not in raw:
+            raw["clients"] = _count_clients(raw)
         bad = set(raw) - known
         if bad:
             raise ConfigurationError(f"{path}: unknown keys {sorted(bad)}; valid keys: {sorted(known)}")
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except (ConfigurationError, TypeError, ValueError) as exc:
+            raise ConfigurationError(f"compare config {path}: {exc}") from None
+
+
+#: the reference rows ``references`` may ask for
+REFERENCES = ("centralised", "local_only")
+
+
+def _count_clients(raw: dict) -> int:
+    """How many clients the own data of a TOML holds (``clients`` then need not be written)."""
+    from privfl.data.own import client_tables, load_entry
+
+    try:
+        if raw.get("data") is not None:
+            return len(client_tables(raw["data"], raw.get("client_column"), flag="data ="))
+        return len(load_entry(str(raw["entry"]), flag="entry =").clients)
+    except ConfigurationError:
+        return 10  # the grid's own checks report the problem with the data
+
+
+def _default_overrides() -> dict[str, dict[str, Any]]:
+    return {name: {"hidden": [32], "local_epochs": 1} for name in ("fedavg", "fedprox", "dpsgd_fedavg", "fola",
+                                                                    "hbfl", "fedbnn")}
 
 
 @dataclass(frozen=True)
@@ -106,12 +202,20 @@ def grid(config: CompareConfig) -> list[RunSpec]:
         for eps in epsilons:
             for seed in config.seeds:
                 specs.append(RunSpec(alg, eps, seed))
+    specs += [RunSpec(kind, math.inf, seed) for kind in config.references for seed in config.seeds]
     return specs
 
 
 def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, PrivacyConfig]:
+    if spec.algorithm in REFERENCES:  # FedAvg's model and local training, without DP
+        spec = RunSpec("fedavg", math.inf, spec.seed)
     cls = ALGORITHMS[spec.algorithm]
-    settings = {**cls.defaults, **config.overrides.get(spec.algorithm, {})}
+    entry_model = _entry(config.entry).model if config.entry is not None else {}
+    over = config.overrides.get(spec.algorithm, {})
+    if over == _default_overrides().get(spec.algorithm):  # the built-in sizes give way to the entry point's model
+        settings = {**cls.defaults, **over, **entry_model}
+    else:
+        settings = {**cls.defaults, **entry_model, **over}
     unit = "client" if spec.algorithm == "dp_fedavg" else config.unit
     priv_kw = {k: v for k, v in settings.items() if k in _PRIV_FIELDS}
     priv_kw.setdefault("unit", unit)
@@ -124,7 +228,77 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     return fed, privacy
 
 
-def run_one(config: CompareConfig, spec: RunSpec, data) -> dict:
+def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
+    """Everything that defines one run of the grid (algorithm and its options, federation, privacy, data): what its
+    row carries as ``settings``, and what its resume hash covers."""
+    fed, privacy = _configs(config, spec)
+    base = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
+    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**ALGORITHMS[base].defaults,
+                                                                           **config.overrides.get(base, {})},
+                        "federation": asdict(fed), "privacy": asdict(privacy),
+                        "data": _data_settings(config)})
+
+
+def _data_settings(config: CompareConfig) -> dict:
+    if not config.own_data:
+        return {"dataset": config.dataset, "clients": config.clients, "partition": config.partition,
+                "alpha": config.alpha if config.partition == "dirichlet" else None}
+    keys = ("data", "target", "client_column", "entry", "test_data", "test_fraction", "classes", "task", "public_data")
+    return {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
+
+
+_ENTRIES: dict[str, Any] = {}
+
+
+def _entry(spec: str):
+    """The entry point's result, called once per process and entry."""
+    from privfl.data.own import load_entry
+
+    if spec not in _ENTRIES:
+        _ENTRIES[spec] = load_entry(spec, flag="entry =")
+    return _ENTRIES[spec]
+
+
+def federation(config: CompareConfig, seed: int):
+    """The federation one seed of the grid runs on: a built-in data set partitioned by ``seed``, or the own data
+    (``seed`` draws the held-out split when there is no test file)."""
+    if not config.own_data:
+        return make_federated(config.dataset, config.clients, partition=config.partition, alpha=config.alpha,
+                              seed=seed)
+    from privfl.data.own import client_tables, federated_from_tables, read_table
+
+    if config.data is not None:
+        clients, test, name = client_tables(config.data, config.client_column, flag="data ="), None, "own"
+    else:
+        got = _entry(config.entry)
+        clients, test, name = got.clients, got.test, config.entry
+    if config.test_data is not None:
+        test = read_table(config.test_data, "test_data =")
+    public = None if config.public_data is None else read_table(config.public_data, "public_data =")
+    data = federated_from_tables(clients, config.target, task=config.task, classes=config.classes, test=test,
+                                 test_fraction=0.2 if config.test_fraction is None else config.test_fraction,
+                                 seed=seed, standardize="public" if public is not None else None, public=public,
+                                 name=name)
+    if len(data.train_parts) != config.clients:
+        raise ConfigurationError(f"clients = {config.clients} but the data has {len(data.train_parts)} clients; set "
+                                 f"clients = {len(data.train_parts)} (or leave it out of the TOML)")
+    return data
+
+
+def settings_hash(settings: dict) -> str:
+    """A short SHA-256 of the settings' canonical JSON."""
+    text = json.dumps(settings, sort_keys=True, default=str, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
+    """One run of the grid: its row (metrics, privacy spent, settings, noise applied), its ledger, and its trained model
+    in ``models/<key>.pt``. ``progress`` is called with each round's record."""
+    from privfl import __version__
+    from privfl.cli import save_model
+
+    if spec.algorithm in REFERENCES:
+        return run_reference(config, spec, data, progress)
     fed, privacy = _configs(config, spec)
     ledger_dir = os.path.join(config.out_dir, "ledgers")
     os.makedirs(ledger_dir, exist_ok=True)
@@ -134,24 +308,92 @@ def run_one(config: CompareConfig, spec: RunSpec, data) -> dict:
             os.remove(ledger + suffix)
     algorithm = make_algorithm(spec.algorithm, fed, privacy)
     start = time.perf_counter()
-    result = Simulation(algorithm, data, fed, privacy, ledger_path=ledger, run_id=spec.key).run()
+    sim = Simulation(algorithm, data, fed, privacy, ledger_path=ledger, run_id=spec.key, progress=progress)
+    result = sim.run()
     seconds = time.perf_counter() - start
     eps = [v["epsilon"] for v in result.audit["clients"].values()]
     final = result.final
     calibration = algorithm.calibration_predictions(data.test)
+    settings = run_settings(config, spec)
     row = {
         "algorithm": spec.algorithm, "epsilon_target": spec.epsilon, "seed": spec.seed,
         "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
         "epsilon_spent_max": max(eps) if eps else 0.0, "epsilon_spent_mean": float(np.mean(eps)) if eps else 0.0,
         "delta": config.delta, "unit": privacy.unit, "accountant": result.accountant, "rounds": config.rounds,
-        "clients": config.clients, "dataset": config.dataset, "seconds": seconds, "ledger": ledger,
+        "clients": config.clients, "dataset": data.name if config.own_data else config.dataset, "seconds": seconds,
+        "ledger": ledger,
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
         "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in
                                          _epsilon_series(ledger, config.delta).items()},
+        "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
+        "noise_multipliers": result.noise_multipliers, "noise_applied": applied_noise(sim.ledger.charges()),
+        "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
+        "model_path": save_model(algorithm, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
     }
     if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
         row["reliability"] = reliability_bins(*calibration)
     return row
+
+
+def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
+    """A reference row (see ``CompareConfig.references``): FedAvg without DP on the clients' pooled data
+    (``centralised``), or on each client's data alone (``local_only``, metrics averaged over clients)."""
+    from dataclasses import replace
+
+    from privfl import __version__
+    from privfl.data import ArrayDataset
+
+    fed, privacy = _configs(config, spec)
+    parts = data.train_parts
+    if spec.algorithm == "centralised":
+        first = parts[0]
+        pooled = ArrayDataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]), first.task,
+                              first.num_classes, f"{data.name}-pooled", first.target_offset, first.target_scale)
+        federations = [replace(data, train_parts=[pooled])]
+    else:
+        federations = [replace(data, train_parts=[p]) for p in parts]
+    start = time.perf_counter()
+    finals, per_round = [], []
+    for k, fed_data in enumerate(federations):
+        report = progress if k == len(federations) - 1 else None  # the bar counts the grid's rounds once
+        result = Simulation(make_algorithm("fedavg", fed, privacy), fed_data, fed, privacy, run_id=spec.key,
+                            progress=report).run()
+        finals.append(result.final)
+        per_round.append([r.metrics.get("accuracy") for r in result.history])
+    keys = sorted(set.intersection(*(set(f) for f in finals)))
+    final = {key: float(np.mean([f[key] for f in finals])) for key in keys}
+    spent = math.inf if spec.algorithm == "centralised" else 0.0  # pooling raw data vs. nothing leaving a client
+    settings = run_settings(config, spec)
+    return {
+        "algorithm": spec.algorithm, "epsilon_target": math.inf, "seed": spec.seed,
+        "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
+        "epsilon_spent_max": spent, "epsilon_spent_mean": spent, "delta": config.delta, "unit": None,
+        "accountant": None, "rounds": config.rounds, "clients": config.clients,
+        "dataset": data.name if config.own_data else config.dataset, "seconds": time.perf_counter() - start,
+        "ledger": None, "accuracy_per_round": [None if any(v is None for v in r) else float(np.mean(r))
+                               for r in zip(*per_round)],
+        "epsilon_per_client_per_round": {}, "balanced_accuracy": final.get("balanced_accuracy"),
+        "auroc": final.get("auroc"), "final": final, "noise_multipliers": None, "noise_applied": {},
+        "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
+        "reference": spec.algorithm,
+    }
+
+
+def _revive(obj, key: str | None = None):
+    """A row read back from strict JSON: "inf" strings are floats again, null metrics NaN."""
+    if isinstance(obj, dict):
+        return {k: _revive(v, k) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_revive(v, key) for v in obj]
+    if isinstance(obj, str) and obj in ("inf", "-inf"):
+        return float(obj)
+    if obj is None and key in _NUMERIC_KEYS:
+        return math.nan
+    return obj
+
+
+_NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confidence", "epsilon_spent_max",
+                 "epsilon_spent_mean", "epsilon_target"}
 
 
 def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int, float]]]:
@@ -164,41 +406,77 @@ def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int,
         led.close()
 
 
-def compare(config: CompareConfig, progress: bool = True) -> list[dict]:
-    """Run (or resume) the grid and write results and figures; returns the result rows."""
-    os.makedirs(os.path.join(config.out_dir, "runs"), exist_ok=True)
+def _stale(path: str, row: dict, settings: dict) -> str | None:
+    """Why a finished run's row cannot be reused for ``settings``, or None when it can."""
+    if row.get("config_hash") == settings_hash(settings):
+        return None
+    old = strict_json(row.get("settings"))
+    if not isinstance(old, dict):
+        return f"{path} was written without its settings (an older privfl) and cannot be checked"
+    diffs = []
+    for group in sorted(set(old) | set(settings)):
+        a, b = old.get(group), settings.get(group)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{group}.{k}: {a.get(k)!r} then, {b.get(k)!r} now" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{group}: {a!r} then, {b!r} now")
+    return f"{path} holds a run of other settings ({'; '.join(diffs[:4]) or 'settings differ'})"
+
+
+def compare(config: CompareConfig, progress: bool = True, toml_path: str | None = None) -> list[dict]:
+    """Run (or resume) the grid and write results and figures; returns the result rows. A finished run is reused
+    only if its settings are identical; otherwise nothing is run and a :class:`ConfigurationError` says which
+    output folder to change. ``toml_path``, the TOML the config came from, is copied to ``out_dir/config.toml``."""
     specs = grid(config)
+    done: dict[str, dict] = {}
+    for spec in specs:  # check every finished run before running anything
+        path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    row = _revive(json.load(f))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ConfigurationError(f"{path} is not a result file (corrupt JSON); delete it to rerun that run, or "
+                                         "pass another --out-dir") from None
+            why = _stale(path, row, run_settings(config, spec))
+            if why is not None:
+                raise ConfigurationError(f"{why}; resuming would mix results of different runs: pass another --out-dir "
+                                         f"(or out_dir in the TOML), or delete {config.out_dir} to start again")
+            done[spec.key] = row
+    os.makedirs(os.path.join(config.out_dir, "runs"), exist_ok=True)
+    _write_config(config, toml_path)
+    pending = [s for s in specs if s.key not in done]
     data_by_seed = {}
     rows = []
     bar = None
-    if progress:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    if progress and pending:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeElapsedColumn())
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
+                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         bar.start()
-        task = bar.add_task("compare", total=len(specs))
+        task = bar.add_task("compare", total=len(pending) * config.rounds)
     try:
-        for spec in specs:
+        for i, spec in enumerate(specs):
+            if spec.key in done:
+                rows.append(done[spec.key])
+                continue
             path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    rows.append(json.load(f))
-            else:
-                if bar is not None:
-                    bar.update(task, description=f"{spec.key}")
-                if spec.seed not in data_by_seed:
-                    data_by_seed[spec.seed] = make_federated(config.dataset, config.clients,
-                                                             partition=config.partition, alpha=config.alpha,
-                                                             seed=spec.seed)
-                row = run_one(config, spec, data_by_seed[spec.seed])
-                tmp = path + ".tmp"
-                with open(tmp, "w") as f:
-                    json.dump(row, f)
-                os.replace(tmp, path)  # a run counts as done only once its result is whole on disk
-                rows.append(row)
+            position = pending.index(spec) + 1
             if bar is not None:
-                bar.advance(task)
+                bar.update(task, description=f"run {position}/{len(pending)} {spec.key}")
+            if spec.seed not in data_by_seed:
+                data_by_seed[spec.seed] = federation(config, spec.seed)
+            kwargs = {}
+            if bar is not None:
+                kwargs["progress"] = lambda rec, _bar=bar, _task=task: _bar.advance(_task)
+            row = run_one(config, spec, data_by_seed[spec.seed], **kwargs)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(strict_json(row), f, allow_nan=False)
+            os.replace(tmp, path)  # a run counts as done only once its result is whole on disk
+            rows.append(row)
     finally:
         if bar is not None:
             bar.stop()
@@ -206,15 +484,33 @@ def compare(config: CompareConfig, progress: bool = True) -> list[dict]:
     return rows
 
 
+def _write_config(config: CompareConfig, toml_path: str | None) -> None:
+    """``config.json`` (the resolved grid) and, when the grid came from a TOML file, its copy ``config.toml``."""
+    resolved = strict_json({**asdict(config), "privfl_version": _version()})
+    with open(os.path.join(config.out_dir, "config.json"), "w") as f:
+        json.dump(resolved, f, indent=1, allow_nan=False)
+    if toml_path is not None:
+        target = os.path.join(config.out_dir, "config.toml")
+        if not (os.path.exists(target) and os.path.samefile(toml_path, target)):
+            shutil.copyfile(toml_path, target)
+
+
+def _version() -> str:
+    from privfl import __version__
+
+    return __version__
+
+
 SUMMARY_KEYS = ("algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max",
-                "epsilon_spent_mean", "delta", "unit", "accountant", "rounds", "clients", "dataset", "seconds")
+                "epsilon_spent_mean", "delta", "unit", "accountant", "rounds", "clients", "dataset", "seconds",
+                "balanced_accuracy", "auroc", "config_hash", "privfl_version")
 
 
 def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
     from privfl.plots import plot_accuracy_vs_epsilon, plot_epsilon_curves, plot_reliability
 
     with open(os.path.join(config.out_dir, "results.json"), "w") as f:
-        json.dump({"results": rows}, f, indent=1)
+        json.dump(strict_json({"results": rows}), f, indent=1, allow_nan=False)
     with open(os.path.join(config.out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY_KEYS, extrasaction="ignore")
         writer.writeheader()
@@ -234,7 +530,14 @@ def summary_table(rows: list[dict]) -> list[dict]:
         acc = np.array([r["accuracy"] for r in rs], dtype=float)
         out.append({"algorithm": alg, "epsilon_target": eps, "seeds": len(rs), "accuracy": float(acc.mean()),
                     "accuracy_std": float(acc.std()), "nll": float(np.mean([r["nll"] for r in rs])),
+                    "balanced_accuracy": _mean(rs, "balanced_accuracy"), "auroc": _mean(rs, "auroc"),
                     "ece": float(np.mean([r["ece"] for r in rs])),
                     "epsilon_spent_max": float(max(r["epsilon_spent_max"] for r in rs)),
                     "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs]))})
     return out
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    """Mean of ``key`` over rows (NaN where a row lacks it: rows of an older privfl)."""
+    values = [r.get(key) for r in rows]
+    return float(np.mean([math.nan if v is None else v for v in values]))

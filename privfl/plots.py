@@ -21,10 +21,17 @@ def plot_epsilon_per_client(series: dict[str, list[tuple[int, float]]], path: st
         ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget ε = {budget:g}")
     _epsilon_axes(ax, delta, "Privacy spent per client")
     if len(series) <= 12:
-        ax.legend(fontsize=7, ncol=2)
+        _legend(ax, fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _legend(ax, **kwargs) -> None:
+    """A legend when something on ``ax`` is labelled (matplotlib warns about an empty one)."""
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(**kwargs)
 
 
 def _epsilon_axes(ax, delta: float, title: str) -> None:
@@ -81,7 +88,7 @@ def plot_accuracy_vs_epsilon(rows: list[dict], path: str, *, delta: float) -> No
     ax.set_ylim(0, 1)
     ax.set_title("Utility under differential privacy (mean ± std over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -105,8 +112,11 @@ def plot_epsilon_curves(rows: list[dict], path: str, *, delta: float) -> None:
                 ax.plot(range(1, len(series) + 1), series, color=colour, linewidth=1, alpha=0.7,
                         label=f"{alg} ({len(row['epsilon_per_client_per_round'])} clients)" if i == 0 else None)
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target ε = {target:g}")
+    else:
+        ax.text(0.5, 0.5, "no private run in this comparison (every ε target is ∞)", ha="center", va="center",
+                transform=ax.transAxes)
     _epsilon_axes(ax, delta, "Privacy spent per client, from each run's ledger")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -137,7 +147,7 @@ def plot_reliability(rows: list[dict], path: str) -> None:
         ax.set_ylabel("accuracy in bin")
         ax.set_title("no DP" if math.isinf(target) else f"ε = {target:g}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     fig.suptitle("Reliability diagrams (test set)")
     fig.tight_layout()
     fig.savefig(path)

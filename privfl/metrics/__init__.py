@@ -1,8 +1,10 @@
 """Utility and calibration metrics."""
 
 from privfl.metrics.calibration import brier_score, maximum_calibration_error
-from privfl.metrics.classification import classification_metrics
+from privfl.metrics.classification import auroc, balanced_accuracy, classification_metrics
 from privfl.metrics.regression import gaussian_nll, interval_calibration, regression_metrics, rmse
+from privfl.metrics.report import applied_noise, from_strict_number, strict_json
 
-__all__ = ["brier_score", "classification_metrics", "gaussian_nll", "interval_calibration",
-           "maximum_calibration_error", "regression_metrics", "rmse"]
+__all__ = ["applied_noise", "auroc", "balanced_accuracy", "brier_score", "classification_metrics",
+           "from_strict_number", "gaussian_nll", "interval_calibration", "maximum_calibration_error",
+           "regression_metrics", "rmse", "strict_json"]

@@ -1,13 +1,50 @@
-"""Classification metrics: accuracy, NLL and calibration (expected calibration error)."""
+"""Classification metrics: accuracy, balanced accuracy, AUROC, NLL and calibration (expected calibration error).
+
+Accuracy misleads on imbalanced data (a majority-class predictor scores the majority's share), so every
+classification run also reports balanced accuracy (the mean recall over the classes present in the labels) and the
+area under the ROC curve (binary; macro one-vs-rest over the classes present for more than two classes). Both come
+from scikit-learn's ``sklearn.metrics``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 
-def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> dict[str, float]:
-    """Accuracy, NLL and expected calibration error (equal-width confidence bins, Guo et al. 2017)."""
+def balanced_accuracy(proba: np.ndarray, y: np.ndarray) -> float:
+    """Mean over the classes present in ``y`` of the recall of the argmax prediction (Brodersen et al. 2010);
+    chance level is 1 / (number of classes present) whatever the class balance."""
+    from sklearn.metrics import balanced_accuracy_score
+
     y = np.asarray(y)
+    if not len(y):
+        return float("nan")
+    return float(balanced_accuracy_score(y, np.asarray(proba).argmax(axis=1)))
+
+
+def auroc(proba: np.ndarray, y: np.ndarray) -> float:
+    """Area under the ROC curve of the class scores ``proba`` (n, C).
+
+    Two columns: the binary AUROC of the positive class (column 1). More: the macro average of the one-vs-rest AUROCs
+    of the classes present in ``y`` (a class absent from the labels has no ROC curve and is left out). NaN when fewer
+    than two classes are present (no curve can be drawn)."""
+    from sklearn.metrics import roc_auc_score
+
+    proba = np.asarray(proba, dtype=np.float64)
+    y = np.asarray(y)
+    present = np.unique(y)
+    if len(present) < 2:
+        return float("nan")
+    if proba.shape[1] == 2:
+        return float(roc_auc_score(y == 1, proba[:, 1]))
+    return float(np.mean([roc_auc_score(y == c, proba[:, c]) for c in present]))
+
+
+def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> dict[str, float]:
+    """Accuracy, balanced accuracy, AUROC (see :func:`auroc`), NLL and expected calibration error (equal-width
+    confidence bins, Guo et al. 2017)."""
+    y = np.asarray(y)
+    proba = np.asarray(proba)
     pred = proba.argmax(axis=1)
     correct = pred == y
     p_true = np.clip(proba[np.arange(len(y)), y], 1e-12, 1.0)
@@ -18,7 +55,8 @@ def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> 
         in_bin = (conf > lo) & (conf <= hi)
         if in_bin.any():
             ece += in_bin.mean() * abs(correct[in_bin].mean() - conf[in_bin].mean())
-    return {"accuracy": float(correct.mean()), "nll": float(-np.log(p_true).mean()), "ece": float(ece)}
+    return {"accuracy": float(correct.mean()), "balanced_accuracy": balanced_accuracy(proba, y),
+            "auroc": auroc(proba, y), "nll": float(-np.log(p_true).mean()), "ece": float(ece)}
 
 
 def reliability_bins(proba: np.ndarray, y: np.ndarray, bins: int = 10) -> dict[str, list[float]]:

@@ -33,11 +33,17 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
         assert {"algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max"} <= set(r)
         # the global models here are calibrated on the whole test split
         assert sum(r["reliability"]["count"]) == len(make_federated("digits", 3, partition="iid", seed=r["seed"]).test)
-        if math.isfinite(r["epsilon_target"]):
+        assert {"balanced_accuracy", "auroc", "settings", "config_hash", "privfl_version", "noise_applied"} <= set(r)
+        assert r["settings"]["federation"]["rounds"] == 2 and r["settings"]["data"]["clients"] == 3
+        assert os.path.getsize(r["model_path"]) > 0
+        if r["epsilon_target"] != "inf":  # strict JSON: infinity is the string "inf"
+            assert r["noise_applied"]["update"][0]["noise_multiplier"] > 0
             led = PrivacyLedger.open_existing(r["ledger"])
             assert led.audit()["max_epsilon"] <= r["epsilon_target"] * (1 + 1e-9)
             assert r["epsilon_spent_max"] <= r["epsilon_target"] * (1 + 1e-9)
+    assert "Infinity" not in (out / "results.json").read_text() and "NaN" not in (out / "results.json").read_text()
     assert (out / "results.csv").read_text().startswith("algorithm,epsilon_target,seed,accuracy")
+    assert json.loads((out / "config.json").read_text())["rounds"] == 2
     for fig in ("accuracy_vs_epsilon.png", "epsilon_per_client.png", "reliability.png"):
         assert (out / fig).stat().st_size > 5000
 
@@ -47,10 +53,19 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
     import privfl.compare as mod
 
     real = mod.run_one
-    monkeypatch.setattr(mod, "run_one", lambda c, s, d: calls.append(s.key) or real(c, s, d))
+    monkeypatch.setattr(mod, "run_one", lambda c, s, d, **kw: calls.append(s.key) or real(c, s, d, **kw))
     again = compare(config, progress=False)
     assert calls == ["dp_fedavg-eps2-seed1"]
     assert len(again) == len(rows)
+    assert sorted(r["epsilon_target"] for r in again) == sorted(r["epsilon_target"] for r in rows)  # floats again
+
+    # The same folder with other settings: refused before anything runs, naming --out-dir; never silently reused.
+    calls.clear()
+    for changed in (dict(rounds=3), dict(clients=4), dict(overrides={"fedavg": {"hidden": [16]},
+                                                                      "dp_fedavg": {"hidden": [], "pool": 1}})):
+        with pytest.raises(ConfigurationError, match="--out-dir") as err:
+            compare(small(tmp_path, **changed), progress=False)
+        assert "then" in str(err.value) and calls == []
 
 
 def test_cli_compare_json(tmp_path, capsys):
@@ -74,3 +89,65 @@ def test_bad_configs(tmp_path):
     bad.write_text('datasets = "digits"\n')
     with pytest.raises(ConfigurationError, match="unknown keys"):
         CompareConfig.from_toml(str(bad))
+
+
+def test_bad_grids_are_refused(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"overrides.fola.*not in the grid"):
+        small(tmp_path, overrides={"fola": {"hidden": [8]}})
+    with pytest.raises(ConfigurationError, match="at least 2 clients"):
+        small(tmp_path, clients=1)
+    # the built-in sizes cover every algorithm; a grid of a few of them keeps only theirs
+    assert set(CompareConfig(algorithms=("fedavg",), out_dir=str(tmp_path)).overrides) == {"fedavg"}
+
+
+@pytest.mark.parametrize("content, needle", [(None, "does not exist"), (b"rounds = = 2\n", "not valid TOML"),
+                                             (b"\xff\xfe\x00", "TOML"), ("dir", "directory"),
+                                             (b'algorithms = ["fedavg"]\n[overrides.fola]\nhidden = [8]\n',
+                                              "not in the grid")])
+def test_cli_compare_file_errors_exit_2_without_traceback(tmp_path, capsys, content, needle):
+    cfg = tmp_path / "c.toml"
+    if content == "dir":
+        cfg.mkdir()
+    elif content is not None:
+        cfg.write_bytes(content)
+    code = main(["compare", str(cfg), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and str(cfg) in err and "Traceback" not in err
+
+
+def test_cli_compare_copies_its_toml_and_reports_progress_per_round(tmp_path, capsys, monkeypatch):
+    import privfl.compare as mod
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('dataset = "digits"\nclients = 3\npartition = "iid"\nepsilons = [2.0]\nseeds = [0]\nrounds = 2\n'
+                   f'algorithms = ["dp_fedavg"]\nout_dir = "{tmp_path / "o"}"\n'
+                   '[overrides.dp_fedavg]\nhidden = []\npool = 1\n')
+    rounds_seen = []
+    real = mod.run_one
+
+    def spy(c, s, d, progress=None):
+        assert progress is not None  # the bar advances once per round, with an ETA
+        return real(c, s, d, progress=lambda rec: (rounds_seen.append(rec.round), progress(rec)))
+
+    monkeypatch.setattr(mod, "run_one", spy)
+    assert main(["compare", str(cfg)]) == 0
+    assert rounds_seen == [0, 1]
+    assert (tmp_path / "o" / "config.toml").read_text() == cfg.read_text()
+    assert (tmp_path / "o" / "models" / "dp_fedavg-eps2-seed0.pt").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_reference_rows_centralised_and_local_only(tmp_path):
+    config = small(tmp_path, algorithms=("fedavg",), epsilons=(math.inf,), seeds=(0,), rounds=2,
+                   overrides={"fedavg": {"hidden": [8]}}, references=("centralised", "local_only"))
+    rows = {r["algorithm"]: r for r in compare(config, progress=False)}
+    assert set(rows) == {"fedavg", "centralised", "local_only"}
+    central, local = rows["centralised"], rows["local_only"]
+    assert central["epsilon_spent_max"] == math.inf and local["epsilon_spent_max"] == 0.0
+    assert central["settings"]["federation"]["hidden"] == [8] == local["settings"]["federation"]["hidden"]
+    # on digits with 3 iid clients pooling helps: the ceiling beats each client alone
+    assert central["accuracy"] > local["accuracy"]
+    for r in (central, local):
+        assert 0 <= r["balanced_accuracy"] <= 1 and len(r["accuracy_per_round"]) == 2
+    with pytest.raises(ConfigurationError, match="references"):
+        small(tmp_path, references=("oracle",))

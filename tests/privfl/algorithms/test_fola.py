@@ -197,4 +197,4 @@ def test_cli_runs_fola(cli_run, privacy):
     result = cli_run("fola", "--clients", "2", *privacy)
     assert result["algorithm"] == "fola" and len(result["accuracy_per_round"]) == 2
     assert all(0.0 <= a <= 1.0 for a in result["accuracy_per_round"])
-    assert result["epsilon_spent_max"] <= float(privacy[1])
+    assert float(result["epsilon_spent_max"]) <= float(privacy[1])

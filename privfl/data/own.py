@@ -1,0 +1,288 @@
+"""The user's own data: tables on disk (CSV or Parquet), a Python entry point, or in-memory per-client data.
+
+``privfl run --data 'clients/*.csv' --target y`` and a compare TOML's ``data``/``target`` keys come here:
+
+- **one file per client** (a glob or a list; each file's name is its client's name), or **one file with a client
+  column** (``client_column``); every client must have the same feature columns (the schema is a public fact);
+- the **target** column; features are every other column (except the client column), numeric, with no missing value;
+- the **test set**: ``test`` (a file the evaluator holds, no client's data) or, without one, the documented split rule
+  below;
+- the **label set** (classification) is a public fact, never read from the clients' labels: ``classes`` as given, or
+  else the labels of the test file (the evaluator's data, not a client's); without either it is refused;
+- **standardisation** uses public statistics only: ``"public"`` fits :class:`Standardizer` on ``public`` (a file no
+  client holds), a :class:`Standardizer` (e.g. ``Standardizer.from_bounds``) is used as given, and ``None`` leaves the
+  features as they are. Nothing is ever fitted on the clients' pooled data.
+
+Split rule without a test file (``test_fraction``): each client holds out ``ceil(test_fraction * n_k)`` of its own
+records, chosen by a permutation drawn from ``(seed, client index)`` only, so one client's split depends on nothing but
+its own records and public facts; the held-out records of all clients, pooled, are the test set (evaluation is a
+simulation diagnostic: nothing of the test set is released).
+
+An entry point ``module:function`` is called with no arguments and returns ``(model, clients)`` or
+``(model, clients, test)``: ``model`` is a built-in model name (``"mlp"``), a mapping of ``FederationConfig`` model
+settings (``{"model": "mlp", "hidden": [16]}``) or None; ``clients`` maps client names to ``(x, y)`` arrays or
+tensors, or to a pandas DataFrame with the ``target`` column; ``test`` is one such value.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from privfl.data.dataset import FederatedData
+from privfl.data.errors import DatasetError
+from privfl.data.federated import federated_from_arrays
+from privfl.data.split import Standardizer
+
+TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
+def read_table(path: str, flag: str = "--data"):
+    """A pandas DataFrame from a CSV or Parquet file; a clear :class:`DatasetError` naming ``flag`` otherwise."""
+    import pandas as pd
+
+    if os.path.isdir(path):
+        raise DatasetError(f"{flag} {path} is a directory; give a CSV or Parquet file (or a glob such as "
+                           f"'{os.path.join(path, '*.csv')}')")
+    if not os.path.isfile(path):
+        raise DatasetError(f"{flag} {path}: no such file")
+    suffix = os.path.splitext(path)[1].lower()
+    try:
+        if suffix == ".csv":
+            return pd.read_csv(path)
+        if suffix in (".parquet", ".pq"):
+            return pd.read_parquet(path)
+    except ImportError as exc:
+        raise DatasetError(f"{flag} {path}: reading Parquet needs pyarrow or fastparquet ({exc}); install one or "
+                           "convert the file to CSV") from None
+    except (ValueError, UnicodeDecodeError, pd.errors.ParserError, OSError) as exc:
+        raise DatasetError(f"{flag} {path} could not be read as {suffix[1:]}: {exc}") from None
+    raise DatasetError(f"{flag} {path}: unknown file type {suffix!r}; use CSV (.csv) or Parquet (.parquet)")
+
+
+def client_tables(data: str | Sequence[str], client_column: str | None = None, flag: str = "--data") -> dict:
+    """Client name -> DataFrame: one file per client (``data`` a glob or a list of paths; the name is the file's
+    stem), or one file split by ``client_column``."""
+    patterns = [data] if isinstance(data, str) else list(data)
+    paths: list[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not found:
+            raise DatasetError(f"{flag} {pattern}: no file matches")
+        paths += found
+    if client_column is not None:
+        if len(paths) != 1:
+            raise DatasetError(f"--client-column splits one file into clients, but {flag} names {len(paths)} files; "
+                               "give one file, or drop --client-column to use one file per client")
+        table = read_table(paths[0], flag)
+        if client_column not in table.columns:
+            raise DatasetError(f"--client-column {client_column!r} is not a column of {paths[0]} (columns: "
+                               f"{_columns(table)})")
+        return {str(name): part.drop(columns=[client_column]).reset_index(drop=True)
+                for name, part in sorted(table.groupby(client_column, sort=True), key=lambda kv: str(kv[0]))}
+    if len(paths) < 2:
+        raise DatasetError(f"{flag} names one file, which is one client; a federation needs one file per client (a "
+                           "glob such as 'clients/*.csv') or --client-column naming the column that says whose "
+                           "record each row is")
+    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if len(set(names)) != len(names):
+        names = paths  # two folders with the same file names: the paths tell the clients apart
+    return {name: read_table(p, flag) for name, p in zip(names, paths)}
+
+
+def _columns(table) -> str:
+    cols = [str(c) for c in table.columns]
+    return ", ".join(cols[:12]) + (f", ... ({len(cols)} in all)" if len(cols) > 12 else "")
+
+
+def _features_and_target(table, target: str, features: list[str] | None, what: str):
+    if target not in table.columns:
+        raise DatasetError(f"--target {target!r} is not a column of {what} (columns: {_columns(table)})")
+    names = features if features is not None else [c for c in table.columns if c != target]
+    missing = [c for c in names if c not in table.columns]
+    extra = [c for c in table.columns if c != target and c not in names]
+    if missing or extra:
+        raise DatasetError(f"{what} does not have the feature columns of the first client (missing {missing}, extra "
+                           f"{extra}); every client's table must have the same columns")
+    x = table[names]
+    from pandas.api.types import is_numeric_dtype
+
+    bad = [str(c) for c in names if not is_numeric_dtype(x[c].dtype)]
+    if bad:
+        raise DatasetError(f"{what}: feature columns {bad} are not numeric; encode them as numbers (or drop them)")
+    if x.isna().any().any() or table[target].isna().any():
+        raise DatasetError(f"{what} has missing values; fill or drop them before the run")
+    return list(names), x.to_numpy(dtype=np.float32), table[target].to_numpy()
+
+
+def _label_index(classes: Sequence) -> dict[str, int]:
+    return {str(c): i for i, c in enumerate(classes)}
+
+
+def _encode(y: np.ndarray, index: dict[str, int] | None, what: str) -> np.ndarray:
+    if index is None:
+        return y.astype(np.float32)
+    labels = [str(v.item() if hasattr(v, "item") else v) for v in y]
+    unknown = sorted({v for v in labels if v not in index})
+    if unknown:
+        raise DatasetError(f"{what} has labels {unknown[:5]} outside the declared label set {list(index)}; declare "
+                           "every class with --classes")
+    return np.array([index[v] for v in labels], dtype=np.int64)
+
+
+def _as_table(value, target: str | None, what: str):
+    """A DataFrame from a DataFrame, or from an (x, y) pair of arrays or tensors (columns x0, x1, ..., and target)."""
+    import pandas as pd
+
+    if isinstance(value, pd.DataFrame):
+        if target is None:
+            raise DatasetError(f"{what} is a DataFrame: name its target column (--target, or target= in the TOML)")
+        return value, target
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        x = np.asarray(value[0].detach().cpu() if hasattr(value[0], "detach") else value[0])
+        y = np.asarray(value[1].detach().cpu() if hasattr(value[1], "detach") else value[1])
+        if x.ndim == 1:
+            x = x[:, None]
+        if x.ndim != 2 or len(x) != len(y) or y.ndim != 1:
+            raise DatasetError(f"{what}: expected x of shape (n, features) and y of shape (n,), got {x.shape} and "
+                               f"{y.shape}")
+        table = pd.DataFrame(x, columns=[f"x{i}" for i in range(x.shape[1])])
+        table["__target__"] = y
+        return table, "__target__"
+    raise DatasetError(f"{what} must be a pandas DataFrame or an (x, y) pair of arrays or tensors, got "
+                       f"{type(value).__name__}")
+
+
+def holdout_split(n: int, test_fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of one client's ``n`` records: ``ceil(test_fraction * n)`` held out by a permutation
+    drawn from ``(seed, client)`` only (the module's split rule)."""
+    if not 0 < test_fraction < 1:
+        raise DatasetError(f"--test-fraction must lie in (0, 1), got {test_fraction}")
+    order = np.random.default_rng([int(seed), int(client)]).permutation(n)
+    k = math.ceil(test_fraction * n) if n > 1 else 0
+    return np.sort(order[k:]), np.sort(order[:k])
+
+
+def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, task: str = "classification",
+                          classes: Sequence | None = None, test: Any = None, test_fraction: float = 0.2,
+                          seed: int = 0, standardize: str | Standardizer | None = None, public: Any = None,
+                          name: str = "own") -> FederatedData:
+    """A ``FederatedData`` from per-client tables (DataFrames, or (x, y) pairs); see the module docstring for the
+    label set, the test split and standardisation. ``info`` records the clients' names and how the test set was
+    made."""
+    if task not in ("classification", "regression"):
+        raise DatasetError(f"--task must be classification or regression, got {task!r}")
+    if not isinstance(clients, Mapping) or len(clients) < 2:
+        raise DatasetError(f"a federation needs at least 2 clients' data, got {len(clients) if clients else 0}")
+    names = [str(k) for k in clients]
+    tables = [_as_table(v, target, f"client {k!r}") for k, v in clients.items()]
+    test_table = None if test is None else _as_table(test, target, "the test data")
+    index = None
+    if task == "classification":
+        if classes is None:
+            if test_table is None:
+                raise DatasetError("classification needs the public label set: pass --classes (e.g. --classes 0,1) "
+                                   "or --test-data (its labels are taken as the label set); it is never read from "
+                                   "the clients' labels")
+            tt, tcol = test_table
+            if tcol not in tt.columns:
+                raise DatasetError(f"--target {tcol!r} is not a column of the test data (columns: {_columns(tt)})")
+            classes = sorted({v.item() if hasattr(v, "item") else v for v in tt[tcol].to_numpy()}, key=_sort_key)
+        if len(classes) < 2:
+            raise DatasetError(f"a classification task needs at least 2 classes, got {list(classes)}")
+        index = _label_index(classes)
+    features = None
+    pairs = []
+    for (table, col), client in zip(tables, names):
+        features, x, y = _features_and_target(table, col, features, f"client {client!r}")
+        pairs.append((x, _encode(y, index, f"client {client!r}")))
+    if test_table is not None:
+        _, tx, ty = _features_and_target(test_table[0], test_table[1], features, "the test data")
+        test_pair, rule = (tx, _encode(ty, index, "the test data")), "test data"
+    else:
+        parts, held = [], []
+        for k, (x, y) in enumerate(pairs):
+            train, out = holdout_split(len(y), test_fraction, seed, k)
+            parts.append((x[train], y[train]))
+            held.append((x[out], y[out]))
+        pairs = parts
+        test_pair = (np.concatenate([h[0] for h in held]), np.concatenate([h[1] for h in held]))
+        rule = f"each client's held-out {test_fraction:g} (seed {seed})"
+    public_pair = None
+    if public is not None:
+        ptable, pcol = _as_table(public, target, "the public data")
+        _, px, py = _features_and_target(ptable, pcol, features, "the public data")
+        public_pair = (px, _encode(py, index, "the public data") if task == "classification" else py)
+    if standardize == "public" and public_pair is None:
+        raise DatasetError("--standardize public fits on public data no client holds: pass --public-data FILE (or "
+                           "use --standardize none)")
+    info = {"clients": names, "features": features, "target": target, "test": rule,
+            "classes": None if index is None else list(index)}
+    return federated_from_arrays(pairs, test_pair, task=task, num_classes=len(index) if index else None, name=name,
+                                 standardize=standardize, public=public_pair, partition="given", seed=seed, info=info)
+
+
+def _sort_key(v):
+    return (0, v, "") if isinstance(v, (int, float, np.number)) else (1, 0, str(v))
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """What a ``module:function`` entry point returned: model settings (``FederationConfig`` fields) and data."""
+
+    model: dict
+    clients: Mapping[str, Any]
+    test: Any = None
+
+
+def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
+    """Import ``module:function``, call it with no arguments and check what it returns (see the module docstring).
+    The current directory is importable, as for ``python -m``."""
+    import sys
+
+    module_name, sep, function = spec.partition(":")
+    if not sep or not module_name or not function:
+        raise DatasetError(f"{flag} {spec!r}: expected module:function, e.g. mydata:federation")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DatasetError(f"{flag} {spec!r}: cannot import {module_name!r} ({exc})") from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise DatasetError(f"{flag} {spec!r}: {module_name} has no function {function!r}")
+    out = fn()
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise DatasetError(f"{flag} {spec!r} must return (model, clients) or (model, clients, test), got "
+                           f"{type(out).__name__}")
+    model, clients = out[0], out[1]
+    test = out[2] if len(out) == 3 else None
+    if model is None:
+        settings: dict = {}
+    elif isinstance(model, str):
+        settings = {"model": model}
+    elif isinstance(model, Mapping):
+        unknown = set(model) - {"model", "hidden", "pool"}
+        if unknown:
+            raise DatasetError(f"{flag} {spec!r}: model settings may be model, hidden and pool, got {sorted(unknown)}")
+        settings = dict(model)
+    else:
+        raise DatasetError(f"{flag} {spec!r} returned a {type(model).__name__} as the model: privfl's algorithms build "
+                           "their models from a built-in architecture, so return its name ('mlp') or settings "
+                           "({'model': 'mlp', 'hidden': [16]}), or None for --model")
+    if not isinstance(clients, Mapping):
+        raise DatasetError(f"{flag} {spec!r}: clients must be a mapping of client name to data, got "
+                           f"{type(clients).__name__}")
+    return EntryPoint(settings, clients, test)
+
+
+__all__ = ["EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_split", "load_entry",
+           "read_table"]
