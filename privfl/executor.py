@@ -47,6 +47,21 @@ def vectorisable(model: nn.Module) -> bool:
     return all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def sgd_step(params: dict, grads: dict, buf: dict | None, *, lr: float, momentum: float) -> dict | None:
+    """torch.optim.SGD's update on stacked parameters, in place: with momentum, ``buf = grad`` on the first step and
+    ``momentum * buf + grad`` after, then ``p -= lr * buf``. Returns the momentum buffer (None without momentum)."""
+    if momentum != 0:
+        if buf is None:
+            buf = {k: g.clone() for k, g in grads.items()}
+        else:
+            for k, g in grads.items():
+                buf[k].mul_(momentum).add_(g)
+        grads = buf
+    for k, g in grads.items():
+        params[k].add_(g, alpha=-lr)
+    return buf
+
+
 def chunk_size(model: nn.Module, n_records: int, batch_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
     """Clients per chunk: about ``memory_budget`` bytes of parameters, gradients, momentum and one batch's
     activations per chunk (at least one client)."""
@@ -132,15 +147,7 @@ class VectorisedSGD:
             for s in range(0, n, self.batch_size):
                 idx = order[:, s:s + self.batch_size]
                 grads = self._grad(params, x[rows, idx], y[rows, idx], anchor)
-                if self.momentum != 0:  # torch.optim.SGD: buf = g on the first step, then momentum * buf + g
-                    if buf is None:
-                        buf = grads
-                    else:
-                        for k in self.names:
-                            buf[k].mul_(self.momentum).add_(grads[k])
-                    grads = buf
-                for k in self.names:
-                    params[k].add_(grads[k], alpha=-self.lr)
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
         return flat
 
 
@@ -334,15 +341,7 @@ class VectorisedDPSGD:
                     for k, shape in zip(self.names, shapes):
                         grads[k][r] += self._noise(shape, generators[r][0])
                         grads[k][r] /= batch
-                if self.momentum != 0:  # torch.optim.SGD: buf = g on the first step, then momentum * buf + g
-                    if buf is None:
-                        buf = {k: g.clone() for k, g in grads.items()}
-                    else:
-                        for k in self.names:
-                            buf[k].mul_(self.momentum).add_(grads[k])
-                    grads = buf
-                for k in self.names:
-                    params[k].add_(grads[k], alpha=-self.lr)
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
                 steps += 1
         stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
         return flat, stats
