@@ -1,0 +1,429 @@
+"""A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): FedAvg, FedProx and DP-FedAvg (client
+level) across machines, one SuperNode per organisation.
+
+The server half (:func:`server_main`) sets the algorithm up from the run's public facts, plans the noise, and each
+round broadcasts the global parameters, receives only :class:`privfl.release.Release` values and weights, sums them
+with :func:`privfl.aggregation.weighted_sums` and calls ``server_update``. The client half (:func:`client_train`)
+runs in the organisation's SuperNode: it builds its own algorithm instance from the public run specification, loads
+the broadcast parameters, trains on its own data (node config ``data-path``), and releases through its own
+:class:`privfl.release.ReleasePipeline`, charging its own SQLite ledger (node config ``ledger-path``), which refuses
+to release past the budget. It returns the releases and its audit summary; nothing else leaves it.
+
+Seeds mirror :meth:`privfl.runtime.Simulation.prepare` (one ``SeedSequence(seed)`` spawning setup, sampling, server,
+clients and secure-aggregation streams; client k's training generator is the first child of client stream k), and a
+client's generators are kept between rounds in its Flower ``Context.state``, so a run with seeded noise releases
+exactly what the in-process runtime with ``executor="per_client"`` releases.
+
+Placements: ``local`` (each client noises its own release) and ``central`` (the ServerApp adds the noise to the sum,
+a trusted aggregator, as in the simulation). Not yet here (issue 13): client sampling, secure aggregation and
+distributed noise, FedProx's ``mu`` other than its default, and every algorithm whose server state is more than the
+global parameters or whose client keeps a model between rounds (see ``BROADCAST_STATE``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.errors import ConfigurationError
+from privfl.flower.records import MessageError, from_bytes, from_record, to_bytes, to_record
+from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
+
+#: algorithm name -> the attributes of its server state that a client reads (all it may read: the broadcast)
+BROADCAST_STATE = {"fedavg": ("global_params",), "fedprox": ("global_params",), "dp_fedavg": ("global_params",)}
+#: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
+SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
+PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
+#: run-config paths with ``{partition-id}`` for SuperNodes whose node config has no paths (the Simulation Engine's
+#: virtual SuperNodes only know their partition-id)
+TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-template"}
+#: Flower message type of a round and privfl message kinds
+TRAIN = "train"
+BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
+#: the order in which Simulation.prepare spawns its seed streams from SeedSequence(seed)
+SETUP_STREAM, SERVER_STREAM, CLIENT_STREAM = 0, 2, 3
+
+
+class DeploymentError(MessageError):
+    """A Flower round could not be completed (a SuperNode failed, replied out of protocol or too late)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything public about a run, identical on the server and on every client: the algorithm, its configuration,
+    the privacy target and the federation's public facts. Carried as JSON in the Flower run config."""
+
+    algorithm: str
+    fed: FederationConfig
+    privacy: PrivacyConfig
+    n_clients: int
+    task: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    client_size: int
+    client_sizes: tuple[int, ...] | None = None
+    record_cap: int | None = None
+    name: str = "data"
+    run_id: str = "default"
+    #: seconds the server waits for every SuperNode to connect, and for one round's replies
+    node_wait: float = 120.0
+    round_timeout: float = 600.0
+    #: torch intra-op threads in the client (1: reproducible sums and a fair share of a shared machine)
+    torch_threads: int | None = 1
+
+    def __post_init__(self):
+        if self.algorithm not in BROADCAST_STATE:
+            raise ConfigurationError(f"the Flower runtime runs {sorted(BROADCAST_STATE)} so far, got "
+                                     f"{self.algorithm!r}")
+        if not isinstance(self.fed, FederationConfig) or not isinstance(self.privacy, PrivacyConfig):
+            raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
+        if self.privacy.sampling_rate < 1:
+            raise ConfigurationError("client sampling is not supported by the Flower runtime yet; set sampling_rate=1")
+        if self.privacy.placement == "distributed":
+            raise ConfigurationError("distributed noise needs secure aggregation, which the Flower runtime does not "
+                                     "carry yet; choose local or central placement")
+        for name in ("node_wait", "round_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigurationError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if self.torch_threads is not None and (type(self.torch_threads) is not int or self.torch_threads < 1):
+            raise ConfigurationError(f"torch_threads must be an integer >= 1 or None, got {self.torch_threads!r}")
+        self.public_facts()  # validates the facts
+
+    @classmethod
+    def of(cls, algorithm: str, data, fed: FederationConfig, privacy: PrivacyConfig, *, run_id: str | None = None,
+           **kwargs) -> "RunSpec":
+        """The spec of a run on ``data`` (a FederatedData), with the public facts the in-process runtime derives."""
+        public = PublicFacts.of(data, privacy, fed)
+        return cls(algorithm, fed, privacy, public.n_clients, public.task, public.num_classes, public.input_shape,
+                   public.client_size, public.client_sizes, public.record_cap, public.name,
+                   run_id or f"{algorithm}-eps{privacy.epsilon:g}-seed{fed.seed}", **kwargs)
+
+    def public_facts(self, test=None) -> PublicFacts:
+        return PublicFacts(self.n_clients, self.task, self.num_classes, self.input_shape, self.client_size,
+                           self.client_sizes, self.record_cap, self.name, None, test)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["privacy"]["epsilon"] = float(self.privacy.epsilon).hex()  # exact, and inf survives JSON
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        try:
+            d = json.loads(text)
+            fed = dict(d.pop("fed"))
+            if fed.get("hidden") is not None:
+                fed["hidden"] = tuple(fed["hidden"])
+            privacy = dict(d.pop("privacy"))
+            privacy["epsilon"] = float.fromhex(privacy["epsilon"])
+            d["input_shape"] = tuple(d["input_shape"])
+            if d.get("client_sizes") is not None:
+                d["client_sizes"] = tuple(d["client_sizes"])
+            return cls(fed=FederationConfig(**fed), privacy=PrivacyConfig(**privacy), **d)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, ConfigurationError):
+                raise
+            raise ConfigurationError(f"the run config's {SPEC_KEY!r} is not a privfl run spec: {exc}") from None
+
+
+def client_seed(seed: int, client: int) -> np.random.SeedSequence:
+    """Client ``client``'s stream: ``SeedSequence(seed).spawn(5)[3].spawn(n)[client]`` of the in-process runtime,
+    which does not depend on the number of clients."""
+    return np.random.SeedSequence(seed, spawn_key=(CLIENT_STREAM, client))
+
+
+def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
+    from mechanisms import SecureNoise, SeededNoise
+
+    return SecureNoise() if privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
+
+
+def _plan(alg, spec: RunSpec):
+    """The channels as charged and the noise multipliers (the in-process runtime's calibration)."""
+    from privfl.channels import charged_channels, check_record_level_clips
+    from privfl.runtime import noise_multipliers_for
+
+    channels = charged_channels(alg.channels(), spec.privacy, False)
+    check_record_level_clips(channels, spec.privacy)
+    multipliers = noise_multipliers_for(alg, spec.privacy, spec.fed.rounds, channels)
+    placement = "local" if spec.privacy.placement == "local" else "central"
+    return channels, multipliers, placement
+
+
+def _setup(spec: RunSpec, test=None):
+    from privfl.algorithms import make_algorithm
+
+    alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy)
+    setup_seq = np.random.SeedSequence(spec.fed.seed, spawn_key=(SETUP_STREAM,))
+    alg.setup(spec.public_facts(test), np.random.default_rng(setup_seq))
+    return alg
+
+
+def load_dataset(path: str, spec: RunSpec):
+    """An organisation's data file: an ``.npz`` holding ``x`` and ``y`` (privfl's ArrayDataset layout)."""
+    from privfl.data import ArrayDataset
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            x, y = f["x"], f["y"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigurationError(f"cannot read the data file {path!r} ({exc}); give an .npz with arrays x and y"
+                                 ) from None
+    return ArrayDataset(x, y, spec.task, spec.num_classes, os.path.basename(path))
+
+
+def encode_release(r) -> dict:
+    return {"client_id": r.client_id, "round": r.round, "channel": r.channel, "value": np.asarray(r.value),
+            "weight": r.weight, "local_noise_std": r.local_noise_std, "central_noise_std": r.central_noise_std,
+            "release_id": r.release_id}
+
+
+def decode_release(d: dict):
+    from privfl.release import Release
+
+    try:
+        return Release(str(d["client_id"]), int(d["round"]), str(d["channel"]), d["value"], float(d["weight"]),
+                       float(d["local_noise_std"]), float(d["central_noise_std"]), str(d["release_id"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DeploymentError(f"a client's release is malformed: {exc}") from None
+
+
+# -- the server half ----------------------------------------------------------------------------------------------
+
+def _wait_for_nodes(grid, n: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= n:
+            return nodes
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"only {len(nodes)} of {n} SuperNodes connected within {timeout:g} s; start one "
+                                  f"flower-supernode per organisation")
+        time.sleep(0.5)
+
+
+def server_main(grid, context) -> None:
+    """The ServerApp's main: setup, then ``rounds`` x (broadcast, receive releases, weighted sums, server step)."""
+    from flwr.app import Message
+
+    from privfl.aggregation import weighted_sums
+
+    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    test_path = str(context.run_config.get(TEST_KEY, "") or "")
+    test = load_dataset(test_path, spec) if test_path else None
+    alg = _setup(spec, test)
+    channels, multipliers, _ = _plan(alg, spec)
+    by_name = {c.name: c for c in channels}
+    server_noise = _noise(spec.privacy, np.random.SeedSequence(spec.fed.seed, spawn_key=(SERVER_STREAM,)))
+    nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
+    history, audits, node_client = [], {}, {}
+    for rnd in range(spec.fed.rounds):
+        start = time.perf_counter()
+        broadcast = {"round": rnd, "noise_multipliers": multipliers,
+                     "state": {k: getattr(alg, k) for k in BROADCAST_STATE[spec.algorithm]}}
+        messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
+                            group_id=str(rnd)) for node in nodes]
+        replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
+        releases, sat_out, seen = [], [], set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                raise DeploymentError(f"round {rnd}: SuperNode {node} failed: {msg.error.reason}")
+            reply = from_record(msg.content, REPLY)
+            cid = str(reply["client_id"])
+            if reply["round"] != rnd or cid in seen or node_client.setdefault(node, cid) != cid:
+                raise DeploymentError(f"round {rnd}: SuperNode {node} replied out of protocol (client {cid}, round "
+                                      f"{reply['round']})")
+            seen.add(cid)
+            audits[cid] = reply["audit"]
+            if reply["sat_out"]:
+                sat_out.append(cid)
+                continue
+            got = [decode_release(d) for d in reply["releases"]]
+            if sorted(r.channel for r in got) != sorted(by_name) or any(
+                    r.client_id != cid or r.round != rnd or np.shape(r.value) != by_name[r.channel].shape
+                    or not np.all(np.isfinite(r.value)) or not (math.isfinite(r.weight) and r.weight > 0)
+                    for r in got):
+                raise DeploymentError(f"round {rnd}: client {cid} released {[r.channel for r in got]}, not finite "
+                                      f"values of the declared channels {sorted(by_name)} and shapes with a weight > 0")
+            releases.extend(got)
+        if len(seen) != len(nodes):
+            raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not reply "
+                                  f"within {spec.round_timeout:g} s")
+        if sorted(int(c) for c in seen) != list(range(spec.n_clients)):
+            raise DeploymentError(f"the SuperNodes' partition ids are {sorted(seen, key=int)}; give each of the "
+                                  f"{spec.n_clients} organisations a distinct partition-id 0..{spec.n_clients - 1}")
+        releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
+        if releases:
+            alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
+        metrics = alg.evaluate(test) if test is not None else {}
+        history.append({"round": rnd, "participants": len({r.client_id for r in releases}),
+                        "sat_out": sorted(sat_out, key=int), "metrics": metrics,
+                        "seconds": time.perf_counter() - start})
+    result_path = str(context.run_config.get(RESULT_KEY, "") or "")
+    if result_path:
+        result = {"run_id": spec.run_id, "state": {k: getattr(alg, k) for k in BROADCAST_STATE[spec.algorithm]},
+                  "history": history, "audits": audits, "noise_multipliers": multipliers}
+        tmp = f"{result_path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(to_bytes(result, RESULT))
+        os.replace(tmp, result_path)  # the result appears whole or not at all
+
+
+def read_result(path: str) -> dict:
+    """The result a ServerApp wrote to its ``result-path``."""
+    with open(path, "rb") as f:
+        return from_bytes(f.read(), RESULT)
+
+
+# -- the client half ----------------------------------------------------------------------------------------------
+
+def _node_value(context, key: str):
+    template = str(context.run_config.get(TEMPLATE_KEYS.get(key, ""), "") or "")
+    if key not in context.node_config and template and PARTITION_KEY in context.node_config:
+        return template.replace("{partition-id}", str(int(context.node_config[PARTITION_KEY])))
+    if key not in context.node_config:
+        raise ConfigurationError(f"this SuperNode has no {key!r}; start it with flower-supernode --node-config "
+                                 f"\"{PARTITION_KEY}=K {DATA_KEY}='...' {LEDGER_KEY}='...'\"")
+    return context.node_config[key]
+
+
+def _generators(spec: RunSpec, client: int, context):
+    """The client's training generator and noise source: fresh from its seed stream in its first round, then as
+    its previous round left them (kept in the SuperNode's Context.state, which never leaves the organisation)."""
+    from flwr.app import ConfigRecord
+    from mechanisms import SeededNoise
+
+    seq = client_seed(spec.fed.seed, client)
+    train_rng = np.random.default_rng(seq.spawn(1)[0])
+    noise = _noise(spec.privacy, seq)
+    if CLIENT_STATE in context.state:
+        saved = from_bytes(context.state[CLIENT_STATE]["envelope"], CLIENT_STATE)
+        train_rng.bit_generator.state = saved["train"]
+        if isinstance(noise, SeededNoise):
+            noise.rng.bit_generator.state = saved["noise"]
+
+    def save() -> None:
+        state = {"train": train_rng.bit_generator.state,
+                 "noise": noise.rng.bit_generator.state if isinstance(noise, SeededNoise) else None}
+        context.state[CLIENT_STATE] = ConfigRecord({"envelope": to_bytes(state, CLIENT_STATE)})
+
+    return train_rng, noise, save
+
+
+def client_train(msg, context):
+    """The ClientApp's train step: the client's own work on its own data, released through its own pipeline."""
+    from flwr.app import Message
+
+    from accounting.errors import PrivacyBudgetExceeded
+    from accounting.ledger import PrivacyLedger
+    from privfl.release import ReleasePipeline
+
+    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    if spec.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+    client = int(_node_value(context, PARTITION_KEY))
+    if not 0 <= client < spec.n_clients:
+        raise ConfigurationError(f"partition-id {client} is outside 0..{spec.n_clients - 1}")
+    dataset = load_dataset(str(_node_value(context, DATA_KEY)), spec)
+    broadcast = from_record(msg.content, BROADCAST)
+    rnd = int(broadcast["round"])
+    alg = _setup(spec)
+    for key in BROADCAST_STATE[spec.algorithm]:
+        setattr(alg, key, broadcast["state"][key])
+    channels, multipliers, placement = _plan(alg, spec)
+    if multipliers != broadcast["noise_multipliers"]:
+        raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
+                              f"client computes {multipliers} from the same public spec; run one privfl version")
+    privacy = spec.privacy
+    meta = {"algorithm": spec.algorithm, "dataset": spec.name, "noise": "secure" if privacy.secure_noise else "seeded"}
+    if privacy.private and not privacy.secure_noise:
+        meta["warning"] = SEEDED_NOISE_WARNING
+    train_rng, noise, save = _generators(spec, client, context)
+    ledger = PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
+                           epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
+    try:
+        pipeline = ReleasePipeline(str(client), channels, ledger, multipliers, placement=placement,
+                                   sampling_rate=privacy.sampling_rate, noise=noise, privacy_unit=privacy.unit)
+        out = alg.client_update(client, dataset, rnd, train_rng)
+        try:
+            with ledger.transaction():  # the charges and release marks are durable before anything is sent
+                released = pipeline.release(rnd, out.values, out.weight)
+            sat_out = False
+        except PrivacyBudgetExceeded:
+            released, sat_out = {}, True
+        save()
+        audit = ledger.audit()["clients"].get(str(client))
+    finally:
+        ledger.close()
+    reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out,
+             "releases": [encode_release(r) for r in released.values()], "audit": audit}
+    return Message(to_record(reply, REPLY), reply_to=msg)
+
+
+def _apps():
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    server, client = ServerApp(), ClientApp()
+    server.main()(server_main)
+    client.train()(client_train)
+    return server, client
+
+
+def __getattr__(name):  # flwr is imported when a Flower component is looked up, not when privfl.flower.app is
+    if name in ("server_app", "client_app"):
+        server, client = _apps()
+        globals().update(server_app=server, client_app=client)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- the Flower app directory -------------------------------------------------------------------------------------
+
+APP_MODULE = "privfl_flower_app"
+
+
+def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path: str = "",
+              data_path_template: str = "", ledger_path_template: str = "") -> str:
+    """Write a Flower app (``pyproject.toml`` and a two-line module) that runs ``spec`` with privfl's ServerApp and
+    ClientApp; ``flwr run DIRECTORY CONNECTION`` ships it to the SuperLink. privfl must be installed where the
+    SuperLink and SuperNodes run (the app declares no dependencies, so nothing is installed at run time).
+    The path templates (``{partition-id}`` in them) serve SuperNodes without data-path / ledger-path in their node
+    config: the Simulation Engine's."""
+    os.makedirs(directory, exist_ok=True)
+    # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
+    config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path,
+              TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template}
+    lines = [
+        "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
+        "[project]", 'name = "privfl-run"', 'version = "1.0.0"', 'description = "A privfl run on Flower"',
+        'license = "Apache-2.0"', "dependencies = []", "",
+        "[tool.hatch.build.targets.wheel]", 'packages = ["."]', "",
+        "[tool.flwr.app]", 'publisher = "privfl"', "",
+        "[tool.flwr.app.components]", f'serverapp = "{APP_MODULE}:server_app"',
+        f'clientapp = "{APP_MODULE}:client_app"', "", "[tool.flwr.app.config]",
+        *(f"{key} = {json.dumps(value)}" for key, value in config.items()), "",
+    ]
+    with open(os.path.join(directory, "pyproject.toml"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(directory, f"{APP_MODULE}.py"), "w") as f:
+        f.write('"""privfl\'s Flower components (see privfl.flower.app)."""\n\n'
+                "from privfl.flower import app as _privfl\n\n"
+                "server_app = _privfl.server_app  # flwr finds components by assignment (it reads this file's AST)\n"
+                "client_app = _privfl.client_app\n")
+    return directory
+
+
+__all__ = ["BROADCAST_STATE", "DeploymentError", "RunSpec", "client_seed", "client_train", "read_result",
+           "server_main", "write_app"]

@@ -1,0 +1,158 @@
+"""A Flower deployment on this machine's loopback: one ``flower-superlink`` and one ``flower-supernode`` per
+organisation, each a separate OS process (insecure mode: for tests and benchmarks, never across machines).
+
+The commands are exactly those of a real federation (flwr 1.41)::
+
+    flower-superlink --insecure --port P --database STATE.db --disable-runtime-dependency-installation
+    flower-supernode --insecure --superlink 127.0.0.1:P --port Q_k \\
+        --node-config "partition-id=k data-path='...' ledger-path='...'"
+    flwr run APP_DIR CONNECTION --stream     # CONNECTION in $FLWR_HOME/config.toml: address 127.0.0.1:P, insecure
+
+and, for Flower's Simulation Engine (virtual SuperNodes on Ray, ``simulation=True``), no SuperNode processes::
+
+    flower-superlink --insecure --simulation --port P --database STATE.db --disable-runtime-dependency-installation
+    flwr run APP_DIR CONNECTION --stream --federation-config "num-supernodes=N client-resources-num-cpus=1"
+
+Every process is started in its own session and :meth:`LocalDeployment.close` ends each process group it started
+(SIGTERM, then SIGKILL), so no SuperExec or ClientApp child outlives the deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+CONNECTION = "privfl-local"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free a moment ago (all held open together while they are chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_port(port: int, timeout: float, proc: subprocess.Popen, log: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}; see {log}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:g} s; see {log}")
+
+
+class LocalDeployment:
+    """A SuperLink and ``len(node_configs)`` SuperNodes under ``workdir`` (logs, state database, FLWR_HOME);
+    ``env``: variables added to this process's environment for every process of the deployment."""
+
+    def __init__(self, workdir: str, node_configs: list[dict], *, bin_dir: str | None = None,
+                 start_timeout: float = 60.0, simulation: bool = False, env: dict[str, str] | None = None):
+        self.workdir = os.path.abspath(workdir)
+        self.bin_dir = bin_dir or os.path.dirname(sys.executable)
+        self.home = os.path.join(self.workdir, "flwr-home")
+        os.makedirs(self.home, exist_ok=True)
+        self.env = dict(os.environ, **(env or {}), FLWR_HOME=self.home,
+                        PATH=self.bin_dir + os.pathsep + os.environ.get("PATH", ""))
+        self.node_configs = node_configs
+        self.start_timeout = start_timeout
+        self.simulation = simulation  # the SuperLink runs the Simulation Engine (Ray); node_configs must be empty
+        if simulation and node_configs:
+            raise ValueError("a simulation SuperLink runs virtual SuperNodes: pass node_configs=[]")
+        self.procs: list[subprocess.Popen] = []
+        self.port = 0
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")
+        try:
+            proc = subprocess.Popen([os.path.join(self.bin_dir, args[0]), *args[1:]], stdout=log,
+                                    stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True)
+        finally:
+            log.close()
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> "LocalDeployment":
+        self.port, *node_ports = free_ports(1 + len(self.node_configs))
+        with open(os.path.join(self.home, "config.toml"), "w") as f:
+            f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                    f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        link = self._start("superlink", ["flower-superlink", "--insecure", "--port", str(self.port), "--database",
+                                         os.path.join(self.workdir, "superlink-state.db"),
+                                         "--disable-runtime-dependency-installation",
+                                         *(["--simulation"] if self.simulation else [])])
+        _wait_port(self.port, self.start_timeout, link, os.path.join(self.workdir, "superlink.log"))
+        for k, config in enumerate(self.node_configs):
+            items = " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
+                             for key, value in config.items())
+            self._start(f"supernode{k}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                                          "--port", str(node_ports[k]), "--node-config", items])
+        return self
+
+    def run(self, app_dir: str, *, timeout: float, federation_config: str | None = None
+            ) -> subprocess.CompletedProcess:
+        """``flwr run APP_DIR CONNECTION --stream``, bounded by ``timeout`` seconds (the stream ends with the run);
+        ``federation_config``: the Simulation Engine's settings, e.g. ``"num-supernodes=3"``."""
+        extra = ["--federation-config", federation_config] if federation_config else []
+        with open(os.path.join(self.workdir, "flwr-run.log"), "ab") as log:
+            proc = subprocess.Popen([os.path.join(self.bin_dir, "flwr"), "run", app_dir, CONNECTION, "--stream",
+                                     *extra],
+                                    stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+                                    start_new_session=True)
+            self.procs.append(proc)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode)
+
+    def kill_node(self, k: int) -> None:
+        _stop(self.procs[1 + k])
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
+
+    def __enter__(self) -> "LocalDeployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """End the process group ``proc`` leads (it was started in a new session): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+            if sig == signal.SIGTERM:
+                # the leader is gone; make sure no child of its group (SuperExec, ClientApp) is left behind
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+__all__ = ["CONNECTION", "LocalDeployment", "free_ports"]

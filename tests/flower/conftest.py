@@ -1,0 +1,70 @@
+"""Bit-exact comparisons across processes, and the in-process reference run in a process of its own.
+
+torch's CPU GEMM is MKL here, and MKL may pick different code paths by the memory alignment of its operands, so the
+same float32 training step can differ in the last bits between two processes (a ClientApp process, a Ray actor that
+has run other clients, a long-lived pytest process). ``MKL_CBWR=COMPATIBLE`` makes MKL's results independent of
+alignment. It is given to every Flower process a test starts and to the reference run, which therefore runs in a
+subprocess: setting it in this process would slow every later torch test of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPRO_ENV = {"MKL_CBWR": "COMPATIBLE"}
+
+_REFERENCE = """
+import sys
+import numpy as np
+import torch
+from privfl.algorithms import make_algorithm
+from privfl.data import ArrayDataset, federated_from_arrays
+from privfl.flower.app import RunSpec
+from privfl.flower.records import to_bytes
+from privfl.runtime import Simulation
+
+spec_path, data_dir, out_path = sys.argv[1:4]
+spec = RunSpec.from_json(open(spec_path).read())
+parts = []
+for k in range(spec.n_clients):
+    with np.load(f"{data_dir}/org{k}.npz") as f:
+        parts.append(ArrayDataset(f["x"], f["y"], spec.task, spec.num_classes, f"org{k}"))
+data = federated_from_arrays(parts, parts[0], name=spec.name)
+torch.set_num_threads(spec.torch_threads or 1)  # as the ClientApps train
+sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy), data, spec.fed, spec.privacy,
+                 executor="per_client", public=spec.public_facts())
+result = sim.run()
+with open(out_path, "wb") as f:
+    f.write(to_bytes({"global_params": sim.algorithm.global_params, "audit": result.audit,
+                      "noise_multipliers": result.noise_multipliers}, "reference"))
+"""
+
+
+@pytest.fixture(scope="session")
+def in_process_reference(tmp_path_factory):
+    """``run(spec, data_dir) -> dict``: the in-process runtime (``executor="per_client"``) on the organisations'
+    files ``data_dir/org{k}.npz``, in a fresh process with ``REPRO_ENV``; global_params, audit, noise_multipliers."""
+    from privfl.flower.records import from_bytes
+
+    work = tmp_path_factory.mktemp("reference")
+    count = [0]
+
+    def run(spec, data_dir):
+        count[0] += 1
+        spec_path, out_path = work / f"spec{count[0]}.json", work / f"out{count[0]}.bin"
+        spec_path.write_text(spec.to_json())
+        subprocess.run([sys.executable, "-c", _REFERENCE, str(spec_path), str(data_dir), str(out_path)],
+                       check=True, timeout=300, env=dict(os.environ, **REPRO_ENV))
+        return from_bytes(out_path.read_bytes(), "reference")
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def repro_env():
+    """The environment every Flower process of a bit-exact comparison gets (``LocalDeployment(env=...)``)."""
+    return dict(REPRO_ENV)
