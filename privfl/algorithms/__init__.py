@@ -17,10 +17,24 @@ ALGORITHMS: dict[str, type[FederatedAlgorithm]] = {cls.name: cls for cls in (Fed
                                                                               DPSGDFedAvg, FOLA, FedBNN, FedBNR)}
 
 
-def make_algorithm(name: str, fed, privacy) -> FederatedAlgorithm:
+def algorithm_options(name: str) -> tuple[str, ...]:
+    """The keyword options an algorithm's constructor takes besides (fed, privacy), e.g. FedBNN's ``warmup_epochs``
+    or HBFL's ``meme_lr``."""
+    import inspect
+
+    params = inspect.signature(ALGORITHMS[name].__init__).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                 and p.name not in ("self", "fed", "privacy"))
+
+
+def make_algorithm(name: str, fed, privacy, **options) -> FederatedAlgorithm:
+    """``ALGORITHMS[name](fed, privacy, **options)``; an option the algorithm does not take is a clear error."""
     if name not in ALGORITHMS:
         raise ConfigurationError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name](fed, privacy)
+    bad = sorted(set(options) - set(algorithm_options(name)))
+    if bad:
+        raise ConfigurationError(f"{name} takes no option {bad}; its options are {list(algorithm_options(name))}")
+    return ALGORITHMS[name](fed, privacy, **options)
 
 
-__all__ = ["ALGORITHMS", "ClientOutput", "FederatedAlgorithm", "make_algorithm"]
+__all__ = ["ALGORITHMS", "ClientOutput", "FederatedAlgorithm", "algorithm_options", "make_algorithm"]

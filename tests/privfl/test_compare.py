@@ -151,3 +151,21 @@ def test_reference_rows_centralised_and_local_only(tmp_path):
         assert 0 <= r["balanced_accuracy"] <= 1 and len(r["accuracy_per_round"]) == 2
     with pytest.raises(ConfigurationError, match="references"):
         small(tmp_path, references=("oracle",))
+
+
+def test_overrides_take_an_algorithms_own_options_and_refuse_unknown_ones():
+    from privfl.compare import CompareConfig, _options
+
+    config = CompareConfig(algorithms=("fedbnn", "hbfl"), epsilons=(3.0,),
+                           overrides={"fedbnn": {"warmup_epochs": 3, "hidden": [8]}, "hbfl": {"meme_lr": 0.01}})
+    assert _options(config, "fedbnn") == {"warmup_epochs": 3}
+    assert _options(config, "hbfl") == {"meme_lr": 0.01}
+    with pytest.raises(ConfigurationError, match="warmup_epochs"):  # the message lists what fedbnn takes
+        CompareConfig(algorithms=("fedbnn",), overrides={"fedbnn": {"warmup_epoch": 3}})
+    from privfl.algorithms import make_algorithm
+    from privfl.config import FederationConfig, PrivacyConfig
+
+    alg = make_algorithm("fedbnn", FederationConfig(), PrivacyConfig(), warmup_epochs=3)
+    assert alg.warmup_epochs == 3
+    with pytest.raises(ConfigurationError, match="takes no option"):
+        make_algorithm("fedavg", FederationConfig(), PrivacyConfig(), mu=0.1)
