@@ -2,8 +2,9 @@
 
 Accuracy misleads on imbalanced data (a majority-class predictor scores the majority's share), so every
 classification run also reports balanced accuracy (the mean recall over the classes present in the labels) and the
-area under the ROC curve (binary; macro one-vs-rest over the classes present for more than two classes). Both come
-from scikit-learn's ``sklearn.metrics``.
+area under the ROC curve (binary; macro one-vs-rest over the classes present for more than two classes). Both are
+scikit-learn's definitions, computed in numpy and scipy (they run after every round; the tests compare them with
+``sklearn.metrics``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ import numpy as np
 
 def balanced_accuracy(proba: np.ndarray, y: np.ndarray) -> float:
     """Mean over the classes present in ``y`` of the recall of the argmax prediction (Brodersen et al. 2010);
-    chance level is 1 / (number of classes present) whatever the class balance."""
-    from sklearn.metrics import balanced_accuracy_score
-
+    chance level is 1 / (number of classes present) whatever the class balance. (scikit-learn's
+    ``balanced_accuracy_score``, computed here in numpy: it runs after every round.)"""
     y = np.asarray(y)
     if not len(y):
         return float("nan")
-    return float(balanced_accuracy_score(y, np.asarray(proba).argmax(axis=1)))
+    pred = np.asarray(proba).argmax(axis=1)
+    classes, index = np.unique(y, return_inverse=True)
+    hits = np.bincount(index, weights=(pred == y), minlength=len(classes))
+    return float(np.mean(hits / np.bincount(index, minlength=len(classes))))
+
+
+def _rank_auc(scores: np.ndarray, positive: np.ndarray, ranks: np.ndarray) -> float:
+    """AUROC as the Mann-Whitney statistic with average ranks for ties (what ``roc_auc_score`` computes)."""
+    n_pos = int(positive.sum())
+    n_neg = len(scores) - n_pos
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 def auroc(proba: np.ndarray, y: np.ndarray) -> float:
@@ -27,8 +37,9 @@ def auroc(proba: np.ndarray, y: np.ndarray) -> float:
 
     Two columns: the binary AUROC of the positive class (column 1). More: the macro average of the one-vs-rest AUROCs
     of the classes present in ``y`` (a class absent from the labels has no ROC curve and is left out). NaN when fewer
-    than two classes are present (no curve can be drawn)."""
-    from sklearn.metrics import roc_auc_score
+    than two classes are present (no curve can be drawn). Computed from ranks (scipy), equal to scikit-learn's
+    ``roc_auc_score`` (tested)."""
+    from scipy.stats import rankdata
 
     proba = np.asarray(proba, dtype=np.float64)
     y = np.asarray(y)
@@ -36,8 +47,9 @@ def auroc(proba: np.ndarray, y: np.ndarray) -> float:
     if len(present) < 2:
         return float("nan")
     if proba.shape[1] == 2:
-        return float(roc_auc_score(y == 1, proba[:, 1]))
-    return float(np.mean([roc_auc_score(y == c, proba[:, c]) for c in present]))
+        return _rank_auc(proba[:, 1], y == 1, rankdata(proba[:, 1]))
+    ranks = rankdata(proba[:, present], axis=0)
+    return float(np.mean([_rank_auc(proba[:, c], y == c, ranks[:, i]) for i, c in enumerate(present)]))
 
 
 def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> dict[str, float]:

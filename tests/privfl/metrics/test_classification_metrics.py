@@ -47,3 +47,32 @@ def test_multiclass_auroc_is_macro_one_vs_rest_and_skips_absent_classes():
 
 def test_auroc_is_nan_with_one_class():
     assert math.isnan(auroc(np.array([[0.3, 0.7], [0.6, 0.4]]), np.array([1, 1])))
+
+
+@pytest.mark.parametrize("classes", [2, 3, 10])
+def test_numpy_metrics_equal_scikit_learns_with_ties(classes):
+    """balanced_accuracy and auroc are computed in numpy/scipy (they run every round); they must be sklearn's."""
+    import warnings
+
+    from sklearn.metrics import balanced_accuracy_score
+
+    from privfl.metrics.classification import auroc, balanced_accuracy
+
+    rng = np.random.default_rng(classes)
+    checked = 0
+    for _ in range(30):
+        n = int(rng.integers(5, 300))
+        y = rng.integers(0, classes, n)
+        p = np.round(rng.random((n, classes)), 1) + 0.01  # rounded: many tied scores
+        p /= p.sum(axis=1, keepdims=True)
+        if len(np.unique(y)) < 2:
+            continue
+        present = np.unique(y)
+        ref = (roc_auc_score(y == 1, p[:, 1]) if classes == 2
+               else np.mean([roc_auc_score(y == c, p[:, c]) for c in present]))
+        assert auroc(p, y) == pytest.approx(ref, abs=1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sklearn warns when a predicted class is absent from y
+            assert balanced_accuracy(p, y) == pytest.approx(balanced_accuracy_score(y, p.argmax(1)), abs=1e-12)
+        checked += 1
+    assert checked >= 20
