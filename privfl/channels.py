@@ -238,13 +238,13 @@ class Channel:
 
 
 def _all_finite(arr: np.ndarray) -> bool:
-    """Whether every entry is finite. Fast path: a finite dot product of the vector with itself has no NaN or inf
-    entry behind it (one single-threaded BLAS pass); only when it is not finite (a NaN or inf, or a huge finite
-    value that overflowed) are the entries checked one by one."""
+    """Whether every entry is finite. Fast path: a finite sum has no NaN or inf entry behind it (one vectorised
+    pass, no BLAS call: a BLAS pool left threaded by the caller would make it slow); only when the sum is not finite
+    (a NaN or inf, or huge finite values that overflowed) are the entries checked one by one."""
     flat = arr.reshape(-1)
     if flat.size and flat.dtype in (np.float32, np.float64):
         with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(flat.dot(flat)):
+            if np.isfinite(np.add.reduce(flat)):
                 return True
     return bool(np.all(np.isfinite(arr)))
 
