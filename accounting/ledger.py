@@ -250,10 +250,6 @@ class PrivacyLedger:
         return [r[0] for r in self._conn.execute(
             "SELECT DISTINCT client_id FROM charges WHERE run_id=? ORDER BY client_id", (self.run_id,))]
 
-    def _epsilon_of(self, charged: Iterable[tuple[int, PrivacyEvent]], delta: float) -> float:
-        """Epsilon of a client's (round, event) charges (channel order within a round), composed from scratch."""
-        return composed_epsilon(self.accountant, history_key(charged), delta, fresh=True)
-
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
         """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta), from the cached state."""
         client_id = check_client_id(client_id)
