@@ -4,14 +4,14 @@ Imports nothing of the rest of the project; see ``accounting.events``, ``account
 ``accounting.calibration``. The limits every entry point enforces are listed in ``accounting.validation``.
 """
 
-from accounting.errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
+from privfl.accounting.errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
                                PrivacyError, UnsupportedEventError)
-from accounting.events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
+from privfl.accounting.events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
                                PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
                                event_from_dict, flatten, rho_of)
-from accounting.accountants import (ACCOUNTANTS, Accountant, ExactAccountant, PLDAccountant, RDPAccountant,
+from privfl.accounting.accountants import (ACCOUNTANTS, Accountant, ExactAccountant, PLDAccountant, RDPAccountant,
                                     ZCDPAccountant, make_accountant)
-from accounting.calibration import Calibration, calibrate, epsilon_for, round_event
+from privfl.accounting.calibration import Calibration, calibrate, epsilon_for, round_event
 
 __all__ = [
     "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",

@@ -47,13 +47,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-from accounting.accountants import make_accountant
-from accounting.accountants.tree import unamplified_rho
-from accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
-from accounting.rounds import round_events
-from accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.accountants.tree import unamplified_rho
+from privfl.accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
+from privfl.accounting.rounds import round_events
+from privfl.accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
                                SelfComposedEvent, event_from_dict, flatten)
-from accounting.validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
+from privfl.accounting.validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
                                    check_unit)
 
 _SCHEMA = """

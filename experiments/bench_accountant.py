@@ -18,7 +18,7 @@ import time
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
-from accounting.calibration import calibrate
+from privfl.accounting.calibration import calibrate
 
 
 def dp_accounting_pld_sigma(epsilon: float, delta: float, rounds: int, q: float) -> float:

@@ -32,12 +32,12 @@ import time
 
 import torch
 
-import accounting.ledger as ledger_module
+import privfl.accounting.ledger as ledger_module
 import privfl.algorithms.dpsgd_fedavg as dpsgd_module
 import privfl.algorithms.fola as fola_module
 import privfl.runtime as runtime_module
-from accounting.events import GaussianEvent, PoissonSampledEvent
-from accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl.accounting.events import GaussianEvent, PoissonSampledEvent
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
 from privfl.runtime import Simulation
 
@@ -93,8 +93,8 @@ WORKLOADS = {"": {}, "tiny_": {"hidden": (), "pool": 2, "batch_size": 64}}
 
 def clear_caches() -> None:
     """Forget every memoised calibration and privacy loss distribution, so a run pays its accounting in full."""
-    import accounting.accountants.pld as pld_module
-    import accounting.calibration as calibration_module
+    import privfl.accounting.accountants.pld as pld_module
+    import privfl.accounting.calibration as calibration_module
 
     for fn in (calibration_module._calibrate_named, dpsgd_module._calibrate_dpsgd, pld_module._single_pld,
                pld_module._leaf_pld, pld_module._block_pld, pld_module._widths, pld_module._leaf_moments):

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from accounting.ledger import PrivacyLedger
+from privfl.accounting.ledger import PrivacyLedger
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
 from privfl.aggregation import weighted_sums
 from privfl.release import Release, ReleasePipeline

@@ -39,10 +39,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from secure_agg import ClientSession, Quantiser, SessionConfig, derive_parameters, generate_identity, run_round
-from secure_agg import identity as I
-from secure_agg import messages as M
-from secure_agg import primitives as P
+from privfl.secure_agg import ClientSession, Quantiser, SessionConfig, derive_parameters, generate_identity, run_round
+from privfl.secure_agg import identity as I
+from privfl.secure_agg import messages as M
+from privfl.secure_agg import primitives as P
 
 
 def emit(key: str, value) -> None:

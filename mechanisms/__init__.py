@@ -3,11 +3,11 @@
 Works on numpy arrays and privacy events only; knows nothing of models or federations.
 """
 
-from mechanisms.clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
+from privfl.mechanisms.clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
                                  cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)
-from mechanisms.errors import InvalidRelease, ReleaseMisuse
-from mechanisms.gaussian import GaussianMechanism, gaussian_noise
-from mechanisms.noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
+from privfl.mechanisms.errors import InvalidRelease, ReleaseMisuse
+from privfl.mechanisms.gaussian import GaussianMechanism, gaussian_noise
+from privfl.mechanisms.noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
 
 __all__ = [
     "ADJACENCIES", "ClipResult", "clip_per_client", "clip_per_example", "clip_rows", "clip_values",

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from accounting.events import GaussianEvent
-from mechanisms.clipping import check_finite
-from mechanisms.errors import InvalidRelease
-from mechanisms.noise import NoiseSource, as_noise_source
+from privfl.accounting.events import GaussianEvent
+from privfl.mechanisms.clipping import check_finite
+from privfl.mechanisms.errors import InvalidRelease
+from privfl.mechanisms.noise import NoiseSource, as_noise_source
 
 
 def gaussian_noise(shape, std: float, source: NoiseSource | np.random.Generator | int | str,

@@ -11,9 +11,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from mechanisms import InvalidRelease, as_noise_source
-from mechanisms.gaussian import gaussian_noise
-from mechanisms.noise import NoiseSource
+from privfl.mechanisms import InvalidRelease, as_noise_source
+from privfl.mechanisms.gaussian import gaussian_noise
+from privfl.mechanisms.noise import NoiseSource
 from privfl.channels import Channel
 from privfl.release import Release
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mechanisms import InvalidRelease, squared_sum_sensitivity, sum_sensitivity
-from mechanisms.clipping import check_adjacency, check_bound, clip_per_client
+from privfl.mechanisms import InvalidRelease, squared_sum_sensitivity, sum_sensitivity
+from privfl.mechanisms.clipping import check_adjacency, check_bound, clip_per_client
 from privfl.errors import ConfigurationError
 
 UNITS = ("example", "client")
@@ -158,7 +158,7 @@ class PrivatizedValue:
     event: object  # accounting.events.PrivacyEvent
 
     def __post_init__(self):
-        from accounting.events import NonPrivateEvent, PrivacyEvent
+        from privfl.accounting.events import NonPrivateEvent, PrivacyEvent
 
         if not isinstance(self.event, PrivacyEvent) or isinstance(self.event, NonPrivateEvent):
             raise InvalidRelease("PrivatizedValue.event must be the privacy event of the training that produced it")

@@ -92,7 +92,7 @@ def _check_out_path(path: str, flag: str, *, create_folder: bool = True) -> None
 def _check_ledger_file(path: str, flag: str) -> list[str]:
     """The run ids an existing ledger file holds; a directory or a file that is not a privfl ledger is refused with a
     message naming ``flag``. A missing file holds none."""
-    from accounting.ledger import PrivacyLedger
+    from privfl.accounting.ledger import PrivacyLedger
     from privfl.errors import ConfigurationError
 
     if path == ":memory:" or not os.path.exists(path):
@@ -120,7 +120,7 @@ def _json_default(o):
 # -- calibrate ---------------------------------------------------------------------------------------------------
 
 def cmd_calibrate(args) -> int:
-    from accounting.calibration import calibrate
+    from privfl.accounting.calibration import calibrate
 
     accountant = args.accountant or ("exact" if args.sampling_rate >= 1 else "pld")
     cal = calibrate(args.epsilon, args.delta, args.rounds, sampling_rate=args.sampling_rate, accountant=accountant)
@@ -444,7 +444,7 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
     composed over both phases."""
     from dataclasses import replace
 
-    from accounting.accountants import make_accountant
+    from privfl.accounting.accountants import make_accountant
     from privfl.algorithms.fedbnr import run_fedbnr
     from privfl.metrics.report import applied_noise
 
@@ -504,7 +504,7 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
 # -- audit -------------------------------------------------------------------------------------------------------
 
 def cmd_audit(args) -> int:
-    from accounting.ledger import PrivacyLedger
+    from privfl.accounting.ledger import PrivacyLedger
 
     _check_ledger_file(args.ledger, "ledger")
     if args.png:
@@ -764,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from accounting.errors import PrivacyError
-    from mechanisms.errors import InvalidRelease
+    from privfl.accounting.errors import PrivacyError
+    from privfl.mechanisms.errors import InvalidRelease
     from privfl.errors import ConfigurationError
 
     parser = build_parser()

@@ -407,7 +407,7 @@ _NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confid
 
 
 def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int, float]]]:
-    from accounting.ledger import PrivacyLedger
+    from privfl.accounting.ledger import PrivacyLedger
 
     led = PrivacyLedger.open_existing(ledger_path)
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from accounting.validation import check_delta, check_epsilon, check_probability
-from mechanisms.clipping import ADJACENCIES
+from privfl.accounting.validation import check_delta, check_epsilon, check_probability
+from privfl.mechanisms.clipping import ADJACENCIES
 from privfl.channels import UNITS
 from privfl.errors import ConfigurationError
 

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats
 
-from accounting.accountants import make_accountant
-from accounting.events import GaussianEvent
-from mechanisms import GaussianMechanism, clip_per_example
-from secure_agg import Quantiser
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.events import GaussianEvent
+from privfl.mechanisms import GaussianMechanism, clip_per_example
+from privfl.secure_agg import Quantiser
 
 MUTATIONS = ("none", "half_noise", "no_clip")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from accounting.errors import InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded, PrivacyError
-from mechanisms.errors import InvalidRelease, ReleaseMisuse
+from privfl.accounting.errors import InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded, PrivacyError
+from privfl.mechanisms.errors import InvalidRelease, ReleaseMisuse
 
 
 class ConfigurationError(ValueError):

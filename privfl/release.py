@@ -21,10 +21,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent
-from accounting.ledger import ChargeRequest, PrivacyLedger
-from mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
-from mechanisms.noise import NoiseSource
+from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
+from privfl.mechanisms.noise import NoiseSource
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
 
 PLACEMENTS = ("local", "central", "distributed")

@@ -28,10 +28,10 @@ from typing import Callable
 
 import numpy as np
 
-from accounting.calibration import calibrate
-from accounting.errors import PrivacyBudgetExceeded
-from accounting.ledger import PrivacyLedger
-from mechanisms import SecureNoise, SeededNoise
+from privfl.accounting.calibration import calibrate
+from privfl.accounting.errors import PrivacyBudgetExceeded
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.channels import TrainedPrivately, charged_channels, check_record_level_clips
@@ -40,7 +40,7 @@ from privfl.release import Release, ReleasePipeline, amplifies
 from privfl.errors import ConfigurationError
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, secure_weighted_sums
-from secure_agg import ProtocolAbort
+from privfl.secure_agg import ProtocolAbort
 
 
 @dataclass

@@ -32,18 +32,18 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from accounting.calibration import calibrate, calibrate_noise
-from accounting.events import ComposedEvent, GaussianEvent, PrivacyEvent, SelfComposedEvent
-from mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, local_sigma, sample_discrete_gaussian
-from mechanisms.gaussian import gaussian_noise
-from mechanisms.noise import NoiseSource, as_noise_source
+from privfl.accounting.calibration import calibrate, calibrate_noise
+from privfl.accounting.events import ComposedEvent, GaussianEvent, PrivacyEvent, SelfComposedEvent
+from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, local_sigma, sample_discrete_gaussian
+from privfl.mechanisms.gaussian import gaussian_noise
+from privfl.mechanisms.noise import NoiseSource, as_noise_source
 from privfl.aggregation import Aggregate
 from privfl.channels import Channel, TrainedPrivately
 from privfl.errors import ConfigurationError
 from privfl.public import private_rng
 from privfl.release import Release
-from secure_agg import ProtocolAbort, Quantiser, noise_headroom, run_round
-from secure_agg.params import ParameterError
+from privfl.secure_agg import ProtocolAbort, Quantiser, noise_headroom, run_round
+from privfl.secure_agg.params import ParameterError
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class SecureAggregation:
     def check(self, n_clients: int) -> None:
         """Refuse, before the run, a ring too small for ``n_clients`` and a threat model (dropout, corruption, active
         server) that no degree and threshold can meet with all of them (every round would fail)."""
-        from secure_agg.params import derive_parameters
+        from privfl.secure_agg.params import derive_parameters
 
         try:
             Quantiser(low=-1.0, high=1.0, bits=self.bits, n_clients=n_clients)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from secure_agg import identity as I
-from secure_agg import primitives as P
-from secure_agg import shamir
-from secure_agg.errors import ProtocolAbort
-from secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
+from privfl.secure_agg import identity as I
+from privfl.secure_agg import primitives as P
+from privfl.secure_agg import shamir
+from privfl.secure_agg.errors import ProtocolAbort
+from privfl.secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
                                  MaskedInput, RevealedShare, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
-from secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
+from privfl.secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
                                  SessionConfig, survivor_set_problem)
 
 __all__ = ["ClientSession", "check_input_vector"]

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from secure_agg.client import ClientSession
-from secure_agg.errors import ProtocolAbort
-from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
-from secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
-from secure_agg.server import ServerSession
+from privfl.secure_agg.client import ClientSession
+from privfl.secure_agg.errors import ProtocolAbort
+from privfl.secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
+from privfl.secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
+from privfl.secure_agg.server import ServerSession
 
 __all__ = ["run_round", "RoundResult"]
 

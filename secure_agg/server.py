@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from secure_agg import identity as I
-from secure_agg import primitives as P
-from secure_agg import shamir
-from secure_agg.errors import ProtocolAbort
-from secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
+from privfl.secure_agg import identity as I
+from privfl.secure_agg import primitives as P
+from privfl.secure_agg import shamir
+from privfl.secure_agg.errors import ProtocolAbort
+from privfl.secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
                                  PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest, UnmaskShares)
-from secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
+from privfl.secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
                                  component_of)
 
 __all__ = ["ServerSession", "AggregateResult"]

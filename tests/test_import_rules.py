@@ -14,14 +14,30 @@ ALLOWED = {
 OWN = set(ALLOWED)
 
 
+#: the layout's folders install under privfl (pyproject.toml's package-dir); an import names them as privfl.<folder>
+MAPPED = {"accounting", "mechanisms", "secure_agg"}
+
+
+def _root(module: str) -> str:
+    """The layout package an absolute import name belongs to: privfl.accounting.ledger -> accounting."""
+    parts = module.split(".")
+    if parts[0] == "privfl" and len(parts) > 1 and parts[1] in MAPPED:
+        return parts[1]
+    return parts[0]
+
+
 def imported_roots(path: pathlib.Path):
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name.split(".")[0]
+                yield node.lineno, _root(alias.name)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module.split(".")[0]
+            if node.module == "privfl":  # from privfl import accounting
+                for alias in node.names:
+                    yield node.lineno, alias.name if alias.name in MAPPED else "privfl"
+            else:
+                yield node.lineno, _root(node.module)
 
 
 def test_packages_import_only_what_architecture_allows():
@@ -51,5 +67,21 @@ def test_nothing_reads_shared_folder():
 
 def test_the_rule_checker_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import privfl\nfrom mechanisms.gaussian import GaussianMechanism\n")
-    assert {root for _, root in imported_roots(bad)} == {"privfl", "mechanisms"}
+    bad.write_text("import privfl\nfrom privfl.mechanisms.gaussian import GaussianMechanism\n"
+                   "import privfl.accounting.ledger\nfrom privfl import secure_agg\n")
+    assert {root for _, root in imported_roots(bad)} == {"privfl", "mechanisms", "accounting", "secure_agg"}
+
+
+def test_layout_folders_are_not_imported_as_top_level_modules():
+    """The distribution has one import name: the layout's folders are privfl.accounting and the like, never a
+    top-level ``accounting`` that would collide with other packages."""
+    offenders = []
+    for package in list(ALLOWED) + ["tests"]:
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                              if n.split(".")[0] in MAPPED]
+    assert not offenders, "import these as privfl.<package>:\n" + "\n".join(offenders)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from accounting.accountants.base import Accountant
-from accounting.accountants.exact import ExactAccountant
-from accounting.accountants.pld import PLDAccountant
-from accounting.accountants.rdp import RDPAccountant
-from accounting.accountants.zcdp import ZCDPAccountant
-from accounting.errors import InvalidPrivacyParameter
+from privfl.accounting.accountants.base import Accountant
+from privfl.accounting.accountants.exact import ExactAccountant
+from privfl.accounting.accountants.pld import PLDAccountant
+from privfl.accounting.accountants.rdp import RDPAccountant
+from privfl.accounting.accountants.zcdp import ZCDPAccountant
+from privfl.accounting.errors import InvalidPrivacyParameter
 
 ACCOUNTANTS: dict[str, Callable[..., Accountant]] = {
     "exact": ExactAccountant,

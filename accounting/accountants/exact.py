@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
-from accounting.accountants.base import Accountant
-from accounting.accountants.tree import unsampled_leaves
-from accounting.events import GaussianEvent, NonPrivateEvent, PrivacyEvent
-from accounting.validation import check_delta, check_non_negative_finite
+from privfl.accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
+from privfl.accounting.accountants.base import Accountant
+from privfl.accounting.accountants.tree import unsampled_leaves
+from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PrivacyEvent
+from privfl.accounting.validation import check_delta, check_non_negative_finite
 
 
 class ExactAccountant(Accountant):

@@ -48,12 +48,12 @@ from dp_accounting import NeighboringRelation
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from scipy import special
 
-from accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
-from accounting.accountants.base import Accountant
-from accounting.errors import InvalidPrivacyParameter
-from accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
+from privfl.accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
+from privfl.accounting.accountants.base import Accountant
+from privfl.accounting.errors import InvalidPrivacyParameter
+from privfl.accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
                                PrivacyEvent, SelfComposedEvent, flatten)
-from accounting.validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
+from privfl.accounting.validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
                                    check_positive_finite)
 
 DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-3

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from accounting.accountants import make_accountant
-from accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
@@ -153,11 +153,11 @@ def _calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDS
     if schedule.sample_rate < 1 and schedule.sample_rate <= delta:
         raise ConfigurationError(f"sampling rate {schedule.sample_rate} is not above delta={delta}; choose a delta "
                                  "much smaller than batch_size / n")
-    from accounting.accountants.analytic_gaussian import gaussian_mu
-    from accounting.calibration import calibrate_noise, clt_noise_multiplier
-    from accounting.events import flatten
-    from accounting.errors import InvalidPrivacyParameter
-    from accounting.events import ComposedEvent
+    from privfl.accounting.accountants.analytic_gaussian import gaussian_mu
+    from privfl.accounting.calibration import calibrate_noise, clt_noise_multiplier
+    from privfl.accounting.events import flatten
+    from privfl.accounting.errors import InvalidPrivacyParameter
+    from privfl.accounting.events import ComposedEvent
 
     total_steps = rounds * schedule.steps
     target = epsilon * (1 - 1e-4)

@@ -110,12 +110,12 @@ import numpy as np
 import torch
 from scipy.linalg import cho_factor, cho_solve, solve_triangular
 
-from accounting.accountants.analytic_gaussian import gaussian_epsilon, gaussian_mu
-from accounting.calibration import calibrate, calibrate_noise, round_event
-from accounting.errors import InvalidPrivacyParameter
-from accounting.events import ComposedEvent, PrivacyEvent, SelfComposedEvent
-from mechanisms import InvalidRelease, clip_rows, clip_values
-from mechanisms.clipping import check_adjacency
+from privfl.accounting.accountants.analytic_gaussian import gaussian_epsilon, gaussian_mu
+from privfl.accounting.calibration import calibrate, calibrate_noise, round_event
+from privfl.accounting.errors import InvalidPrivacyParameter
+from privfl.accounting.events import ComposedEvent, PrivacyEvent, SelfComposedEvent
+from privfl.mechanisms import InvalidRelease, clip_rows, clip_values
+from privfl.mechanisms.clipping import check_adjacency
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
@@ -754,7 +754,7 @@ def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]
     """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed: each ledger's
     rounds grouped as the ledger groups them (``accounting.rounds.round_events``: a round's sampled channels share one
     coin), the phases one after the other."""
-    from accounting.ledger import composed_epsilon as history_epsilon, history_key
+    from privfl.accounting.ledger import composed_epsilon as history_epsilon, history_key
 
     histories: dict[str, tuple] = {}
     for ledger in ledgers:

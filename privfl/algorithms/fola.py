@@ -226,7 +226,7 @@ class FOLA(FederatedAlgorithm):
         """DP-SGD's z: what the target leaves after the runtime's calibrated Fisher releases (module docstring)."""
         if schedule not in self._dpsgd:
             if self._fisher_events is None:
-                from accounting.events import GaussianEvent
+                from privfl.accounting.events import GaussianEvent
                 from privfl.runtime import noise_multipliers_for  # the very multipliers the run's pipelines use
 
                 zs = noise_multipliers_for(self, self.privacy, self.fed.rounds)

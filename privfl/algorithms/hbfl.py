@@ -69,8 +69,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from accounting import NoOpEvent
-from mechanisms import SecureNoise, SeededNoise
+from privfl.accounting import NoOpEvent
+from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule

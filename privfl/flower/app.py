@@ -141,7 +141,7 @@ def client_seed(seed: int, client: int) -> np.random.SeedSequence:
 
 
 def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
-    from mechanisms import SecureNoise, SeededNoise
+    from privfl.mechanisms import SecureNoise, SeededNoise
 
     return SecureNoise() if privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
 
@@ -300,7 +300,7 @@ def _generators(spec: RunSpec, client: int, context):
     """The client's training generator and noise source: fresh from its seed stream in its first round, then as
     its previous round left them (kept in the SuperNode's Context.state, which never leaves the organisation)."""
     from flwr.app import ConfigRecord
-    from mechanisms import SeededNoise
+    from privfl.mechanisms import SeededNoise
 
     seq = client_seed(spec.fed.seed, client)
     train_rng = np.random.default_rng(seq.spawn(1)[0])
@@ -323,8 +323,8 @@ def client_train(msg, context):
     """The ClientApp's train step: the client's own work on its own data, released through its own pipeline."""
     from flwr.app import Message
 
-    from accounting.errors import PrivacyBudgetExceeded
-    from accounting.ledger import PrivacyLedger
+    from privfl.accounting.errors import PrivacyBudgetExceeded
+    from privfl.accounting.ledger import PrivacyLedger
     from privfl.release import ReleasePipeline
 
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.accountants import ACCOUNTANTS, make_accountant
-from accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
-from accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
+from privfl.accounting.accountants import ACCOUNTANTS, make_accountant
+from privfl.accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
+from privfl.accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
                                SelfComposedEvent, UnsupportedEvent, ZCDPEvent)
 
 NAMES = sorted(ACCOUNTANTS)

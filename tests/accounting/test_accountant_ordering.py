@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from accounting.accountants import make_accountant
-from accounting.events import GaussianEvent, PoissonSampledEvent
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.events import GaussianEvent, PoissonSampledEvent
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from accounting.calibration import calibrate, calibrate_noise, round_event
-from accounting.accountants import make_accountant
-from accounting.errors import InvalidPrivacyParameter
-from accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from privfl.accounting.calibration import calibrate, calibrate_noise, round_event
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.errors import InvalidPrivacyParameter
+from privfl.accounting.events import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
 
 
 def _epsilon(name, event, delta=1e-5):
@@ -42,8 +42,8 @@ def test_an_unreachable_target_is_refused():
 def test_a_ledger_composing_round_by_round_accepts_every_calibrated_round(tmp_path, rounds):
     """Calibration composes R rounds at once; the ledger composes them one round at a time (incremental). The
     calibrated noise must leave every one of the R rounds inside the budget, under the ledger's own composition."""
-    from accounting.calibration import calibrate, round_event
-    from accounting.ledger import ChargeRequest, PrivacyLedger
+    from privfl.accounting.calibration import calibrate, round_event
+    from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 
     cal = calibrate(2.0, 1e-5, rounds, sampling_rate=0.2, channels={"mean": 0.6, "precision": 0.4},
                     accountant="pld")
@@ -61,7 +61,7 @@ def test_a_ledger_composing_round_by_round_accepts_every_calibrated_round(tmp_pa
 
 def test_dpsgd_calibration_holds_under_the_ledgers_round_by_round_composition(tmp_path):
     """DP-SGD steps and a Gaussian release per round (FOLA's shape): calibrated at once, charged round by round."""
-    from accounting.ledger import ChargeRequest, PrivacyLedger
+    from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
     from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd
 
     schedule = DPSGDSchedule.for_client(400, 32, 1)

@@ -10,10 +10,10 @@ from dp_accounting.pld import PLDAccountant as DpPLDAccountant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.accountants import ExactAccountant, make_accountant
-from accounting.calibration import Calibration, calibrate, epsilon_for, round_event
-from accounting.errors import InvalidPrivacyParameter
-from accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent
+from privfl.accounting.accountants import ExactAccountant, make_accountant
+from privfl.accounting.calibration import Calibration, calibrate, epsilon_for, round_event
+from privfl.accounting.errors import InvalidPrivacyParameter
+from privfl.accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent
 
 pytestmark = pytest.mark.timeout(60)
 DELTA = 1e-5

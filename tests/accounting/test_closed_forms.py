@@ -10,11 +10,11 @@ import pytest
 from dp_accounting.pld import PLDAccountant as DpPLDAccountant
 from scipy import stats
 
-from accounting.accountants import ExactAccountant, RDPAccountant, ZCDPAccountant, make_accountant
-from accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon, gaussian_log_delta, gaussian_mu
-from accounting.accountants.dp_events import to_dp_event
-from accounting.accountants.zcdp import optimal_epsilon, standard_epsilon
-from accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, UnsupportedEvent,
+from privfl.accounting.accountants import ExactAccountant, RDPAccountant, ZCDPAccountant, make_accountant
+from privfl.accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon, gaussian_log_delta, gaussian_mu
+from privfl.accounting.accountants.dp_events import to_dp_event
+from privfl.accounting.accountants.zcdp import optimal_epsilon, standard_epsilon
+from privfl.accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, UnsupportedEvent,
                                ZCDPEvent)
 
 pytestmark = pytest.mark.timeout(30)

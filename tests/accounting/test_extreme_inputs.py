@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from accounting import (Calibration, ComposedEvent, GaussianEvent, NoOpEvent, PoissonSampledEvent, PrivacyError,
+from privfl.accounting import (Calibration, ComposedEvent, GaussianEvent, NoOpEvent, PoissonSampledEvent, PrivacyError,
                         SelfComposedEvent, UnsupportedEvent, ZCDPEvent, calibrate, epsilon_for, event_from_dict,
                         make_accountant, round_event)
-from accounting.accountants import ACCOUNTANTS, Accountant
-from accounting.events import PrivacyEvent
-from accounting.ledger import Charge, ChargeRequest, PrivacyLedger
+from privfl.accounting.accountants import ACCOUNTANTS, Accountant
+from privfl.accounting.events import PrivacyEvent
+from privfl.accounting.ledger import Charge, ChargeRequest, PrivacyLedger
 
 SECONDS = 10.0  # the wall-clock limit of one call (pytest-timeout stops a hang; the assertion below the slow ones)
 pytestmark = pytest.mark.timeout(2 * SECONDS)

@@ -3,9 +3,9 @@ import sqlite3
 
 import pytest
 
-from accounting.errors import InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
-from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent
-from accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl.accounting.errors import InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
+from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 
 
 def ledger(tmp_path, **kw):
@@ -139,7 +139,7 @@ def test_open_existing_refuses_a_missing_or_foreign_file(tmp_path):
 
 
 def test_sampled_channels_of_one_round_share_one_coin_as_in_calibration(tmp_path):
-    from accounting.calibration import epsilon_for
+    from privfl.accounting.calibration import epsilon_for
 
     led = ledger(tmp_path, accountant="pld", epsilon_budget=50.0)
     for rnd in range(5):

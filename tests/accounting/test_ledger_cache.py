@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accounting.errors import LedgerError, PrivacyBudgetExceeded
-from accounting.events import GaussianEvent, PoissonSampledEvent, ZCDPEvent, event_from_dict
-from accounting.ledger import ChargeRequest, PrivacyLedger, composed_epsilon, history_key
+from privfl.accounting.errors import LedgerError, PrivacyBudgetExceeded
+from privfl.accounting.events import GaussianEvent, PoissonSampledEvent, ZCDPEvent, event_from_dict
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger, composed_epsilon, history_key
 
 DELTA = 1e-5
 BUDGET = 2.5
@@ -179,7 +179,7 @@ def test_identical_histories_share_one_composition(tmp_path):
 
 def test_a_new_round_composes_one_round_into_its_parents_state(tmp_path, monkeypatch):
     """Incremental: charging round r costs one composition into the state after round r - 1, never a rebuild."""
-    import accounting.ledger as ledger_module
+    import privfl.accounting.ledger as ledger_module
 
     led = PrivacyLedger(tmp_path / "l.sqlite", "run", delta=DELTA, accountant="pld")
     event = PoissonSampledEvent(0.1, GaussianEvent(1.0, 2.0))

@@ -12,11 +12,11 @@ import pytest
 from dp_accounting.pld import PLDAccountant as DpPLDAccountant
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 
-from accounting import (ComposedEvent, GaussianEvent, InvalidPrivacyParameter, PoissonSampledEvent,
+from privfl.accounting import (ComposedEvent, GaussianEvent, InvalidPrivacyParameter, PoissonSampledEvent,
                         SelfComposedEvent, UnsupportedEventError, calibrate, epsilon_for, event_from_dict,
                         make_accountant)
-from accounting.accountants import pld as pld_module
-from accounting.ledger import ChargeRequest, PrivacyLedger, round_events
+from privfl.accounting.accountants import pld as pld_module
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger, round_events
 
 pytestmark = pytest.mark.timeout(60)
 DELTA = 1e-5

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from accounting.ledger import PrivacyLedger  # noqa: E402
+from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
@@ -115,8 +115,8 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
 def _spend_nearly_all(path, run_id, privacy, client_id):
     """Charge ``client_id`` in ``path`` an event that leaves less than any round of the run costs: the largest
     Gaussian (smallest noise, found by bisection on throwaway ledgers) that still fits under the budget."""
-    from accounting.errors import PrivacyBudgetExceeded
-    from accounting.events import GaussianEvent
+    from privfl.accounting.errors import PrivacyBudgetExceeded
+    from privfl.accounting.events import GaussianEvent
 
     def fits(std):
         scratch = PrivacyLedger(":memory:", run_id, delta=privacy.delta, epsilon_budget=privacy.epsilon,

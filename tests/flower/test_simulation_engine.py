@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
-from accounting.ledger import PrivacyLedger  # noqa: E402
+from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402

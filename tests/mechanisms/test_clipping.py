@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from mechanisms import (InvalidRelease, clip_per_client, clip_per_example, clip_rows, clip_values,
+from privfl.mechanisms import (InvalidRelease, clip_per_client, clip_per_example, clip_rows, clip_values,
                         cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)

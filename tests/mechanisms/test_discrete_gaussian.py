@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accounting.events import ZCDPEvent
-from mechanisms.discrete_gaussian import (discrete_gaussian_pmf, discrete_gaussian_variance,
+from privfl.accounting.events import ZCDPEvent
+from privfl.mechanisms.discrete_gaussian import (discrete_gaussian_pmf, discrete_gaussian_variance,
                                           distributed_discrete_gaussian_event, distributed_noise_rho, kls_tau,
                                           local_sigma, sample_discrete_gaussian, sample_discrete_gaussian_exact)
 

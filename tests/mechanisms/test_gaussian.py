@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accounting.events import GaussianEvent
-from mechanisms import (GaussianMechanism, InvalidRelease, ReleaseMisuse, SecureNoise, SeededNoise,
+from privfl.accounting.events import GaussianEvent
+from privfl.mechanisms import (GaussianMechanism, InvalidRelease, ReleaseMisuse, SecureNoise, SeededNoise,
                         gaussian_noise)
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mechanisms import ReleaseMisuse, SecureNoise
-from mechanisms.noise import _half_uniform, _radius
+from privfl.mechanisms import ReleaseMisuse, SecureNoise
+from privfl.mechanisms.noise import _half_uniform, _radius
 
 P_FAIL = 1e-6
 Z_FAIL = stats.norm.isf(P_FAIL / 2)       # two-sided normal threshold, about 4.9

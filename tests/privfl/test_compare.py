@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from accounting.ledger import PrivacyLedger
+from privfl.accounting.ledger import PrivacyLedger
 from privfl.cli import main
 from privfl.compare import CompareConfig, compare, grid
 from privfl.data import make_federated

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mechanisms.noise import NoiseSource
+from privfl.mechanisms.noise import NoiseSource
 from privfl.algorithms import ALGORITHMS
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_diabetes, load_digits
 
-from accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, SelfComposedEvent
-from mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
-from mechanisms.noise import NoiseSource
+from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, SelfComposedEvent
+from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
+from privfl.mechanisms.noise import NoiseSource
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.fedbnn import FedBNN
 from privfl.algorithms.fedbnr import FedBNR, FedBNRKernel

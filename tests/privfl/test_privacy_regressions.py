@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from accounting.accountants import make_accountant
-from accounting.ledger import PrivacyLedger
+from privfl.accounting.accountants import make_accountant
+from privfl.accounting.ledger import PrivacyLedger
 from privfl.algorithms.dp_fedavg import DPFedAvg
 from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
 from privfl.channels import Channel, NormClip, PreClipped
@@ -184,7 +184,7 @@ def test_the_audit_says_when_noise_was_seeded(tmp_path, capsys, seeded):
 def _distributed_scores(plan, value, direction, trials, rng):
     """The server's view of one distributed-noise round in which client 0 sends ``value`` and two others send 0:
     the decoded sum, projected on ``direction`` (integer arithmetic, no wrap at 48 bits)."""
-    from mechanisms.discrete_gaussian import sample_discrete_gaussian
+    from privfl.mechanisms.discrete_gaussian import sample_discrete_gaussian
 
     q, d = plan.quantiser, value.size
     total = np.zeros((trials, d), dtype=np.int64)

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from accounting.errors import PrivacyBudgetExceeded
-from accounting.events import GaussianEvent
-from accounting.ledger import PrivacyLedger
-from mechanisms import InvalidRelease
+from privfl.accounting.errors import PrivacyBudgetExceeded
+from privfl.accounting.events import GaussianEvent
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import InvalidRelease
 from privfl.aggregation import weighted_sums
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, RangeBound, Unclipped
 from privfl.release import ReleasePipeline
@@ -139,8 +139,8 @@ def test_private_runs_refuse_unclipped_channels_and_missing_multipliers(tmp_path
 CHILD = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from accounting.ledger import PrivacyLedger
-    from mechanisms.gaussian import GaussianMechanism
+    from privfl.accounting.ledger import PrivacyLedger
+    from privfl.mechanisms.gaussian import GaussianMechanism
     from privfl.channels import Channel, NormClip
     from privfl.release import ReleasePipeline
 
@@ -201,7 +201,7 @@ def test_no_release_exists_without_a_ledger_row(tmp_path):
 
 
 def test_dpsgd_trained_channel_is_charged_with_its_training_event(tmp_path):
-    from accounting.events import PoissonSampledEvent, SelfComposedEvent
+    from privfl.accounting.events import PoissonSampledEvent, SelfComposedEvent
     from privfl.channels import PrivatizedValue, TrainedPrivately
 
     chans = [Channel("update", (3,), unit="example", clip=TrainedPrivately())]

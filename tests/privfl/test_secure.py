@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from accounting.ledger import PrivacyLedger
+from privfl.accounting.ledger import PrivacyLedger
 from privfl.aggregation import weighted_sums
 from privfl.algorithms import make_algorithm
 from privfl.channels import Channel, NormClip, Unclipped
@@ -12,7 +12,7 @@ from privfl.data import make_federated
 from privfl.release import ReleasePipeline
 from privfl.runtime import Simulation
 from privfl.secure import SecureAggregation, secure_weighted_sums
-from secure_agg import ProtocolAbort
+from privfl.secure_agg import ProtocolAbort
 
 
 def releases(channel, n=6, d=50, multipliers=None, placement="local", weights=None, seed=0):
@@ -84,7 +84,7 @@ def test_runs_with_and_without_secure_aggregation_agree(algorithm, epsilon):
 
 
 def test_distributed_plan_meets_the_target_and_never_undercharges():
-    from accounting.accountants import make_accountant
+    from privfl.accounting.accountants import make_accountant
     from privfl.secure import calibrate_distributed
 
     ch = Channel("update", (200,), unit="client", clip=NormClip(0.5))

@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_agg.client import ClientSession
-from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
-from secure_agg.protocol import SessionConfig
-from secure_agg.server import ServerSession
+from privfl.secure_agg.client import ClientSession
+from privfl.secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
+from privfl.secure_agg.protocol import SessionConfig
+from privfl.secure_agg.server import ServerSession
 
 
 class Harness:

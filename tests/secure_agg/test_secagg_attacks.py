@@ -13,11 +13,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort
-from secure_agg import client as client_module
-from secure_agg import messages as M
-from secure_agg import primitives as P
-from secure_agg import shamir
+from privfl.secure_agg import ProtocolAbort
+from privfl.secure_agg import client as client_module
+from privfl.secure_agg import messages as M
+from privfl.secure_agg import primitives as P
+from privfl.secure_agg import shamir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -343,7 +343,7 @@ def test_the_honest_server_refuses_random_dropouts_that_cut_a_small_degree_graph
 
 
 def test_a_client_refuses_a_session_configured_below_its_charged_floor(harness):
-    from secure_agg.client import ClientSession
+    from privfl.secure_agg.client import ClientSession
 
     h = harness(n=7, d=8, bits=16, threshold=4, min_inputs=4)
     with pytest.raises(ProtocolAbort, match="fewer than the 6 our noise share was charged for"):

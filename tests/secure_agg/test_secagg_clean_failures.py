@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort, Quantiser, QuantisationRangeError, run_round
+from privfl.secure_agg import ProtocolAbort, Quantiser, QuantisationRangeError, run_round
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort
-from secure_agg import messages as M
+from privfl.secure_agg import ProtocolAbort
+from privfl.secure_agg import messages as M
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,7 +219,7 @@ def test_a_misaddressed_ciphertext_relabelled_for_us_is_rejected(harness):
 
 def test_client_input_is_validated(harness):
     h = harness(n=3, d=4, bits=8)
-    from secure_agg import ClientSession
+    from privfl.secure_agg import ClientSession
     with pytest.raises(ValueError):
         ClientSession(h.config, 1, np.array([0, 1, 2, 256]))
     with pytest.raises(ValueError):

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from mechanisms.discrete_gaussian import (discrete_gaussian_variance, distributed_discrete_gaussian_event,
+from privfl.mechanisms.discrete_gaussian import (discrete_gaussian_variance, distributed_discrete_gaussian_event,
                                           local_sigma, sample_discrete_gaussian)
-from secure_agg import ClientSession, ProtocolAbort, Quantiser, ServerSession, SessionConfig, noise_headroom, run_round
+from privfl.secure_agg import ClientSession, ProtocolAbort, Quantiser, ServerSession, SessionConfig, noise_headroom, run_round
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +44,7 @@ def test_clients_can_be_driven_through_generic_handle_and_dict_transport():
     values = {c: np.full(5, c, dtype=np.uint64) for c in config.client_ids}
     server = ServerSession(wire)
     clients = {c: ClientSession(wire, c, values[c]) for c in config.client_ids}
-    from secure_agg import message_from_dict
+    from privfl.secure_agg import message_from_dict
 
     def deliver(message, handler):
         reply = handler(message_from_dict(message.to_dict()))

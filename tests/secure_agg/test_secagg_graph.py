@@ -1,6 +1,6 @@
 import pytest
 
-from secure_agg.graph import default_degree, neighbour_graph
+from privfl.secure_agg.graph import default_degree, neighbour_graph
 
 SEED = b"g" * 32
 

@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort, run_round
-from secure_agg import messages as M
-from secure_agg.client import ClientSession
-from secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
-from secure_agg.protocol import SessionConfig
-from secure_agg.server import ServerSession
+from privfl.secure_agg import ProtocolAbort, run_round
+from privfl.secure_agg import messages as M
+from privfl.secure_agg.client import ClientSession
+from privfl.secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
+from privfl.secure_agg.protocol import SessionConfig
+from privfl.secure_agg.server import ServerSession
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,7 +110,7 @@ def test_a_proof_with_fewer_than_threshold_signatures_aborts(harness):
 def test_signatures_the_server_makes_itself_do_not_count(harness):
     h, proof = _at_proof(harness)
     server_key = generate_identity()
-    from secure_agg import identity as I
+    from privfl.secure_agg import identity as I
 
     content = I.encode_ids(proof.alive)
     fakes = tuple(M.SignedBy(c, I.sign(server_key, I.SURVIVORS_PURPOSE, h.config.session_id, c, content))

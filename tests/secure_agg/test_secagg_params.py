@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from secure_agg import client as client_module
-from secure_agg import protocol
-from secure_agg.params import ParameterError, check_parameters, derive_parameters, threshold_for
-from secure_agg.protocol import SessionConfig
+from privfl.secure_agg import client as client_module
+from privfl.secure_agg import protocol
+from privfl.secure_agg.params import ParameterError, check_parameters, derive_parameters, threshold_for
+from privfl.secure_agg.protocol import SessionConfig
 
 pytestmark = pytest.mark.timeout(300)
 

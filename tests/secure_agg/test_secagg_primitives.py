@@ -3,7 +3,7 @@ import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from scipy import stats
 
-from secure_agg import primitives as P
+from privfl.secure_agg import primitives as P
 
 SESSION = b"s" * 32
 KEY = bytes(range(32))

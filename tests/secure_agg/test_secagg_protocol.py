@@ -5,10 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort, SessionConfig, run_round
-from secure_agg import messages as M
-from secure_agg import primitives as P
-from secure_agg import shamir
+from privfl.secure_agg import ProtocolAbort, SessionConfig, run_round
+from privfl.secure_agg import messages as M
+from privfl.secure_agg import primitives as P
+from privfl.secure_agg import shamir
 
 pytestmark = pytest.mark.timeout(120)
 

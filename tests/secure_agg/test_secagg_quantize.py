@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from secure_agg import QuantisationRangeError, Quantiser, noise_headroom
+from privfl.secure_agg import QuantisationRangeError, Quantiser, noise_headroom
 
 
 def test_default_step_is_the_finest_that_cannot_wrap():

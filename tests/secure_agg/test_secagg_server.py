@@ -5,8 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from secure_agg import ProtocolAbort
-from secure_agg import messages as M
+from privfl.secure_agg import ProtocolAbort
+from privfl.secure_agg import messages as M
 
 pytestmark = pytest.mark.timeout(120)
 

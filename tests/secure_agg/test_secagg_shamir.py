@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from secure_agg import shamir
+from privfl.secure_agg import shamir
 
 
 def test_any_threshold_subset_reconstructs_a_32_byte_secret():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from accounting import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
-from accounting.ledger import ChargeRequest, PrivacyLedger
+from privfl.accounting import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg, DPSGDSchedule, calibrate_dpsgd, dpsgd_train
 from privfl.algorithms.fedavg import FedAvg

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting import GaussianEvent
-from accounting.ledger import PrivacyLedger
-from mechanisms import InvalidRelease
+from privfl.accounting import GaussianEvent
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import InvalidRelease
 from privfl.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedbnn import (CHANNEL, Architecture, FedBNN, clip_and_renormalise, label_shifted,

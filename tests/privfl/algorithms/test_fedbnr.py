@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy.stats import multivariate_normal
 
-from accounting.ledger import PrivacyLedger
-from mechanisms import InvalidRelease, SeededNoise
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import InvalidRelease, SeededNoise
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, PairedScatter, _check_pairs, blr_from_statistics,
                                       centralised_blr, distill_kernel, distillation_loss, phase_budgets, run_fedbnr)

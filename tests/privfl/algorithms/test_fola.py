@@ -5,7 +5,7 @@ each privacy mode, the Fisher channel's sensitivity on neighbouring data, and au
 import numpy as np
 import pytest
 
-from accounting import GaussianEvent, SelfComposedEvent
+from privfl.accounting import GaussianEvent, SelfComposedEvent
 from privfl.public import PublicFacts
 from privfl.aggregation import Aggregate
 from privfl.algorithms import ALGORITHMS

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
-from accounting.ledger import PrivacyLedger
-from mechanisms import SeededNoise
+from privfl.accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule

@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 
-from accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
-from accounting.events import PoissonSampledEvent
-from accounting.ledger import PrivacyLedger
+from privfl.accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
+from privfl.accounting.events import PoissonSampledEvent
+from privfl.accounting.ledger import PrivacyLedger
 from privfl.metrics import applied_noise, from_strict_number, strict_json
 
 
