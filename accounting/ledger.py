@@ -291,7 +291,8 @@ class PrivacyLedger:
         batched = self._batch_depth > 0
         conn.execute("SAVEPOINT charge" if batched else "BEGIN IMMEDIATE")
         try:
-            self._sync()
+            if not batched:  # a transaction() block synced when it took the write lock: no one else can commit
+                self._sync()
             state = self._states.get(client_id)
             existing = {} if state is None else state.rounds.get(round, {})
             new: list[ChargeRequest] = []

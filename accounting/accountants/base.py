@@ -61,6 +61,13 @@ class Accountant(abc.ABC):
         """An independent accountant in the same state (composing into it leaves this one as it is)."""
         return copy.deepcopy(self)
 
+    def _shallow_copy(self) -> "Accountant":
+        """:meth:`copy` for accountants whose state is numbers plus the list of composed events (events are frozen
+        records): a new list, shared events. The ledger copies a state once per new history, every round."""
+        other = copy.copy(self)
+        other._events = list(self._events)
+        return other
+
     @abc.abstractmethod
     def get_epsilon(self, delta: float) -> float:
         """The smallest epsilon this accountant can certify at ``delta`` (inf if unbounded, never negative)."""

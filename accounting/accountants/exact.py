@@ -46,6 +46,9 @@ class ExactAccountant(Accountant):
                 mu_squared += times * leaf.mu * leaf.mu  # products overflow to inf, ** would raise
         self._mu_squared += count * mu_squared
 
+    def copy(self):
+        return self._shallow_copy()  # the state is numbers and frozen events
+
     def get_epsilon(self, delta: float) -> float:
         delta = check_delta(delta)
         return gaussian_epsilon(self.mu, delta)

@@ -117,6 +117,9 @@ class ZCDPAccountant(Accountant):
                 rho += times * leaf.rho
         self._rho += count * rho
 
+    def copy(self):
+        return self._shallow_copy()  # the state is numbers and frozen events
+
     def get_epsilon(self, delta: float) -> float:
         """The optimal conversion (Canonne, Kamath and Steinke 2020, Prop. 12)."""
         delta = check_delta(delta)
