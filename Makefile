@@ -5,14 +5,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PRIVFL := $(VENV)/bin/privfl
 STAMP := $(VENV)/.installed
+FLOWER_STAMP := $(VENV)/.installed-flower
+PIP_INSTALL := $(PY) -m pip install --quiet -c constraints.txt
 
 .PHONY: setup demo test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[all,dev]'
 	touch $(STAMP)
+
+# The Flower runtime's tests run in CI: `make test` installs the optional extra too (flwr with Ray).
+$(FLOWER_STAMP): $(STAMP)
+	$(PIP_INSTALL) -e '.[all,dev,flower]'
+	touch $(FLOWER_STAMP)
 
 setup: $(STAMP)
 
@@ -21,7 +28,7 @@ demo: $(STAMP)
 	$(PRIVFL) audit runs/compare/ledgers/fola-eps3-seed0.sqlite --delta 1e-5 --png runs/compare/fola_eps3_audit.png
 
 # pytest exits 5 when it collects no test (e.g. a -k filter that matches nothing): say so and do not fail on it.
-test: $(STAMP)
+test: $(FLOWER_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "WARNING: pytest collected no tests"; exit 0; fi; exit $$rc
 

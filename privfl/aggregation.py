@@ -46,11 +46,15 @@ def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
         # the model trains; anything clipped or noised is float64 and summed in float64.
         dtype = np.float32 if all(np.asarray(r.value).dtype == np.float32 for r in rs) else np.float64
         total = np.zeros(np.shape(rs[0].value), dtype=dtype)
+        scaled = None  # one scratch vector for weight * value, not a new array per client
         for w, r in zip(weights, rs):
             if w == 1.0:
                 total += r.value
             else:
-                total += dtype(w) * np.asarray(r.value, dtype=dtype)
+                if scaled is None:
+                    scaled = np.empty_like(total)
+                np.multiply(r.value, dtype(w), out=scaled, casting="same_kind")
+                total += scaled
         total = total.astype(np.float64, copy=False)
         central = centrals.pop() * float(weights.max())
         if central > 0:
