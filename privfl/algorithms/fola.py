@@ -32,7 +32,7 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
   clients' means.
 
 Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
-runtime calibrates the Gaussian channels (:func:`privfl.runtime.noise_multipliers_for`, which gives the
+runtime calibrates the Gaussian channels (:func:`privfl.plan.noise_multipliers_for`, which gives the
 DP-SGD-trained ``mean`` channel a share too); that share is what DP-SGD gets: its noise multiplier is calibrated so
 that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld``, the default for
 ``unit="example"``, or ``rdp``, as for ``dpsgd_fedavg``).
@@ -41,6 +41,11 @@ Post-processing on the server (free, :mod:`gaussian_product`): the precision is 
 eta / Lambda is regularised by the precision's known noise towards a noise-free reference (the clients' average
 mean at example level, the previous global mean at client level), so coordinates whose noisy Fisher is mostly noise
 fall back to FedAvg instead of blowing up; the known noise is folded into the precision.
+
+Execution (``privfl.executor``): every mode is the same computation on every client, so a round's clients train
+together (:meth:`FOLA.client_updates`), each from its own generators in the per-client order (torch seed, Fisher
+chunks, DP-SGD noise, Poisson coins); the per-client step stays for subclasses with a local step of their own and
+for models the executor cannot batch.
 
 Differences from the authors' code: per-example squared gradients (theirs square mini-batch means), a floor at gamma
 (theirs adds 1e-5 to a denominator).
@@ -63,9 +68,11 @@ from privfl.algorithms.dpsgd_fedavg import (DPSGDSchedule, calibrate_dpsgd, chec
 from privfl.algorithms.gaussian_product import combine, gaussian_product
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.fisher import FisherAccumulator, GradientRecorder
+from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, vectorisable
+from privfl.fisher import FisherAccumulator, GradientRecorder, unsupported_parameters
 from privfl.metrics import classification_metrics
 from privfl.models import make_model
+from privfl.public import private_torch_generator
 from privfl.training import batches, flat_parameters, load_flat_parameters, predict_proba
 
 _SHARES = {"client": {"natural_mean_delta": 0.5, "precision_delta": 0.5},
@@ -90,6 +97,8 @@ class FOLA(FederatedAlgorithm):
 
     name = "fola"
     supports_privacy = True
+    #: a client step reads the global posterior only (privfl.algorithms.base: the two halves)
+    broadcast_state = ("mean", "precision")
 
     def __init__(self, fed, privacy, *, prior_weight: float = 1.0, prior_precision: float = 1e-3,
                  update_bound: float = 0.1, precision_clip: float | None = None,
@@ -227,35 +236,48 @@ class FOLA(FederatedAlgorithm):
         if schedule not in self._dpsgd:
             if self._fisher_events is None:
                 from privfl.accounting.events import GaussianEvent
-                from privfl.runtime import noise_multipliers_for  # the very multipliers the run's pipelines use
+                from privfl.plan import noise_multipliers_for  # the very multipliers the run's pipelines use
 
-                zs = noise_multipliers_for(self, self.privacy, self.fed.rounds)
+                zs = noise_multipliers_for(self.channels(), self.privacy, self.fed.rounds)
                 self._fisher_events = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
                                        for ch in self.channels() if not isinstance(ch.clip, TrainedPrivately)]
             self._dpsgd[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
                                                     schedule, self.accountant, other_round_events=self._fisher_events)
         return self._dpsgd[schedule]
 
+    def planned_events(self, client: int) -> dict:
+        """The per-round event of each DP-SGD-trained channel of ``client`` (the run plan's; record level only)."""
+        if self.mode != "example" or not self.privacy.private:
+            return {}
+        schedule = dpsgd_schedule(self, client)
+        return {"mean": schedule.round_event(self._dpsgd_noise_multiplier(schedule))}
+
     def client_update(self, client, dataset, round, rng):
-        r = round + 1
         local = copy.deepcopy(self.model)
         load_flat_parameters(local, self.mean)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         x, y = dataset.tensors()
-        n = len(dataset)
         if self.mode == "example":
             stats, fisher_sum, event = self._train_dpsgd(local, x, y, client, rng)
-            mu = flat_parameters(local)
-            fisher = fisher_sum.double().numpy()
-            c = self.privacy.clip
-            values = {"mean": PrivatizedValue(mu, event),
-                      "fisher_diag": ClippedValue(fisher, c, "squared_sum"),
-                      "fisher_natural_mean": ClippedValue(
-                          fisher * np.clip(mu - self.mean, -self.update_bound, self.update_bound),
-                          self.update_bound * c ** 2, "sum")}
-            return ClientOutput(values, weight=1.0, metrics=stats)
+            return self._record_output(flat_parameters(local), fisher_sum, stats, event)
         loss, fisher_sum = self._train_online(local, x, y, rng)
-        mu = flat_parameters(local)
+        return self._online_output(flat_parameters(local), fisher_sum, len(dataset), round, loss)
+
+    def _record_output(self, mu: np.ndarray, fisher_sum: torch.Tensor, stats: dict, event) -> ClientOutput:
+        """The record-level channels from the DP-SGD-trained mean and the clipped Fisher (module docstring)."""
+        fisher = fisher_sum.double().numpy()
+        c = self.privacy.clip
+        values = {"mean": PrivatizedValue(mu, event),
+                  "fisher_diag": ClippedValue(fisher, c, "squared_sum"),
+                  "fisher_natural_mean": ClippedValue(
+                      fisher * np.clip(mu - self.mean, -self.update_bound, self.update_bound),
+                      self.update_bound * c ** 2, "sum")}
+        return ClientOutput(values, weight=1.0, metrics=stats)
+
+    def _online_output(self, mu: np.ndarray, fisher_sum: torch.Tensor, n: int, round: int, loss: float
+                       ) -> ClientOutput:
+        """The local posterior of eq. 24 as the non-private or client-level channels."""
+        r = round + 1
         precision = fisher_sum.double().numpy() / n / r + (r - 1) / r * self.precision  # eq. 24
         metrics = {"train_loss": loss, "fisher_mean": float(fisher_sum.mean()) / n}
         if self.mode == "non_private":
@@ -263,6 +285,74 @@ class FOLA(FederatedAlgorithm):
                                 metrics=metrics)
         return ClientOutput({"natural_mean_delta": precision * mu - self.precision * self.mean,
                              "precision_delta": precision - self.precision}, weight=1.0, metrics=metrics)
+
+    # -- many clients at once (privfl.executor) --------------------------------------------------------------------
+
+    @property
+    def vectorisable(self) -> bool:
+        """Whether :meth:`client_updates` trains a round's clients together: this class's own local steps over a
+        model built of stateless layers. Every mode is the same computation on every client: the online step is
+        SGD with the prior term and the Fisher read off its per-example gradients
+        (``privfl.executor.VectorisedOnlineFisher``); the record-level step is DP-SGD
+        (``privfl.executor.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
+        added after the noise, every client's Poisson coins, noise and Fisher chunks drawn from its own generators
+        in the per-client order."""
+        cls = type(self)
+        own = (cls.client_update is FOLA.client_update and cls._train_online is FOLA._train_online
+               and cls._train_dpsgd is FOLA._train_dpsgd)
+        # the per-client step reads its Fisher off hooks that refuse other layers; the batched one must not accept more
+        return (own and self.model is not None and vectorisable(self.model)
+                and not unsupported_parameters(self.model))
+
+    def client_updates(self, clients, datasets, round, rngs):
+        """``(k, client_update(k, ...))`` for every client of ``clients``, trained together when
+        :attr:`vectorisable` (the same outputs to float tolerance), else one after another."""
+        if not self.vectorisable:
+            for k, dataset, rng in zip(clients, datasets, rngs):
+                yield k, self.client_update(k, dataset, round, rng)
+            return
+        if self.mode == "example":
+            yield from self._dpsgd_updates(clients, datasets, rngs)
+            return
+        for rng in rngs:  # client_update's draw (its torch seed), in the same order on each client's generator
+            torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        sgd = VectorisedOnlineFisher(self.model, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size,
+                                     lr=self.fed.lr, momentum=self.fed.momentum, prior_weight=self.prior_weight)
+        for i, final, fisher, loss in sgd.train(self.mean, self.precision, [d.tensors() for d in datasets], rngs):
+            fisher_sum = torch.from_numpy(fisher) / self.fed.local_epochs
+            yield clients[i], self._online_output(final.astype(np.float64), fisher_sum, len(datasets[i]), round, loss)
+
+    def _dpsgd_updates(self, clients, datasets, rngs):
+        """Record level for a round's clients, one DP-SGD schedule at a time (``_train_dpsgd``, vectorised)."""
+        groups: dict[DPSGDSchedule, list[int]] = {}
+        for i, k in enumerate(clients):
+            groups.setdefault(dpsgd_schedule(self, k), []).append(i)
+        clip, epochs, secure = self.privacy.clip, self.fed.local_epochs, self.privacy.secure_noise
+        anchor = _unflatten(self.model, torch.as_tensor(self.mean, dtype=torch.float32))
+        prior = _unflatten(self.model, torch.as_tensor(self.precision, dtype=torch.float32))
+
+        @torch.no_grad()
+        def prior_gradient(chunk, params, grads) -> None:  # _train_dpsgd's prior_gradient, on every client at once
+            for name in grads:
+                grads[name].add_(self.prior_weight * prior[name] * (params[name] - anchor[name]))
+
+        for schedule, members in groups.items():
+            z = self._dpsgd_noise_multiplier(schedule)
+            chunk_rngs, generators = [], []
+            for i in members:  # each client's draws in client_update's order: torch seed, Fisher chunks, noise, coins
+                torch.manual_seed(int(rngs[i].integers(0, 2 ** 31 - 1)))
+                chunk_rngs.append(np.random.default_rng(rngs[i].integers(0, 2 ** 63 - 1)))
+                generators.append((private_torch_generator(rngs[i], secure),
+                                   private_torch_generator(rngs[i], secure)))
+            data = [datasets[i].tensors() for i in members]
+            dpsgd = VectorisedDPSGD(self.model, schedule=schedule, noise_multiplier=z, clip=clip, lr=self.fed.lr,
+                                    momentum=self.fed.momentum, secure_noise=secure)
+            fisher = _StackedFisher(dpsgd, data, chunk_rngs, self.dim, clip, epochs, schedule.steps_per_epoch)
+            for j, final, stats in dpsgd.train_models(self.mean, data, generators, before_step=fisher.pass_,
+                                                      extra_gradient=prior_gradient):
+                i = members[j]
+                yield clients[i], self._record_output(final.astype(np.float64), fisher.per_visit(j),
+                                                      {**stats, "noise_multiplier": z}, schedule.round_event(z))
 
     # -- server ----------------------------------------------------------------------------------------------------
 
@@ -306,6 +396,60 @@ class FOLA(FederatedAlgorithm):
 
     def evaluate(self, dataset):
         return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())
+
+
+def _unflatten(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A flat vector as views shaped like ``model``'s named parameters."""
+    out, offset = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = flat[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+    return out
+
+
+class _StackedFisher:
+    """``_train_dpsgd``'s Fisher pass for the clients of one vectorised DP-SGD run: at the start of every step, each
+    client's chunk of its own shuffle (drawn from its own generator, as ``fisher_pass`` draws it), per-example
+    gradients clipped to C, their squares summed into that client's row; each client's visit cap is a
+    :class:`FisherAccumulator` of its own (used for its cap only: the sums are kept here, one chunk at a time)."""
+
+    def __init__(self, dpsgd: VectorisedDPSGD, data, chunk_rngs, dim: int, clip: float, epochs: int,
+                 steps_per_epoch: int):
+        self.dpsgd, self.data, self.chunk_rngs = dpsgd, data, chunk_rngs
+        self.dim, self.clip, self.epochs, self.steps_per_epoch = dim, clip, epochs, steps_per_epoch
+        self.caps = [FisherAccumulator(0, len(x), clip=clip, max_visits=epochs) for x, _ in data]
+        self.step_of: list[np.ndarray | None] = [None] * len(data)
+        self.chunk: list[int] = []
+        self.total = torch.zeros(0, dim)
+
+    def pass_(self, chunk, epoch: int, step: int, params) -> None:
+        if chunk != self.chunk:  # a new chunk of clients: its own sums (the previous chunk's were yielded)
+            self.chunk, self.total = list(chunk), torch.zeros(len(chunk), self.dim)
+        if step == 0:  # each record picks its step of this epoch on its own: no record moves another
+            for j in chunk:
+                self.step_of[j] = self.chunk_rngs[j].integers(0, self.steps_per_epoch, size=len(self.data[j][0]))
+        ids = [np.flatnonzero(self.step_of[j] == step) for j in chunk]
+        width = max(len(i) for i in ids)
+        if width == 0:
+            return
+        x0, y0 = self.data[chunk[0]]
+        xb = torch.zeros(len(chunk), width, *x0.shape[1:], dtype=x0.dtype)
+        yb = torch.zeros(len(chunk), width, dtype=y0.dtype)
+        weight = torch.zeros(len(chunk), width)
+        for r, (j, i) in enumerate(zip(chunk, ids)):
+            if len(i):
+                x, y = self.data[j]
+                idx = torch.from_numpy(i)
+                xb[r, :len(i)], yb[r, :len(i)] = x[idx], y[idx]
+                weight[r, :len(i)] = self.caps[j].admit(i)
+        with torch.enable_grad():
+            terms = self.dpsgd.per_example(params, xb, yb, weight)
+        factor = clip_factor(terms.norms2(), self.clip).pow(2) * weight
+        self.total += terms.flat(terms.square_sums(factor))
+
+    def per_visit(self, j: int) -> torch.Tensor:
+        """Client j's (of the chunk just trained) Fisher sum divided by its visit cap (``per_visit``)."""
+        return self.total[self.chunk.index(j)] / self.epochs
 
 
 __all__ = ["FOLA"]

@@ -50,6 +50,11 @@ Privacy:
   from the OS CSPRNG unless the run asks for seeded noise. Opacus is not used: its per-sample gradients run the model
   under ``vmap`` without randomness, which the Bayesian layers' sampling needs; privfl computes them with
   ``torch.func`` instead.
+- Execution: a round's clients train together (:class:`VectorisedHBFL`, ``torch.func``) when the meme is a stack of
+  ``BayesLinear`` layers and the local models are built of stateless layers, in every mode; each client's batches,
+  Poisson coins, DP noise and weight noise come from its own generators in the per-client order, so the uploads
+  equal the per-client step's to float tolerance. A Bayesian conv meme (or a subclass's own client step) runs per
+  client.
 - The local models never leave their clients and are not released, and the meme model never sees them (the
   distillation is one-way), so they train on the raw data, on the meme's batches, at no privacy cost; ``evaluate``
   reports their mean test accuracy as a simulation diagnostic (``accuracy_local``), as the paper does, but never
@@ -78,8 +83,11 @@ from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
-from privfl.models import (MODELS, bayes_modules, deterministic, get_mean_precision, make_bayesian_model,
-                           make_model, set_mean_precision, softplus)
+from privfl.executor import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step, vectorisable
+from privfl.models import (MLP, MODELS, BayesLinear, bayes_modules, deterministic, get_mean_precision,
+                           make_bayesian_model, make_model, set_mean_precision, softplus)
+from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
+from privfl.models.errors import ModelConfigError
 from privfl.public import private_rng, release_weight
 from privfl.training import batches, predict_proba
 
@@ -160,6 +168,7 @@ class HBFL(FederatedAlgorithm):
         self._input_shape: tuple[int, ...] = ()
         self._num_classes = 0
         self._dpsgd_noise: dict[DPSGDSchedule, float] = {}
+        self._vectorisable: bool | None = None
 
     # -- configuration -------------------------------------------------------------------------------------------
 
@@ -189,6 +198,7 @@ class HBFL(FederatedAlgorithm):
         self.global_natural_mean = self.global_precision * mean
         self.client_models = {}
         self._dpsgd_noise = {}
+        self._vectorisable = None
 
     @property
     def dim(self) -> int:
@@ -302,6 +312,38 @@ class HBFL(FederatedAlgorithm):
             metrics["meme_loss"] = meme_loss
         return ClientOutput(values, weight=self.release_weight(dataset, client), metrics=metrics)
 
+    # -- many clients at once (privfl.executor) --------------------------------------------------------------------
+
+    @property
+    def vectorisable(self) -> bool:
+        """Whether :meth:`client_updates` trains a round's clients together (:class:`VectorisedHBFL`): this class's
+        own client step, a meme that is a stack of ``BayesLinear`` layers (local reparameterisation, sampling, no
+        generator of its own) and elementwise activations, and local architectures built of stateless layers. The
+        meme's weight noise, drawn per client from the global torch generator after the client's own seed, is drawn
+        from a generator holding that very state; in both modes (Adam, or DP-SGD then Adam) every step is the same
+        computation on every client."""
+        if type(self).client_update is not HBFL.client_update or self.meme is None:
+            return False
+        if self._vectorisable is None:
+            with torch.random.fork_rng():  # building probe models must not move the global generator
+                try:
+                    locals_ok = all(vectorisable(make_model(name, self._input_shape, self._num_classes,
+                                                            **self._model_kwargs(name))) for name in self.local_models)
+                except ModelConfigError:  # the per-client step then reports it
+                    locals_ok = False
+            self._vectorisable = locals_ok and bayes_linear_stack(self.meme) is not None
+        return self._vectorisable
+
+    def client_updates(self, clients, datasets, round, rngs):
+        """``(k, client_update(k, ...))`` for every client of ``clients``, trained together when
+        :attr:`vectorisable` (the same outputs to float tolerance; each client's batches, Poisson coins, weight
+        noise and DP noise from its own generators, in the per-client order), else one after another."""
+        if not self.vectorisable:
+            for k, dataset, rng in zip(clients, datasets, rngs):
+                yield k, self.client_update(k, dataset, round, rng)
+            return
+        yield from VectorisedHBFL(self).train(clients, datasets, rngs)
+
     def encode_posterior(self, mean: np.ndarray, precision: np.ndarray) -> dict[str, np.ndarray]:
         """The channel values of a meme posterior N(``mean``, diag(``precision``)^-1), ``precision`` the tempered
         Lambda_k: its natural parameters in untempered units (times T), as changes from the global ones."""
@@ -387,10 +429,293 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
         offset += k
 
 
+def bayes_linear_stack(model: nn.Module):
+    """``(prefix, layers)`` when ``model`` is a stack of ``BayesLinear`` layers (local reparameterisation, sampling
+    on, no generator of its own) and elementwise activations after a parameter-free reshaping prefix (privfl's
+    Bayesian MLP), else None. ``layers``: ``("bayes", qualified name, has_bias)`` or ``("act", module, None)``."""
+    if isinstance(model, MLP) and type(model).forward is MLP.forward:
+        seq, base = model.net, "net."
+    elif isinstance(model, nn.Sequential):
+        seq, base = model, ""
+    else:
+        return None
+    prefix, layers = [], []
+    for name, module in seq.named_children():
+        if type(module) is BayesLinear:
+            if module.reparameterization != "local" or not module.sampling or module.generator is not None:
+                return None
+            layers.append(("bayes", base + name, "bias" in module.gaussian_names))
+        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
+            prefix.append(module)
+        elif layers and isinstance(module, ELEMENTWISE):
+            layers.append(("act", module, None))
+        else:
+            return None
+    if not layers or layers[-1][0] != "bayes":
+        return None
+    return prefix, layers
+
+
+class VectorisedHBFL:
+    """HBFL's client step (:meth:`HBFL.client_update`) for a round's clients at once, with ``torch.func``.
+
+    Clients with the same batch schedule (record count without DP; DP-SGD schedule with it, its Poisson batches
+    padded with zero-weight rows) form a chunk. The meme is a Bayesian linear stack run functionally
+    (:meth:`meme_forward`, ``BayesLinear``'s local reparameterisation written out) on stacked parameters, with
+    each client's weight noise passed in: drawn from a generator holding the global torch state the per-client step
+    would draw from (after the client's seed and its local model's first build), in the same shapes and order (one
+    (batch, out) draw per layer per forward; under DP-SGD, vmap's ``randomness="different"`` draw of (batch, 1, out)).
+    Adam (:func:`privfl.executor.adam_step`) updates the memes; the local models, grouped by architecture, take
+    masked SGD steps (:func:`privfl.executor.sgd_step`: a client whose Poisson batch is empty skips its step, as
+    the per-client loop does) and are written back to their clients. DP-SGD's clipping, noise (from each client's
+    own noise source) and scaling are those of :func:`dpsgd_gradients`.
+    """
+
+    def __init__(self, alg: "HBFL"):
+        self.alg = alg
+        self.prefix, self.layers = bayes_linear_stack(alg.meme)
+        self.meme = alg._fork_meme()
+        self.names = [n for n, _ in self.meme.named_parameters()]
+        self.start = {n: p.detach().clone() for n, p in self.meme.named_parameters()}
+        self.dim = sum(p.numel() for p in self.start.values())
+        self.dp = alg.accountant is not None
+        self._meme_grad = vmap(grad(self._meme_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
+        self._example_grads = vmap(vmap(grad(self._example_loss), in_dims=(None, 0, 0, 0)))
+        self._reg_grad = vmap(grad(self._regulariser), in_dims=(0, None))
+        self._local_grads: dict[str, object] = {}
+
+    # -- the meme, functionally ------------------------------------------------------------------------------------
+
+    def meme_forward(self, params: dict, x: torch.Tensor, noises) -> torch.Tensor:
+        """``BayesLinear.forward`` of every layer (``noises`` None: the means, as under ``deterministic``)."""
+        h = x
+        for module in self.prefix:
+            h = module(h)
+        j = 0
+        for kind, item, bias in self.layers:
+            if kind == "act":
+                h = item(h)
+                continue
+            w_mu, b_mu = params[item + ".weight_mu"], params[item + ".bias_mu"] if bias else None
+            if noises is None:
+                h = F.linear(h, w_mu, b_mu)
+                continue
+            w_var = softplus(params[item + ".weight_rho"]) ** 2
+            b_var = softplus(params[item + ".bias_rho"]) ** 2 if bias else None
+            mean = F.linear(h, w_mu, b_mu)
+            var = F.linear(h * h, w_var, b_var)
+            h = mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noises[j]
+            j += 1
+        return h
+
+    def _regulariser(self, params: dict, reg_size: int) -> torch.Tensor:
+        """:func:`meme_regulariser` on functional parameters."""
+        total = None
+        for kind, item, bias in self.layers:
+            if kind != "bayes":
+                continue
+            for g in ("weight", "bias") if bias else ("weight",):
+                part = -torch.log(softplus(params[f"{item}.{g}_rho"])).sum()
+                total = part if total is None else total + part
+        return total * (self.alg.temperature / reg_size)
+
+    def _meme_loss(self, params, x, y, noises, reg_size):
+        loss = F.cross_entropy(self.meme_forward(params, x, noises), y) + self._regulariser(params, reg_size)
+        return loss, loss.detach()
+
+    def _example_loss(self, params, x, y, noises):
+        return F.cross_entropy(self.meme_forward(params, x.unsqueeze(0), noises), y.unsqueeze(0))
+
+    def _noise_shapes(self) -> list[int]:
+        """The output size of every Bayesian layer, in forward order (the last dimension of its weight noise)."""
+        return [self.start[item + ".weight_mu"].shape[0] for kind, item, _ in self.layers if kind == "bayes"]
+
+    # -- the local models ------------------------------------------------------------------------------------------
+
+    def _local_step_fn(self, arch: str, template: nn.Module):
+        if arch not in self._local_grads:
+            a, tau = self.alg.distill_weight, self.alg.distill_temperature
+
+            def loss(params, x, y, teacher, weight, count):
+                logits = functional_call(template, params, (x,))
+                ce = (F.cross_entropy(logits, y, reduction="none") * weight).sum() / count
+                log_student = F.log_softmax(logits / tau, dim=1)
+                kl = (F.kl_div(log_student, teacher, reduction="none").sum(1) * weight).sum() / count * tau ** 2
+                total = a * ce + (1.0 - a) * kl
+                return total, total.detach()
+
+            self._local_grads[arch] = vmap(grad(loss, has_aux=True))
+        return self._local_grads[arch]
+
+    # -- a round -------------------------------------------------------------------------------------------------
+
+    def train(self, clients, datasets, rngs):
+        alg = self.alg
+        groups: dict[object, list[int]] = {}
+        for i, k in enumerate(clients):
+            key = dpsgd_schedule(alg, k) if self.dp else len(datasets[i])
+            groups.setdefault(key, []).append(i)
+        for key, members in groups.items():
+            step = self._chunk(key)
+            for lo in range(0, len(members), step):
+                chunk = members[lo:lo + step]
+                yield from self._train_chunk(key, [clients[i] for i in chunk], [datasets[i] for i in chunk],
+                                             [rngs[i] for i in chunk])
+
+    def _chunk(self, key) -> int:
+        """Clients per chunk: the meme's parameters, gradients and Adam moments, and one batch's per-example
+        gradients (DP-SGD, about 1.5 expected batches) or activations, within the budget."""
+        if self.dp:
+            batch = max(1.0, 1.5 * key.sample_rate * max(key.size, 1))
+            per_client = 4 * self.dim * (batch + 4)
+        else:
+            batch = min(self.alg.fed.batch_size, max(key, 1))
+            width = max(p.shape[0] + p.shape[-1] for p in self.start.values() if p.dim() == 2)
+            per_client = 4 * (4 * self.dim + 4 * batch * width)
+        return max(1, int(4 * DEFAULT_MEMORY_BUDGET // per_client))
+
+    def _train_chunk(self, key, clients, datasets, rngs):
+        alg, c = self.alg, len(clients)
+        secure = alg.privacy.secure_noise
+        generators, locals_, noise_sources, coins = [], [], [], []
+        for k, rng in zip(clients, rngs):  # client_update's draws, in its order
+            torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+            locals_.append(alg.local_model(k))  # built on first use, from the global generator, as client_update does
+            g = torch.Generator()
+            g.set_state(torch.get_rng_state())  # the state the client's meme noise is drawn from
+            generators.append(g)
+            if self.dp:
+                noise_sources.append(SecureNoise() if secure else SeededNoise(rng))
+                coins.append(private_rng(rng, secure))
+        data = [d.tensors() for d in datasets]
+        params = {n: p.unsqueeze(0).repeat(c, *([1] * p.dim())) for n, p in self.start.items()}
+        arch_of = [alg.local_models[k % len(alg.local_models)] for k in clients]
+        local_groups: dict[str, list[int]] = {}
+        for r, arch in enumerate(arch_of):
+            local_groups.setdefault(arch, []).append(r)
+        local_params = {arch: {n: torch.stack([dict(locals_[r].named_parameters())[n].detach() for r in rows])
+                               for n, _ in locals_[rows[0]].named_parameters()}
+                        for arch, rows in local_groups.items()}
+        local_bufs: dict[str, dict | None] = {arch: None for arch in local_groups}
+        adam = None
+        meme_loss = [0.0] * c
+        local_loss = [0.0] * c
+        outs = self._noise_shapes()
+        if self.dp:
+            plan = key
+            q, z = plan.sample_rate, alg.dpsgd_noise_multiplier(plan)
+            steps = ([np.flatnonzero(coin.random(len(x)) < q) for coin, (x, _) in zip(coins, data)]
+                     for _ in range(plan.steps))
+            reg_size = plan.size
+        else:
+            n = key
+
+            def shuffled():
+                for _ in range(alg.fed.local_epochs):
+                    perms = [rng.permutation(n) for rng in rngs]
+                    for s in range(0, n, alg.fed.batch_size):
+                        yield [perm[s:s + alg.fed.batch_size] for perm in perms]
+
+            steps = shuffled()
+            reg_size = n
+        for idx in steps:
+            width = max(len(i) for i in idx)
+            counts = torch.tensor([len(i) for i in idx], dtype=torch.float32)
+            x0, y0 = data[0]
+            xb = torch.zeros(c, width, *x0.shape[1:], dtype=x0.dtype)
+            yb = torch.zeros(c, width, dtype=y0.dtype)
+            weight = torch.zeros(c, width)
+            for r, ((x, y), i) in enumerate(zip(data, idx)):
+                if len(i):
+                    t = torch.as_tensor(i, dtype=torch.long)
+                    xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[t], y[t], 1.0
+            if self.dp:
+                grads = self._dpsgd_gradients(params, xb, yb, idx, generators, noise_sources, z, plan, outs)
+                reg = self._reg_grad(params, reg_size)
+                for name, g in reg.items():
+                    grads[name] = grads[name] + g
+            else:
+                noises = self._batch_noises(generators, width, outs)
+                grads, losses = self._meme_grad(params, xb, yb, noises, reg_size)
+                meme_loss = losses.tolist()
+            adam = adam_step(params, grads, adam, lr=alg.meme_lr)
+            if width == 0:
+                continue
+            with torch.no_grad():
+                teacher = torch.softmax(vmap(self.meme_forward, in_dims=(0, 0, None))(params, xb, None)
+                                        / alg.distill_temperature, dim=-1)
+            active = counts > 0
+            for arch, rows in local_groups.items():
+                rows_t = torch.as_tensor(rows)
+                step_fn = self._local_step_fn(arch, locals_[rows[0]])
+                lp = local_params[arch]
+                g, losses = step_fn(lp, xb[rows_t], yb[rows_t], teacher[rows_t], weight[rows_t],
+                                    counts[rows_t].clamp_min(1.0))
+                local_bufs[arch] = sgd_step(lp, g, local_bufs[arch], lr=alg.fed.lr, momentum=alg.fed.momentum,
+                                            active=active[rows_t])
+                for j, r in enumerate(rows):
+                    if active[r]:
+                        local_loss[r] = float(losses[j])
+        with torch.no_grad():
+            for arch, rows in local_groups.items():
+                for j, r in enumerate(rows):
+                    for name, p in locals_[r].named_parameters():
+                        p.copy_(local_params[arch][name][j])
+        for r, (k, dataset) in enumerate(zip(clients, datasets)):
+            with torch.no_grad():
+                for name, p in self.meme.named_parameters():
+                    p.copy_(params[name][r])
+            values: dict[str, object] = alg.encode_posterior(*get_mean_precision(self.meme))
+            if self.dp:
+                values = {"natural_mean": PrivatizedValue(values["natural_mean"], plan.round_event(z)),
+                          "precision": PrivatizedValue(values["precision"], NoOpEvent())}
+            metrics = {"local_loss": local_loss[r]}
+            if not self.dp:
+                metrics["meme_loss"] = meme_loss[r]
+            yield k, ClientOutput(values, weight=alg.release_weight(dataset, k), metrics=metrics)
+
+    @staticmethod
+    def _batch_noises(generators, width: int, outs: list[int]) -> list[torch.Tensor]:
+        """Each client's weight noise of one forward: a (batch, out) draw per layer, in layer order."""
+        per_client = [[torch.randn((width, w), generator=g) for w in outs] for g in generators]
+        return [torch.stack([draws[j] for draws in per_client]) for j in range(len(outs))]
+
+    def _dpsgd_gradients(self, params, xb, yb, idx, generators, noise_sources, z, plan, outs):
+        """:func:`dpsgd_gradients` for every client of the chunk: per-example gradients (each client's weight
+        noise drawn as vmap's ``randomness="different"`` draws it), clipped, summed, noised, scaled."""
+        alg = self.alg
+        c, width = yb.shape
+        clip = alg.privacy.clip
+        summed = torch.zeros(c, self.dim)
+        if width:
+            noises = [torch.zeros(c, width, 1, w) for w in outs]
+            for r, (g, i) in enumerate(zip(generators, idx)):
+                if len(i):  # per-client: one vmapped draw per layer, (batch, 1, out), only on a non-empty batch
+                    draws = [torch.randn((len(i), 1, w), generator=g) for w in outs]
+                    for e, d in zip(noises, draws):
+                        e[r, :len(i)] = d
+            per_example = self._example_grads(params, xb, yb, noises)
+            flat = torch.cat([per_example[n].reshape(c, width, -1) for n in self.names], dim=2)
+            scale = (clip / flat.norm(dim=2).clamp_min(1e-12)).clamp(max=1.0)
+            for r, i in enumerate(idx):
+                if len(i):
+                    summed[r] = (flat[r, :len(i)] * scale[r, :len(i), None]).sum(dim=0)
+        noisy = torch.stack([summed[r] + z * clip * torch.from_numpy(src.standard_normal((self.dim,))).to(summed)
+                             for r, src in enumerate(noise_sources)])
+        noisy = noisy / plan.expected_batch
+        grads, offset = {}, 0
+        for n in self.names:
+            k = self.start[n].numel()
+            grads[n] = noisy[:, offset:offset + k].reshape(c, *self.start[n].shape)
+            offset += k
+        return grads
+
+
 def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-__all__ = ["HBFL", "TEMPERATURE", "distillation_loss", "dpsgd_gradients", "meme_regulariser"]
+__all__ = ["HBFL", "TEMPERATURE", "VectorisedHBFL", "bayes_linear_stack", "distillation_loss", "dpsgd_gradients",
+           "meme_regulariser"]

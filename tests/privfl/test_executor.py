@@ -115,12 +115,7 @@ def test_what_cannot_be_batched_runs_per_client():
     assert not vectorisable(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
     assert not vectorisable(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.1)))
     data = _federation()
-    private = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)
-    sim = Simulation(ALGORITHMS["fola"](FED, private), data, FED, private)
-    sim.prepare()
-    assert not sim.vectorised  # FOLA's DP-SGD (with its Fisher pass) trains through opacus, client by client
-    with pytest.raises(ConfigurationError):
-        Simulation(ALGORITHMS["fola"](FED, private), data, FED, private, executor="vectorised").vectorised
+    # (FOLA and HBFL: tests/privfl/test_executor_weight_space.py)
     with pytest.raises(ConfigurationError):
         Simulation(ALGORITHMS["fedavg"](FED, NON_PRIVATE), data, FED, NON_PRIVATE, executor="fast")
 
