@@ -3,7 +3,12 @@
 Every value a client sends out goes through one release pipeline (validate -> clip -> charge the ledger -> noise ->
 optional secure-aggregation mask); the ledger turns what was charged into (epsilon, delta) per client.
 
-Typical use::
+Your own model and data (``privfl.federate``)::
+
+    result = privfl.federate(model, {"hospital_a": (X_a, y_a), "hospital_b": (X_b, y_b)}, epsilon=3.0)
+    result.model, result.history, result.audit
+
+The pieces underneath::
 
     from privfl import FederationConfig, PrivacyConfig, Simulation, make_algorithm, make_federated
 
@@ -27,13 +32,15 @@ _EXPORTS = {
     "TrainedPrivately": "privfl.channels", "FederationConfig": "privfl.config", "PrivacyConfig": "privfl.config",
     "federated_from_arrays": "privfl.data", "make_federated": "privfl.data", "PublicFacts": "privfl.public",
     "Release": "privfl.release", "ReleasePipeline": "privfl.release", "RunResult": "privfl.runtime",
-    "Simulation": "privfl.runtime", "SecureAggregation": "privfl.secure",
+    "Simulation": "privfl.runtime", "SecureAggregation": "privfl.secure", "federate": "privfl.api",
+    "FederatedResult": "privfl.api",
 }
 
 __all__ = [
-    "ALGORITHMS", "Channel", "ClippedValue", "FederationConfig", "NormClip", "PreClipped", "PrivacyConfig",
+    "ALGORITHMS", "Channel", "ClippedValue", "FederatedResult", "FederationConfig", "NormClip", "PreClipped", "PrivacyConfig",
     "PrivatizedValue", "RangeBound", "Release", "ReleasePipeline", "RunResult", "SecureAggregation", "Simulation",
-    "PublicFacts", "TrainedPrivately", "federated_from_arrays", "make_algorithm", "make_federated",
+    "PublicFacts", "TrainedPrivately", "federate", "federated_from_arrays", "make_algorithm",
+    "make_federated",
 ]
 
 

@@ -116,6 +116,11 @@ class FederationConfig:
     record_cap: int | None = None
 
     def __post_init__(self):
+        if not isinstance(self.model, str):
+            raise ConfigurationError(
+                f"FederationConfig.model names a built-in architecture ('mlp', 'lenet5', 'cnn1', 'cnn2'), got a "
+                f"{type(self.model).__name__}; to train your own torch.nn.Module use privfl.federate(model, clients, "
+                "...) or make_algorithm(name, fed, privacy, model=your_module)")
         _positive_int("rounds", self.rounds)
         _positive_int("local_epochs", self.local_epochs)
         _positive_int("batch_size", self.batch_size)

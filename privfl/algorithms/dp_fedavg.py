@@ -21,8 +21,8 @@ class DPFedAvg(FedAvg):
     # with a small clip is what keeps a 10-client federation above chance (see the README's measurements).
     defaults = {"hidden": (), "pool": 2, "local_epochs": 2, "lr": 0.1, "clip": 0.1}
 
-    def __init__(self, fed, privacy):
-        super().__init__(fed, privacy)
+    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None):
+        super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
         if privacy.private and privacy.unit != "client":
             raise ConfigurationError("dp_fedavg gives client-level DP; set unit='client' (for record-level DP use "
                                      "dpsgd_fedavg)")

@@ -50,7 +50,7 @@ from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
 from privfl.executor import VectorisedDPSGD, vectorisable
 from privfl.errors import ConfigurationError
 from privfl.public import private_torch_generator
-from privfl.training import flat_parameters, load_flat_parameters
+from privfl.training import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
 
 #: accountants that can compose Poisson-sampled Gaussian steps
 SAMPLED_ACCOUNTANTS = ("rdp", "pld")
@@ -193,10 +193,41 @@ def _calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDS
     return z
 
 
+def check_opacus_model(model: nn.Module, algorithm: str) -> None:
+    """Refuse a model opacus cannot train with per-example clipping, saying what to change: the problems of
+    ``opacus.validators.ModuleValidator.validate`` (BatchNorm mixes examples of a batch, so one example's gradient is
+    not its own) with its fix suggested."""
+    from opacus.validators import ModuleValidator
+
+    problems = ModuleValidator.validate(model, strict=False)
+    if not problems:
+        return
+    offending = []
+    for name, module in model.named_modules():
+        check = ModuleValidator.VALIDATORS.get(type(module))
+        if check is not None and check(module):
+            offending.append(f"{name or '<model>'} ({type(module).__name__})")
+    first = str(problems[0]).split(". ")[0].strip()
+    layers = ", ".join(offending[:8]) + (f", ... ({len(offending)} in all)" if len(offending) > 8 else "")
+    raise ConfigurationError(f"{algorithm}: opacus cannot train this model with per-example clipping: layers "
+                             f"{layers or '(see opacus ModuleValidator.validate)'}: {first}. Replace them (e.g. "
+                             "BatchNorm by GroupNorm), or let opacus do it: "
+                             "model = opacus.validators.ModuleValidator.fix(model)")
+
+
+def _unsupported_layer(exc: Exception, algorithm: str) -> ConfigurationError:
+    return ConfigurationError(f"{algorithm}: opacus cannot compute per-example gradients for this model ({exc}). Use "
+                              "each layer once per forward pass, and build the model from layers opacus supports "
+                              "(nn.Linear, nn.Conv1d/2d/3d, "
+                              "nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RNN/LSTM/GRU from opacus.layers, ...) or "
+                              "register a grad sampler for it (opacus.grad_sample.register_grad_sampler)")
+
+
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
                 noise_multiplier: float, clip: float, lr: float, momentum: float, rng: np.random.Generator,
                 secure_noise: bool = False, before_step: Callable[[int, int], None] | None = None,
-                extra_gradient: Callable[[], None] | None = None) -> dict[str, float]:
+                extra_gradient: Callable[[], None] | None = None, loss: Callable | None = None,
+                optimizer: Callable | None = None, algorithm: str = "dpsgd_fedavg") -> dict[str, float]:
     """Train ``model`` in place with opacus DP-SGD (ghost clipping, Poisson sampling) for ``schedule.steps`` steps.
 
     ``before_step(epoch, step)`` runs at the parameters each step starts from, with opacus's hooks off, so it may
@@ -206,6 +237,12 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     clipping and noise, before the update, and may add a data-independent term to each ``p.grad`` (FOLA's prior:
     post-processing). Returns the mean training loss and the number of steps. An empty Poisson batch is still a
     step: its update is noise only, as the accounting assumes.
+
+    ``loss``: the criterion (default cross-entropy for integer labels, mean squared error for float targets), used
+    per example through :class:`privfl.training.TaskLoss` (reduction ``"none"``, then opacus's mean over the
+    expected batch): each example's gradient is clipped whatever the loss. ``optimizer``: a factory of parameters
+    (default SGD with ``lr`` and ``momentum``) that opacus wraps; it only sees clipped, noised gradients, so it is
+    post-processing.
     """
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
@@ -213,16 +250,23 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     n = len(x)
-    gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=clip, use_ghost_clipping=True,
-                                               loss_reduction="mean")
+    criterion_fn = TaskLoss(loss if loss is not None else (nn.MSELoss() if y.is_floating_point()
+                                                           else nn.CrossEntropyLoss()))
+    criterion_fn.require_per_example(algorithm)
+    try:
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=clip, use_ghost_clipping=True,
+                                                   loss_reduction="mean")
+    except NotImplementedError as exc:
+        raise _unsupported_layer(exc, algorithm) from None
     params = [p for p in gsm.parameters() if p.requires_grad]
+    inner = UserTraining(optimizer=optimizer).make_optimizer(params, lr, momentum)
     optimizer = DPOptimizerFastGradientClipping(
-        torch.optim.SGD(params, lr=lr, momentum=momentum), noise_multiplier=noise_multiplier, max_grad_norm=clip,
+        inner, noise_multiplier=noise_multiplier, max_grad_norm=clip,
         expected_batch_size=schedule.expected_batch if schedule.size else schedule.sample_rate * n,
         loss_reduction="mean", generator=private_torch_generator(rng, secure_noise), secure_mode=secure_noise)
     if extra_gradient is not None:
         optimizer.attach_step_hook(lambda _opt: extra_gradient())
-    criterion = DPLossFastGradientClipping(gsm, optimizer, nn.CrossEntropyLoss(reduction="mean"), "mean")
+    criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
     sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
                                             generator=private_torch_generator(rng, secure_noise),
                                             steps=schedule.steps_per_epoch)
@@ -241,9 +285,12 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                 optimizer.zero_grad(set_to_none=True)
                 if len(ids):
                     idx = torch.from_numpy(ids)
-                    loss = criterion(gsm(x[idx]), y[idx])
-                    loss.backward()
-                    loss_total += float(loss.detach()) * len(ids)
+                    try:
+                        value = criterion(gsm(x[idx]), y[idx])
+                        value.backward()
+                    except NotImplementedError as exc:
+                        raise _unsupported_layer(exc, algorithm) from None
+                    loss_total += float(value.detach()) * len(ids)
                     seen += len(ids)
                 else:
                     for p in params:
@@ -262,10 +309,18 @@ class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
 
-    def __init__(self, fed, privacy):
-        super().__init__(fed, privacy)
+    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None):
+        super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
         self.accountant = check_dpsgd_privacy(privacy, self.name) if privacy.private else None
         self._multipliers: dict[DPSGDSchedule, float] = {}
+        if privacy.private and loss is not None:
+            TaskLoss(loss).require_per_example(self.name)
+
+    def build_model(self, public):
+        net = super().build_model(public)
+        if self.privacy.private and self.user.model is not None:
+            check_opacus_model(net, self.name)
+        return net
 
     def channels(self):
         if not self.privacy.private:
@@ -273,6 +328,13 @@ class DPSGDFedAvg(FedAvg):
         return [Channel("update", (self.dim,), unit="example", clip=TrainedPrivately(),
                         adjacency=self.privacy.adjacency,
                         description="local model change after DP-SGD training (post-processing)")]
+
+    def planned_events(self, client: int) -> dict:
+        """The per-round event of ``client``'s DP-SGD-trained upload (the run plan's; empty when not private)."""
+        if not self.privacy.private:
+            return {}
+        schedule = dpsgd_schedule(self, client)
+        return {"update": schedule.round_event(self.noise_multiplier(schedule))}
 
     def noise_multiplier(self, schedule: DPSGDSchedule) -> float:
         """z for a client with this schedule, calibrated once per distinct schedule."""
@@ -285,9 +347,9 @@ class DPSGDFedAvg(FedAvg):
     def vectorisable(self) -> bool:
         """Whether :meth:`client_updates` trains clients together: DP-SGD on cross-entropy (this class's own local
         step) over a model built of stateless layers (``privfl.executor.VectorisedDPSGD``); non-private runs use the
-        FedAvg executor."""
-        return (type(self).client_update is DPSGDFedAvg.client_update and self.model is not None
-                and vectorisable(self.model))
+        FedAvg executor. A user's loss or optimizer, or regression, runs per client."""
+        return (type(self).client_update is DPSGDFedAvg.client_update and self.default_step
+                and self.model is not None and vectorisable(self.model))
 
     def client_updates(self, clients, datasets, round, rngs):
         """``(k, client_update(k, ...))`` for every client, the clients of one DP-SGD schedule trained together
@@ -323,11 +385,12 @@ class DPSGDFedAvg(FedAvg):
         z = self.noise_multiplier(schedule)
         x, y = dataset.tensors()
         stats = dpsgd_train(local, x, y, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
-                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise)
+                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
+                            loss=self.user.loss, optimizer=self.user.optimizer, algorithm=self.name)
         update = flat_parameters(local) - self.global_params
         return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
                             weight=self.release_weight(dataset, client), metrics={"noise_multiplier": z, **stats})
 
 
 __all__ = ["DPSGDFedAvg", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_dpsgd_privacy",
-           "dpsgd_schedule", "dpsgd_train"]
+           "check_opacus_model", "dpsgd_schedule", "dpsgd_train"]

@@ -2,11 +2,18 @@
 server averages the changes weighted by the clients' example counts.
 
 Non-private: the upload is released unclipped and charged as non-private (epsilon = inf).
+
+The user's own objects (``privfl.training.UserTraining``): ``model`` (an ``nn.Module`` or a zero-argument factory;
+default the built-in ``FederationConfig.model``), ``loss``, ``optimizer`` (a factory of parameters) and extra test
+``metrics``; the whole family (FedProx, DP-FedAvg, DP-SGD FedAvg) takes them. Regression (float targets) trains on
+mean squared error by default and reports RMSE, MAE and R^2 in the data's own units.
 """
 
 from __future__ import annotations
 
 from typing import Iterator, Mapping, Sequence
+
+import copy
 
 import numpy as np
 import torch
@@ -16,31 +23,60 @@ from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.executor import VectorisedSGD, vectorisable
-from privfl.metrics import classification_metrics
+from privfl.metrics import classification_metrics, point_regression_metrics
 from privfl.models import make_model
 from privfl.public import release_weight
-from privfl.training import flat_parameters, load_flat_parameters, predict_proba, train_epochs
+from privfl.training import (UserTraining, flat_parameters, load_flat_parameters, predict_outputs, predict_proba,
+                             train_epochs)
 
 
 class FedAvg(FederatedAlgorithm):
     name = "fedavg"
     supports_privacy = False
+    #: a client step reads the global model only (privfl.algorithms.base: the two halves)
+    broadcast_state = ("global_params",)
 
-    def __init__(self, fed, privacy):
+    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None):
         super().__init__(fed, privacy)
         if privacy.private and not self.supports_privacy:
             raise ConfigurationError(f"{self.name} is a non-private baseline; run it with epsilon = inf or choose "
                                      f"dp_fedavg for client-level DP")
+        self.user = UserTraining.of(self.name, model, loss, optimizer, metrics)
         self.model: torch.nn.Module | None = None
         self.global_params: np.ndarray | None = None
         self._local: torch.nn.Module | None = None  # one working copy, reloaded for every client (no deepcopy)
 
+    def build_model(self, public) -> torch.nn.Module:
+        """The user's model (a fresh copy) or the built-in architecture, checked against the task's output width."""
+        if self.user.model is None:
+            return make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        net = self.user.model()
+        if not any(p.requires_grad for p in net.parameters()):
+            raise ConfigurationError(f"{self.name}: the model has no trainable parameters")
+        was_training = net.training
+        try:
+            with torch.no_grad():
+                net.eval()
+                out = net(torch.zeros((1, *public.input_shape)))
+        except Exception as exc:  # the user's forward on the data's input shape: say what it was fed
+            raise ConfigurationError(f"{self.name}: the model failed on an input of shape "
+                                     f"{(1, *public.input_shape)} (one example of the clients' data): "
+                                     f"{type(exc).__name__}: {exc}") from None
+        finally:
+            net.train(was_training)
+        width = int(out.reshape(1, -1).shape[1]) if isinstance(out, torch.Tensor) else -1
+        if width != public.num_classes:
+            what = "classes" if public.task == "classification" else "target values per example"
+            raise ConfigurationError(f"{self.name}: the model outputs {width} values per example but the data has "
+                                     f"{public.num_classes} {what}; make its last layer output {public.num_classes}")
+        return net
+
     def setup(self, data, rng):
         public = self.bind_public(data)
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        self.model = self.build_model(public)
         self.global_params = flat_parameters(self.model)
-        self._local = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        self._local = copy.deepcopy(self.model)
 
     @property
     def dim(self) -> int:
@@ -52,7 +88,7 @@ class FedAvg(FederatedAlgorithm):
     def local_train(self, model, dataset, rng) -> None:
         x, y = dataset.tensors()
         train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
-                     momentum=self.fed.momentum, rng=rng)
+                     momentum=self.fed.momentum, rng=rng, loss=self.user.loss, optimizer=self.user.optimizer)
 
     def release_weight(self, dataset, client: int = 0) -> float:
         """A public constant (``privfl.public.release_weight``): n_k only when sizes are public or nothing is."""
@@ -74,14 +110,19 @@ class FedAvg(FederatedAlgorithm):
     @property
     def vectorisable(self) -> bool:
         """Whether :meth:`client_updates` trains clients together (``privfl.executor``): the local step is plain
-        SGD on cross-entropy (a subclass that overrides ``local_train`` differently runs per client) and the model is
-        built of stateless layers."""
+        SGD on cross-entropy (a subclass that overrides ``local_train`` differently, a user's loss or optimizer, or
+        regression runs per client) and the model is built of stateless layers."""
         return self._vectorises(FedAvg.local_train)
+
+    @property
+    def default_step(self) -> bool:
+        """Whether the local step is what the vectorised executor computes: SGD on cross-entropy."""
+        return not self.user.custom_step and (self.public is None or self.public.task == "classification")
 
     def _vectorises(self, local_train) -> bool:
         cls = type(self)
         same_step = cls.client_update is FedAvg.client_update and cls.local_train is local_train
-        return same_step and self.model is not None and vectorisable(self.model)
+        return same_step and self.default_step and self.model is not None and vectorisable(self.model)
 
     def client_updates(self, clients: Sequence[int], datasets, round, rngs) -> "Iterator[tuple[int, ClientOutput]]":
         """``(k, client_update(k, ...))`` for every client of ``clients``, computed together by the vectorised
@@ -101,9 +142,25 @@ class FedAvg(FederatedAlgorithm):
         agg = aggregates["update"]
         self.global_params = self.global_params + self.fed.server_lr * agg.total / agg.total_weight
 
-    def predict_proba(self, dataset):
+    def global_model(self) -> torch.nn.Module:
+        """The global model with the current global parameters (the algorithm's own module: copy it to keep it)."""
         load_flat_parameters(self.model, self.global_params)
-        return predict_proba(self.model, dataset.tensors()[0])
+        return self.model
+
+    def predict_proba(self, dataset):
+        if dataset.task == "regression":
+            return None
+        return predict_proba(self.global_model(), dataset.tensors()[0])
 
     def evaluate(self, dataset):
-        return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())
+        y = dataset.y
+        if dataset.task == "regression":
+            pred = predict_outputs(self.global_model(), dataset.tensors()[0]).reshape(y.shape)
+            scores, truth = dataset.to_original_units(pred), dataset.to_original_units(y)
+            metrics = point_regression_metrics(scores, truth)
+        else:
+            scores, truth = self.predict_proba(dataset), y
+            metrics = classification_metrics(scores, truth)
+        for name, fn in self.user.metrics.items():
+            metrics[name] = float(fn(truth, scores))
+        return metrics

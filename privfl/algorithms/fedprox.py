@@ -21,8 +21,8 @@ class FedProx(FedAvg):
     #: default proximal coefficient (FedProx's experiments use mu in {0.001, 0.01, 0.1, 1})
     default_mu = 0.01
 
-    def __init__(self, fed, privacy, mu: float | None = None):
-        super().__init__(fed, privacy)
+    def __init__(self, fed, privacy, mu: float | None = None, model=None, loss=None, optimizer=None, metrics=None):
+        super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
         mu = self.default_mu if mu is None else mu
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu < 0:
             raise ConfigurationError(f"fedprox: mu must be a finite number >= 0, got {mu!r}")
@@ -41,4 +41,5 @@ class FedProx(FedAvg):
 
         x, y = dataset.tensors()
         train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
-                     momentum=self.fed.momentum, rng=rng, extra_loss=proximal if self.mu > 0 else None)
+                     momentum=self.fed.momentum, rng=rng, extra_loss=proximal if self.mu > 0 else None,
+                     loss=self.user.loss, optimizer=self.user.optimizer)

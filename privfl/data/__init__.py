@@ -8,6 +8,7 @@ from privfl.data.cache import CACHE_ENV, default_cache_dir
 from privfl.data.dataset import ArrayDataset, FederatedData
 from privfl.data.errors import DatasetError, DatasetNotFoundError, PartitionError
 from privfl.data.federated import DATASETS, MIN_PUBLIC_SIZE, PUBLIC_FRACTION, federated_from_arrays, make_federated
+from privfl.data.inputs import as_arrays
 from privfl.data.own import EntryPoint, client_tables, federated_from_tables, load_entry, read_table
 from privfl.data.offline import load_diabetes, load_digits, load_mnist5k, synthetic1d, synthetic1d_function
 from privfl.data.partition import (EXAMPLES_PER_CLASS_PRESETS, PARTITIONS, PartitionWarning, dirichlet_partition,
@@ -18,7 +19,7 @@ from privfl.data.torchvision_sets import TORCHVISION_DATASETS, load_torchvision
 from privfl.data.uci import UCI_DATASETS, load_uci
 
 __all__ = [
-    "ArrayDataset", "CACHE_ENV", "DATASETS", "DatasetError", "DatasetNotFoundError", "EXAMPLES_PER_CLASS_PRESETS",
+    "ArrayDataset", "CACHE_ENV", "as_arrays", "DATASETS", "DatasetError", "DatasetNotFoundError", "EXAMPLES_PER_CLASS_PRESETS",
     "EntryPoint", "client_tables", "federated_from_tables", "load_entry", "read_table",
     "FederatedData", "MIN_PUBLIC_SIZE", "PARTITIONS", "PUBLIC_FRACTION", "PartitionError", "PartitionWarning",
     "Standardizer", "TORCHVISION_DATASETS", "UCI_DATASETS", "default_cache_dir", "dirichlet_partition",

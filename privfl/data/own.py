@@ -275,9 +275,10 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
             raise DatasetError(f"{flag} {spec!r}: model settings may be model, hidden and pool, got {sorted(unknown)}")
         settings = dict(model)
     else:
-        raise DatasetError(f"{flag} {spec!r} returned a {type(model).__name__} as the model: privfl's algorithms build "
-                           "their models from a built-in architecture, so return its name ('mlp') or settings "
-                           "({'model': 'mlp', 'hidden': [16]}), or None for --model")
+        raise DatasetError(f"{flag} {spec!r} returned a {type(model).__name__} as the model: the command line builds "
+                           "a built-in architecture, so return its name ('mlp') or settings ({'model': 'mlp', "
+                           "'hidden': [16]}), or None for --model; to train your own nn.Module, call "
+                           "privfl.federate(model, clients, ...) from Python")
     if not isinstance(clients, Mapping):
         raise DatasetError(f"{flag} {spec!r}: clients must be a mapping of client name to data, got "
                            f"{type(clients).__name__}")

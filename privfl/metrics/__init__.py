@@ -2,9 +2,10 @@
 
 from privfl.metrics.calibration import brier_score, maximum_calibration_error
 from privfl.metrics.classification import auroc, balanced_accuracy, classification_metrics
-from privfl.metrics.regression import gaussian_nll, interval_calibration, regression_metrics, rmse
+from privfl.metrics.regression import (gaussian_nll, interval_calibration, point_regression_metrics,
+                                      regression_metrics, rmse)
 from privfl.metrics.report import applied_noise, from_strict_number, strict_json
 
 __all__ = ["applied_noise", "auroc", "balanced_accuracy", "brier_score", "classification_metrics",
            "from_strict_number", "gaussian_nll", "interval_calibration", "maximum_calibration_error",
-           "regression_metrics", "rmse", "strict_json"]
+           "point_regression_metrics", "regression_metrics", "rmse", "strict_json"]

@@ -77,4 +77,15 @@ def regression_metrics(mean, var, y, levels=DEFAULT_LEVELS) -> dict[str, float]:
             "brier": cal["brier"]}
 
 
-__all__ = ["DEFAULT_LEVELS", "gaussian_nll", "interval_calibration", "regression_metrics", "rmse"]
+def point_regression_metrics(pred, y) -> dict[str, float]:
+    """``rmse``, ``mae`` and ``r2`` (coefficient of determination, 1 - SSE / SST; 0 is predicting the test mean) of
+    point predictions, e.g. a network trained with squared error. Pass both in the data's own units."""
+    pred, _, y = _arrays(pred, None, y)
+    sst = float(np.sum((y - y.mean()) ** 2))
+    sse = float(np.sum((pred - y) ** 2))
+    return {"rmse": rmse(pred, y), "mae": float(np.mean(np.abs(pred - y))),
+            "r2": 1.0 - sse / sst if sst > 0 else float("nan")}
+
+
+__all__ = ["DEFAULT_LEVELS", "gaussian_nll", "interval_calibration", "point_regression_metrics", "regression_metrics",
+           "rmse"]

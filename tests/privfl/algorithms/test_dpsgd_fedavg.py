@@ -61,6 +61,56 @@ def test_a_ghost_clipping_step_is_the_clipped_gradient_average():
     nn.functional.cross_entropy(model(x), y).backward()
 
 
+class ScaledMSE(nn.Module):
+    """A user's loss: 1000 x squared error, with a ``reduction`` switch like torch's losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, out, y):
+        return 1000.0 * nn.functional.mse_loss(out, y, reduction=self.reduction)
+
+
+def test_a_users_loss_and_optimizer_are_still_clipped_per_example():
+    """Regression with a user's (badly scaled) loss and optimizer factory: the step is still the average of
+    per-example gradients clipped to C, the privacy DP-SGD accounts for."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 4), nn.ReLU(), nn.Linear(4, 1))
+    reference = nn.Sequential(nn.Linear(10, 4), nn.ReLU(), nn.Linear(4, 1))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(30, 10, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(30, generator=torch.Generator().manual_seed(2))  # float targets of shape (n,)
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=1)
+    made = []
+    dpsgd_train(model, x, y, schedule, noise_multiplier=0.0, clip=0.5, lr=1.0, momentum=0.0,
+                rng=np.random.default_rng(0), loss=ScaledMSE(),
+                optimizer=lambda params: made.append(1) or torch.optim.SGD(params, lr=1.0))
+    assert made == [1]
+    grads = []
+    for i in range(30):
+        reference.zero_grad()
+        (1000.0 * (reference(x[i:i + 1]).reshape(1) - y[i:i + 1]).pow(2).mean()).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in reference.parameters()]))
+    g = torch.stack(grads)
+    assert (g.norm(dim=1) > 0.5).all()  # the scale would dominate without the clip
+    c = (0.5 / (g.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    expected = before - (c[:, None] * g).sum(dim=0) / 30
+    after = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-5)
+    assert (after - before).norm() <= 0.5 + 1e-5
+
+
+def test_a_loss_without_per_example_values_is_refused_under_dpsgd():
+    with pytest.raises(ConfigurationError, match="one loss per example"):
+        DPSGDFedAvg(FED, PrivacyConfig(epsilon=3.0, unit="example"), loss=nn.functional.cross_entropy)
+    with pytest.raises(ConfigurationError, match="one loss per example"):
+        dpsgd_train(small_net(), torch.randn(4, 10), torch.zeros(4, dtype=torch.long),
+                    DPSGDSchedule(1.0, 1, 1), noise_multiplier=1.0, clip=1.0, lr=0.1, momentum=0.0,
+                    rng=np.random.default_rng(0), loss=nn.functional.cross_entropy)
+
+
 def test_empty_poisson_batches_are_noise_only_steps():
     model = small_net()
     x, y = torch.randn(5, 10), torch.zeros(5, dtype=torch.long)
