@@ -10,5 +10,17 @@ class ConfigurationError(ValueError):
     """A configuration value is invalid; the message names the field and what to change."""
 
 
-__all__ = ["ConfigurationError", "InvalidPrivacyParameter", "InvalidRelease", "LedgerError", "PrivacyBudgetExceeded",
+class MessageError(ValueError):
+    """A privfl message could not be encoded or decoded; the message says what to change."""
+
+
+class CorruptMessage(MessageError):
+    """The bytes or records are not an intact privfl message (truncated, altered, of another kind or version)."""
+
+
+class UnsupportedValue(MessageError):
+    """A value cannot be carried exactly (object arrays, non-string keys, ...); nothing was encoded."""
+
+
+__all__ = ["ConfigurationError", "CorruptMessage", "MessageError", "UnsupportedValue", "InvalidPrivacyParameter", "InvalidRelease", "LedgerError", "PrivacyBudgetExceeded",
            "PrivacyError", "ReleaseMisuse"]

@@ -8,6 +8,13 @@ The algorithm is set up from the federation's :class:`privfl.public.PublicFacts`
 and what one client sends in one round is :meth:`Simulation.client_step`: the client's work, then its release
 pipeline. The neighbouring-dataset contract test runs exactly that step on neighbouring datasets.
 
+Halves and plan. Every noise level and seed stream comes from one :class:`privfl.plan.RunPlan`, built once in
+:meth:`Simulation.prepare`. The algorithm object given to the runtime is the server half; an algorithm that declares
+its broadcast (``broadcast_state``, :mod:`privfl.algorithms.base`) has its client steps run on a separate client
+half, which learns the server's state only from each round's :class:`privfl.algorithms.base.Broadcast` and keeps
+each client's own state (``client_state``) on the client side, as a deployment does; the others still run both
+halves in one object.
+
 Executors. An algorithm whose local step is the same computation on every client (FedAvg, FedProx, DP-FedAvg; it
 offers ``client_updates`` and says ``vectorisable``) has a round's clients trained together by the vectorised executor
 (``privfl.executor``); each client's output then goes through its own pipeline exactly as ``client_step`` sends it
@@ -28,18 +35,18 @@ from typing import Callable
 
 import numpy as np
 
-from privfl.accounting.calibration import calibrate
 from privfl.accounting.errors import PrivacyBudgetExceeded
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
-from privfl.channels import TrainedPrivately, charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.release import Release, ReleasePipeline, amplifies
+from privfl.plan import RunPlan, seed_stream
+from privfl.release import Release
+from privfl.plan import noise_multipliers_for as plan_multipliers
 from privfl.errors import ConfigurationError
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
-from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, secure_weighted_sums
+from privfl.secure import SecureAggregation, secure_weighted_sums
 from privfl.secure_agg import ProtocolAbort
 
 
@@ -83,27 +90,8 @@ class RunResult:
 
 def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig, rounds: int,
                           channels=None) -> dict[str, float] | None:
-    """Calibrate one noise multiplier per private channel so each client's composition over ``rounds`` meets
-    (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
-    amplifies client-level guarantees under central noise only (``ReleasePipeline``); any other run is calibrated as
-    if its client released every round."""
-    if not privacy.private:
-        return None
-    private = [c for c in (channels or algorithm.channels()) if c.private]
-    shares = {c.name: c.budget_share for c in private}
-    if not shares or all(isinstance(c.clip, TrainedPrivately) for c in private):
-        return {}  # nothing noised here: DP-SGD's own calibration (calibrate_dpsgd) sets its noise
-    q = privacy.sampling_rate if amplifies(privacy.sampling_rate, privacy.unit, privacy.placement) else 1.0
-    kwargs = {}
-    if q < 1:
-        relations = {c.adjacency for c in private}
-        if len(relations) != 1:
-            raise ConfigurationError(f"client sampling composes one neighbouring relation; the channels declare "
-                                     f"{sorted(relations)}")
-        kwargs["relation"] = relations.pop()
-    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=shares,
-                    accountant=privacy.resolved_accountant, **kwargs)
-    return dict(cal.noise_multipliers)
+    """The noise multiplier of each of ``algorithm``'s private channels (``privfl.plan.noise_multipliers_for``)."""
+    return plan_multipliers(channels if channels is not None else algorithm.channels(), privacy, rounds)
 
 
 EXECUTORS = ("auto", "vectorised", "per_client")
@@ -155,42 +143,30 @@ class Simulation:
         return SecureNoise() if self.privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
 
     def prepare(self) -> None:
-        """Set the algorithm up from the public facts, plan every noise level and build one pipeline per client."""
+        """Set the algorithm up from the public facts, build the run plan (every noise level, once) and one pipeline
+        per client."""
         fed, privacy, alg = self.fed, self.privacy, self.algorithm
-        root = np.random.SeedSequence(fed.seed)
-        setup_seq, sample_seq, server_seq, client_root, secure_seq = root.spawn(5)
         n_clients = self.public.n_clients
         if len(self.data.train_parts) != n_clients:
             raise ConfigurationError(f"the public facts declare {n_clients} clients but the data has "
                                      f"{len(self.data.train_parts)}")
-        client_seqs = client_root.spawn(n_clients)
-        self.secure_rng = np.random.default_rng(secure_seq)
-        self.train_rngs = [np.random.default_rng(s.spawn(1)[0]) for s in client_seqs]
+        setup_seq = seed_stream(fed.seed, "setup")
         alg.setup(self.public, np.random.default_rng(setup_seq))
-        channels = charged_channels(alg.channels(), privacy, self.secure is not None)
-        check_record_level_clips(channels, privacy)
-        if self.secure is not None:
-            check_secure_channels(channels)
-            self.secure.check(n_clients)
-        plans, distributed_events = None, None
-        if privacy.placement == "distributed" and privacy.private:
-            if self.secure is None:
-                raise ConfigurationError("distributed noise is added by the clients under secure aggregation; turn "
-                                         "secure aggregation on (--secure-agg) or choose local/central placement")
-            plans = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients, self.secure)
-            multipliers = {name: p.noise_multiplier for name, p in plans.items()}
-            distributed_events = {name: p.event for name, p in plans.items()}
-            placement = "distributed"
-        else:
-            multipliers = noise_multipliers_for(alg, privacy, fed.rounds, channels)
-            placement = "local" if privacy.placement == "local" else "central"
-        self.pipelines = [ReleasePipeline(str(k), channels, self.ledger, multipliers, placement=placement,
-                                          sampling_rate=privacy.sampling_rate, noise=self._noise(client_seqs[k]),
-                                          distributed_events=distributed_events, privacy_unit=privacy.unit)
+        plan = self.plan = RunPlan.build(alg, privacy, fed, self.public, self.secure)
+        # The client side: a separate instance that learns the server's state only from each round's broadcast
+        # (privfl.algorithms.base); an algorithm that has not declared its broadcast runs both halves in one object.
+        self.split = bool(alg.splittable and alg.broadcast_state)
+        self.client_half = (alg.client_half(self.public, np.random.default_rng(setup_seq)) if self.split
+                            else None)
+        self.client_states: list[dict | None] = [None] * n_clients
+        self._broadcast = None
+        self.secure_rng = np.random.default_rng(plan.stream("secure"))
+        self.train_rngs = [plan.train_rng(k) for k in range(n_clients)]
+        self.pipelines = [plan.pipeline(k, self.ledger, self._noise(plan.client_stream(k)))
                           for k in range(n_clients)]
-        self.server_noise = self._noise(server_seq)
-        self.sampler = np.random.default_rng(sample_seq)
-        self.channels, self.plans, self.multipliers = channels, plans, multipliers
+        self.server_noise = self._noise(plan.stream("server"))
+        self.sampler = np.random.default_rng(plan.stream("sample"))
+        self.channels, self.plans, self.multipliers = list(plan.channels), plan.distributed, plan.noise_multipliers
         self._prepared = True
 
     def client_step(self, k: int, rnd: int) -> dict[str, Release]:
@@ -198,16 +174,34 @@ class Simulation:
         (validate, clip, charge, noise). Raises :class:`PrivacyBudgetExceeded` (nothing charged or released)."""
         if not self._prepared:
             self.prepare()
-        out = self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+        out = self._client_update(k, rnd)
         return self.pipelines[k].release(rnd, out.values, out.weight)
+
+    def broadcast(self, rnd: int):
+        """The server half's broadcast for round ``rnd`` (made once per round; None in single-object mode)."""
+        if not self.split:
+            return None
+        if self._broadcast is None or self._broadcast.round != rnd:
+            self._broadcast = self.algorithm.broadcast(rnd)
+        return self._broadcast
+
+    def _client_update(self, k: int, rnd: int):
+        """Client ``k``'s local work: on its client half, from the broadcast and its own state."""
+        if not self.split:
+            return self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+        out, self.client_states[k] = self.client_half.client_update(
+            k, self.broadcast(rnd), self.data.train_parts[k], self.client_states[k], self.train_rngs[k])
+        return out
 
     @property
     def vectorised(self) -> bool:
         """Whether this run's rounds use the vectorised executor (see the module docstring)."""
         if self.executor == "per_client":
             return False
-        alg = self.algorithm
-        able = hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
+        split = self._prepared and self.split
+        alg = self.client_half.algorithm if split else self.algorithm
+        able = (hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
+                and not (split and alg.client_state))
         if self.executor == "vectorised" and not able:
             raise ConfigurationError(f"{alg.name} with this model cannot run on the vectorised executor; use "
                                      f"executor='auto' or 'per_client'")
@@ -220,12 +214,14 @@ class Simulation:
         if not self._prepared:
             self.prepare()
         clients = [int(k) for k in clients]
-        if self.vectorised:
-            outputs = self.algorithm.client_updates(clients, [self.data.train_parts[k] for k in clients], rnd,
-                                                    [self.train_rngs[k] for k in clients])
+        datasets, rngs = [self.data.train_parts[k] for k in clients], [self.train_rngs[k] for k in clients]
+        if self.vectorised and self.split:
+            outputs = ((k, out) for k, out, _ in self.client_half.client_updates(
+                clients, self.broadcast(rnd), datasets, [self.client_states[k] for k in clients], rngs))
+        elif self.vectorised:
+            outputs = self.algorithm.client_updates(clients, datasets, rnd, rngs)
         else:
-            outputs = ((k, self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k]))
-                       for k in clients)
+            outputs = ((k, self._client_update(k, rnd)) for k in clients)
         for k, out in outputs:
             try:
                 yield k, self.pipelines[k].release(rnd, out.values, out.weight)

@@ -1,15 +1,31 @@
-"""The contract every federated algorithm implements.
+"""The contract every federated algorithm implements, and its two halves.
 
 A client step returns its round's channel values (it never sends anything itself: the runtime hands the values to
 the client's release pipeline). A server step sees only :class:`privfl.aggregation.Aggregate` objects, weighted sums
 of releases, so secure aggregation can hide every upload without changing the algorithm.
+
+**Two halves joined by messages.** The object a user builds is the server half: ``setup(public, rng)``,
+:meth:`FederatedAlgorithm.broadcast`, ``server_update``. The client half (:class:`ClientHalf`, from
+:meth:`FederatedAlgorithm.client_half`) is a separate instance of the same class, built from the same public
+configuration and facts, that learns the server's state only from a :class:`Broadcast`:
+``client_update(broadcast, dataset, state, rng) -> (ClientOutput, state)``, where ``state`` is the client's own (kept
+by the runtime on the client's side; ``None`` before its first round). An algorithm declares what crosses:
+
+- ``broadcast_state``: the attributes of the server half a client step reads (the broadcast carries exactly these,
+  as message values: numpy arrays, numbers, strings, tuples, mappings);
+- ``client_state``: attributes that hold per-client state keyed by client index (dicts, or sets of client
+  indices); the client half keeps only the stepping client's entry, and the runtime keeps it between rounds.
+
+A class whose client step needs something else declares ``splittable = False`` and runs only where one object plays
+both halves (the in-process runtime's legacy path).
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -28,8 +44,57 @@ class ClientOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+BROADCAST_KIND = "privfl.broadcast"
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """What the server half sends every client at the start of a round: the round and the server state the
+    algorithm's client step reads (``broadcast_state``), as message values (:mod:`privfl.messages`)."""
+
+    round: int
+    values: Mapping[str, Any]
+
+    def to_bytes(self) -> bytes:
+        from privfl.messages import to_bytes
+
+        return to_bytes({"round": int(self.round), "values": dict(self.values)}, BROADCAST_KIND)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Broadcast":
+        from privfl.errors import CorruptMessage
+        from privfl.messages import from_bytes
+
+        msg = from_bytes(data, BROADCAST_KIND)
+        if set(msg) != {"round", "values"} or type(msg["round"]) is not int or not isinstance(msg["values"], dict):
+            raise CorruptMessage("a broadcast holds exactly an integer round and a mapping of values")
+        return cls(msg["round"], msg["values"])
+
+
+def _detached(value):
+    """A copy of a broadcast value that shares no mutable buffer with the server half."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        return copy.deepcopy(value)
+    return value
+
+
 class FederatedAlgorithm(abc.ABC):
     """A federated algorithm over channels. Subclasses set ``name`` and implement the five steps."""
+
+    #: attributes of the server half that a client step reads: what :meth:`broadcast` carries
+    broadcast_state: tuple[str, ...] = ()
+    #: attributes holding per-client state keyed by client index (dicts or sets): what a client half keeps
+    client_state: tuple[str, ...] = ()
+    #: whether the client step reads only ``broadcast_state`` and its own ``client_state`` (see the module docstring)
+    splittable: bool = True
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        # the constructor's arguments (public configuration): a client half is a fresh instance built from them
+        self._init_args = (args, dict(kwargs))
+        return self
 
     name: str = "abstract"
     #: whether a finite epsilon is meaningful for this algorithm (non-private baselines refuse one)
@@ -64,6 +129,25 @@ class FederatedAlgorithm(abc.ABC):
     def server_update(self, aggregates: Mapping[str, Aggregate], round: int) -> None:
         """Update the global state from the round's weighted sums."""
 
+    def broadcast(self, round: int) -> Broadcast:
+        """The round's :class:`Broadcast`: copies of the ``broadcast_state`` attributes (available after setup)."""
+        return Broadcast(int(round), {name: _detached(getattr(self, name)) for name in self.broadcast_state})
+
+    def client_half(self, public: PublicFacts | None = None, rng: np.random.Generator | None = None) -> "ClientHalf":
+        """A client half of this algorithm: a new instance built from the same constructor arguments and set up from
+        the public facts (``public``, default this half's) with ``rng`` (the run's setup stream, so its structure
+        is the server's); it knows nothing of this object's state."""
+        if not self.splittable:
+            raise NotImplementedError(f"{self.name}: the client step reads more than the broadcast; it runs only in "
+                                      f"the in-process runtime's single-object mode")
+        public = public if public is not None else self.public
+        if public is None:
+            raise RuntimeError(f"{self.name}: setup() must run before client_half() (or pass the public facts)")
+        args, kwargs = self._init_args
+        client = type(self)(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        client.setup(public, rng if rng is not None else np.random.default_rng(0))
+        return ClientHalf(client)
+
     @abc.abstractmethod
     def evaluate(self, dataset) -> dict[str, float]:
         """Metrics of the global model on ``dataset`` (accuracy, nll, ece for classification)."""
@@ -79,3 +163,76 @@ class FederatedAlgorithm(abc.ABC):
         if proba is None:
             return None
         return proba, np.asarray(dataset.y)
+
+
+class ClientHalf:
+    """The client's side of an algorithm (see the module docstring): it reads the server's state only from the
+    :class:`Broadcast` it is given, and a client's own state only from ``state``."""
+
+    def __init__(self, algorithm: FederatedAlgorithm):
+        self.algorithm = algorithm
+
+    @property
+    def name(self) -> str:
+        return self.algorithm.name
+
+    def channels(self) -> list[Channel]:
+        return self.algorithm.channels()
+
+    def load(self, broadcast: Broadcast) -> None:
+        """Take the server state of ``broadcast`` (exactly the declared ``broadcast_state``)."""
+        alg = self.algorithm
+        names = set(alg.broadcast_state)
+        if set(broadcast.values) != names:
+            from privfl.errors import CorruptMessage
+
+            raise CorruptMessage(f"{alg.name}: a broadcast carries {sorted(names)}, got {sorted(broadcast.values)}")
+        for name in alg.broadcast_state:
+            setattr(alg, name, _detached(broadcast.values[name]))
+
+    def _enter(self, client: int, state: dict | None) -> None:
+        for name in self.algorithm.client_state:
+            holder = getattr(self.algorithm, name)
+            holder.clear()
+            if state is not None and name in state:
+                if isinstance(holder, set):
+                    if state[name]:
+                        holder.add(client)
+                else:
+                    holder[client] = state[name]
+
+    def _leave(self, client: int) -> dict:
+        state = {}
+        for name in self.algorithm.client_state:
+            holder = getattr(self.algorithm, name)
+            if isinstance(holder, set):
+                state[name] = client in holder
+            elif client in holder:
+                state[name] = holder[client]
+            holder.clear()
+        return state
+
+    def client_update(self, client: int, broadcast: Broadcast, dataset, state: dict | None,
+                      rng: np.random.Generator) -> tuple[ClientOutput, dict]:
+        """Client ``client``'s round: its work on its own ``dataset`` from ``broadcast`` and its own ``state``."""
+        self.load(broadcast)
+        self._enter(client, state)
+        try:
+            out = self.algorithm.client_update(client, dataset, broadcast.round, rng)
+        finally:
+            new_state = self._leave(client)
+        return out, new_state
+
+    @property
+    def vectorisable(self) -> bool:
+        alg = self.algorithm
+        return hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
+
+    def client_updates(self, clients, broadcast: Broadcast, datasets, states, rngs):
+        """``(k, ClientOutput, state)`` for each client of ``clients``, trained together by the algorithm's
+        vectorised executor (only for algorithms without per-client state)."""
+        if self.algorithm.client_state:
+            raise NotImplementedError(f"{self.name}: clients with their own state are stepped one at a time")
+        self.load(broadcast)
+        for k, out in self.algorithm.client_updates(clients, datasets, broadcast.round, rngs):
+            yield k, out, {}
