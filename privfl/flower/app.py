@@ -1,23 +1,24 @@
-"""A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): FedAvg, FedProx and DP-FedAvg (client
-level) across machines, one SuperNode per organisation.
+"""A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): every algorithm whose two halves are apart
+(``privfl.algorithms.base``) and that keeps no per-client state between rounds — FedAvg, FedProx, DP-FedAvg,
+DP-SGD FedAvg and FOLA (:func:`runs_on_flower`) — across machines, one SuperNode per organisation.
 
-The server half (:func:`server_main`) sets the algorithm up from the run's public facts, plans the noise, and each
-round broadcasts the global parameters, receives only :class:`privfl.release.Release` values and weights, sums them
-with :func:`privfl.aggregation.weighted_sums` and calls ``server_update``. The client half (:func:`client_train`)
-runs in the organisation's SuperNode: it builds its own algorithm instance from the public run specification, loads
-the broadcast parameters, trains on its own data (node config ``data-path``), and releases through its own
+The server half (:func:`server_main`) sets the algorithm up from the run's public facts, builds the run plan
+(``privfl.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
+only :class:`privfl.release.Release` values and weights, sums them with :func:`privfl.aggregation.weighted_sums` and
+calls ``server_update``. The client half (:func:`client_train`) runs in the organisation's SuperNode: it builds its
+own client half from the public run specification (checking that its plan's noise equals the server's), takes the
+broadcast, trains on its own data (node config ``data-path``), and releases through its own
 :class:`privfl.release.ReleasePipeline`, charging its own SQLite ledger (node config ``ledger-path``), which refuses
 to release past the budget. It returns the releases and its audit summary; nothing else leaves it.
 
-Seeds mirror :meth:`privfl.runtime.Simulation.prepare` (one ``SeedSequence(seed)`` spawning setup, sampling, server,
-clients and secure-aggregation streams; client k's training generator is the first child of client stream k), and a
-client's generators are kept between rounds in its Flower ``Context.state``, so a run with seeded noise releases
-exactly what the in-process runtime with ``executor="per_client"`` releases.
+Seeds are the run plan's streams (``privfl.plan.seed_stream``: setup, sampling, server, clients, secure
+aggregation), and a client's generators are kept between rounds in its Flower ``Context.state``, so a run with
+seeded noise releases exactly what the in-process runtime with ``executor="per_client"`` releases.
 
 Placements: ``local`` (each client noises its own release) and ``central`` (the ServerApp adds the noise to the sum,
 a trusted aggregator, as in the simulation). Not yet here (issue 13): client sampling, secure aggregation and
-distributed noise, FedProx's ``mu`` other than its default, and every algorithm whose server state is more than the
-global parameters or whose client keeps a model between rounds (see ``BROADCAST_STATE``).
+distributed noise, algorithm options other than their defaults, and algorithms with per-client state (HBFL, FedBNN)
+or phases (FedBNR).
 """
 
 from __future__ import annotations
@@ -36,8 +37,15 @@ from privfl.errors import ConfigurationError
 from privfl.flower.records import MessageError, from_bytes, from_record, to_bytes, to_record
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 
-#: algorithm name -> the attributes of its server state that a client reads (all it may read: the broadcast)
-BROADCAST_STATE = {"fedavg": ("global_params",), "fedprox": ("global_params",), "dp_fedavg": ("global_params",)}
+
+
+def runs_on_flower(algorithm: str) -> bool:
+    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast and keeps no per-client
+    state between rounds (client state across ClientApp processes is not carried yet)."""
+    from privfl.algorithms import ALGORITHMS
+
+    cls = ALGORITHMS.get(algorithm)
+    return cls is not None and cls.splittable and bool(cls.broadcast_state) and not cls.client_state
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
@@ -47,8 +55,6 @@ TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-templa
 #: Flower message type of a round and privfl message kinds
 TRAIN = "train"
 BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
-#: the order in which Simulation.prepare spawns its seed streams from SeedSequence(seed)
-SETUP_STREAM, SERVER_STREAM, CLIENT_STREAM = 0, 2, 3
 
 
 class DeploymentError(MessageError):
@@ -79,9 +85,11 @@ class RunSpec:
     torch_threads: int | None = 1
 
     def __post_init__(self):
-        if self.algorithm not in BROADCAST_STATE:
-            raise ConfigurationError(f"the Flower runtime runs {sorted(BROADCAST_STATE)} so far, got "
-                                     f"{self.algorithm!r}")
+        if not runs_on_flower(self.algorithm):
+            from privfl.algorithms import ALGORITHMS
+
+            raise ConfigurationError(f"the Flower runtime runs {sorted(a for a in ALGORITHMS if runs_on_flower(a))} "
+                                     f"so far, got {self.algorithm!r}")
         if not isinstance(self.fed, FederationConfig) or not isinstance(self.privacy, PrivacyConfig):
             raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
         if self.privacy.sampling_rate < 1:
@@ -135,9 +143,10 @@ class RunSpec:
 
 
 def client_seed(seed: int, client: int) -> np.random.SeedSequence:
-    """Client ``client``'s stream: ``SeedSequence(seed).spawn(5)[3].spawn(n)[client]`` of the in-process runtime,
-    which does not depend on the number of clients."""
-    return np.random.SeedSequence(seed, spawn_key=(CLIENT_STREAM, client))
+    """Client ``client``'s stream of the run plan (``privfl.plan.seed_stream``), as the in-process runtime uses it."""
+    from privfl.plan import seed_stream
+
+    return seed_stream(seed, "clients", client)
 
 
 def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
@@ -147,22 +156,25 @@ def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
 
 
 def _plan(alg, spec: RunSpec):
-    """The channels as charged and the noise multipliers (the in-process runtime's calibration)."""
-    from privfl.channels import charged_channels, check_record_level_clips
-    from privfl.runtime import noise_multipliers_for
+    """The channels as charged, the noise multipliers and the placement: the run plan (``privfl.plan.RunPlan``),
+    built from the public spec exactly as the in-process runtime builds it."""
+    from privfl.plan import RunPlan
 
-    channels = charged_channels(alg.channels(), spec.privacy, False)
-    check_record_level_clips(channels, spec.privacy)
-    multipliers = noise_multipliers_for(alg, spec.privacy, spec.fed.rounds, channels)
-    placement = "local" if spec.privacy.placement == "local" else "central"
-    return channels, multipliers, placement
+    plan = RunPlan.build(alg, spec.privacy, spec.fed, alg.public)
+    return list(plan.channels), plan.noise_multipliers, plan.placement
+
+
+def _setup_seq(spec: RunSpec) -> np.random.SeedSequence:
+    from privfl.plan import seed_stream
+
+    return seed_stream(spec.fed.seed, "setup")
 
 
 def _setup(spec: RunSpec, test=None):
     from privfl.algorithms import make_algorithm
 
     alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy)
-    setup_seq = np.random.SeedSequence(spec.fed.seed, spawn_key=(SETUP_STREAM,))
+    setup_seq = _setup_seq(spec)
     alg.setup(spec.public_facts(test), np.random.default_rng(setup_seq))
     return alg
 
@@ -222,13 +234,14 @@ def server_main(grid, context) -> None:
     alg = _setup(spec, test)
     channels, multipliers, _ = _plan(alg, spec)
     by_name = {c.name: c for c in channels}
-    server_noise = _noise(spec.privacy, np.random.SeedSequence(spec.fed.seed, spawn_key=(SERVER_STREAM,)))
+    from privfl.plan import seed_stream
+
+    server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
     history, audits, node_client = [], {}, {}
     for rnd in range(spec.fed.rounds):
         start = time.perf_counter()
-        broadcast = {"round": rnd, "noise_multipliers": multipliers,
-                     "state": {k: getattr(alg, k) for k in BROADCAST_STATE[spec.algorithm]}}
+        broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values)}
         messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
                             group_id=str(rnd)) for node in nodes]
         replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
@@ -270,7 +283,7 @@ def server_main(grid, context) -> None:
                         "seconds": time.perf_counter() - start})
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
     if result_path:
-        result = {"run_id": spec.run_id, "state": {k: getattr(alg, k) for k in BROADCAST_STATE[spec.algorithm]},
+        result = {"run_id": spec.run_id, "state": dict(alg.broadcast(spec.fed.rounds).values),
                   "history": history, "audits": audits, "noise_multipliers": multipliers}
         tmp = f"{result_path}.tmp"
         with open(tmp, "wb") as f:
@@ -336,11 +349,12 @@ def client_train(msg, context):
     if not 0 <= client < spec.n_clients:
         raise ConfigurationError(f"partition-id {client} is outside 0..{spec.n_clients - 1}")
     dataset = load_dataset(str(_node_value(context, DATA_KEY)), spec)
+    from privfl.algorithms.base import Broadcast
+
     broadcast = from_record(msg.content, BROADCAST)
     rnd = int(broadcast["round"])
-    alg = _setup(spec)
-    for key in BROADCAST_STATE[spec.algorithm]:
-        setattr(alg, key, broadcast["state"][key])
+    alg = _setup(spec)  # the client's own instance, from the public spec: it plans the run as the server does
+    half = alg.client_half(alg.public, np.random.default_rng(_setup_seq(spec)))
     channels, multipliers, placement = _plan(alg, spec)
     if multipliers != broadcast["noise_multipliers"]:
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
@@ -355,7 +369,7 @@ def client_train(msg, context):
     try:
         pipeline = ReleasePipeline(str(client), channels, ledger, multipliers, placement=placement,
                                    sampling_rate=privacy.sampling_rate, noise=noise, privacy_unit=privacy.unit)
-        out = alg.client_update(client, dataset, rnd, train_rng)
+        out, _ = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, None, train_rng)
         try:
             with ledger.transaction():  # the charges and release marks are durable before anything is sent
                 released = pipeline.release(rnd, out.values, out.weight)
@@ -425,5 +439,5 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     return directory
 
 
-__all__ = ["BROADCAST_STATE", "DeploymentError", "RunSpec", "client_seed", "client_train", "read_result",
-           "server_main", "write_app"]
+__all__ = ["DeploymentError", "RunSpec", "client_seed", "client_train", "read_result",
+           "runs_on_flower", "server_main", "write_app"]

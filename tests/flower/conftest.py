@@ -39,7 +39,8 @@ sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy), data, s
                  executor="per_client", public=spec.public_facts())
 result = sim.run()
 with open(out_path, "wb") as f:
-    f.write(to_bytes({"global_params": sim.algorithm.global_params, "audit": result.audit,
+    state = dict(sim.algorithm.broadcast(spec.fed.rounds).values)
+    f.write(to_bytes({**state, "state": state, "audit": result.audit,
                       "noise_multipliers": result.noise_multipliers}, "reference"))
 """
 
