@@ -42,16 +42,24 @@ def _widths(text: str) -> tuple[int, ...]:
 #: this tuple equal to its keys)
 ALGORITHM_NAMES = ("dp_fedavg", "dpsgd_fedavg", "fedavg", "fedbnn", "fedbnr", "fedprox", "fola", "hbfl")
 
-#: the privacy unit ``privfl run`` uses when ``--unit`` is not given: the one the algorithm's guarantee is stated in
-#: (DP-SGD FedAvg is record-level by construction); every other algorithm defaults to client level
-DEFAULT_UNITS = {"dpsgd_fedavg": "example"}
-
-#: torch's warning when a full backward hook fires on a module whose inputs need no gradient: raised inside opacus's
-#: per-sample gradient hooks and privfl's Fisher hooks on every first layer (inputs are data, never trainable), and
-#: harmless there: the hooks read gradients with respect to the module's outputs and parameters only
+#: torch's warning when a full backward hook fires on a module whose inputs need no gradient: raised by opacus's
+#: ghost-clipping backward (``dpsgd_train``'s per-client loop, taken by models the vectorised executor cannot train)
+#: on every first layer, whose inputs are data and never trainable; harmless there (the hooks read gradients with
+#: respect to outputs and parameters only) and not ours to avoid. Filtered by its exact text around the commands that
+#: train, until ``dpsgd_train`` filters it around that backward call itself.
 _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
                           r"since no inputs require gradients")
 
+#: the built-in model and data set names, for help texts (``privfl.models`` and ``privfl.data`` import torch; a test
+#: keeps these equal to ``MODELS`` and ``DATASETS``)
+MODEL_NAMES = ("cnn1", "cnn2", "lenet5", "mlp")
+DATASET_NAMES = ("bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "mnist", "mnist5k", "parkinsons",
+                 "skillcraft", "sml2010", "synthetic1d")
+
+#: the privacy unit ``privfl run`` uses when ``--unit`` is not given: the one the algorithm's guarantee is stated in
+#: (DP-SGD FedAvg is record-level by construction; FedBNR clips each record's feature row and target, and at client
+#: level would have to clip whole scatter sums to a record cap); every other algorithm defaults to client level
+DEFAULT_UNITS = {"dpsgd_fedavg": "example", "fedbnr": "example"}
 
 def version() -> str:
     """privfl's installed version (the distribution's metadata, else the package's ``__version__``)."""
@@ -84,9 +92,21 @@ def _check_out_path(path: str, flag: str, *, create_folder: bool = True) -> None
     if os.path.isdir(path):
         raise ConfigurationError(f"{flag} {path} is a directory; give a file name inside it")
     folder = os.path.dirname(os.path.abspath(path))
+    _check_folder(folder, flag, path)
     if not create_folder and not os.path.isdir(folder):
         raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another "
                                  "path")
+
+
+def _check_folder(folder: str, flag: str, given: str) -> None:
+    """Refuse a folder (to be created if missing) that has a file where a folder must be."""
+    from privfl.errors import ConfigurationError
+
+    existing = folder
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigurationError(f"{flag} {given}: {existing} is a file, not a folder; choose another path")
 
 
 def _check_ledger_file(path: str, flag: str) -> list[str]:
@@ -195,16 +215,16 @@ def cmd_run(args) -> int:
     elif args.alignment_size is not None or getattr(ALGORITHMS.get(args.algorithm), "uses_alignment", False):
         raise ConfigurationError(f"{args.algorithm} needs a public alignment set carved from a built-in data set "
                                  "(--alignment-size); with --data or --entry choose another algorithm")
+    if args.run_id is None:
+        args.run_id = default_run_id(args, fed, privacy)
     if args.ledger and args.ledger != ":memory:":
+        _check_folder(os.path.dirname(os.path.abspath(args.ledger)), "--ledger", args.ledger)
         held = _check_ledger_file(args.ledger, "--ledger")
-        if two_phase:
-            base = args.run_id or f"fedbnr-{fed.seed}"
-            ids = [f"{base}-kernel", f"{base}-regression"]
-        else:
-            ids = [args.run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"]
+        ids = [f"{args.run_id}-kernel", f"{args.run_id}-regression"] if two_phase else [args.run_id]
         taken = [i for i in ids if i in held]
         if taken:
-            raise ConfigurationError(f"--ledger {args.ledger} already holds run {taken[0]!r}; pass a new --run-id (or "
+            raise ConfigurationError(f"--ledger {args.ledger} already holds run {taken[0]!r} (the default run id "
+                                     "encodes every setting, so this is the same run again): pass a new --run-id (or "
                                      f"another --ledger) to start a new run; privfl audit {args.ledger} --run-id "
                                      f"{taken[0]} reads the old one")
         os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
@@ -212,6 +232,13 @@ def cmd_run(args) -> int:
         _check_out_path(args.save_model, "--save-model")
     if args.json and args.json != "-":
         _check_out_path(args.json, "--json")
+    if args.algorithm == "fedbnr" and privacy.private and privacy.unit == "client":
+        from privfl.public import PublicFacts
+
+        cap = PublicFacts.of(data, privacy, fed).record_cap
+        print(f"privfl run: fedbnr at --unit client clips each client's scatter sums as if it held at most {cap} "
+              f"records (--record-cap{'' if args.record_cap else '; default 4 x the design size'}); the noise grows "
+              "with this cap, and a client holding more records is clipped into it (warned)", file=sys.stderr)
 
     def show(rec):
         m = rec.metrics
@@ -353,6 +380,20 @@ def _refuse_ignored_input(args) -> None:
     if args.alpha is not None and args.partition != "dirichlet":
         raise ConfigurationError(f"--alpha is the Dirichlet concentration; it applies with --partition dirichlet "
                                  f"only (got --partition {args.partition}): drop it or change the partition")
+
+
+def default_run_id(args, fed, privacy) -> str:
+    """``<algorithm>-<unit>-eps<epsilon>-seed<seed>-<hash>``: readable where runs usually differ, and a hash of every
+    other setting (data, partition, rounds, model, clip, lr, options, secure aggregation; not privfl's version), so
+    that two runs differing in anything get different ids and the same run twice gets the same one."""
+    import hashlib
+
+    settings = _settings(args, fed, privacy, True if args.secure_agg else None)
+    settings.pop("privfl_version", None)
+    settings["federation"].pop("seed", None)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    unit = privacy.unit if privacy.private else "nonprivate"
+    return f"{args.algorithm}-{unit}-eps{privacy.epsilon:g}-seed{fed.seed}-{digest}"
 
 
 def _settings(args, fed, privacy, secure) -> dict:
@@ -503,10 +544,36 @@ def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
 
 # -- audit -------------------------------------------------------------------------------------------------------
 
+#: what the audit's rho means when clients were sampled (the epsilon column counts the amplification, rho does not)
+RHO_SAMPLED_NOTE = ("clients were sampled (Poisson), and rho is the zCDP of each client's releases as if every one "
+                    "had happened, without amplification by sampling: a valid but loose upper bound, whose zCDP "
+                    "conversion can exceed the epsilon column. Epsilon (the run's accountant, with amplification) is "
+                    "the guarantee; rho is only comparable between unsampled runs")
+
+
+def _sampled(event: dict) -> bool:
+    """Whether a privacy event (as ``to_dict()``) contains a Poisson-sampled release, at any depth."""
+    if isinstance(event, dict):
+        rate = event.get("sampling_rate")
+        if isinstance(rate, (int, float)) and rate < 1:
+            return True
+        return any(_sampled(v) for v in event.values())
+    if isinstance(event, (list, tuple)):
+        return any(_sampled(v) for v in event)
+    return False
+
+
 def cmd_audit(args) -> int:
     from privfl.accounting.ledger import PrivacyLedger
 
-    _check_ledger_file(args.ledger, "ledger")
+    held = _check_ledger_file(args.ledger, "ledger")
+    if os.path.isfile(args.ledger) and (args.run_id is not None and args.run_id not in held
+                                        or args.run_id is None and len(held) > 1):
+        from privfl.errors import ConfigurationError
+
+        runs = ", ".join(held) if held else "none"
+        raise ConfigurationError(f"{args.ledger} holds the runs [{runs}]" + (
+            f", not {args.run_id!r}" if args.run_id is not None else "") + "; pass --run-id with one of them")
     if args.png:
         _check_out_path(args.png, "--png", create_folder=False)
     try:
@@ -516,6 +583,9 @@ def cmd_audit(args) -> int:
 
         raise ConfigurationError(f"{args.ledger} is not a readable privfl ledger (SQLite: {exc})") from None
     report = ledger.audit(args.delta)
+    sampled = any(_sampled(charge.event.to_dict()) for charge in ledger.charges())
+    if sampled:
+        report["rho_note"] = RHO_SAMPLED_NOTE
     meta = ledger.meta
     if meta.get("noise"):
         report["noise"] = meta["noise"]
@@ -526,11 +596,14 @@ def cmd_audit(args) -> int:
     else:
         print(f"ledger {args.ledger}  run {report['run_id']}  accountant {report['accountant']}  "
               f"delta {report['delta']:g}  budget {report['epsilon_budget']:g}")
-        print(f"{'client':>8} {'epsilon':>12} {'rho':>12} {'releases':>9} {'charges':>8}")
+        rho_header = "rho*" if sampled else "rho"
+        print(f"{'client':>8} {'epsilon':>12} {rho_header:>12} {'releases':>9} {'charges':>8}")
         for cid, v in report["clients"].items():
             rho = "n/a" if v["rho"] is None else f"{v['rho']:.6g}"
             print(f"{cid:>8} {v['epsilon']:>12.6g} {rho:>12} {v['releases']:>9d} {v['charges']:>8d}")
         print(f"max epsilon {report['max_epsilon']:.6g}")
+        if sampled:
+            print(f"rho*: {report['rho_note']}")
         if "warning" in report:
             print(f"warning: {report['warning']}")
     if args.png:
@@ -551,6 +624,7 @@ def cmd_compare(args) -> int:
     config = CompareConfig.from_toml(args.config) if args.config else CompareConfig()
     if args.out_dir:
         config = replace(config, out_dir=args.out_dir)
+    _check_folder(os.path.abspath(config.out_dir), "--out-dir" if args.out_dir else "out_dir", config.out_dir)
     if args.json and args.json != "-":
         _check_out_path(args.json, "--json")
     rows = compare(config, progress=not args.quiet, toml_path=args.config)
@@ -561,8 +635,10 @@ def cmd_compare(args) -> int:
     source = (f"{config.data or config.entry}, {config.clients} clients" if config.own_data else
               f"{config.dataset}, {config.clients} clients, {config.partition}"
               f"{f' alpha={config.alpha:g}' if config.partition == 'dirichlet' else ''}")
-    t = Table(title=f"privfl compare: {source}, {config.rounds} rounds, "
-                    f"unit={config.unit}, delta={config.delta:g}")
+    # a row's own unit where it is not the grid's (dp_fedavg is client-level by construction)
+    other_units = sorted({(r["algorithm"], r["unit"]) for r in rows if r.get("unit") not in (None, config.unit)})
+    units = f"unit={config.unit}" + (f" ({', '.join(f'{a}: {u}' for a, u in other_units)})" if other_units else "")
+    t = Table(title=f"privfl compare: {source}, {config.rounds} rounds, {units}, delta={config.delta:g}")
     for col in ("algorithm", "ε target", "seeds", "accuracy", "balanced acc.", "AUROC", "NLL", "ECE", "ε spent max",
                 "ε spent mean"):
         t.add_column(col, justify="left" if col == "algorithm" else "right")
@@ -631,22 +707,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--algorithm", default="dp_fedavg", metavar="NAME",
                    help=f"one of {', '.join(ALGORITHM_NAMES)}")
     r.add_argument("--dataset", default=None,
-                   help="built-in data set name (see the README's data sets; default mnist5k)")
+                   help=f"built-in data set: one of {', '.join(DATASET_NAMES)} (see the README's data sets; "
+                        "default mnist5k)")
     r.add_argument("--clients", type=int, default=None,
                    help="number of clients, at least 2 (default 10; with --data or --entry: the clients found)")
     r.add_argument("--data", default=None, metavar="FILES",
                    help="your own data instead of --dataset: CSV or Parquet files, one per client (a quoted glob such "
-                        "as 'clients/*.csv'; a file's name is its client's), or one file with --client-column")
-    r.add_argument("--target", default=None, metavar="COLUMN", help="with --data: the label (or target) column")
+                        "as 'clients/*.csv'; a file's name is its client's), or one file with --client-column "
+                        "(default: none, a built-in --dataset)")
+    r.add_argument("--target", default=None, metavar="COLUMN",
+                   help="with --data: the label (or target) column (no default: required with --data)")
     r.add_argument("--client-column", default=None, metavar="COLUMN",
-                   help="with --data FILE: the column saying whose record each row is")
+                   help="with --data FILE: the column saying whose record each row is (default: none, one file per "
+                        "client)")
     r.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
                    help="your own data from Python: a function returning (model, clients) or (model, clients, "
                         "test); model: a built-in model name, {'model', 'hidden', 'pool'} settings or None; clients: "
-                        "name -> (x, y) arrays/tensors or a DataFrame with the --target column")
+                        "name -> (x, y) arrays/tensors or a DataFrame with the --target column (default: none)")
     r.add_argument("--test-data", default=None, metavar="FILE",
                    help="with --data/--entry: held-out test set (CSV/Parquet, no client's data); its labels are the "
-                        "label set unless --classes is given")
+                        "label set unless --classes is given (default: none, see --test-fraction)")
     r.add_argument("--test-fraction", type=_float, default=None,
                    help="with --data/--entry and no --test-data: each client holds out this share of its own records "
                         "(a permutation from --seed and the client's index only) as the pooled test set (default 0.2)")
@@ -664,20 +744,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory); a ledger that already "
                                                  "holds the run id is refused")
     r.add_argument("--run-id", default=None,
-                   help="run id in the ledger (default: <algorithm>-eps<epsilon>-seed<seed>)")
+                   help="run id in the ledger (default: <algorithm>-<unit>-eps<epsilon>-seed<seed>-<hash of every "
+                        "other setting>: runs that differ in anything get different ids)")
     r.add_argument("--json", default=None, metavar="OUT",
                    help="write results as strict JSON to OUT ('-' for stdout): infinite numbers (a non-private "
-                        "run's epsilon) are the string \"inf\", undefined ones (NaN) null")
+                        "run's epsilon) are the string \"inf\", undefined ones (NaN) null (default: not written)")
     r.add_argument("--save-model", default=None, metavar="PATH",
                    help="save the trained model with torch.save: the global model's state_dict (FedBNN: one per "
-                        "client, {'client_<k>': state_dict})")
+                        "client, {'client_<k>': state_dict}) (default: not saved)")
     r.add_argument("--partition", default=None, choices=["iid", "dirichlet", "disjoint_class", "sorted_chunk"],
                    help="how a built-in data set is split over clients (default iid)")
     r.add_argument("--alpha", type=_float, default=None,
                    help="Dirichlet concentration, with --partition dirichlet only (default 0.1)")
     r.add_argument("--unit", default=None, choices=["client", "example"],
-                   help="privacy unit (default: the algorithm's: example for dpsgd_fedavg, client otherwise; the "
-                        "choice is printed)")
+                   help=f"privacy unit (default: the algorithm's: example for {' and '.join(sorted(DEFAULT_UNITS))}, "
+                        "client otherwise; the choice is printed)")
     r.add_argument("--adjacency", default="add_remove", choices=["add_remove", "replace_one"],
                    help="neighbouring relation; at --unit example, replace_one declares the clients' record counts "
                         "public (schedules and weights may use them; every event is accounted as replace-one)")
@@ -688,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who adds the noise: each client (local), a trusted aggregator (central), or each client a "
                         "discrete Gaussian share under secure aggregation (distributed)")
     r.add_argument("--min-survivors", type=int, default=None,
-                   help="secure aggregation: abort a round with fewer survivors (distributed noise is charged for it)")
+                   help="secure aggregation: abort a round with fewer survivors (distributed noise is charged for it) "
+                        "(default: the protocol's Shamir threshold)")
     r.add_argument("--sampling-rate", type=_float, default=1.0, help="Poisson client sampling rate per round")
     r.add_argument("--secure-noise", action="store_true",
                    help="draw noise from the OS CSPRNG (the default; kept for scripts that pass it)")
@@ -699,22 +781,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="public design size of a client's data (DP-SGD's sampling rate and steps when record counts "
                         "are private; default: the data set's training size over --clients)")
     r.add_argument("--record-cap", type=int, default=None, metavar="N",
-                   help="public cap on a client's records for quantisation ranges (default 4 x the design size)")
+                   help="public cap on a client's records for quantisation ranges, and fedbnr's client-level clip "
+                        "(--unit client: each client's sums are clipped as if it held N records) (default 4 x the "
+                        "design size)")
     r.add_argument("--standardize", choices=["auto", "public", "none"], default="auto",
                    help="feature/target standardisation from public statistics only: 'public' fits it on a public "
                         "reference split held by no client; 'auto' is the data set's default")
     r.add_argument("--public-size", type=int, default=None, metavar="N",
-                   help="size of the public reference split used by --standardize public")
+                   help="size of the public reference split used by --standardize public (default: 5%% of the data "
+                        "set, at least 20)")
     r.add_argument("--secure-agg", action="store_true", help="aggregate through pairwise-masked secure aggregation")
     r.add_argument("--secagg-bits", type=int, default=None,
                    help="secure aggregation: bits of the integer ring 2^k (default 48)")
     r.add_argument("--dropout", type=_float, default=None,
                    help="secure aggregation: simulated fraction of clients dropping per round (default 0)")
     r.add_argument("--model", default=None,
-                   help="model architecture, a name of privfl.models.MODELS (default mlp, or the --entry point's)")
+                   help=f"model architecture: one of {', '.join(MODEL_NAMES)} (default mlp, or the --entry "
+                        "point's)")
     r.add_argument("--hidden", type=_widths, default=None,
                    help="MLP hidden widths, comma-separated ('' for logistic regression); default: the model's")
-    r.add_argument("--pool", type=int, default=None, help="average-pool image inputs by this factor (MLP only)")
+    r.add_argument("--pool", type=int, default=None,
+                   help="average-pool image inputs by this factor (MLP only) (default 1: none)")
     r.add_argument("--local-epochs", type=int, default=None, help="local epochs per round (default: the algorithm's)")
     r.add_argument("--batch-size", type=int, default=32, help="local batch size")
     r.add_argument("--lr", type=_float, default=None, help="client learning rate (default: the algorithm's)")
@@ -733,18 +820,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no per-round progress")
     r.set_defaults(func=cmd_run)
 
-    a = _parser(sub, "audit", help="per-client privacy spent, from a ledger")
+    a = _parser(sub, "audit", help="per-client privacy spent, from a ledger",
+                description="Per-client privacy spent, from a ledger. Columns: epsilon, at --delta, from the run's "
+                            "accountant (the guarantee); rho, the zCDP parameter of the client's releases composed "
+                            "(with client sampling shown as rho*: without amplification by sampling, a loose upper "
+                            "bound whose conversion can exceed epsilon; n/a where a release has no zCDP form); "
+                            "releases, values revealed; charges, ledger rows (a charged value that was never "
+                            "revealed, e.g. an aborted secure-aggregation round, still counts).")
     a.add_argument("ledger", help="the SQLite ledger file privfl run --ledger wrote")
     a.add_argument("--delta", type=_float, default=None, help="delta to report at (default: the run's)")
     a.add_argument("--run-id", default=None, help="the run to audit (default: the ledger's only run)")
     a.add_argument("--json", action="store_true", help="print one strict JSON object")
     a.add_argument("--png", default=None, help="also plot epsilon per client over rounds to this PNG (its folder "
-                                               "must exist)")
+                                               "must exist) (default: no plot)")
     a.set_defaults(func=cmd_audit)
     k = _parser(sub, "compare", help="utility under DP against baselines: algorithms x epsilons x seeds")
     k.add_argument("config", nargs="?", default=None,
                    help="TOML file (see experiments/configs/; default: the built-in grid)")
-    k.add_argument("--json", default=None, metavar="OUT", help="also write {\"results\": [...]} to OUT (strict JSON)")
+    k.add_argument("--json", default=None, metavar="OUT",
+                   help="also write {\"results\": [...]} to OUT (strict JSON) (default: not written)")
     k.add_argument("--out-dir", default=None, help="where runs, ledgers, tables, figures, models and a copy of the "
                                                    "TOML go (default: the TOML's out_dir)")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -774,12 +868,14 @@ def main(argv: list[str] | None = None) -> int:
             sub._negative_number_matcher = _NEGATIVE_NUMBER
     parser._negative_number_matcher = _NEGATIVE_NUMBER
     args = parser.parse_args(argv)
+    format_warning = warnings.formatwarning
+    warnings.formatwarning = _privfl_warning_format(args.command, format_warning)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
             return args.func(args)
     except (PrivacyError, InvalidRelease, ConfigurationError, ValueError) as exc:
-        print(f"privfl {args.command}: error: {exc}", file=sys.stderr)
+        print(f"privfl {args.command}: error: {_name_the_flag(str(exc), parser, args.command)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file the command was given could not be read or written
         where = f" {exc.filename}" if exc.filename else ""
@@ -788,6 +884,38 @@ def main(argv: list[str] | None = None) -> int:
     except sqlite3.DatabaseError as exc:
         print(f"privfl {args.command}: error: a ledger could not be read (SQLite: {exc})", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = format_warning
+
+
+def _name_the_flag(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """A configuration error that names a setting (``rounds must be ...``, raised by the configuration classes) names
+    the command's flag for it too (``--rounds: rounds must be ...``)."""
+    match = re.match(r"(\w+) must ", message)
+    if match is None:
+        return message
+    flag = "--" + match.group(1).replace("_", "-")
+    (action,) = parser._subparsers._group_actions
+    if any(flag in a.option_strings for a in action.choices[command]._actions):
+        return f"{flag}: {message}"
+    return message
+
+
+def _privfl_warning_format(command: str, fallback):
+    """privfl's own warnings (e.g. FedBNR's clipping warning) as ``privfl <command>: warning: ...``, each text once
+    per command (not a file name, line and source line, repeated per client); any other warning as Python shows it."""
+    seen: set[str] = set()
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if not getattr(category, "__module__", "").startswith("privfl"):
+            return fallback(message, category, filename, lineno, line)
+        text = str(message)
+        if text in seen:
+            return ""
+        seen.add(text)
+        return f"privfl {command}: warning: {text}\n"
+
+    return format_warning
 
 
 if __name__ == "__main__":

@@ -86,11 +86,33 @@ class CompareConfig:
     # the floor every federation must beat; nothing leaves a client, so epsilon spent is 0)
     references: tuple[str, ...] = ()
 
+    def _check_types(self) -> None:
+        """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
+        for key in ("rounds", "clients"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{key} must be an integer >= 1, got {value!r}")
+        for key, low, high in (("delta", 0.0, 1.0), ("alpha", 0.0, math.inf)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+                raise ConfigurationError(f"{key} must be a number in ({low:g}, {high:g}), got {value!r}")
+        if self.unit not in ("client", "example"):
+            raise ConfigurationError(f"unit must be 'client' or 'example', got {self.unit!r}")
+        for key in ("dataset", "partition", "out_dir", "task"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigurationError(f"{key} must be a string, got {getattr(self, key)!r}")
+        for key in ("epsilons", "seeds", "algorithms", "references"):
+            if isinstance(getattr(self, key), (str, bytes)) or not hasattr(getattr(self, key), "__iter__"):
+                raise ConfigurationError(f"{key} must be a list, got {getattr(self, key)!r}")
+        if not isinstance(self.overrides, dict) or not all(isinstance(v, dict) for v in self.overrides.values()):
+            raise ConfigurationError("overrides must be TOML tables: [overrides.<algorithm>] with key = value lines")
+
     @property
     def own_data(self) -> bool:
         return self.data is not None or self.entry is not None
 
     def __post_init__(self):
+        self._check_types()
         object.__setattr__(self, "epsilons", tuple(float(e) for e in self.epsilons))
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
         object.__setattr__(self, "algorithms", tuple(self.algorithms))

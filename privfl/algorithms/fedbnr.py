@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
@@ -280,6 +281,11 @@ def _positive(name: str, value) -> float:
 
 # -- phase 2: exact Bayesian linear regression from released scatter matrices -------------------------------------
 
+class FedBNRClippingWarning(UserWarning):
+    """A client's clips cut most of its signal (unstandardised targets, feature rows above the clip, or more records
+    than the public record cap): raised on the client's side, from values it never releases."""
+
+
 class FedBNR(FederatedAlgorithm):
     """FedBNR phase 2 over a fixed kernel network; see the module docstring.
 
@@ -297,7 +303,13 @@ class FedBNR(FederatedAlgorithm):
         fold_noise: fold the known release noise into the predictive variance.
         client_rows: the public cap on a client's records (both units): it sizes the clips of the client's matrices
             under ``unit="client"``, and the public coordinate bounds (secure aggregation's quantisation ranges)
-            under both. A client holding more records has its sums clipped into those bounds.
+            under both. A client holding more records has its sums clipped into those bounds, and is warned
+            (:class:`FedBNRClippingWarning`). Default: the run's public record cap (``FederationConfig.record_cap``,
+            ``--record-cap``; else 4 x the design size of a client), never a hidden constant.
+
+    Under DP a client whose targets mostly lie outside [-B_y, B_y] (unstandardised targets) or whose feature rows
+    mostly exceed B is warned on its own side (the fractions are never released): most of its signal is clipped away
+    and the fit can be worse than predicting the mean.
     """
 
     name = "fedbnr"
@@ -307,7 +319,7 @@ class FedBNR(FederatedAlgorithm):
     def __init__(self, fed, privacy, *, kernel: KernelNetwork | None = None, num_samples: int = 50,
                  lengthscale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
                  feature_seed: int = 0, target_clip: float = 3.0, scatter_share: float = 0.5,
-                 ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int = 100):
+                 ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int | None = None):
         super().__init__(fed, privacy)
         if kernel is not None and not isinstance(kernel, KernelNetwork):
             raise ConfigurationError("kernel must be a privfl.features.KernelNetwork (phase 1's result) or None")
@@ -319,8 +331,10 @@ class FedBNR(FederatedAlgorithm):
                                      "not planned; use --placement central or local")
         if not 0 < scatter_share < 1:
             raise ConfigurationError(f"scatter_share must lie in (0, 1), got {scatter_share!r}")
-        if isinstance(client_rows, bool) or not isinstance(client_rows, int) or client_rows < 1:
-            raise ConfigurationError(f"client_rows must be an integer >= 1, got {client_rows!r}")
+        if client_rows is not None and (isinstance(client_rows, bool) or not isinstance(client_rows, int)
+                                        or client_rows < 1):
+            raise ConfigurationError(f"client_rows must be an integer >= 1 (or None: the public record cap), got "
+                                     f"{client_rows!r}")
         if not (isinstance(ridge_scale, (int, float)) and math.isfinite(ridge_scale) and ridge_scale >= 0):
             raise ConfigurationError(f"ridge_scale must be a finite number >= 0, got {ridge_scale!r}")
         self.kernel = kernel
@@ -335,6 +349,7 @@ class FedBNR(FederatedAlgorithm):
         self.scatter_share = float(scatter_share)
         self.ridge_scale = float(ridge_scale)
         self.fold_noise = bool(fold_noise)
+        self._client_rows = client_rows
         self.client_rows = client_rows
         self.feature_map: Callable[[np.ndarray], np.ndarray] | None = None
         self.dim = 0
@@ -351,6 +366,8 @@ class FedBNR(FederatedAlgorithm):
     def setup(self, data, rng):
         public = self.bind_public(data)
         _check_regression(public, self.name)
+        # the record cap is a public fact of the run (declared, or 4 x the design size), not a constant of FedBNR
+        self.client_rows = self._client_rows if self._client_rows is not None else int(public.record_cap)
         input_dim = int(np.prod(public.input_shape))
         if self.kernel is not None:
             if self.kernel.input_dim != input_dim:
@@ -415,13 +432,35 @@ class FedBNR(FederatedAlgorithm):
         # contraction, of the upper triangle too, so the declared sensitivities still hold
         scatter_bound, cross_bound = self.coordinate_bounds
         sums_clipped = bool(np.any(np.abs(scatter) > scatter_bound) or np.any(np.abs(cross) > cross_bound))
+        if self.privacy.unit == "client":  # the pipeline's norm clips (to the same bounds) cut a larger client too
+            sums_clipped = sums_clipped or bool(np.linalg.norm(scatter) > scatter_bound
+                                                or np.linalg.norm(cross) > cross_bound)
         scatter, cross = np.clip(scatter, -scatter_bound, scatter_bound), np.clip(cross, -cross_bound, cross_bound)
         metrics = {"rows_clipped": rows.fraction_clipped, "targets_clipped": targets.fraction_clipped,
                    "sums_clipped": float(sums_clipped)}
+        self._warn_clipping(metrics)
         if self.privacy.unit == "client":
             return ClientOutput({"scatter": scatter, "cross": cross}, weight=1.0, metrics=metrics)
         return ClientOutput({"scatter": ClippedValue(scatter, b, "squared_sum"),
                              "cross": ClippedValue(cross, b * by, "sum")}, weight=1.0, metrics=metrics)
+
+    def _warn_clipping(self, metrics: Mapping[str, float]) -> None:
+        """Tell the client (on its own side: nothing here is released) when its clips cut most of its signal."""
+        if metrics["targets_clipped"] > 0.5:
+            warnings.warn(f"fedbnr: more than half of a client's regression targets lie outside [-B_y, B_y] = "
+                          f"[-{self.target_clip:g}, {self.target_clip:g}] and were clipped: the fit can be worse "
+                          "than predicting the mean. Standardise the targets with public statistics (privfl run "
+                          "--standardize public, or --public-data FILE with your own data) or raise FedBNR's "
+                          "target_clip", FedBNRClippingWarning, stacklevel=2)
+        if metrics["rows_clipped"] > 0.5:
+            warnings.warn(f"fedbnr: more than half of a client's feature rows have norm above B = "
+                          f"{self.feature_clip:g} and were scaled down; raise the clip (--clip) to the feature "
+                          "map's row norm", FedBNRClippingWarning, stacklevel=2)
+        if metrics["sums_clipped"]:
+            warnings.warn(f"fedbnr: a client holds more records than the public record cap ({self.client_rows}: "
+                          "client_rows, or --record-cap) and its scatter sums were clipped to the bounds that cap "
+                          "gives, biasing the fit; raise --record-cap to a bound on every client's record count",
+                          FedBNRClippingWarning, stacklevel=2)
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         for name in ("scatter", "cross"):
@@ -841,6 +880,6 @@ def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, k
                      ledgers=[ksim.ledger, sim.ledger])
 
 
-__all__ = ["BLRPosterior", "FedBNR", "FedBNRKernel", "FedBNRRun", "PairedScatter", "blr_from_statistics",
-           "centralised_blr", "composed_epsilon", "distill_kernel", "distillation_loss", "phase_budgets",
-           "prior_posterior", "repair_scatter", "run_fedbnr"]
+__all__ = ["BLRPosterior", "FedBNR", "FedBNRClippingWarning", "FedBNRKernel", "FedBNRRun", "PairedScatter",
+           "blr_from_statistics", "centralised_blr", "composed_epsilon", "distill_kernel", "distillation_loss",
+           "phase_budgets", "prior_posterior", "repair_scatter", "run_fedbnr"]

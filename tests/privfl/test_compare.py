@@ -103,7 +103,11 @@ def test_bad_grids_are_refused(tmp_path):
 @pytest.mark.parametrize("content, needle", [(None, "does not exist"), (b"rounds = = 2\n", "not valid TOML"),
                                              (b"\xff\xfe\x00", "TOML"), ("dir", "directory"),
                                              (b'algorithms = ["fedavg"]\n[overrides.fola]\nhidden = [8]\n',
-                                              "not in the grid")])
+                                              "not in the grid"),
+                                             (b'rounds = "x"\n', "rounds must be an integer >= 1, got 'x'"),
+                                             (b"delta = 2\n", "delta must be a number in (0, 1)"),
+                                             (b"epsilons = 3\n", "epsilons must be a list"),
+                                             (b"overrides = 3\n", "overrides must be TOML tables")])
 def test_cli_compare_file_errors_exit_2_without_traceback(tmp_path, capsys, content, needle):
     cfg = tmp_path / "c.toml"
     if content == "dir":
@@ -132,6 +136,8 @@ def test_cli_compare_copies_its_toml_and_reports_progress_per_round(tmp_path, ca
     monkeypatch.setattr(mod, "run_one", spy)
     assert main(["compare", str(cfg)]) == 0
     assert rounds_seen == [0, 1]
+    # the table's title names the unit each row ran at: dp_fedavg is client-level in a record-level grid
+    assert "unit=example (dp_fedavg: client)" in capsys.readouterr().out
     assert (tmp_path / "o" / "config.toml").read_text() == cfg.read_text()
     assert (tmp_path / "o" / "models" / "dp_fedavg-eps2-seed0.pt").stat().st_size > 0
 

@@ -7,6 +7,8 @@ distils, the Gram upload respects its sensitivity, and private runs charge every
 import copy
 import json
 import math
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -19,8 +21,9 @@ from scipy.stats import multivariate_normal
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import InvalidRelease, SeededNoise
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.algorithms.fedbnr import (FedBNR, FedBNRKernel, PairedScatter, _check_pairs, blr_from_statistics,
-                                      centralised_blr, distill_kernel, distillation_loss, phase_budgets, run_fedbnr)
+from privfl.algorithms.fedbnr import (FedBNR, FedBNRClippingWarning, FedBNRKernel, PairedScatter, _check_pairs,
+                                      blr_from_statistics, centralised_blr, distill_kernel, distillation_loss,
+                                      phase_budgets, run_fedbnr)
 from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
@@ -151,8 +154,15 @@ def test_channels_follow_privacy():
     assert scatter.clip == PairedScatter(0.5, pairs=5) and scatter.symmetric
     assert scatter.sensitivity == pytest.approx(0.25 * math.sqrt((1 + 1 / 5) / 2))
     assert cross.clip == PreClipped(1.0, "sum") and cross.sensitivity == 1.0
-    # public coordinate bounds from the record cap (default 100): client_rows B^2 and client_rows B B_y
-    assert (scatter.coordinate_bound, cross.coordinate_bound) == (100 * 0.25, 100 * 1.0)
+    # public coordinate bounds from the run's public record cap (default 4 x the design size, never a hidden
+    # constant): client_rows B^2 and client_rows B B_y
+    cap = 4 * round(sum(len(p) for p in data.train_parts) / 2)
+    assert private.client_rows == private.public.record_cap == cap
+    assert (scatter.coordinate_bound, cross.coordinate_bound) == (cap * 0.25, cap * 1.0)
+    declared = FedBNR(FederationConfig(rounds=1, record_cap=7), PrivacyConfig(epsilon=1.0, unit="client", clip=1.0),
+                      num_samples=5, target_clip=2.0)
+    declared.setup(data, None)
+    assert declared.client_rows == 7 and [c.clip for c in declared.channels()] == [NormClip(7.0), NormClip(14.0)]
     replace = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5, adjacency="replace_one"),
                      num_samples=5, target_clip=2.0)
     replace.setup(data, None)
@@ -172,6 +182,7 @@ def _unbounded(alg: FedBNR, dim: int, scale: float = 4.0):
     return alg
 
 
+@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")  # clipping on purpose
 @pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
 def test_scatter_channels_move_by_at_most_their_sensitivity(adjacency):
     rng = np.random.default_rng(7)
@@ -299,6 +310,7 @@ def _adversarial_record(data, kind, rff, earlier):
 _targets_st = st.one_of(st.floats(-1e3, 1e3), st.sampled_from([2.0, -2.0, 0.0, 1e6, -1e6]))
 
 
+@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")  # clipping on purpose
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), clip=st.sampled_from([0.3, 1.0, 1.7]), adjacency=st.sampled_from(["add_remove", "replace_one"]),
        deep=st.booleans(), client_rows=st.sampled_from([1, 100]))
@@ -332,6 +344,7 @@ def test_paired_scatter_moves_by_at_most_its_tightened_sensitivity(data, clip, a
             np.abs(v["cross"]).max() <= cross.coordinate_bound
 
 
+@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")  # clipping on purpose
 @pytest.mark.parametrize("clip", [0.5, 1.0])
 def test_paired_scatter_sensitivity_is_attained(clip):
     """The worst cases: removing the all-cosine row (RFF at x = 0), or replacing it by the all-sine row, moves the
@@ -366,11 +379,48 @@ def test_a_client_beyond_the_record_cap_has_its_sums_clipped_into_the_public_bou
                                               "regression", 1), 0, None)
     np.testing.assert_allclose(small.values["scatter"].value[:2, :2], 1.0)  # 2 rows x 1/m: within the cap
     assert small.metrics["sums_clipped"] == 0.0
-    big = alg.client_update(0, ArrayDataset(np.zeros((10, IN), np.float32), np.full(10, 2.0, np.float32),
-                                            "regression", 1), 0, None)
+    with pytest.warns(FedBNRClippingWarning, match="record cap"):
+        big = alg.client_update(0, ArrayDataset(np.zeros((10, IN), np.float32), np.full(10, 2.0, np.float32),
+                                                "regression", 1), 0, None)
     np.testing.assert_allclose(big.values["scatter"].value[:2, :2], 2.0)  # 10 / m = 5, clipped to 2
     np.testing.assert_allclose(big.values["cross"].value[:2], 4.0)  # 10 * 2 / sqrt(2), clipped to 4
     assert big.metrics["sums_clipped"] == 1.0
+
+
+def test_clipping_that_cuts_most_of_a_clients_signal_is_warned_on_its_side():
+    """Unstandardised targets (most beyond B_y) and a client beyond the record cap are warned, naming what to change;
+    standardised data within the cap is not."""
+    privacy = PrivacyConfig(epsilon=1.0, unit="example", clip=1.0)
+    alg = _paired_fedbnr(privacy, client_rows=20, num_samples=2)  # B_y = 2
+    x = np.zeros((10, IN), np.float32)
+    raw = ArrayDataset(x, np.linspace(100.0, 300.0, 10).astype(np.float32), "regression", 1)  # e.g. diabetes
+    with pytest.warns(FedBNRClippingWarning, match=r"regression targets lie outside.*--standardize public"):
+        out = alg.client_update(0, raw, 0, None)
+    assert out.metrics["targets_clipped"] == 1.0
+    big = ArrayDataset(np.zeros((50, IN), np.float32), np.zeros(50, np.float32), "regression", 1)  # 50 / m > 20
+    with pytest.warns(FedBNRClippingWarning, match=r"record cap \(20.*--record-cap"):
+        alg.client_update(0, big, 0, None)
+    fine = ArrayDataset(x, np.linspace(-1.9, 1.9, 10).astype(np.float32), "regression", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert alg.client_update(0, fine, 0, None).metrics["targets_clipped"] == 0.0
+
+
+@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")
+def test_unstandardised_targets_are_worse_than_the_mean_and_warned():
+    """The trap the warning names: diabetes' raw targets (25 to 346) under the default B_y = 3 fit worse than
+    predicting the mean; standardised with public statistics they do not."""
+    fed, privacy = ONE_ROUND, PrivacyConfig(epsilon=3.0, unit="example", accountant="exact")
+    raw = make_federated("diabetes", 3, partition="iid", seed=0, standardize=None)
+    with pytest.warns(FedBNRClippingWarning, match="targets"):
+        result = Simulation(FedBNR(fed, privacy), raw, fed, privacy).run()
+    truth = raw.test.to_original_units(raw.test.y)
+    assert result.final["rmse"] > np.std(truth)
+    public = make_federated("diabetes", 3, partition="iid", seed=0)  # the data set's default: public statistics
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FedBNRClippingWarning)
+        result = Simulation(FedBNR(fed, privacy), public, fed, privacy).run()
+    assert result.final["rmse"] < np.std(public.test.to_original_units(public.test.y))
 
 
 def test_private_channels_have_public_coordinate_bounds_and_run_under_secure_aggregation():
@@ -698,9 +748,12 @@ def test_cli_runs_both_phases_with_distillation_within_one_budget(tmp_path, caps
     per_round = r["epsilon_spent_per_round"]
     assert len(per_round) == 3 and all(a <= b for a, b in zip(per_round, per_round[1:]))
     assert per_round[-1] == pytest.approx(r["epsilon_spent_max"]) and r["epsilon_spent_max"] <= 3.0 + 1e-9
-    assert r["run_id"] == ["fedbnr-0-kernel", "fedbnr-0-regression"] and math.isfinite(r["final"]["rmse"])
+    kernel_id, regression_id = r["run_id"]  # the default run id (it hashes every setting) and the phase
+    base = kernel_id.removesuffix("-kernel")
+    assert re.fullmatch(r"fedbnr-example-eps3-seed0-[0-9a-f]{8}", base) and regression_id == f"{base}-regression"
+    assert math.isfinite(r["final"]["rmse"])
     capsys.readouterr()
-    assert main(["audit", ledger, "--run-id", "fedbnr-0-kernel", "--json"]) == 0
+    assert main(["audit", ledger, "--run-id", kernel_id, "--json"]) == 0
     kernel = json.loads(capsys.readouterr().out)
     assert 0 < kernel["max_epsilon"] < r["epsilon_spent_max"]  # one phase spends part of the budget
 
