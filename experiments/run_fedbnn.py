@@ -97,14 +97,16 @@ def split_metrics(preds: dict[int, np.ndarray], y: np.ndarray, classes: list[np.
 def run(label: str, algorithm, fed: FederationConfig, privacy: PrivacyConfig, data, settings: dict) -> dict:
     torch.manual_seed(fed.seed)
     start = time.perf_counter()
-    result = Simulation(algorithm, data, fed, privacy).run()
+    sim = Simulation(algorithm, data, fed, privacy)
+    result = sim.run()
     seconds = time.perf_counter() - start
     y = data.test.y
     classes = [np.unique(p.y) for p in data.train_parts]
+    view = sim.diagnostic_algorithm()  # the server half with every client's own models (simulation only)
     if isinstance(algorithm, FedBNN):
-        preds = algorithm.client_predictions(data.test)
+        preds = view.client_predictions(data.test)
     else:
-        proba = algorithm.predict_proba(data.test)
+        proba = view.predict_proba(data.test)
         preds = {k: proba for k in range(len(data.train_parts))}
     metrics = split_metrics(preds, y, classes)
     noise = dict(result.noise_multipliers or {})

@@ -279,7 +279,7 @@ def cmd_run(args) -> int:
         "settings": _settings(args, fed, privacy, secure),
     }
     if args.save_model:
-        out["model_path"] = save_model(algorithm, args.save_model)
+        out["model_path"] = save_model(sim.diagnostic_algorithm(), args.save_model)
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
     aborted = _aborted_rounds(out, secure, result.history)

@@ -345,7 +345,8 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     seconds = time.perf_counter() - start
     eps = [v["epsilon"] for v in result.audit["clients"].values()]
     final = result.final
-    calibration = algorithm.calibration_predictions(data.test)
+    diagnostic = sim.diagnostic_algorithm()  # the server half with every client's own state (a simulation view)
+    calibration = diagnostic.calibration_predictions(data.test)
     settings = run_settings(config, spec)
     row = {
         "algorithm": spec.algorithm, "epsilon_target": spec.epsilon, "seed": spec.seed,
@@ -360,7 +361,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
         "noise_multipliers": result.noise_multipliers, "noise_applied": applied_noise(sim.ledger.charges()),
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
-        "model_path": save_model(algorithm, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
+        "model_path": save_model(diagnostic, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
     }
     if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
         row["reliability"] = reliability_bins(*calibration)

@@ -200,8 +200,7 @@ class Simulation:
             return False
         split = self._prepared and self.split
         alg = self.client_half.algorithm if split else self.algorithm
-        able = (hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
-                and not (split and alg.client_state))
+        able = hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
         if self.executor == "vectorised" and not able:
             raise ConfigurationError(f"{alg.name} with this model cannot run on the vectorised executor; use "
                                      f"executor='auto' or 'per_client'")
@@ -216,7 +215,7 @@ class Simulation:
         clients = [int(k) for k in clients]
         datasets, rngs = [self.data.train_parts[k] for k in clients], [self.train_rngs[k] for k in clients]
         if self.vectorised and self.split:
-            outputs = ((k, out) for k, out, _ in self.client_half.client_updates(
+            outputs = self._kept(self.client_half.client_updates(
                 clients, self.broadcast(rnd), datasets, [self.client_states[k] for k in clients], rngs))
         elif self.vectorised:
             outputs = self.algorithm.client_updates(clients, datasets, rnd, rngs)
@@ -227,6 +226,29 @@ class Simulation:
                 yield k, self.pipelines[k].release(rnd, out.values, out.weight)
             except PrivacyBudgetExceeded as exc:
                 yield k, exc
+
+    def _kept(self, steps):
+        """``(k, output)`` of the client half's ``(k, output, state)``, keeping each client's state on its side."""
+        for k, out, state in steps:
+            self.client_states[k] = state
+            yield k, out
+
+    def local_metrics(self, dataset) -> dict[str, float]:
+        """Metrics of the clients' own models on ``dataset`` (the algorithm's ``local_metrics``), computed where the
+        client states live: on the client half with every client's state loaded, or on the one object."""
+        if not self.split:
+            return self.algorithm.local_metrics(dataset)
+        return self.client_half.local_metrics(self.client_states, dataset)
+
+    def diagnostic_algorithm(self) -> FederatedAlgorithm:
+        """The object to read post-run diagnostics from (``calibration_predictions``, ``predict_proba``, a saved
+        model): the algorithm itself in single-object mode; with the halves apart, a copy of the client half holding
+        the server's current state (its broadcast) and every client's state (shared: read it, do not train it)."""
+        if not self._prepared:
+            self.prepare()
+        if not self.split:
+            return self.algorithm
+        return self.client_half.view(self.client_states, self.algorithm.broadcast(self.fed.rounds))
 
     def run(self) -> RunResult:
         with _blas_limit(self.blas_threads):
@@ -286,7 +308,7 @@ class Simulation:
                     alg.server_update(aggregates, rnd)
                 except ProtocolAbort:
                     aborted = True  # the round could not be aggregated safely: nothing is revealed, the global state stays
-            metrics = alg.evaluate(self.data.test)
+            metrics = {**alg.evaluate(self.data.test), **self.local_metrics(self.data.test)}
             if privacy.private:
                 audit = self.ledger.audit()
                 eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]

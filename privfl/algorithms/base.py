@@ -15,6 +15,13 @@ by the runtime on the client's side; ``None`` before its first round). An algori
   as message values: numpy arrays, numbers, strings, tuples, mappings);
 - ``client_state``: attributes that hold per-client state keyed by client index (dicts, or sets of client
   indices); the client half keeps only the stepping client's entry, and the runtime keeps it between rounds.
+  A client's state is ``{attribute: its entry}`` (a set's entry is whether the client is in it);
+  :meth:`FederatedAlgorithm.encode_client_state` turns it into message values (e.g. a model as its state_dict's
+  arrays) and :meth:`FederatedAlgorithm.decode_client_state` back, so a deployment can keep it between rounds.
+
+Metrics of the clients' own models (personalised models, local models: never released) are not the server's to
+compute: :meth:`FederatedAlgorithm.local_metrics` computes them where the client state lives, and ``evaluate`` covers
+only what the server half holds. A runtime reports both.
 
 A class whose client step needs something else declares ``splittable = False`` and runs only where one object plays
 both halves (the in-process runtime's legacy path).
@@ -45,6 +52,7 @@ class ClientOutput:
 
 
 BROADCAST_KIND = "privfl.broadcast"
+CLIENT_STATE_KIND = "privfl.client_state"
 
 
 @dataclass(frozen=True)
@@ -148,9 +156,25 @@ class FederatedAlgorithm(abc.ABC):
         client.setup(public, rng if rng is not None else np.random.default_rng(0))
         return ClientHalf(client)
 
+    def encode_client_state(self, client: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Client ``client``'s state (``{client_state attribute: entry}``) as message values (:mod:`privfl.messages`):
+        the state itself by default, for entries that already are message values; an algorithm whose entries are
+        objects (models) overrides this and :meth:`decode_client_state`."""
+        return dict(state)
+
+    def decode_client_state(self, client: int, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`encode_client_state` (the client continues exactly as if it had kept its state)."""
+        return dict(values)
+
     @abc.abstractmethod
     def evaluate(self, dataset) -> dict[str, float]:
-        """Metrics of the global model on ``dataset`` (accuracy, nll, ece for classification)."""
+        """Metrics of the global model on ``dataset`` (accuracy, nll, ece for classification): what the server half
+        holds."""
+
+    def local_metrics(self, dataset) -> dict[str, float]:
+        """Metrics of the clients' own models on ``dataset`` (never released: a simulation's diagnostic), computed
+        from the ``client_state`` entries loaded on this object; ``{}`` for algorithms without client models."""
+        return {}
 
     def predict_proba(self, dataset) -> np.ndarray | None:
         """Class probabilities of the global model on ``dataset`` (for reliability diagrams); None if not offered."""
@@ -163,6 +187,20 @@ class FederatedAlgorithm(abc.ABC):
         if proba is None:
             return None
         return proba, np.asarray(dataset.y)
+
+
+def model_state_values(model) -> dict[str, np.ndarray]:
+    """A torch module's ``state_dict`` (parameters and buffers) as numpy arrays: message values, bit for bit."""
+    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
+
+
+def load_model_state(model, values: Mapping[str, np.ndarray]):
+    """Load :func:`model_state_values` into ``model`` (of the same architecture; every entry required); returns it."""
+    import torch
+
+    model.load_state_dict({name: torch.as_tensor(np.array(value, copy=True)) for name, value in values.items()},
+                          strict=True)
+    return model
 
 
 class ClientHalf:
@@ -190,26 +228,43 @@ class ClientHalf:
         for name in alg.broadcast_state:
             setattr(alg, name, _detached(broadcast.values[name]))
 
-    def _enter(self, client: int, state: dict | None) -> None:
+    def _clear(self) -> None:
         for name in self.algorithm.client_state:
-            holder = getattr(self.algorithm, name)
-            holder.clear()
-            if state is not None and name in state:
-                if isinstance(holder, set):
-                    if state[name]:
-                        holder.add(client)
-                else:
-                    holder[client] = state[name]
+            getattr(self.algorithm, name).clear()
 
-    def _leave(self, client: int) -> dict:
+    def _put(self, client: int, state: Mapping | None) -> None:
+        """Load client ``client``'s entries of ``state`` (next to whatever is loaded)."""
+        if state is None:
+            return
+        for name in self.algorithm.client_state:
+            if name not in state:
+                continue
+            holder = getattr(self.algorithm, name)
+            if isinstance(holder, set):
+                if state[name]:
+                    holder.add(client)
+            else:
+                holder[client] = state[name]
+
+    def _enter(self, client: int, state: dict | None) -> None:
+        self._clear()
+        self._put(client, state)
+
+    def _take(self, client: int) -> dict:
+        """Client ``client``'s entries, removed from the holders."""
         state = {}
         for name in self.algorithm.client_state:
             holder = getattr(self.algorithm, name)
             if isinstance(holder, set):
                 state[name] = client in holder
+                holder.discard(client)
             elif client in holder:
-                state[name] = holder[client]
-            holder.clear()
+                state[name] = holder.pop(client)
+        return state
+
+    def _leave(self, client: int) -> dict:
+        state = self._take(client)
+        self._clear()
         return state
 
     def client_update(self, client: int, broadcast: Broadcast, dataset, state: dict | None,
@@ -230,9 +285,107 @@ class ClientHalf:
 
     def client_updates(self, clients, broadcast: Broadcast, datasets, states, rngs):
         """``(k, ClientOutput, state)`` for each client of ``clients``, trained together by the algorithm's
-        vectorised executor (only for algorithms without per-client state)."""
-        if self.algorithm.client_state:
-            raise NotImplementedError(f"{self.name}: clients with their own state are stepped one at a time")
+        vectorised executor. Every client's state is loaded first; a client's state is taken back when its output
+        is yielded (an algorithm's ``client_updates`` yields a client once its own state is final)."""
+        clients = [int(k) for k in clients]
         self.load(broadcast)
-        for k, out in self.algorithm.client_updates(clients, datasets, broadcast.round, rngs):
-            yield k, out, {}
+        self._clear()
+        for k, state in zip(clients, states):
+            self._put(k, state)
+        try:
+            for k, out in self.algorithm.client_updates(clients, datasets, broadcast.round, rngs):
+                yield k, out, self._take(k)
+        finally:
+            self._clear()
+
+    def local_metrics(self, states, dataset) -> dict[str, float]:
+        """The algorithm's :meth:`FederatedAlgorithm.local_metrics` on ``dataset`` with every client's state loaded
+        (``states[k]``: client k's, None for a client that has not stepped yet), computed where those states live."""
+        self._clear()
+        try:
+            for k, state in enumerate(states):
+                self._put(k, state)
+            return self.algorithm.local_metrics(dataset)
+        finally:
+            self._clear()
+
+    def view(self, states, broadcast: Broadcast | None = None) -> FederatedAlgorithm:
+        """A copy of the client half holding ``broadcast``'s server state (if given) and every client's state, to
+        read diagnostics from after a run (personalised predictions, a saved model). The states are shared, not
+        copied: read them, do not train them. A simulation's view of what, in a deployment, each client computes
+        on its own."""
+        # a shallow copy: what setup built (models' structure, the public data sets it recognises by identity) is
+        # shared; the client-state holders are the view's own, and a loaded broadcast replaces attributes on it only
+        alg = copy.copy(self.algorithm)
+        for name in alg.client_state:
+            setattr(alg, name, type(getattr(alg, name))())
+        half = ClientHalf(alg)
+        if broadcast is not None:
+            half.load(broadcast)
+        for k, state in enumerate(states):
+            half._put(k, state)
+        return alg
+
+    def encode_state(self, client: int, state: Mapping | None) -> bytes:
+        """Client ``client``'s state as bytes (:meth:`FederatedAlgorithm.encode_client_state`, then
+        :func:`privfl.messages.to_bytes`): what a deployment keeps between rounds."""
+        from privfl.messages import to_bytes
+
+        values = None if state is None else self.algorithm.encode_client_state(client, state)
+        return to_bytes({"client": int(client), "state": values}, CLIENT_STATE_KIND)
+
+    def decode_state(self, client: int, data: bytes) -> dict | None:
+        """The state :meth:`encode_state` wrote for ``client`` (refused if it is another client's)."""
+        from privfl.errors import CorruptMessage
+        from privfl.messages import from_bytes
+
+        msg = from_bytes(data, CLIENT_STATE_KIND)
+        if set(msg) != {"client", "state"} or msg["client"] != int(client):
+            raise CorruptMessage(f"{self.name}: this is not client {client}'s state")
+        if msg["state"] is None:
+            return None
+        if not isinstance(msg["state"], dict):
+            raise CorruptMessage(f"{self.name}: a client's state is a mapping of values")
+        return self.algorithm.decode_client_state(client, msg["state"])
+
+
+# -- multi-phase algorithms ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a multi-phase algorithm: ``algorithm`` (a one-phase algorithm) run for ``fed.rounds`` rounds under
+    ``privacy``, its share of the run's budget. ``name`` labels the phase's ledger run (``<run id>-<name>``) and its
+    rounds in the run's history."""
+
+    name: str
+    algorithm: FederatedAlgorithm
+    fed: FederationConfig
+    privacy: PrivacyConfig
+
+
+def is_phased(algorithm) -> bool:
+    """Whether ``algorithm`` runs as several phases (:func:`phases_of`): it offers ``phases`` and says ``phased``."""
+    return callable(getattr(algorithm, "phases", None)) and bool(getattr(algorithm, "phased", False))
+
+
+def phases_of(algorithm, public: PublicFacts):
+    """The phases of a multi-phase algorithm, one after the other.
+
+    A multi-phase algorithm declares ``phased`` (true) and ``phases(public)``, a generator: it yields a
+    :class:`Phase`, is sent that phase's trained server half back, and yields the next phase built from it (FedBNR's
+    phase 2 takes phase 1's kernel network), until it returns. The phases' budgets are fixed before the first
+    phase, from public inputs only, so that their composition meets the run's target; a runtime runs each phase
+    as a run of its own (its plan, pipelines and ledger run) and composes the phases' charges per client.
+    """
+    steps = algorithm.phases(public)
+    trained = None
+    while True:
+        try:
+            phase = steps.send(trained) if trained is not None else next(steps)
+        except StopIteration:
+            return
+        if not isinstance(phase, Phase):
+            raise TypeError(f"{algorithm.name}.phases() must yield Phase objects, got {type(phase).__name__}")
+        trained = yield phase
+        if trained is None:
+            raise RuntimeError(f"{algorithm.name}: send each phase's trained algorithm back before the next phase")

@@ -66,19 +66,25 @@ data set for all its methods, without an alignment set), FedBNN carves min(``ali
 from the global test set, disjoint from every client's data, and evaluates on the rest of that test set only
 (``evaluate`` recognises the test set it was given in setup).
 
-Evaluation (``evaluate``): each client's personalised model predicts by the Bayesian model average over
-``mc_samples`` draws. ``accuracy`` is the mean over clients of the accuracy on the client's own test split, the test
+Evaluation (``local_metrics``, computed where the clients' models and label sets live): each client's personalised
+model predicts by the Bayesian model average over ``mc_samples`` draws. ``accuracy`` is the mean over clients of the accuracy on the client's own test split, the test
 examples of the classes the client holds (the personalised-FL convention the paper's non-IID numbers use; with IID
 clients the split is the whole test set); ``nll``, ``ece``, ``mce`` and ``brier`` pool those per-client predictions.
 ``accuracy_all_classes`` is the mean over clients on the whole test set; ``accuracy_small_nets`` and
-``accuracy_large_nets`` split ``accuracy`` by architecture group; ``effective_gamma`` is the gamma the next prior
-tuning uses. ``predict_proba`` returns None: there is no global model. The labels of AD are never read.
+``accuracy_large_nets`` split ``accuracy`` by architecture group. The server's ``evaluate`` reports only
+``effective_gamma``, the gamma the next prior tuning uses. ``predict_proba`` returns None: there is no global model;
+``client_predictions`` and ``calibration_predictions`` read the personalised models, so they are asked of an object
+holding the clients' states (``Simulation.diagnostic_algorithm()``). The labels of AD are never read.
 
 What leaves a client: only the channel (and its public weight, 1 under DP). The server half is set up from public
 facts (``PublicFacts``: client count, shapes, classes, the alignment set); the per-client architecture choice is the
 server's, from the run's seed. The personalised evaluation runs on state the clients hold (their posteriors, their own
 label sets, recorded by their own steps): a simulation's diagnostic, which a deployment would compute on each client
 and must not send out uncharged.
+
+Halves: a client step reads the broadcast (``global_probs``, ``reliability``) and its own state (``client_state``:
+its posterior, whether it has warmed up, its label set; ``encode_client_state`` carries them as arrays); everything
+else it reads (architectures, initial seeds, the alignment set) is set up from public facts on both halves alike.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from privfl.aggregation import Aggregate
-from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.channels import Channel, RangeBound, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
@@ -228,6 +234,10 @@ class FedBNN(FederatedAlgorithm):
     defaults = {"hidden": (100,), "local_epochs": 2, "clip": 1.0, "placement": "local", "alignment_size": 300}
     #: ``privfl run --alignment-size N`` builds the data with an alignment set of N training examples for it
     uses_alignment = True
+    #: the post-processed average a client's prior tuning targets, and its reliability
+    broadcast_state = ("global_probs", "reliability")
+    #: each client's posterior q_k, whether it has warmed up, and its own label set (for its personalised evaluation)
+    client_state = ("models", "warmed_up", "client_classes")
 
     def __init__(self, fed, privacy, *, architectures: Sequence[Architecture | str] | None = None,
                  small_architecture: Architecture | str | None = None, small_fraction: float | None = None,
@@ -360,11 +370,24 @@ class FedBNN(FederatedAlgorithm):
     def local_model(self, client: int) -> nn.Module:
         """Client ``client``'s posterior q_k, built (seeded from setup) on first use and kept by the client."""
         if client not in self.models:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self._init_seeds[client])
-                self.models[client] = self.client_architectures[client].build(self._input_shape, self._num_classes,
-                                                                              self.init_rho)
+            self.models[client] = self._build_model(client)
         return self.models[client]
+
+    def _build_model(self, client: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._init_seeds[client])
+            return self.client_architectures[client].build(self._input_shape, self._num_classes, self.init_rho)
+
+    def encode_client_state(self, client, state):
+        """The posterior as its state_dict's arrays; the warm-up flag and the label set as they are."""
+        return {name: model_state_values(value) if name == "models" else value for name, value in state.items()}
+
+    def decode_client_state(self, client, values):
+        """The posterior rebuilt in the client's (public) architecture and loaded."""
+        state = dict(values)
+        if "models" in state:
+            state["models"] = load_model_state(self._build_model(client), state["models"])
+        return state
 
     def release_weight(self, dataset, client: int = 0) -> float:
         """1, or n_k with ``weighting="size"``, which only non-private runs accept (n_k is private)."""
@@ -491,7 +514,13 @@ class FedBNN(FederatedAlgorithm):
         return np.concatenate([p for p, _ in own.values()]), np.concatenate([t for _, t in own.values()])
 
     def evaluate(self, dataset):
-        """Personalised metrics; see the module docstring."""
+        """What the server half holds: ``effective_gamma``, the gamma the clients' next prior tuning will use (the
+        personalised metrics are :meth:`local_metrics`)."""
+        return {"effective_gamma": self.effective_gamma}
+
+    def local_metrics(self, dataset):
+        """Personalised metrics of the clients' models loaded here; see the module docstring. With none loaded (no
+        client has trained yet), those of the uniform predictive, so a round's metrics always carry the same names."""
         y, preds, own = self._own_class_predictions(dataset)
         if not own:
             uniform = np.full((len(y), self._num_classes), 1.0 / self._num_classes)
@@ -512,7 +541,6 @@ class FedBNN(FederatedAlgorithm):
         if groups["small"] and groups["large"]:
             out["accuracy_small_nets"] = float(np.mean(groups["small"]))
             out["accuracy_large_nets"] = float(np.mean(groups["large"]))
-        out["effective_gamma"] = self.effective_gamma  # what the clients' next prior tuning will use
         return out
 
     def is_small(self, client: int) -> bool:

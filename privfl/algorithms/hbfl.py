@@ -56,9 +56,13 @@ Privacy:
   equal the per-client step's to float tolerance. A Bayesian conv meme (or a subclass's own client step) runs per
   client.
 - The local models never leave their clients and are not released, and the meme model never sees them (the
-  distillation is one-way), so they train on the raw data, on the meme's batches, at no privacy cost; ``evaluate``
-  reports their mean test accuracy as a simulation diagnostic (``accuracy_local``), as the paper does, but never
-  under the name ``accuracy``, which is the global model's.
+  distillation is one-way), so they train on the raw data, on the meme's batches, at no privacy cost;
+  ``local_metrics`` reports their mean test accuracy as a simulation diagnostic (``accuracy_local``), computed where
+  the client models live, as the paper does, but never under the name ``accuracy``, which is the global model's
+  (``evaluate``).
+
+Halves: a client step reads the global posterior (``broadcast_state``) and its own local model (``client_state``,
+carried between rounds as its state_dict's arrays by ``encode_client_state``); nothing else of the server.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ from torch.func import functional_call, grad, vmap
 from privfl.accounting import NoOpEvent
 from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.aggregation import Aggregate
-from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
@@ -137,6 +141,10 @@ class HBFL(FederatedAlgorithm):
 
     name = "hbfl"
     supports_privacy = True
+    #: the global posterior a client's meme forks from and its uploads are changes from
+    broadcast_state = ("global_mean", "global_precision", "global_natural_mean")
+    #: each client's local model (never released)
+    client_state = ("client_models",)
     defaults = {"hidden": (32,), "local_epochs": 2, "lr": 0.05, "clip": 1.0}
 
     def __init__(self, fed, privacy, *, local_models: Sequence[str] | None = None, temperature: float = TEMPERATURE,
@@ -243,10 +251,26 @@ class HBFL(FederatedAlgorithm):
     def local_model(self, client: int) -> nn.Module:
         """Client ``client``'s personalised model, built on first use and kept by the client across rounds."""
         if client not in self.client_models:
-            name = self.local_models[client % len(self.local_models)]
-            self.client_models[client] = make_model(name, self._input_shape, self._num_classes,
-                                                    **self._model_kwargs(name))
+            self.client_models[client] = self._build_local_model(client)
         return self.client_models[client]
+
+    def _build_local_model(self, client: int) -> nn.Module:
+        name = self.local_models[client % len(self.local_models)]
+        return make_model(name, self._input_shape, self._num_classes, **self._model_kwargs(name))
+
+    def encode_client_state(self, client, state):
+        """The local model as its state_dict's arrays."""
+        return {name: model_state_values(value) if name == "client_models" else value
+                for name, value in state.items()}
+
+    def decode_client_state(self, client, values):
+        """The local model rebuilt (its architecture is public: ``local_models``) and loaded; building it does not
+        move the global torch generator, so the client's next step draws what it would have drawn."""
+        state = dict(values)
+        if "client_models" in state:
+            with torch.random.fork_rng(devices=[]):
+                state["client_models"] = load_model_state(self._build_local_model(client), state["client_models"])
+        return state
 
     def _fork_meme(self) -> nn.Module:
         meme = copy.deepcopy(self.meme)
@@ -381,20 +405,25 @@ class HBFL(FederatedAlgorithm):
 
     def evaluate(self, dataset):
         """The global model (meme at the global mean) under the plain names (``accuracy``, ``balanced_accuracy``,
-        ``auroc``, ``nll``, ``ece``), ``accuracy_global`` repeating its accuracy; the clients' local models (never
-        released; a simulation diagnostic, as in the paper): ``accuracy_local`` and ``balanced_accuracy_local``, their
-        means over clients. ``accuracy`` is always the global model's, never the better of the two."""
+        ``auroc``, ``nll``, ``ece``), ``accuracy_global`` repeating its accuracy. ``accuracy`` is always the global
+        model's, never the better of it and the local models' (:meth:`local_metrics`)."""
         x, y = dataset.tensors()
-        labels = y.numpy()
         model = self.global_model()
         with deterministic(model):
-            out = classification_metrics(predict_proba(model, x), labels)
+            out = classification_metrics(predict_proba(model, x), y.numpy())
         out["accuracy_global"] = out["accuracy"]
-        if self.client_models:
-            local = [classification_metrics(predict_proba(m, x), labels) for _, m in sorted(self.client_models.items())]
-            out["accuracy_local"] = float(np.mean([m["accuracy"] for m in local]))
-            out["balanced_accuracy_local"] = float(np.mean([m["balanced_accuracy"] for m in local]))
         return out
+
+    def local_metrics(self, dataset):
+        """The clients' local models (never released; a simulation diagnostic, as in the paper), computed where they
+        live: ``accuracy_local`` and ``balanced_accuracy_local``, their means over the clients that have one."""
+        if not self.client_models:
+            return {}
+        x, y = dataset.tensors()
+        labels = y.numpy()
+        local = [classification_metrics(predict_proba(m, x), labels) for _, m in sorted(self.client_models.items())]
+        return {"accuracy_local": float(np.mean([m["accuracy"] for m in local])),
+                "balanced_accuracy_local": float(np.mean([m["balanced_accuracy"] for m in local]))}
 
 
 def _add_back(changes: Aggregate, reference: np.ndarray) -> Aggregate:

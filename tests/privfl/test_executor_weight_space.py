@@ -87,10 +87,22 @@ def test_vectorised_run_equals_the_per_client_loop(name, privacy, kwargs):
     assert not a.vectorised and b.vectorised
     _assert_same_run(a, b)
     if name == "hbfl":  # the client-held local models (never released) are written back to their clients
-        assert sorted(a.algorithm.client_models) == sorted(b.algorithm.client_models)
-        for k, model in a.algorithm.client_models.items():
-            np.testing.assert_allclose(flat_parameters(b.algorithm.client_models[k]), flat_parameters(model),
-                                       rtol=0, atol=1e-6)
+        _assert_same_local_models(a, b)
+
+
+def _local_models(sim) -> dict:
+    """HBFL's local models, kept on the clients' side (``Simulation.client_states``) with the halves apart."""
+    assert sim.split and not sim.algorithm.client_models
+    return {k: state["client_models"] for k, state in enumerate(sim.client_states)
+            if state and "client_models" in state}
+
+
+def _assert_same_local_models(a, b):
+    models_a, models_b = _local_models(a), _local_models(b)
+    assert sorted(models_a) == sorted(models_b) == list(range(len(a.client_states)))
+    for k, model in models_a.items():
+        assert type(model) is type(models_b[k])
+        np.testing.assert_allclose(flat_parameters(models_b[k]), flat_parameters(model), rtol=0, atol=1e-6)
 
 
 def test_hbfl_local_models_of_several_architectures_train_together():
@@ -102,10 +114,7 @@ def test_hbfl_local_models_of_several_architectures_train_together():
     a = _sim("hbfl", EXAMPLE, kwargs, "per_client", data, fed)
     b = _sim("hbfl", EXAMPLE, kwargs, "vectorised", data, fed)
     _assert_same_run(a, b)
-    for k, model in a.algorithm.client_models.items():
-        assert type(model) is type(b.algorithm.client_models[k])
-        np.testing.assert_allclose(flat_parameters(b.algorithm.client_models[k]), flat_parameters(model),
-                                   rtol=0, atol=1e-6)
+    _assert_same_local_models(a, b)
 
 
 @pytest.mark.parametrize("name, privacy, kwargs, executor, attribute", [

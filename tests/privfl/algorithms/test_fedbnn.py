@@ -274,8 +274,10 @@ def test_runs_with_heterogeneous_architectures(digits):
     fed = FederationConfig(rounds=2, local_epochs=2, batch_size=32, hidden=(16,), seed=0)
     archs = [Architecture("mlp", (24,)), Architecture("mlp", (4,)), Architecture("cnn1", (8,))]
     alg = FedBNN(fed, NONPRIVATE, **{**SMALL, "small_fraction": None, "warmup_epochs": 20}, architectures=archs)
-    result = Simulation(alg, digits, fed, NONPRIVATE).run()
-    sizes = [num_parameters(alg.models[k]) for k in range(3)]
+    sim = Simulation(alg, digits, fed, NONPRIVATE)
+    result = sim.run()
+    assert sim.split and not alg.models  # the personalised models stay with their clients
+    sizes = [num_parameters(sim.diagnostic_algorithm().models[k]) for k in range(3)]
     assert len(set(sizes)) == 3
     final = result.final
     assert {"accuracy", "nll", "ece", "mce", "brier", "accuracy_all_classes"} <= set(final)
@@ -292,7 +294,8 @@ def test_evaluation_is_per_client_on_its_own_classes(digits):
     alg = ready(digits)
     for k in range(3):
         alg.client_update(k, digits.train_parts[k], 0, np.random.default_rng(k))
-    out = alg.evaluate(digits.test)
+    assert set(alg.evaluate(digits.test)) == {"effective_gamma"}  # the server half holds no personal model
+    out = alg.local_metrics(digits.test)
     y = digits.test.y
     preds = alg.client_predictions(digits.test)
     own = [np.mean(p[np.isin(y, alg.client_classes[k])].argmax(1) == y[np.isin(y, alg.client_classes[k])])

@@ -205,11 +205,17 @@ def test_evaluate_reports_global_and_local_under_their_own_names(digits):
     alg = _ready(digits)
     before = alg.evaluate(digits.test)
     assert set(before) == {"accuracy", "accuracy_global", "balanced_accuracy", "auroc", "nll", "ece"}
+    assert alg.local_metrics(digits.test) == {}  # no client has a local model yet
     alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(6))
     after = alg.evaluate(digits.test)
-    assert {"accuracy_local", "balanced_accuracy_local"} <= set(after)
+    assert set(after) == set(before)  # the server half reports the global model only
     assert after["accuracy"] == after["accuracy_global"]  # the global model's, never the better of the two
     assert after["accuracy_global"] == before["accuracy_global"]  # the global model changes on the server only
+    local = alg.local_metrics(digits.test)  # computed where the local models live
+    assert set(local) == {"accuracy_local", "balanced_accuracy_local"}
+    x, y = digits.test.tensors()
+    expected = np.mean(alg.client_models[0](x).argmax(1).numpy() == y.numpy())
+    assert local["accuracy_local"] == pytest.approx(expected)
 
 
 def test_cli_nonprivate_run(cli_run):
