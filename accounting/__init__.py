@@ -9,9 +9,18 @@ from privfl.accounting.errors import (InvalidLedgerArgument, InvalidPrivacyParam
 from privfl.accounting.events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
                                PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
                                event_from_dict, flatten, rho_of)
-from privfl.accounting.accountants import (ACCOUNTANTS, Accountant, ExactAccountant, PLDAccountant, RDPAccountant,
-                                    ZCDPAccountant, make_accountant)
+from privfl.accounting.accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
 from privfl.accounting.calibration import Calibration, calibrate, epsilon_for, round_event
+
+
+
+def __getattr__(name: str):  # the dp-accounting backends load on first use (privfl.accounting.accountants)
+    if name in ("PLDAccountant", "RDPAccountant"):
+        from privfl.accounting import accountants
+
+        return getattr(accountants, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -52,6 +53,9 @@ from privfl.errors import ConfigurationError
 from privfl.public import private_torch_generator
 from privfl.training import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
 
+#: torch's warning when a full backward hook fires on a module whose inputs need no gradient (see dpsgd_train)
+_BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
+                          r"since no inputs require gradients")
 #: accountants that can compose Poisson-sampled Gaussian steps
 SAMPLED_ACCOUNTANTS = ("rdp", "pld")
 _CALIBRATION_TOL = 1e-3
@@ -287,7 +291,12 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                     idx = torch.from_numpy(ids)
                     try:
                         value = criterion(gsm(x[idx]), y[idx])
-                        value.backward()
+                        with warnings.catch_warnings():
+                            # opacus's ghost clipping hooks every layer; torch warns when a full backward hook fires
+                            # on a module whose inputs need no gradient: the first layer, whose inputs are data. The
+                            # hooks read gradients with respect to outputs and parameters only, so it is harmless.
+                            warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+                            value.backward()
                     except NotImplementedError as exc:
                         raise _unsupported_layer(exc, algorithm) from None
                     loss_total += float(value.detach()) * len(ids)
