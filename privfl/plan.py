@@ -10,7 +10,8 @@ charges are what the plan says.
 
 Seeds: one ``SeedSequence(seed)`` spawns five streams, in this order: setup (the algorithm's initial state), sample
 (client sampling), server (the aggregator's noise), clients (stream ``k`` is client ``k``'s: its training generator
-is that stream's first child, its noise source is drawn from the stream itself) and secure (secure aggregation).
+is that stream's first child, its noise source is drawn from the stream itself) and secure (secure aggregation: the
+stream itself simulates dropouts in process; its child ``k`` is client ``k``'s encoding generator).
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ class RunPlan:
     def train_rng(self, client: int) -> np.random.Generator:
         """Client ``client``'s training generator at the start of the run."""
         return np.random.default_rng(self.client_stream(client).spawn(1)[0])
+
+    def secure_rng(self, client: int) -> np.random.Generator:
+        """Client ``client``'s generator for its secure-aggregation encoding (rounding coins, discrete-Gaussian
+        shares): its own child of the ``secure`` stream, held by the client."""
+        return np.random.default_rng(seed_stream(self.seed, "secure", client))
 
     # -- pipelines and events ---------------------------------------------------------------------------------------
 

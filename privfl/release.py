@@ -11,6 +11,12 @@ For each round, in this order (ARCHITECTURE.md, "the path of one value"):
    discrete Gaussian share after quantisation, in ``privfl.secure``; the ledger is charged the distributed event);
 5. (optional, ``privfl.secure``) quantise and mask for secure aggregation;
 6. hand the server :class:`Release` objects; the ledger row is marked released.
+
+Under secure aggregation across processes (``privfl.flower.app``) the value leaves the client only as its masked
+input, a protocol stage after the charge: the pipeline then releases with ``mark=False`` and the client marks the
+round's rows released (:meth:`ReleasePipeline.mark_round_released`) just before it sends that input. A client that
+drops before then holds charges that are not marked released, never a release without its charge. The server sees,
+per release, only its :class:`ReleaseHeader` in the clear.
 """
 
 from __future__ import annotations
@@ -52,6 +58,45 @@ class Release:
     local_noise_std: float
     central_noise_std: float
     release_id: str
+
+    @property
+    def header(self) -> "ReleaseHeader":
+        """Everything about this release but its value."""
+        return ReleaseHeader(self.client_id, self.round, self.channel, self.weight, self.local_noise_std,
+                             self.central_noise_std, self.release_id)
+
+
+@dataclass(frozen=True)
+class ReleaseHeader:
+    """What a client declares in the clear about one release whose value goes into a secure sum: its public weight,
+    the plan's noise levels and its ledger row; never the value."""
+
+    client_id: str
+    round: int
+    channel: str
+    weight: float
+    local_noise_std: float
+    central_noise_std: float
+    release_id: str
+
+    def to_dict(self) -> dict:
+        return {"client_id": self.client_id, "round": self.round, "channel": self.channel, "weight": self.weight,
+                "local_noise_std": self.local_noise_std, "central_noise_std": self.central_noise_std,
+                "release_id": self.release_id}
+
+    @classmethod
+    def from_dict(cls, d) -> "ReleaseHeader":
+        try:
+            header = cls(str(d["client_id"]), int(d["round"]), str(d["channel"]), float(d["weight"]),
+                         float(d["local_noise_std"]), float(d["central_noise_std"]), str(d["release_id"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRelease(f"a release header is malformed: {exc}") from None
+        if not (math.isfinite(header.weight) and header.weight > 0 and math.isfinite(header.local_noise_std)
+                and header.local_noise_std >= 0 and math.isfinite(header.central_noise_std)
+                and header.central_noise_std >= 0):
+            raise InvalidRelease(f"release header {header.release_id}: weight must be finite > 0 and noise levels "
+                                 f"finite >= 0")
+        return header
 
 
 class ReleasePipeline:
@@ -158,8 +203,11 @@ class ReleasePipeline:
                                 "event is only known once the client has trained")
         self.ledger.charge_all(self.client_id, round, self._requests())
 
-    def release(self, round: int, values: Mapping[str, object], weight: float = 1.0) -> dict[str, Release]:
-        """Validate, clip, charge, noise and release every channel of one round (all or nothing)."""
+    def release(self, round: int, values: Mapping[str, object], weight: float = 1.0, *,
+                mark: bool = True) -> dict[str, Release]:
+        """Validate, clip, charge, noise and release every channel of one round (all or nothing). ``mark=False``:
+        the values leave later (as a masked input, see the module docstring); the caller marks the rows with
+        :meth:`mark_round_released` when they do."""
         missing = set(self.channels) - set(values)
         extra = set(values) - set(self.channels)
         if missing or extra:
@@ -185,7 +233,24 @@ class ReleasePipeline:
                     central_std = mech.noise_std
                 # distributed: integer noise shares are added after quantisation (privfl.secure)
             # 6. the row is marked released just before the value is handed over (never twice).
-            self.ledger.mark_released(charges[name])
+            if mark:
+                self.ledger.mark_released(charges[name])
             releases[name] = Release(self.client_id, round, name, value, float(weight), local_std, central_std,
                                      charges[name].release_id)
         return releases
+
+    def mark_round_released(self, round: int) -> int:
+        """Mark this client's charged rows of ``round`` released (:func:`mark_round_released`)."""
+        return mark_round_released(self.ledger, self.client_id, round)
+
+
+def mark_round_released(ledger: PrivacyLedger, client_id: str, round: int) -> int:
+    """Mark ``client_id``'s charged, not yet released rows of ``round`` released (the values are about to leave, as
+    a masked input); returns how many. Refuses a round with no such charge: nothing may leave without one."""
+    pending = [c for c in ledger.charges(str(client_id)) if c.round == int(round) and not c.released]
+    if not pending:
+        raise ReleaseMisuse(f"client {client_id} has no charged, unreleased value in round {round}; nothing may be "
+                            f"sent without its charge")
+    for charge in pending:
+        ledger.mark_released(charge)
+    return len(pending)

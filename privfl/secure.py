@@ -1,24 +1,32 @@
 """Secure aggregation of a round's releases: the server learns each channel's weighted sum, not the uploads.
 
-Each client scales its release by its public weight, quantises it to Z_{2^bits} by stochastic rounding
-(``secure_agg.Quantiser``, sized so the sum of all clients cannot wrap) and masks it in the pairwise-masked protocol
-(``secure_agg.run_round``, by default its variant that holds against an active server, with the degree and threshold
-derived from the declared dropout and corruption); the server unmasks only the sum and decodes it. A round that cannot
-be aggregated safely (one client, fewer than ``min_survivors``, a value too large to quantise, too few clients for the
-declared threat model) aborts with ``ProtocolAbort``: nothing of it is revealed, and the run goes on.
-Algorithms are unchanged: they receive the same :class:`privfl.aggregation.Aggregate` as without secure aggregation,
-up to quantisation error (one rounding step per client and coordinate, unbiased).
+Two steps, one per side, joined only by ``secure_agg``'s serialisable messages:
 
-Quantisation range of a channel: a function of public facts only (:func:`quantisation_half_width`): its public
-coordinate bound (``Channel.coordinate_bound``; a NormClip's C, or a declared ``value_bound``) times the largest
-(public) weight, widened by 8 standard deviations of local noise when the client adds noise itself. Every
-contribution is clipped into the range before rounding: for a noisy value that is post-processing of a private
-release; for an un-noised one (central or distributed placement) a per-coordinate clip to a public box is a
-contraction, so the channel's declared sensitivity still holds. A private channel without a public coordinate bound
-is refused (:func:`check_secure_channels`): a range read off the un-noised uploads would reveal their largest value.
-Only non-private channels (``epsilon = inf``) and values that are already private (DP-SGD-trained models, whose
-range is post-processing of the training's release) may use the round's largest |value|, rounded up to a power of
-two.
+- the **client's** (:func:`encode_for_secure_sum`, in the client's pipeline after validate -> clip -> charge ->
+  noise): scale each release by its public weight, clip it into the channel's public range, quantise it to
+  Z_{2^bits} by stochastic rounding and, with distributed noise, add the client's discrete-Gaussian share, all with
+  the client's own generator; the words go into the client's ``secure_agg.ClientSession``;
+- the **server's** (``secure_agg.ServerSession``, then :func:`decode_secure_sum`): unmask only the sum of the
+  survivors' inputs, decode it, add central noise where the placement says so.
+
+:func:`secure_weighted_sums` runs both in one process (the in-process runtime); ``privfl.flower.app`` runs the
+same steps across machines, the protocol's stages as Flower message rounds. A round that cannot be aggregated safely
+(one client, fewer than ``min_survivors``, too few clients for the declared threat model) aborts with
+``ProtocolAbort``: nothing of it is revealed, and the run goes on. Algorithms are unchanged: they receive the same
+:class:`privfl.aggregation.Aggregate` as without secure aggregation, up to quantisation error (one rounding step
+per client and coordinate, unbiased).
+
+Quantisation range of a channel (:func:`channel_encodings`): fixed by public facts only, before any value is seen,
+and the same for every client: the distributed-noise plan's quantiser where there is one, else the channel's public
+coordinate bound (``Channel.coordinate_bound``: a NormClip's C, or a declared ``value_bound``) times the largest
+public release weight (:func:`public_weight_bound`), widened by 8 standard deviations of the plan's local noise when
+the client adds noise itself; sized for the run's client count so the sum cannot wrap. Every contribution is
+clipped into the range before rounding: for a noisy value that is post-processing of a private release; for an
+un-noised one (central or distributed placement) a per-coordinate clip to a public box is a contraction, so the
+channel's declared sensitivity still holds. A private channel without a public coordinate bound (DP-SGD-trained
+models included) is refused before the run (:func:`check_secure_channels`): its range could only be read off the
+values. The one exception is a non-private run (``epsilon = inf``, nothing claimed): there each client announces
+the range its own value needs (:func:`announced_half_width`) and the largest is used; a deployment refuses it.
 
 Distributed noise is planned for the channel's sensitivity under its own relation (add/remove: C; replace one: 2C,
 and two independent roundings), so the charged zCDP event is the one of the relation the run declares.
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -194,21 +202,24 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     return plans
 
 
-def _range_needs_public_bound(channel: Channel) -> bool:
-    """A private channel's range must be public unless its values are already private (DP-SGD-trained: reading
-    their range is post-processing of the training's release)."""
-    return channel.private and not isinstance(channel.clip, TrainedPrivately)
-
+# -- quantisation ranges: public facts only ----------------------------------------------------------------------
 
 def check_secure_channels(channels: Sequence[Channel]) -> None:
-    """Refuse, before a round, a private channel whose quantisation range would have to be read off un-noised
-    uploads."""
+    """Refuse, before any round, a private channel without a public coordinate bound under secure aggregation.
+
+    Every client must quantise into one range fixed before the round; without a public bound the only way to pick
+    it would be to read it off the clients' values, so the range would leak them. DP-SGD-trained values are refused
+    too: they have no public range either, and a range agreed from their values would make the quantiser depend on
+    the data. Non-private channels (``epsilon = inf``, charged as such) are the one exception (see
+    :func:`announced_half_width`)."""
     for c in channels:
-        if _range_needs_public_bound(c) and c.coordinate_bound is None:
+        if c.private and c.coordinate_bound is None:
             raise ConfigurationError(
                 f"channel {c.name!r} has no public coordinate bound, so secure aggregation could only size its "
-                "quantisation range from the un-noised uploads, which would reveal them; declare a public "
-                "value_bound for the channel (e.g. from a public record cap)")
+                "quantisation range from the clients' values, which would reveal them; declare a public "
+                f"value_bound for channel {c.name!r} (e.g. from a public record cap or a norm clip; for a DP-SGD-"
+                "trained upload, the algorithm option update_bound: dpsgd_fedavg's clips its change to [-B, B]), or "
+                "run without secure aggregation")
 
 
 def quantisation_half_width(channel: Channel, weights: Sequence[float], local_noise_stds: Sequence[float]) -> float:
@@ -216,7 +227,8 @@ def quantisation_half_width(channel: Channel, weights: Sequence[float], local_no
     weight and the largest local noise std (8 standard deviations of headroom)."""
     bound = channel.coordinate_bound
     if bound is None:
-        raise ConfigurationError(f"channel {channel.name!r} has no public coordinate bound")
+        check_secure_channels([channel])
+        raise ConfigurationError(f"channel {channel.name!r} has no public coordinate bound; declare a value_bound")
     return max(weights) * (bound + 8.0 * max(local_noise_stds))
 
 
@@ -224,84 +236,241 @@ _MAX_HALF_WIDTH = 2.0 ** 1022  # the range [-h, h] must have a finite float64 wi
 
 
 def _range(channel: Channel, releases: Sequence[Release]) -> float:
-    if channel.coordinate_bound is None:
-        check_secure_channels([channel])
-        # non-private, or already private (DP-SGD-trained) values: the round's largest value may size the range
-        with np.errstate(over="ignore", invalid="ignore"):
-            peak = max(float(np.abs(np.multiply(r.weight, r.value, dtype=np.float64)).max(initial=0.0))
-                       for r in releases)
-        if not peak <= _MAX_HALF_WIDTH:  # also catches inf and nan
-            raise ProtocolAbort(f"channel {channel.name!r}: a weighted contribution of magnitude {peak:.4g} cannot be "
-                                f"quantised (the limit is 2^1022); nothing of this round is revealed. Clip the channel "
-                                f"(declare a clip or a value_bound) or lower its weights", party="server")
-        return 2.0 ** math.ceil(math.log2(max(peak, 1e-12))) if peak > 0 else 1.0
-    half = quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
-    if not (math.isfinite(half) and half <= _MAX_HALF_WIDTH):
-        raise ProtocolAbort(f"channel {channel.name!r}: the quantisation half-width {half:.4g} is too large for "
-                            f"float64 (at most 2^1022); declare a smaller coordinate bound or weights", party="server")
-    return half
+    """The half-width a round's ``releases`` of ``channel`` are quantised into (what :func:`channel_encodings`
+    fixes): from public facts for a private channel (its bound, the releases' public weights and the plan's local
+    noise std), refused without a public bound; the clients' announcements for a non-private one."""
+    if channel.private:
+        return quantisation_half_width(channel, [r.weight for r in releases], [r.local_noise_std for r in releases])
+    return max(announced_half_width(channel, r) for r in releases)
+
+
+def public_weight_bound(privacy, public) -> float | None:
+    """The largest release weight of any client of a private run, from public facts only
+    (``privfl.public.release_weight``): the largest declared record count when sizes are public at record level,
+    else 1. ``None`` for a non-private run, whose weights are true record counts."""
+    if not privacy.private:
+        return None
+    if public.sizes_public and privacy.unit == "example":
+        return float(max(public.client_sizes))
+    return 1.0
+
+
+def announced_half_width(channel: Channel, release: Release) -> float:
+    """A non-private client's announcement of the range its value needs: its weight times the channel's bound, or
+    the smallest power of two above its largest |weight * value|.
+
+    Only for non-private channels, whose values the run releases without any guarantee (charged ``epsilon = inf``):
+    the announcement is a function of such a value. A private channel's range is public (:func:`channel_encodings`).
+    Raises :class:`ProtocolAbort` for a value too large to quantise (nothing of the round is revealed)."""
+    if channel.private:
+        raise ConfigurationError(f"channel {channel.name!r} is private: its quantisation range must come from public "
+                                 f"facts, never from its values")
+    if channel.coordinate_bound is not None:
+        return float(release.weight) * channel.coordinate_bound
+    with np.errstate(over="ignore", invalid="ignore"):
+        peak = float(np.abs(np.multiply(release.weight, release.value, dtype=np.float64)).max(initial=0.0))
+    if not peak <= _MAX_HALF_WIDTH:  # also catches inf and nan
+        raise ProtocolAbort(f"channel {channel.name!r}: a weighted contribution of magnitude {peak:.4g} cannot be "
+                            f"quantised (the limit is 2^1022); nothing of this round is revealed. Clip the channel "
+                            f"(declare a clip or a value_bound) or lower its weights", party=release.client_id)
+    return 2.0 ** math.ceil(math.log2(max(peak, 1e-12))) if peak > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class ChannelEncoding:
+    """How every client of a round encodes one channel for the masked sum: the same for all of them, fixed before
+    any value is seen. ``noise_sigma``: std (integer units) of the discrete-Gaussian share each client adds
+    (distributed noise), 0 without; ``min_inputs``: the survivor floor the channel's noise was charged for."""
+
+    channel: str
+    shape: tuple[int, ...]
+    quantiser: Quantiser
+    noise_sigma: float = 0.0
+    min_inputs: int | None = None
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def noise_std(self, n_summed: int) -> float:
+        """Std of the summed discrete-Gaussian shares of ``n_summed`` clients, per coordinate, in real units."""
+        return self.noise_sigma * math.sqrt(n_summed) * self.quantiser.step
+
+
+def local_noise_stds(channels: Sequence[Channel], placement: str,
+                     noise_multipliers: Mapping[str, float] | None) -> dict[str, float]:
+    """The std of the noise each client adds to each channel before quantising: the plan's, a public fact."""
+    out = {}
+    for c in channels:
+        noised = (placement == "local" and noise_multipliers is not None and c.name in noise_multipliers
+                  and not isinstance(c.clip, TrainedPrivately))
+        out[c.name] = float(noise_multipliers[c.name]) * c.sensitivity if noised else 0.0
+    return out
+
+
+def channel_encodings(channels: Sequence[Channel], config: SecureAggregation, *, n_clients: int,
+                      local_stds: Mapping[str, float], weight_bound: float | None,
+                      distributed: Mapping[str, DistributedNoise] | None = None,
+                      announced: Mapping[str, float] | None = None) -> dict[str, ChannelEncoding]:
+    """Each channel's encoding, in the order of ``channels``: the distributed-noise plan's quantiser where there is
+    one, else the range ``weight_bound * (bound + 8 local std)`` of public facts, sized so ``n_clients`` inputs
+    cannot wrap. ``announced``: the largest :func:`announced_half_width` of a round's clients, for non-private
+    channels only (``weight_bound`` is then None). A channel without a public range is refused
+    (:class:`ConfigurationError` naming it)."""
+    out = {}
+    for c in channels:
+        plan = (distributed or {}).get(c.name)
+        if plan is not None:
+            if weight_bound is not None and weight_bound != 1.0:
+                raise ConfigurationError("distributed noise needs unit release weights (the sensitivity assumes them)")
+            out[c.name] = ChannelEncoding(c.name, c.shape, plan.quantiser, plan.local_sigma,
+                                          max(plan.n_min, config.min_survivors or 0))
+            continue
+        if c.private or c.coordinate_bound is not None and weight_bound is not None:
+            check_secure_channels([c])
+            if weight_bound is None:
+                raise ConfigurationError(f"channel {c.name!r}: a private channel needs public release weights")
+            half = quantisation_half_width(c, [weight_bound], [local_stds.get(c.name, 0.0)])
+        elif announced is not None and c.name in announced:
+            half = float(announced[c.name])
+        else:
+            raise ConfigurationError(f"channel {c.name!r} has no public quantisation range; declare a value_bound "
+                                     f"for it or run without secure aggregation")
+        if not (math.isfinite(half) and 0 < half <= _MAX_HALF_WIDTH):
+            raise ConfigurationError(f"channel {c.name!r}: the quantisation half-width {half:.4g} is not in (0, "
+                                     f"2^1022]; declare a smaller coordinate bound or weights")
+        try:
+            quantiser = Quantiser(low=-half, high=half, bits=config.bits, n_clients=n_clients)
+        except ValueError as exc:
+            raise ConfigurationError(f"secure aggregation, channel {c.name!r}: {exc} (--secagg-bits)") from exc
+        out[c.name] = ChannelEncoding(c.name, c.shape, quantiser, 0.0, config.min_survivors)
+    return out
+
+
+def round_min_inputs(encodings: Mapping[str, ChannelEncoding]) -> int | None:
+    """The survivor floor of a round: the largest of its channels'."""
+    floors = [e.min_inputs for e in encodings.values() if e.min_inputs]
+    return max(floors) if floors else None
+
+
+# -- the client's step and the server's step ---------------------------------------------------------------------
+
+def encode_for_secure_sum(releases: Mapping[str, Release], encodings: Mapping[str, ChannelEncoding],
+                          rng: np.random.Generator, *, secure_noise: bool) -> np.ndarray:
+    """The client's encoding of its round's releases: one vector of words mod 2^bits, the channels in the order of
+    ``encodings``. Each value is scaled by its public weight, clipped into the public range (a per-coordinate
+    contraction: the declared sensitivity still holds), stochastically rounded and, with distributed noise, given
+    the client's discrete-Gaussian share. The coins and shares come from the client's own generator ``rng`` (or the
+    OS CSPRNG when ``secure_noise``): the result depends on this client's releases, its generator and public facts
+    only. The words then go into the client's ``secure_agg.ClientSession``."""
+    coins = private_rng(rng, secure_noise)
+    parts = []
+    for name, enc in encodings.items():
+        if name not in releases:
+            raise ConfigurationError(f"no release of channel {name!r} to encode")
+        r, q = releases[name], enc.quantiser
+        contribution = np.clip(np.multiply(r.weight, r.value, dtype=np.float64).ravel(), q.low, q.high)
+        ints = q.to_integers(contribution, coins)
+        if enc.noise_sigma > 0:
+            ints = ints + (sample_discrete_gaussian(enc.noise_sigma, ints.shape, secure=True) if secure_noise
+                           else sample_discrete_gaussian(enc.noise_sigma, ints.shape, rng=coins))
+        parts.append(q.encode(ints))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+
+def decode_secure_sum(total: np.ndarray, encodings: Mapping[str, ChannelEncoding], channels: Mapping[str, Channel],
+                      included: Sequence[Mapping[str, Release]],
+                      noise: NoiseSource | np.random.Generator | int | str = 0) -> dict[str, Aggregate]:
+    """The server's step: the unmasked modular sum of the ``included`` clients' words back to one
+    :class:`Aggregate` per channel. ``included``: what each summed client declared in the clear, per channel (its
+    public weight and the plan's noise levels; values are not read). Central noise is added here (placement
+    ``central``: a trusted aggregator)."""
+    source = as_noise_source(noise)
+    total = np.asarray(total)
+    if total.shape != (sum(e.size for e in encodings.values()),):
+        raise ProtocolAbort(f"the unmasked sum has shape {total.shape}, not the round's encodings'", party="server")
+    n = len(included)
+    out, offset = {}, 0
+    for name, enc in encodings.items():
+        words = total[offset:offset + enc.size]
+        offset += enc.size
+        value = enc.quantiser.decode_sum(words, n).reshape(enc.shape)
+        headers = [rs[name] for rs in included]
+        weights = np.array([h.weight for h in headers], dtype=np.float64)
+        centrals = {h.central_noise_std for h in headers}
+        if len(centrals) > 1:
+            raise ProtocolAbort(f"channel {name!r}: the clients declare different central noise levels",
+                                party="server")
+        central = centrals.pop() * float(weights.max()) if centrals else 0.0
+        if central > 0:
+            value = value + gaussian_noise(value.shape, central, source, channels[name].symmetric)
+        local_var = float(np.sum(weights ** 2 * np.array([h.local_noise_std ** 2 for h in headers])))
+        local_var += enc.noise_std(n) ** 2
+        out[name] = Aggregate(name, value, float(weights.sum()), n, float(np.sqrt(local_var + central ** 2)))
+    return out
+
+
+def _client_order(client_id: str):
+    return (0, int(client_id), "") if client_id.isdigit() else (1, 0, client_id)
 
 
 def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel], config: SecureAggregation,
                          rng: np.random.Generator, noise: NoiseSource | np.random.Generator | int | str = 0,
                          distributed: Mapping[str, DistributedNoise] | None = None, *,
-                         secure_noise: bool = False) -> dict[str, Aggregate]:
-    """Like :func:`privfl.aggregation.weighted_sums`, through the secure-aggregation protocol.
+                         secure_noise: bool = False, client_rngs: Mapping[str, np.random.Generator] | None = None,
+                         weight_bound: float | None = None, n_clients: int | None = None,
+                         local_stds: Mapping[str, float] | None = None,
+                         on_masked_input: Callable[[list[str]], None] | None = None) -> dict[str, Aggregate]:
+    """Like :func:`privfl.aggregation.weighted_sums`, through the secure-aggregation protocol, in process: each client
+    encodes its releases (:func:`encode_for_secure_sum`, with its own generator ``client_rngs[client_id]``) and
+    takes part in ``secure_agg.run_round`` (one masked vector per client, all channels); the server unmasks the sum
+    and decodes it (:func:`decode_secure_sum`). The same steps as a deployment's (``privfl.flower.app``).
 
-    With ``distributed`` plans, each client adds its discrete Gaussian share to its quantised value before masking,
-    and a round with fewer than the plan's ``n_min`` survivors aborts (:class:`secure_agg.ProtocolAbort`).
-    ``rng`` decides the simulated dropouts. ``secure_noise``: the clients' stochastic rounding and discrete Gaussian
-    shares come from the OS CSPRNG (the default of private runs, ``privfl.public``); otherwise from ``rng``.
+    Public facts: ``weight_bound`` (:func:`public_weight_bound`; default: the largest declared weight of the round,
+    which in a private run is a public constant), ``n_clients`` the inputs the ranges are sized for (default: the
+    round's clients), ``local_stds`` each channel's local noise std (default: the releases' declared ones). A private
+    channel without a public coordinate bound is refused; non-private channels without one use the clients'
+    announcements (:func:`announced_half_width`). ``rng`` decides the simulated dropouts only (``config.dropout``).
+    Without ``client_rngs`` (direct calls, tests) each client's generator is a child of ``rng`` in client order.
+    ``on_masked_input(client_ids)`` is called just before the masked inputs of ``client_ids`` (the clients that do
+    not drop) are handed to the protocol: where a deployment's client marks its ledger rows released.
+    A round that cannot be aggregated safely raises :class:`secure_agg.ProtocolAbort`.
     """
-    source = as_noise_source(noise)
-    by_channel: dict[str, list[Release]] = {}
+    by_client: dict[str, dict[str, Release]] = {}
     for r in releases:
-        by_channel.setdefault(r.channel, []).append(r)
-    clients = sorted({r.client_id for r in releases})
+        by_client.setdefault(r.client_id, {})[r.channel] = r
+    clients = sorted(by_client, key=_client_order)
+    order = [channels[name] for name in channels if any(name in rs for rs in by_client.values())]
+    if not clients:
+        return {}
+    if weight_bound is None and any(c.private for c in order):
+        weight_bound = max(r.weight for r in releases)
+    if local_stds is None:
+        local_stds = {c.name: max(rs[c.name].local_noise_std for rs in by_client.values()) for c in order}
+    announced = {c.name: max(announced_half_width(c, rs[c.name]) for rs in by_client.values())
+                 for c in order if not c.private and (weight_bound is None or c.coordinate_bound is None)}
+    encodings = channel_encodings(order, config, n_clients=n_clients or len(clients), local_stds=local_stds,
+                                  weight_bound=weight_bound, distributed=distributed, announced=announced)
+    min_inputs = round_min_inputs(encodings)
+    need = max(2, min_inputs or 0)
+    if len(clients) < need:  # e.g. a sampled round with one client: abort the round, reveal nothing
+        flag = " (--min-survivors)" if min_inputs and min_inputs > 1 else ""
+        raise ProtocolAbort(f"only {len(clients)} client(s) in this round, secure aggregation needs at least {need}"
+                            f"{flag}; the round is aborted", party="server")
+    if client_rngs is None:
+        client_rngs = {cid: np.random.default_rng(rng.integers(0, 2 ** 63 - 1)) for cid in clients}
+    words = {cid: encode_for_secure_sum(by_client[cid], encodings, client_rngs[cid], secure_noise=secure_noise)
+             for cid in clients}
     n_drop = int(math.floor(config.dropout * len(clients)))
     dropped = set(rng.choice(clients, size=n_drop, replace=False).tolist()) if n_drop else set()
-    coins = private_rng(rng, secure_noise)  # the clients' rounding coins
-    out = {}
-    for name, rs in by_channel.items():
-        plan = (distributed or {}).get(name)
-        if plan is not None:
-            if any(r.weight != 1.0 for r in rs):
-                raise ConfigurationError("distributed noise needs unit release weights (the sensitivity assumes them)")
-            quantiser, min_inputs = plan.quantiser, max(plan.n_min, config.min_survivors or 0)
-        else:
-            half = _range(channels[name], rs)
-            quantiser = Quantiser(low=-half, high=half, bits=config.bits, n_clients=len(rs))
-            min_inputs = config.min_survivors
-        words = {}
-        for r in rs:
-            contribution = np.clip(r.weight * r.value, quantiser.low, quantiser.high)  # a contraction (docstring)
-            ints = quantiser.to_integers(contribution.ravel(), coins)
-            if plan is not None:
-                share = (sample_discrete_gaussian(plan.local_sigma, ints.shape, secure=True) if secure_noise
-                         else sample_discrete_gaussian(plan.local_sigma, ints.shape, rng=coins))
-                ints = ints + share
-            words[r.client_id] = quantiser.encode(ints)
-        need = max(2, min_inputs or 0)
-        if len(words) < need:  # e.g. a sampled round with one client: abort the round, reveal nothing
-            flag = " (--min-survivors)" if min_inputs and min_inputs > 1 else ""
-            raise ProtocolAbort(f"channel {name!r}: only {len(words)} client(s) in this round, secure aggregation "
-                                f"needs at least {need}{flag}; the round is aborted", party="server")
-        drop_at = {"masked_input": dropped & set(words)} if dropped else None
-        try:
-            result = run_round(words, bits=config.bits, min_inputs=min_inputs, drop_at=drop_at,
-                               malicious=config.malicious, dropout=config.dropout, corruption=config.corruption)
-        except ParameterError as exc:  # e.g. a sampled round too small for the declared dropout: abort the round
-            raise ProtocolAbort(f"channel {name!r}: {len(words)} clients cannot be aggregated safely under the "
-                                f"declared threat model ({exc})", party="server") from exc
-        included = [r for r in rs if r.client_id in set(result.included)]
-        total = quantiser.decode_sum(result.sum, len(included)).reshape(rs[0].value.shape)
-        weights = np.array([r.weight for r in included])
-        centrals = {r.central_noise_std for r in included}
-        central = centrals.pop() * float(weights.max()) if centrals else 0.0
-        if central > 0:
-            total = total + gaussian_noise(total.shape, central, source, channels[name].symmetric)
-        local_var = float(np.sum(weights ** 2 * np.array([r.local_noise_std ** 2 for r in included])))
-        if plan is not None:
-            local_var += plan.noise_std(len(included)) ** 2
-        out[name] = Aggregate(name, total, float(weights.sum()), len(included), float(np.sqrt(local_var + central ** 2)))
-    return out
+    if on_masked_input is not None:
+        on_masked_input([cid for cid in clients if cid not in dropped])
+    try:
+        result = run_round(words, bits=config.bits, min_inputs=min_inputs,
+                           drop_at={"masked_input": dropped} if dropped else None,
+                           malicious=config.malicious, dropout=config.dropout, corruption=config.corruption)
+    except ParameterError as exc:  # e.g. a sampled round too small for the declared dropout: abort the round
+        raise ProtocolAbort(f"{len(clients)} clients cannot be aggregated safely under the declared threat model "
+                            f"({exc})", party="server") from exc
+    included = [by_client[cid] for cid in clients if cid in set(result.included)]
+    return decode_secure_sum(result.sum, encodings, channels, included, noise)

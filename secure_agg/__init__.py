@@ -32,6 +32,10 @@ Malicious-server variant: ``SessionConfig.create(..., malicious=True)``; each cl
 band); the server closes one more stage, ``consistency_proof``, between ``unmask_request`` and ``finalize``, and clients
 answer ``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True)``.
 
+A transport whose client runs each stage in a fresh process (a Flower ClientApp) keeps the client's session between
+stages with ``ClientSession.to_state()`` (bytes, secrets included: store them where only that client can read them)
+and ``ClientSession.from_state(config, state)``.
+
 Parameters: declare the threat model (``dropout``, ``corruption`` fractions) to ``SessionConfig.create`` or
 ``run_round``; the degree and threshold are derived from it (``derive_parameters``, after Bell et al. CCS 2020) and
 given ones are checked, refused with ``ParameterError`` saying what to change (``check=False``: tests only).

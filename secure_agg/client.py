@@ -18,7 +18,10 @@ announces in the consistency round, and unmasks only if, for every peer whose sh
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+from cryptography.hazmat.primitives import serialization
 
 from privfl.secure_agg import identity as I
 from privfl.secure_agg import primitives as P
@@ -33,6 +36,10 @@ __all__ = ["ClientSession", "check_input_vector"]
 
 _SELF_SEED = "self_mask_seed"
 _MASK_KEY = "mask_key"
+
+
+def _raw_public(key) -> str:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
 def check_input_vector(value: np.ndarray, bits: int, dimension: int) -> np.ndarray:
@@ -105,6 +112,61 @@ class ClientSession:
         self._own_shares: tuple[int, int] | None = None  # (mask-key share, self-seed share) held for ourselves
         self._received: dict[int, bytes] = {}  # sender -> ciphertext of its shares for us
         self._revealed: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ keeping a session between processes
+    def to_state(self) -> bytes:
+        """The session's whole state, secrets included, as bytes: for a transport whose client runs each stage in a
+        fresh process (a Flower ClientApp). Keep it where only this client can read it (Flower's ``Context.state``
+        stays on the SuperNode); never send it. An aborted session has no state to keep."""
+        if self._aborted is not None:
+            raise ProtocolAbort(f"client already aborted: {self._aborted.reason}", party=self.client_id)
+        raw = (lambda b: None if b is None else b.hex())
+        state = {
+            "session_id": self.config.session_id.hex(), "client_id": self.client_id, "next": self._next,
+            "value": None if self._value is None else self._value.tobytes().hex(),
+            "enc_key": None if self._enc_key is None else P.private_bytes(self._enc_key).hex(),
+            "mask_key": None if self._mask_key is None else P.private_bytes(self._mask_key).hex(),
+            "self_seed": raw(self._self_seed),
+            "peer_keys": {str(c): [_raw_public(e), _raw_public(m)] for c, (e, m) in self._peer_keys.items()},
+            "own_shares": None if self._own_shares is None else [str(v) for v in self._own_shares],
+            "received": {str(c): ct.hex() for c, ct in self._received.items()},
+            "revealed": {str(c): kind for c, kind in self._revealed.items()},
+            "survivors": None if self._survivors is None else [list(self._survivors[0]), list(self._survivors[1])],
+        }
+        return json.dumps(state, sort_keys=True).encode("ascii")
+
+    @classmethod
+    def from_state(cls, config: SessionConfig, state: bytes, *, identity_key=None,
+                   registry: I.IdentityRegistry | None = None, min_inputs: int | None = None) -> "ClientSession":
+        """The session :meth:`to_state` saved, under the same public ``config`` (checked: the session id must
+        match); the identity key and registry are given again (malicious variant)."""
+        try:
+            d = json.loads(bytes(state).decode("ascii"))
+            if bytes.fromhex(d["session_id"]) != config.session_id:
+                raise ValueError("the saved session belongs to another session")
+            value = (np.zeros(config.dimension, dtype=P.word_dtype(config.bits)) if d["value"] is None else
+                     np.frombuffer(bytes.fromhex(d["value"]), dtype=P.word_dtype(config.bits)))
+            session = cls(config, int(d["client_id"]), value, identity_key=identity_key, registry=registry,
+                          min_inputs=min_inputs)
+            if d["value"] is None:
+                session._value = None
+            session._next = int(d["next"])
+            if not 0 <= session._next < len(STAGES):
+                raise ValueError("saved stage out of range")
+            session._enc_key = None if d["enc_key"] is None else P.private_key_from_bytes(bytes.fromhex(d["enc_key"]))
+            session._mask_key = (None if d["mask_key"] is None
+                                 else P.private_key_from_bytes(bytes.fromhex(d["mask_key"])))
+            session._self_seed = None if d["self_seed"] is None else bytes.fromhex(d["self_seed"])
+            session._peer_keys = {int(c): (P.load_public_key(bytes.fromhex(e)), P.load_public_key(bytes.fromhex(m)))
+                                  for c, (e, m) in d["peer_keys"].items()}
+            session._own_shares = None if d["own_shares"] is None else tuple(int(v) for v in d["own_shares"])
+            session._received = {int(c): bytes.fromhex(ct) for c, ct in d["received"].items()}
+            session._revealed = {int(c): str(kind) for c, kind in d["revealed"].items()}
+            session._survivors = (None if d["survivors"] is None
+                                  else (tuple(d["survivors"][0]), tuple(d["survivors"][1])))
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolAbort(f"the saved client session cannot be restored: {exc}") from None
+        return session
 
     # ------------------------------------------------------------------ state machine plumbing
     @property

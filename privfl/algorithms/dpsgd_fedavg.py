@@ -317,10 +317,19 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
+    default_unit = "example"  # record-level by construction: DP-SGD bounds each example's gradient
 
-    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None):
+    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None,
+                 update_bound: float | None = None):
         super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
         self.accountant = check_dpsgd_privacy(privacy, self.name) if privacy.private else None
+        if update_bound is not None and (isinstance(update_bound, bool) or not isinstance(update_bound, (int, float))
+                                         or not math.isfinite(update_bound) or update_bound <= 0):
+            raise ConfigurationError(f"{self.name}: update_bound must be a finite number > 0 or None, got "
+                                     f"{update_bound!r}")
+        #: public bound B on every coordinate of the uploaded change: the DP-SGD-trained change is clipped to
+        #: [-B, B] before release (post-processing, free), which gives secure aggregation a public range
+        self.update_bound = None if update_bound is None else float(update_bound)
         self._multipliers: dict[DPSGDSchedule, float] = {}
         if privacy.private and loss is not None:
             TaskLoss(loss).require_per_example(self.name)
@@ -335,8 +344,12 @@ class DPSGDFedAvg(FedAvg):
         if not self.privacy.private:
             return super().channels()
         return [Channel("update", (self.dim,), unit="example", clip=TrainedPrivately(),
-                        adjacency=self.privacy.adjacency,
+                        adjacency=self.privacy.adjacency, value_bound=self.update_bound,
                         description="local model change after DP-SGD training (post-processing)")]
+
+    def _bounded(self, update: np.ndarray) -> np.ndarray:
+        """The change clipped to the public ``update_bound`` (post-processing of the DP-SGD output)."""
+        return update if self.update_bound is None else np.clip(update, -self.update_bound, self.update_bound)
 
     def planned_events(self, client: int) -> dict:
         """The per-round event of ``client``'s DP-SGD-trained upload (the run plan's; empty when not private)."""
@@ -381,7 +394,7 @@ class DPSGDFedAvg(FedAvg):
                                                      generators):
                 i = members[row]
                 k = clients[i]
-                yield k, ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
+                yield k, ClientOutput({"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))},
                                       weight=self.release_weight(datasets[i], k),
                                       metrics={"noise_multiplier": z, **stats})
 
@@ -397,7 +410,7 @@ class DPSGDFedAvg(FedAvg):
                             momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
                             loss=self.user.loss, optimizer=self.user.optimizer, algorithm=self.name)
         update = flat_parameters(local) - self.global_params
-        return ClientOutput({"update": PrivatizedValue(update, schedule.round_event(z))},
+        return ClientOutput({"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))},
                             weight=self.release_weight(dataset, client), metrics={"noise_multiplier": z, **stats})
 
 

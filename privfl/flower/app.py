@@ -1,6 +1,8 @@
 """A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): every algorithm whose two halves are apart
-(``privfl.algorithms.base``) and that keeps no per-client state between rounds — FedAvg, FedProx, DP-FedAvg,
-DP-SGD FedAvg and FOLA (:func:`runs_on_flower`) — across machines, one SuperNode per organisation.
+(``privfl.algorithms.base``) — FedAvg, FedProx, DP-FedAvg, DP-SGD FedAvg, FOLA and HBFL (:func:`runs_on_flower`;
+FedBNN needs its public alignment set in the run spec, which does not carry one yet) — across machines, one SuperNode
+per organisation. A client's own state (HBFL's local model) is kept as a message in its SuperNode's ``Context.state`` between rounds and never
+leaves it; the metrics of those models (``local_metrics``) are not reported to the server.
 
 The server half (:func:`server_main`) sets the algorithm up from the run's public facts, builds the run plan
 (``privfl.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
@@ -16,9 +18,20 @@ aggregation), and a client's generators are kept between rounds in its Flower ``
 seeded noise releases exactly what the in-process runtime with ``executor="per_client"`` releases.
 
 Placements: ``local`` (each client noises its own release) and ``central`` (the ServerApp adds the noise to the sum,
-a trusted aggregator, as in the simulation). Not yet here (issue 13): client sampling, secure aggregation and
-distributed noise, algorithm options other than their defaults, and algorithms with per-client state (HBFL, FedBNN)
-or phases (FedBNR).
+a trusted aggregator, as in the simulation), and, under secure aggregation, ``distributed``.
+
+Secure aggregation (``RunSpec.secure``, a :class:`privfl.secure.SecureAggregation` with ``malicious=False``): each
+round runs privfl's own protocol (``secure_agg``) as Flower message rounds (:func:`_secure_round`): the training
+message carries the round's public session configuration and the client answers with its advertised keys and its
+release headers (never a value); then share keys, masked input and unmask are ``train.secagg`` messages. The
+client's step is the in-process runtime's (``privfl.secure.encode_for_secure_sum``, with the client's own generator
+kept in its Context.state, as are its session's secrets between stages); the server unmasks only the sum. A SuperNode
+that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
+ledger rows are charged at training and marked released just before its masked input leaves.
+
+Not yet here (issue 13): client sampling, the malicious-server variant of secure aggregation (an identity registry
+of the SuperNodes' keys), algorithm options other than their defaults, and algorithms with per-client state (HBFL,
+FedBNN) or phases (FedBNR).
 """
 
 from __future__ import annotations
@@ -40,12 +53,13 @@ from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 
 
 def runs_on_flower(algorithm: str) -> bool:
-    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast and keeps no per-client
-    state between rounds (client state across ClientApp processes is not carried yet)."""
+    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast and needs no public alignment
+    set (the run spec does not carry one yet: FedBNN); FedBNR's phases do not run on Flower yet."""
     from privfl.algorithms import ALGORITHMS
 
     cls = ALGORITHMS.get(algorithm)
-    return cls is not None and cls.splittable and bool(cls.broadcast_state) and not cls.client_state
+    return (cls is not None and cls.splittable and bool(cls.broadcast_state)
+            and not getattr(cls, "uses_alignment", False))
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
@@ -55,6 +69,8 @@ TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-templa
 #: Flower message type of a round and privfl message kinds
 TRAIN = "train"
 BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
+#: the Context.state key of the algorithm's per-client state (privfl.algorithms.base: client_state)
+ALGORITHM_STATE = "privfl.algorithm-state"
 
 
 class DeploymentError(MessageError):
@@ -83,6 +99,9 @@ class RunSpec:
     round_timeout: float = 600.0
     #: torch intra-op threads in the client (1: reproducible sums and a fair share of a shared machine)
     torch_threads: int | None = 1
+    #: secure aggregation (``privfl.secure.SecureAggregation``, semi-honest variant): each round then runs
+    #: secure_agg's stages as Flower message rounds; None: plaintext releases
+    secure: object = None
 
     def __post_init__(self):
         if not runs_on_flower(self.algorithm):
@@ -94,9 +113,12 @@ class RunSpec:
             raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
         if self.privacy.sampling_rate < 1:
             raise ConfigurationError("client sampling is not supported by the Flower runtime yet; set sampling_rate=1")
-        if self.privacy.placement == "distributed":
-            raise ConfigurationError("distributed noise needs secure aggregation, which the Flower runtime does not "
-                                     "carry yet; choose local or central placement")
+        if self.secure is not None:
+            _check_secure(self)
+        elif self.privacy.placement == "distributed":
+            raise ConfigurationError("distributed noise is added by the clients under secure aggregation; give the "
+                                     "spec secure=SecureAggregation(malicious=False) or choose local or central "
+                                     "placement")
         for name in ("node_wait", "round_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -119,7 +141,7 @@ class RunSpec:
                            self.client_sizes, self.record_cap, self.name, None, test)
 
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(self)  # secure (a frozen dataclass) becomes its fields
         d["privacy"]["epsilon"] = float(self.privacy.epsilon).hex()  # exact, and inf survives JSON
         return json.dumps(d, sort_keys=True)
 
@@ -135,11 +157,34 @@ class RunSpec:
             d["input_shape"] = tuple(d["input_shape"])
             if d.get("client_sizes") is not None:
                 d["client_sizes"] = tuple(d["client_sizes"])
+            if d.get("secure") is not None:
+                from privfl.secure import SecureAggregation
+
+                d["secure"] = SecureAggregation(**d["secure"])
             return cls(fed=FederationConfig(**fed), privacy=PrivacyConfig(**privacy), **d)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigurationError):
                 raise
             raise ConfigurationError(f"the run config's {SPEC_KEY!r} is not a privfl run spec: {exc}") from None
+
+
+def _check_secure(spec: "RunSpec") -> None:
+    """Refuse up front a secure-aggregation setting the deployment cannot run safely."""
+    from privfl.secure import SecureAggregation
+
+    sec = spec.secure
+    if not isinstance(sec, SecureAggregation):
+        raise ConfigurationError(f"secure must be a privfl.secure.SecureAggregation or None, got {sec!r}")
+    if sec.malicious:
+        raise ConfigurationError("the Flower runtime runs the semi-honest variant of secure aggregation: the "
+                                 "malicious-server variant needs every SuperNode's Ed25519 identity key registered "
+                                 "out of band, which it does not carry yet; use SecureAggregation(malicious=False) "
+                                 "(and Flower's node authentication so that the transport authenticates clients)")
+    if not spec.privacy.private:
+        raise ConfigurationError("secure aggregation on Flower needs a private run: a non-private run's ranges (and "
+                                 "weights, its record counts) are not public facts; set an epsilon or turn secure "
+                                 "aggregation off")
+    sec.check(spec.n_clients)
 
 
 def client_seed(seed: int, client: int) -> np.random.SeedSequence:
@@ -155,13 +200,23 @@ def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
     return SecureNoise() if privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
 
 
-def _plan(alg, spec: RunSpec):
-    """The channels as charged, the noise multipliers and the placement: the run plan (``privfl.plan.RunPlan``),
-    built from the public spec exactly as the in-process runtime builds it."""
+def _run_plan(alg, spec: RunSpec):
+    """The run plan (``privfl.plan.RunPlan``: channels as charged, noise multipliers, placement, distributed-noise
+    plans), built from the public spec exactly as the in-process runtime builds it."""
     from privfl.plan import RunPlan
 
-    plan = RunPlan.build(alg, spec.privacy, spec.fed, alg.public)
-    return list(plan.channels), plan.noise_multipliers, plan.placement
+    return RunPlan.build(alg, spec.privacy, spec.fed, alg.public, spec.secure)
+
+
+def _encodings(plan, spec: RunSpec):
+    """Each channel's secure-aggregation encoding, from the plan and the public facts only: the server and every
+    client compute the same (``privfl.secure.channel_encodings``)."""
+    from privfl.secure import channel_encodings, local_noise_stds, public_weight_bound
+
+    return channel_encodings(plan.channels, spec.secure, n_clients=spec.n_clients,
+                             local_stds=local_noise_stds(plan.channels, plan.placement, plan.noise_multipliers),
+                             weight_bound=public_weight_bound(spec.privacy, spec.public_facts()),
+                             distributed=plan.distributed)
 
 
 def _setup_seq(spec: RunSpec) -> np.random.SeedSequence:
@@ -223,62 +278,32 @@ def _wait_for_nodes(grid, n: int, timeout: float) -> list[int]:
 
 
 def server_main(grid, context) -> None:
-    """The ServerApp's main: setup, then ``rounds`` x (broadcast, receive releases, weighted sums, server step)."""
-    from flwr.app import Message
-
-    from privfl.aggregation import weighted_sums
+    """The ServerApp's main: setup, then ``rounds`` x (broadcast, receive releases, weighted sums, server step); with
+    secure aggregation each round's sums come from the protocol's stages (:func:`_secure_round`)."""
+    from privfl.plan import seed_stream
 
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     test_path = str(context.run_config.get(TEST_KEY, "") or "")
     test = load_dataset(test_path, spec) if test_path else None
     alg = _setup(spec, test)
-    channels, multipliers, _ = _plan(alg, spec)
+    plan = _run_plan(alg, spec)
+    channels, multipliers = list(plan.channels), plan.noise_multipliers
     by_name = {c.name: c for c in channels}
-    from privfl.plan import seed_stream
-
     server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
     history, audits, node_client = [], {}, {}
     for rnd in range(spec.fed.rounds):
         start = time.perf_counter()
         broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values)}
-        messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
-                            group_id=str(rnd)) for node in nodes]
-        replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
-        releases, sat_out, seen = [], [], set()
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                raise DeploymentError(f"round {rnd}: SuperNode {node} failed: {msg.error.reason}")
-            reply = from_record(msg.content, REPLY)
-            cid = str(reply["client_id"])
-            if reply["round"] != rnd or cid in seen or node_client.setdefault(node, cid) != cid:
-                raise DeploymentError(f"round {rnd}: SuperNode {node} replied out of protocol (client {cid}, round "
-                                      f"{reply['round']})")
-            seen.add(cid)
-            audits[cid] = reply["audit"]
-            if reply["sat_out"]:
-                sat_out.append(cid)
-                continue
-            got = [decode_release(d) for d in reply["releases"]]
-            if sorted(r.channel for r in got) != sorted(by_name) or any(
-                    r.client_id != cid or r.round != rnd or np.shape(r.value) != by_name[r.channel].shape
-                    or not np.all(np.isfinite(r.value)) or not (math.isfinite(r.weight) and r.weight > 0)
-                    for r in got):
-                raise DeploymentError(f"round {rnd}: client {cid} released {[r.channel for r in got]}, not finite "
-                                      f"values of the declared channels {sorted(by_name)} and shapes with a weight > 0")
-            releases.extend(got)
-        if len(seen) != len(nodes):
-            raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not reply "
-                                  f"within {spec.round_timeout:g} s")
-        if sorted(int(c) for c in seen) != list(range(spec.n_clients)):
-            raise DeploymentError(f"the SuperNodes' partition ids are {sorted(seen, key=int)}; give each of the "
-                                  f"{spec.n_clients} organisations a distinct partition-id 0..{spec.n_clients - 1}")
-        releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
-        if releases:
-            alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
+        if spec.secure is None:
+            participants, sat_out = _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise,
+                                                 audits, node_client)
+            aborted = False
+        else:
+            participants, sat_out, aborted = _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name,
+                                                           server_noise, audits, node_client)
         metrics = alg.evaluate(test) if test is not None else {}
-        history.append({"round": rnd, "participants": len({r.client_id for r in releases}),
+        history.append({"round": rnd, "participants": participants, "aborted": aborted,
                         "sat_out": sorted(sat_out, key=int), "metrics": metrics,
                         "seconds": time.perf_counter() - start})
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
@@ -289,6 +314,191 @@ def server_main(grid, context) -> None:
         with open(tmp, "wb") as f:
             f.write(to_bytes(result, RESULT))
         os.replace(tmp, result_path)  # the result appears whole or not at all
+
+
+def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, audits, node_client):
+    """One round without secure aggregation: every SuperNode replies with its releases in the clear."""
+    from flwr.app import Message
+
+    from privfl.aggregation import weighted_sums
+
+    messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
+                        group_id=str(rnd)) for node in nodes]
+    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
+    releases, sat_out, seen = [], [], set()
+    for msg in replies:
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            raise DeploymentError(f"round {rnd}: SuperNode {node} failed: {msg.error.reason}")
+        reply = from_record(msg.content, REPLY)
+        cid = _reply_client(reply, rnd, node, seen, node_client)
+        audits[cid] = reply["audit"]
+        if reply["sat_out"]:
+            sat_out.append(cid)
+            continue
+        got = [decode_release(d) for d in reply["releases"]]
+        if sorted(r.channel for r in got) != sorted(by_name) or any(
+                r.client_id != cid or r.round != rnd or np.shape(r.value) != by_name[r.channel].shape
+                or not np.all(np.isfinite(r.value)) or not (math.isfinite(r.weight) and r.weight > 0)
+                for r in got):
+            raise DeploymentError(f"round {rnd}: client {cid} released {[r.channel for r in got]}, not finite "
+                                  f"values of the declared channels {sorted(by_name)} and shapes with a weight > 0")
+        releases.extend(got)
+    if len(seen) != len(nodes):
+        raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not reply "
+                              f"within {spec.round_timeout:g} s")
+    _check_partitions(seen, spec)
+    releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
+    if releases:
+        alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
+    return len({r.client_id for r in releases}), sat_out
+
+
+def _reply_client(reply, rnd, node, seen, node_client) -> str:
+    """The client id a SuperNode's reply speaks for, checked against the round and what the node said before."""
+    cid = str(reply["client_id"])
+    if reply["round"] != rnd or cid in seen or node_client.setdefault(node, cid) != cid:
+        raise DeploymentError(f"round {rnd}: SuperNode {node} replied out of protocol (client {cid}, round "
+                              f"{reply['round']})")
+    seen.add(cid)
+    return cid
+
+
+def _check_partitions(seen, spec) -> None:
+    if not all(c.isdigit() and int(c) < spec.n_clients for c in seen) or len(seen) > spec.n_clients:
+        raise DeploymentError(f"the SuperNodes' partition ids are {sorted(seen)}; give each of the "
+                              f"{spec.n_clients} organisations a distinct partition-id 0..{spec.n_clients - 1}")
+    if len(seen) == spec.n_clients and sorted(int(c) for c in seen) != list(range(spec.n_clients)):
+        raise DeploymentError(f"the SuperNodes' partition ids are {sorted(seen, key=int)}; give each of the "
+                              f"{spec.n_clients} organisations a distinct partition-id 0..{spec.n_clients - 1}")
+
+
+# -- secure aggregation as Flower message rounds -------------------------------------------------------------------
+
+#: the Flower message type of the protocol's later stages (``@client_app.train("secagg")``) and privfl's kinds
+SECAGG = "train.secagg"
+SECAGG_REQUEST, SECAGG_REPLY, SECAGG_STATE = "privfl.secagg-request", "privfl.secagg-reply", "privfl.secagg-state"
+
+
+def _session_id(cid: str) -> int:
+    """A client's id in the protocol (Shamir x-coordinates start at 1): partition k is k + 1."""
+    return int(cid) + 1
+
+
+def _stage_messages():
+    from privfl.secure_agg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, ShareDelivery, ShareKeys,
+                                            UnmaskRequest, UnmaskShares)
+
+    # stage -> (what the server sends, what the client answers)
+    return {"share_keys": (KeyDirectory, ShareKeys), "masked_input": (ShareDelivery, MaskedInput),
+            "unmask": (UnmaskRequest, UnmaskShares)}, AdvertiseKeys
+
+
+def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_noise, audits, node_client):
+    """One round under secure aggregation, secure_agg's stages as Flower message rounds:
+
+    1. ``train`` (advertise keys): the broadcast and the round's public session configuration go out; each client
+       trains, charges, noises and encodes its releases with its own generator, and answers with its
+       ``AdvertiseKeys`` and its release headers (weights and noise levels, never values);
+    2. ``share keys``: each gets its neighbours' keys and answers with its encrypted Shamir shares;
+    3. ``masked input``: each gets the shares addressed to it and answers with its masked input (its ledger rows
+       are marked released just before);
+    4. ``unmask``: the survivors get the survivor set and answer with the shares that remove the masks.
+
+    A SuperNode that fails or does not answer a stage is a dropout: the server session goes on without it, and
+    recovers the masks of a client that dropped after sharing its keys from the survivors' shares; if too few
+    survive (fewer than the threshold, or than the floor distributed noise was charged for) the round aborts:
+    nothing of it is revealed and the global state stays. Returns (participants, sat_out, aborted)."""
+    from flwr.app import Message
+
+    from privfl.secure import decode_secure_sum, round_min_inputs
+    from privfl.secure_agg import ProtocolAbort, ServerSession, SessionConfig
+    from privfl.secure_agg.params import ParameterError
+    from privfl.release import ReleaseHeader
+
+    stages, advertise_type = _stage_messages()
+    encodings = _encodings(plan, spec)
+    dimension = sum(e.size for e in encodings.values())
+    try:
+        config = SessionConfig.create([_session_id(str(k)) for k in range(spec.n_clients)], bits=spec.secure.bits,
+                                      dimension=dimension, min_inputs=round_min_inputs(encodings), malicious=False,
+                                      dropout=spec.secure.dropout, corruption=spec.secure.corruption)
+    except (ParameterError, ValueError) as exc:
+        raise DeploymentError(f"round {rnd}: no secure-aggregation session for {spec.n_clients} clients: {exc}"
+                              ) from exc
+    server = ServerSession(config)
+    messages = [Message(to_record({**broadcast, "secagg": config.to_dict()}, BROADCAST), dst_node_id=node,
+                        message_type=TRAIN, group_id=str(rnd)) for node in nodes]
+    headers, sat_out, seen = {}, [], set()
+    client_node: dict[str, int] = {}
+    for msg in grid.send_and_receive(messages, timeout=spec.round_timeout):
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            continue  # a dropout before advertising keys: the session goes on without it
+        reply = from_record(msg.content, REPLY)
+        cid = _reply_client(reply, rnd, node, seen, node_client)
+        audits[cid] = reply["audit"]
+        if reply["sat_out"]:
+            sat_out.append(cid)
+            continue
+        got = {}
+        for d in reply["headers"]:
+            h = ReleaseHeader.from_dict(d)
+            if h.client_id != cid or h.round != rnd or h.channel not in by_name or h.channel in got:
+                raise DeploymentError(f"round {rnd}: client {cid} sent a header for {h.channel!r} of client "
+                                      f"{h.client_id}, round {h.round}")
+            got[h.channel] = h
+        if set(got) != set(by_name):
+            raise DeploymentError(f"round {rnd}: client {cid} declared channels {sorted(got)}, not "
+                                  f"{sorted(by_name)}")
+        advert = advertise_type.from_bytes(reply["advertise"])
+        if advert.sender != _session_id(cid):
+            raise DeploymentError(f"round {rnd}: client {cid} advertised keys as protocol id {advert.sender}")
+        headers[_session_id(cid)] = got
+        client_node[cid] = node
+        server.receive(advert)
+    _check_partitions(seen, spec)
+    node_of = {_session_id(c): n for c, n in client_node.items()}
+    try:
+        outgoing = server.key_directories()
+        for stage in ("share_keys", "masked_input", "unmask"):
+            for answer in _exchange(grid, spec, rnd, stage, outgoing, node_of, stages[stage][1], audits):
+                server.receive(answer)
+            if stage == "share_keys":
+                outgoing = server.share_deliveries()
+            elif stage == "masked_input":
+                request = server.unmask_request()
+                outgoing = {c: request for c in request.alive}
+        result = server.finalize()
+    except ProtocolAbort:
+        return 0, sat_out, True  # nothing of the round is revealed; the global state stays
+    included = [headers[c] for c in result.included]
+    alg.server_update(decode_secure_sum(result.sum, encodings, by_name, included, server_noise), rnd)
+    return len(included), sat_out, False
+
+
+def _exchange(grid, spec, rnd, stage, outgoing, node_of, answer_type, audits):
+    """Send each client its message of ``stage``; yield the answers of those that reply (the others dropped)."""
+    from flwr.app import Message
+
+    messages = [Message(to_record({"round": rnd, "stage": stage, "message": m.to_bytes()}, SECAGG_REQUEST),
+                        dst_node_id=node_of[c], message_type=SECAGG, group_id=f"{rnd}.{stage}")
+                for c, m in sorted(outgoing.items()) if c in node_of]
+    by_node = {n: c for c, n in node_of.items()}
+    for msg in grid.send_and_receive(messages, timeout=spec.round_timeout):
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            continue  # a dropout at this stage
+        reply = from_record(msg.content, SECAGG_REPLY)
+        c = by_node.get(node)
+        if c is None or reply["round"] != rnd or reply["stage"] != stage or _session_id(reply["client_id"]) != c:
+            raise DeploymentError(f"round {rnd}: SuperNode {node} answered stage {stage!r} out of protocol")
+        if reply.get("audit") is not None:
+            audits[str(reply["client_id"])] = reply["audit"]
+        answer = answer_type.from_bytes(reply["message"])
+        if answer.sender != c:
+            raise DeploymentError(f"round {rnd}: SuperNode {node} answered for protocol id {answer.sender}")
+        yield answer
 
 
 def read_result(path: str) -> dict:
@@ -315,21 +525,27 @@ def _generators(spec: RunSpec, client: int, context):
     from flwr.app import ConfigRecord
     from privfl.mechanisms import SeededNoise
 
+    from privfl.plan import seed_stream
+
     seq = client_seed(spec.fed.seed, client)
     train_rng = np.random.default_rng(seq.spawn(1)[0])
     noise = _noise(spec.privacy, seq)
+    secure_rng = np.random.default_rng(seed_stream(spec.fed.seed, "secure", client))  # RunPlan.secure_rng
     if CLIENT_STATE in context.state:
         saved = from_bytes(context.state[CLIENT_STATE]["envelope"], CLIENT_STATE)
         train_rng.bit_generator.state = saved["train"]
         if isinstance(noise, SeededNoise):
             noise.rng.bit_generator.state = saved["noise"]
+        if saved.get("secure") is not None:
+            secure_rng.bit_generator.state = saved["secure"]
 
     def save() -> None:
         state = {"train": train_rng.bit_generator.state,
-                 "noise": noise.rng.bit_generator.state if isinstance(noise, SeededNoise) else None}
+                 "noise": noise.rng.bit_generator.state if isinstance(noise, SeededNoise) else None,
+                 "secure": secure_rng.bit_generator.state}
         context.state[CLIENT_STATE] = ConfigRecord({"envelope": to_bytes(state, CLIENT_STATE)})
 
-    return train_rng, noise, save
+    return train_rng, noise, secure_rng, save
 
 
 def client_train(msg, context):
@@ -337,8 +553,6 @@ def client_train(msg, context):
     from flwr.app import Message
 
     from privfl.accounting.errors import PrivacyBudgetExceeded
-    from privfl.accounting.ledger import PrivacyLedger
-    from privfl.release import ReleasePipeline
 
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     if spec.torch_threads is not None:
@@ -355,34 +569,122 @@ def client_train(msg, context):
     rnd = int(broadcast["round"])
     alg = _setup(spec)  # the client's own instance, from the public spec: it plans the run as the server does
     half = alg.client_half(alg.public, np.random.default_rng(_setup_seq(spec)))
-    channels, multipliers, placement = _plan(alg, spec)
+    plan = _run_plan(alg, spec)
+    multipliers = plan.noise_multipliers
     if multipliers != broadcast["noise_multipliers"]:
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
                               f"client computes {multipliers} from the same public spec; run one privfl version")
+    train_rng, noise, secure_rng, save = _generators(spec, client, context)
+    ledger = _ledger(spec, context)
+    secure = spec.secure is not None
+    try:
+        pipeline = plan.pipeline(client, ledger, noise)
+        state = (half.decode_state(client, context.state[ALGORITHM_STATE]["envelope"])
+                 if ALGORITHM_STATE in context.state else None)
+        out, state = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, state, train_rng)
+        # the client's own state (HBFL's local model, FedBNN's personalised model) stays on its SuperNode
+        _keep(context, ALGORITHM_STATE, half.encode_state(client, state))
+        try:
+            # The charges (and, in the clear, the release marks) are durable before anything is sent. Under secure
+            # aggregation the values leave only as the masked input, two stages later: marked then.
+            with ledger.transaction():
+                released = pipeline.release(rnd, out.values, out.weight, mark=not secure)
+            sat_out = False
+        except PrivacyBudgetExceeded:
+            released, sat_out = {}, True
+        reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out}
+        if secure and not sat_out:
+            reply.update(_secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context))
+        elif not secure:
+            reply["releases"] = [encode_release(r) for r in released.values()]
+        save()
+        reply["audit"] = ledger.audit()["clients"].get(str(client))
+    finally:
+        ledger.close()
+    return Message(to_record(reply, REPLY), reply_to=msg)
+
+
+def _keep(context, key: str, envelope: bytes) -> None:
+    from flwr.app import ConfigRecord
+
+    context.state[key] = ConfigRecord({"envelope": envelope})
+
+
+def _ledger(spec: RunSpec, context):
+    from privfl.accounting.ledger import PrivacyLedger
+
     privacy = spec.privacy
     meta = {"algorithm": spec.algorithm, "dataset": spec.name, "noise": "secure" if privacy.secure_noise else "seeded"}
     if privacy.private and not privacy.secure_noise:
         meta["warning"] = SEEDED_NOISE_WARNING
-    train_rng, noise, save = _generators(spec, client, context)
-    ledger = PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
-                           epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
+    return PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
+                         epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
+
+
+def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context) -> dict:
+    """The client's first stage under secure aggregation: encode its (charged, noised) releases with its own
+    generator into the public encodings it computes itself, open its protocol session under the server's public
+    configuration (refused if it asks for fewer inputs than the client's noise was charged for) and advertise its
+    keys. The session's secrets stay in the SuperNode's Context.state."""
+    from flwr.app import ConfigRecord
+
+    from privfl.secure import encode_for_secure_sum, round_min_inputs
+    from privfl.secure_agg import ClientSession, SessionConfig
+
+    encodings = _encodings(plan, spec)
+    config = SessionConfig.from_dict(broadcast["secagg"])
+    words = encode_for_secure_sum(released, encodings, secure_rng, secure_noise=spec.privacy.secure_noise)
+    if config.bits != spec.secure.bits or config.dimension != words.size or config.malicious:
+        raise DeploymentError(f"the server's session ({config.bits} bits, dimension {config.dimension}) does not "
+                              f"match the run's encodings ({spec.secure.bits} bits, dimension {words.size})")
+    floor = round_min_inputs(encodings)
+    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor)
+    advert = session.advertise_keys()
+    state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor}
+    context.state[SECAGG_STATE] = ConfigRecord({"envelope": to_bytes(state, SECAGG_STATE)})
+    return {"headers": [r.header.to_dict() for r in released.values()], "advertise": advert.to_bytes()}
+
+
+def client_secagg(msg, context):
+    """The ClientApp's answer to one later stage of secure aggregation (share keys, masked input, unmask), from
+    the session its train step left in Context.state. Before the masked input leaves, the round's ledger rows are
+    marked released; a client that stops before then holds charges, never an unmarked release."""
+    from flwr.app import ConfigRecord, Message
+
+    from privfl.release import mark_round_released
+    from privfl.secure_agg import ClientSession, SessionConfig
+
+    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    client = int(_node_value(context, PARTITION_KEY))
+    request = from_record(msg.content, SECAGG_REQUEST)
+    rnd, stage = int(request["round"]), str(request["stage"])
+    stages, _ = _stage_messages()
+    if stage not in stages or SECAGG_STATE not in context.state:
+        raise DeploymentError(f"round {rnd}: no secure-aggregation session for stage {stage!r} on this SuperNode")
+    saved = from_bytes(context.state[SECAGG_STATE]["envelope"], SECAGG_STATE)
+    if saved["round"] != rnd:
+        raise DeploymentError(f"round {rnd}: this SuperNode's session is for round {saved['round']}")
+    session = ClientSession.from_state(SessionConfig.from_dict(saved["config"]), saved["session"],
+                                       min_inputs=saved["floor"])
     try:
-        pipeline = ReleasePipeline(str(client), channels, ledger, multipliers, placement=placement,
-                                   sampling_rate=privacy.sampling_rate, noise=noise, privacy_unit=privacy.unit)
-        out, _ = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, None, train_rng)
-        try:
-            with ledger.transaction():  # the charges and release marks are durable before anything is sent
-                released = pipeline.release(rnd, out.values, out.weight)
-            sat_out = False
-        except PrivacyBudgetExceeded:
-            released, sat_out = {}, True
-        save()
-        audit = ledger.audit()["clients"].get(str(client))
+        answer = session.handle(stages[stage][0].from_bytes(request["message"]))
     finally:
-        ledger.close()
-    reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out,
-             "releases": [encode_release(r) for r in released.values()], "audit": audit}
-    return Message(to_record(reply, REPLY), reply_to=msg)
+        if session.aborted is not None or session.stage == "done":
+            del context.state[SECAGG_STATE]  # nothing of a finished or aborted session is kept
+    reply = {"client_id": str(client), "round": rnd, "stage": stage, "audit": None}
+    if stage == "masked_input":
+        ledger = _ledger(spec, context)
+        try:
+            with ledger.transaction():  # durable before the masked input is handed to Flower
+                mark_round_released(ledger, str(client), rnd)
+            reply["audit"] = ledger.audit()["clients"].get(str(client))
+        finally:
+            ledger.close()
+    if session.stage != "done":
+        saved["session"] = session.to_state()
+        context.state[SECAGG_STATE] = ConfigRecord({"envelope": to_bytes(saved, SECAGG_STATE)})
+    reply["message"] = answer.to_bytes()
+    return Message(to_record(reply, SECAGG_REPLY), reply_to=msg)
 
 
 def _apps():
@@ -392,6 +694,7 @@ def _apps():
     server, client = ServerApp(), ClientApp()
     server.main()(server_main)
     client.train()(client_train)
+    client.train(SECAGG.split(".", 1)[1])(client_secagg)
     return server, client
 
 

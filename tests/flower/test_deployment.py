@@ -112,6 +112,33 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("name, privacy", [
+    ("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)),
+    ("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)),
+    ("dpsgd_fedavg", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)),
+    # a client's own local model kept in its SuperNode's Context.state between rounds
+    ("hbfl", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)),
+], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client"])
+def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy):
+    """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
+    Poisson batches come from each client's own generators, and HBFL, whose clients keep their local models between
+    rounds on their own SuperNodes: the same global state as the in-process run."""
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=13)
+    tag = f"{name}-{privacy.unit}"
+    spec = _spec(name, federation, fed, privacy, tag)
+    reference = in_process_reference(spec, deployment.workdir)
+    result = _deploy(deployment, spec, tag)
+    assert set(result["state"]) == set(reference["state"])
+    for key, expected in reference["state"].items():
+        got = result["state"][key]
+        assert np.array_equal(got, expected), f"{key}: max abs difference {np.max(np.abs(got - expected))}"
+    sim_clients = reference["audit"]["clients"]
+    for k, audit in _ledgers(deployment, spec).items():
+        assert audit["releases"] == sim_clients[str(k)]["releases"] > 0
+        assert audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
+
+
 def _spend_nearly_all(path, run_id, privacy, client_id):
     """Charge ``client_id`` in ``path`` an event that leaves less than any round of the run costs: the largest
     Gaussian (smallest noise, found by bisection on throwaway ledgers) that still fits under the budget."""

@@ -41,7 +41,8 @@ from privfl.errors import ConfigurationError
 from privfl.public import PublicFacts
 from privfl.release import amplifies
 from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation, _range
+from privfl.secure import _range  # noqa: F401  (the vectorised contract reads it from here)
+from privfl.secure import SecureAggregation, channel_encodings, local_noise_stds, public_weight_bound
 
 CLIENTS = 3
 RECORDS = 40
@@ -146,11 +147,15 @@ def transcript(name, data, public, fed, privacy, secure) -> Transcript:
         releases[k] = sim.client_step(k, 0)
         charges[k] = {c.channel: c.event for c in sim.ledger.charges(str(k))}
     ranges = {}
-    if secure is not None:
+    if secure is not None and privacy.private:
+        # what every client quantises into, fixed before the round from public facts only (privfl.secure)
+        encodings = channel_encodings(sim.channels, secure, n_clients=public.n_clients,
+                                      local_stds=local_noise_stds(sim.channels, sim.plan.placement, sim.multipliers),
+                                      weight_bound=public_weight_bound(privacy, public), distributed=sim.plans)
         for ch in sim.channels:
             rs = [releases[k][ch.name] for k in releases]
-            ranges[ch.name] = (sim.plans[ch.name].quantiser.high if sim.plans and ch.name in sim.plans
-                               else _range(ch, rs))
+            ranges[ch.name] = encodings[ch.name].quantiser.high
+            assert all(r.weight <= public_weight_bound(privacy, public) for r in rs)
     return Transcript(releases, charges, ranges, sim)
 
 

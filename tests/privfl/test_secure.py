@@ -278,3 +278,157 @@ def test_a_ring_too_small_for_the_clients_is_refused_up_front():
     with pytest.raises(ConfigurationError, match="8 bits cannot hold a sum of 300 clients.*--secagg-bits"):
         SecureAggregation(bits=8).check(300)
     SecureAggregation(bits=8).check(100)
+
+
+# ------------------------------------------------------------------ client-side encoding, public ranges (issue 13)
+from privfl.errors import ConfigurationError  # noqa: E402
+from privfl.secure import (channel_encodings, decode_secure_sum, encode_for_secure_sum,  # noqa: E402
+                           public_weight_bound)
+from privfl.secure_agg import run_round  # noqa: E402
+
+
+def _private_round(values, multiplier=0.5, placement="local", seed=0):
+    ch = Channel("update", (values[0].size,), unit="client", clip=NormClip(1.0))
+    led = PrivacyLedger(":memory:", "r")
+    rels = {}
+    for k, v in enumerate(values):
+        pipe = ReleasePipeline(str(k), [ch], led, {"update": multiplier}, placement=placement, noise=seed + k)
+        rels[str(k)] = pipe.release(0, {"update": v})
+    return ch, rels
+
+
+def test_client_and_server_steps_sum_the_releases_up_to_quantisation():
+    rng = np.random.default_rng(3)
+    ch, rels = _private_round([rng.normal(size=40) for _ in range(5)])
+    std = 0.5 * ch.sensitivity
+    enc = channel_encodings([ch], SecureAggregation(bits=32), n_clients=5, local_stds={"update": std},
+                            weight_bound=1.0)
+    q = enc["update"].quantiser
+    assert q.high == pytest.approx(1.0 + 8 * std)  # the clip, plus 8 local noise std: public facts only
+    words = {k: encode_for_secure_sum(rels[k], enc, np.random.default_rng(int(k)), secure_noise=False) for k in rels}
+    result = run_round(words, bits=32)
+    agg = decode_secure_sum(result.sum, enc, {"update": ch}, [rels[k] for k in sorted(rels)])["update"]
+    plain = weighted_sums([r["update"] for r in rels.values()], {"update": ch})["update"]
+    clipped = sum(np.clip(r["update"].value, q.low, q.high) for r in rels.values())
+    assert np.max(np.abs(agg.total - clipped)) <= 5 * q.step
+    assert np.max(np.abs(agg.total - plain.total)) <= np.max(np.abs(clipped - plain.total)) + 5 * q.step
+    assert agg.participants == 5 and agg.total_weight == 5 and agg.noise_std == pytest.approx(plain.noise_std)
+
+
+def test_a_clients_encoding_depends_only_on_its_own_release_and_generator():
+    rng = np.random.default_rng(0)
+    mine = rng.normal(size=30)
+    encodings = []
+    words = []
+    for others_scale in (1e-3, 1e6):  # the other clients' values differ wildly between the two rounds
+        ch, rels = _private_round([others_scale * rng.normal(size=30), mine, others_scale * rng.normal(size=30)],
+                                  placement="central")
+        enc = channel_encodings([ch], SecureAggregation(bits=48), n_clients=3, local_stds={"update": 0.0},
+                                weight_bound=1.0)
+        encodings.append(enc["update"].quantiser)
+        words.append(encode_for_secure_sum(rels["1"], enc, np.random.default_rng(42), secure_noise=False))
+    assert encodings[0] == encodings[1]
+    np.testing.assert_array_equal(words[0], words[1])
+    # and the generator is the client's own: another generator gives other rounding coins
+    other = encode_for_secure_sum(rels["1"], enc, np.random.default_rng(43), secure_noise=False)
+    assert not np.array_equal(other, words[1])
+
+
+def test_the_runtime_gives_each_client_its_own_encoding_generator(monkeypatch):
+    """What client 2 feeds the protocol is the same whatever the other clients send."""
+    import privfl.secure as secure_mod
+
+    seen = []
+    real = secure_mod.run_round
+
+    def spy(values, **kwargs):
+        seen.append({k: v.copy() for k, v in values.items()})
+        return real(values, **kwargs)
+
+    monkeypatch.setattr(secure_mod, "run_round", spy)
+    rng = np.random.default_rng(1)
+    mine = rng.normal(size=20)
+    for scale in (1e-3, 1e3):
+        ch, rels = _private_round([scale * rng.normal(size=20), scale * rng.normal(size=20), mine],
+                                  placement="central")
+        client_rngs = {k: np.random.default_rng(100 + int(k)) for k in rels}
+        secure_weighted_sums([r["update"] for r in rels.values()], {"update": ch}, SecureAggregation(bits=48),
+                             np.random.default_rng(9), client_rngs=client_rngs, weight_bound=1.0, n_clients=3)
+    np.testing.assert_array_equal(seen[0]["2"], seen[1]["2"])
+    assert not np.array_equal(seen[0]["0"], seen[1]["0"])
+
+
+def test_a_private_channel_without_a_public_range_is_refused_naming_it():
+    from privfl.channels import TrainedPrivately
+
+    trained = Channel("model", (5,), unit="example", clip=TrainedPrivately())
+    with pytest.raises(ConfigurationError, match="'model'.*value_bound"):
+        channel_encodings([trained], SecureAggregation(), n_clients=3, local_stds={}, weight_bound=1.0)
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    fed = FederationConfig(rounds=1, hidden=(8,), local_epochs=1, lr=0.05)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)
+    sim = Simulation(make_algorithm("dpsgd_fedavg", fed, privacy), data, fed, privacy,
+                     secure=SecureAggregation(bits=48))
+    with pytest.raises(ConfigurationError, match="'update'.*no public coordinate bound"):
+        sim.run()
+    assert sim.ledger.audit()["clients"] == {}  # refused before any round: nothing charged
+
+
+def test_public_weight_bound_comes_from_declared_facts_only():
+    from privfl.public import PublicFacts
+
+    facts = PublicFacts(n_clients=2, task="classification", num_classes=3, input_shape=(4,), client_size=10,
+                        client_sizes=(7, 12))
+    assert public_weight_bound(PrivacyConfig(epsilon=1.0, unit="example", adjacency="replace_one"), facts) == 12.0
+    assert public_weight_bound(PrivacyConfig(epsilon=1.0, unit="client"), facts) == 1.0
+    assert public_weight_bound(PrivacyConfig(), facts) is None  # non-private: weights are record counts
+
+
+def test_a_deferred_release_is_charged_and_marked_only_when_sent():
+    from privfl.mechanisms import ReleaseMisuse
+    from privfl.release import mark_round_released
+
+    ch = Channel("update", (4,), unit="client", clip=NormClip(1.0))
+    led = PrivacyLedger(":memory:", "r")
+    pipe = ReleasePipeline("0", [ch], led, {"update": 1.0}, placement="central", noise=0)
+    rel = pipe.release(0, {"update": np.ones(4) * 0.1}, mark=False)["update"]
+    (row,) = led.charges("0")
+    assert not row.released and rel.header.release_id == row.release_id
+    with pytest.raises(ReleaseMisuse):
+        mark_round_released(led, "0", 1)  # nothing charged in round 1: nothing may be sent
+    assert pipe.mark_round_released(0) == 1
+    assert [c.released for c in led.charges("0")] == [True]
+    with pytest.raises(ReleaseMisuse):
+        pipe.mark_round_released(0)  # never twice
+
+
+def test_in_process_a_simulated_dropout_keeps_its_charge_unmarked_like_a_deployment():
+    data = make_federated("digits", 5, partition="iid", seed=0)
+    fed = FederationConfig(rounds=1, hidden=(), local_epochs=1, lr=0.05)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, clip=1.0, placement="local", secure_noise=False)
+    sim = Simulation(make_algorithm("dp_fedavg", fed, privacy), data, fed, privacy,
+                     secure=SecureAggregation(bits=48, dropout=0.2, min_survivors=3, malicious=False))
+    result = sim.run()
+    assert not result.history[0].aborted and result.history[0].participants == 5
+    rows = sim.ledger.charges()
+    assert len(rows) == 5  # every client was charged before anything left it
+    assert sorted(r.released for r in rows) == [False, True, True, True, True]  # the dropout sent nothing
+
+
+@pytest.mark.timeout(240)
+def test_dpsgd_with_a_public_update_bound_runs_under_secure_aggregation():
+    """A DP-SGD-trained change clipped to a public [-B, B] (post-processing) has a public range: the secure run equals
+    the plain one with the same bound up to quantisation, and the bound is what clips (a tiny B changes the model)."""
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    fed = FederationConfig(rounds=2, hidden=(8,), local_epochs=1, lr=0.05)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)
+    models = {}
+    for bound, secure in ((0.5, None), (0.5, SecureAggregation(bits=48)), (1e-4, None)):
+        alg = make_algorithm("dpsgd_fedavg", fed, privacy, update_bound=bound)
+        result = Simulation(alg, data, fed, privacy, secure=secure).run()
+        assert result.audit["max_epsilon"] <= 4.0 * (1 + 1e-9)
+        models[(bound, secure is not None)] = alg.global_params
+    np.testing.assert_allclose(models[(0.5, True)], models[(0.5, False)], atol=1e-6)
+    assert np.max(np.abs(models[(1e-4, False)] - models[(0.5, False)])) > 1e-3
+    with pytest.raises(ConfigurationError, match="update_bound"):
+        make_algorithm("dpsgd_fedavg", fed, privacy, update_bound=-1.0)

@@ -1,0 +1,215 @@
+"""Secure aggregation on a real Flower deployment: one flower-superlink and three flower-supernode OS processes on
+loopback, each round run as secure_agg's stages over Flower messages (advertise keys with the training reply, share
+keys, masked input, unmask), compared with the in-process runtime on the same seeds.
+
+Each client encodes (quantises, adds its discrete-Gaussian share) with its own generator, so with seeded noise the
+deployment's sums are the in-process sums: the final models agree up to quantisation (asserted to 1e-9). Each
+SuperNode's own ledger must audit to at most the target, and hold a released mark only for a value that left as a
+masked input. The fault test kills one SuperNode once it has shared its keys: the round completes from the survivors
+(dropout recovery), and no ledger holds a release without its charge nor a mark for a value that was not sent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
+from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.data import federated_from_arrays, load_digits  # noqa: E402
+from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
+from privfl.flower.local import LocalDeployment  # noqa: E402
+from privfl.flower.records import from_bytes  # noqa: E402
+from privfl.secure import SecureAggregation  # noqa: E402
+
+N_CLIENTS = 3
+RUN_TIMEOUT = 240
+
+_REFERENCE = """
+import sys
+import numpy as np
+import torch
+from privfl.algorithms import make_algorithm
+from privfl.data import ArrayDataset, federated_from_arrays
+from privfl.flower.app import RunSpec
+from privfl.flower.records import to_bytes
+from privfl.runtime import Simulation
+
+spec_path, data_dir, out_path = sys.argv[1:4]
+spec = RunSpec.from_json(open(spec_path).read())
+parts = []
+for k in range(spec.n_clients):
+    with np.load(f"{data_dir}/org{k}.npz") as f:
+        parts.append(ArrayDataset(f["x"], f["y"], spec.task, spec.num_classes, f"org{k}"))
+data = federated_from_arrays(parts, parts[0], name=spec.name)
+torch.set_num_threads(spec.torch_threads or 1)
+sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy), data, spec.fed, spec.privacy,
+                 executor="per_client", public=spec.public_facts(), secure=spec.secure)
+result = sim.run()
+with open(out_path, "wb") as f:
+    state = dict(sim.algorithm.broadcast(spec.fed.rounds).values)
+    f.write(to_bytes({"state": state, "audit": result.audit, "aborted": [h.aborted for h in result.history],
+                      "noise_multipliers": result.noise_multipliers}, "reference"))
+"""
+
+
+@pytest.fixture(scope="module")
+def federation():
+    digits = load_digits(flatten=True)
+    rng = np.random.default_rng(0)
+    idx = rng.permutation(len(digits))
+    parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(N_CLIENTS)]
+    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
+
+
+def _write_orgs(federation, work):
+    configs = []
+    for k, part in enumerate(federation.train_parts):
+        data = str(work / f"org{k}.npz")
+        np.savez(data, x=part.x, y=part.y)
+        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
+    return configs
+
+
+def _reference(spec, work, repro_env):
+    """The in-process runtime on the organisations' files, in its own process (conftest.py explains why)."""
+    spec_path, out_path = work / f"{spec.run_id}.json", work / f"{spec.run_id}-reference.bin"
+    spec_path.write_text(spec.to_json())
+    subprocess.run([sys.executable, "-c", _REFERENCE, str(spec_path), str(work), str(out_path)], check=True,
+                   timeout=300, env=dict(os.environ, **repro_env))
+    return from_bytes(out_path.read_bytes(), "reference")
+
+
+def _rows(path, run_id):
+    """(round, channel, released) of every charge row of ``run_id`` in a SuperNode's ledger file."""
+    with sqlite3.connect(path) as conn:
+        return sorted(conn.execute("SELECT round, channel, released FROM charges WHERE run_id=?", (run_id,)))
+
+
+def _audit(path, run_id, k):
+    ledger = PrivacyLedger.open_existing(path, run_id)
+    try:
+        audit = ledger.audit()
+    finally:
+        ledger.close()
+    assert set(audit["clients"]) <= {str(k)}, "a SuperNode's ledger holds only its own organisation"
+    return audit["clients"].get(str(k))
+
+
+@pytest.mark.timeout(400)
+def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path, repro_env):
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
+                            accountant="zcdp", secure_noise=False)
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg", node_wait=60,
+                      round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
+    configs = _write_orgs(federation, tmp_path)
+    reference = _reference(spec, tmp_path, repro_env)
+    assert reference["aborted"] == [False, False]
+    result_path = str(tmp_path / "result.bin")
+    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+        dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
+    if not os.path.exists(result_path):
+        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
+                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+    result = read_result(result_path)
+    assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
+    got, expected = result["state"]["global_params"], reference["state"]["global_params"]
+    # each client's encoding draws from its own generator on both runtimes: the same words, the same sum
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
+    assert not np.array_equal(got, np.zeros_like(got))
+    assert result["noise_multipliers"] == reference["noise_multipliers"]
+    sim_clients = reference["audit"]["clients"]
+    for k, config in enumerate(configs):
+        # every charge was marked released (each value left as a masked input), and only those
+        assert _rows(config["ledger-path"], spec.run_id) == [(0, "update", 1), (1, "update", 1)]
+        audit = _audit(config["ledger-path"], spec.run_id, k)
+        assert audit["releases"] == 2
+        assert audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
+
+
+@pytest.mark.timeout(400)
+def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env):
+    """SuperNode 2 is killed as soon as it has answered the share-keys stage (charged, not released): the round
+    completes from the two survivors, whose shares of its mask key remove its masks. Its ledger keeps the charge,
+    never marked released; the survivors' ledgers mark exactly what they sent."""
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=5)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
+                            secure_noise=False)
+    secure = SecureAggregation(bits=48, malicious=False, dropout=0.34)
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg-kill", node_wait=60,
+                      round_timeout=90, secure=secure)
+    configs = _write_orgs(federation, tmp_path)
+    result_path = str(tmp_path / "result.bin")
+    victim = 2
+    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
+        with open(tmp_path / "flwr-run.log", "wb") as log:
+            run = subprocess.Popen([os.path.join(dep.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],
+                                   stdout=log, stderr=subprocess.STDOUT, env=dep.env, cwd=dep.workdir,
+                                   start_new_session=True)
+        dep.procs.append(run)
+        log = tmp_path / f"supernode{victim}.log"
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if _shared_keys(log):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("SuperNode 2 never answered the share-keys stage")
+        assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]  # charged, not released
+        dep.kill_node(victim)
+        run.wait(timeout=RUN_TIMEOUT)
+    if not os.path.exists(result_path):
+        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
+                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+    (round0,) = read_result(result_path)["history"]
+    # the victim's row: charged, never marked released (its masked input never left)
+    assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]
+    survivors = [k for k in range(N_CLIENTS) if k != victim]
+    # it dropped after sharing its keys: the survivors' shares of its mask key remove its masks from their sum
+    assert (round0["participants"], round0["aborted"]) == (len(survivors), False)
+    result = read_result(result_path)
+    assert np.all(np.isfinite(result["state"]["global_params"]))
+    for k in survivors:
+        assert _rows(configs[k]["ledger-path"], spec.run_id) == [(0, "update", 1)], "sent, charged and marked"
+        assert _audit(configs[k]["ledger-path"], spec.run_id, k)["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        assert result["audits"][str(k)]["releases"] == 1
+
+
+def _shared_keys(log) -> bool:
+    """Whether the SuperNode's log shows its share-keys answer sent (Flower logs each reply it pushes)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    at = text.find("ROUND 0.share_keys]")
+    sending = text.find("Sending: train.secagg", at) if at >= 0 else -1
+    return sending >= 0 and "Sent successfully" in text[sending:]
+
+
+def test_a_secure_spec_round_trips_and_unsafe_settings_are_refused_up_front(federation):
+    from privfl.errors import ConfigurationError
+
+    fed = FederationConfig(rounds=1, hidden=(), seed=0)
+    private = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
+                            accountant="zcdp")
+    spec = RunSpec.of("dp_fedavg", federation, fed, private, secure=SecureAggregation(bits=40, malicious=False,
+                                                                                      min_survivors=2))
+    assert RunSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ConfigurationError, match="identity key"):
+        RunSpec.of("dp_fedavg", federation, fed, private, secure=SecureAggregation(malicious=True))
+    with pytest.raises(ConfigurationError, match="private run"):
+        RunSpec.of("fedavg", federation, fed, PrivacyConfig(), secure=SecureAggregation(malicious=False))
+    with pytest.raises(ConfigurationError, match="secure"):
+        RunSpec.of("dp_fedavg", federation, fed, private)  # distributed noise needs secure aggregation
