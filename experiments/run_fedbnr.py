@@ -49,7 +49,7 @@ from privfl import FederationConfig, PrivacyConfig, Simulation, make_federated
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, dpsgd_schedule
-from privfl.algorithms.fedbnr import FedBNR, run_fedbnr
+from privfl.algorithms.fedbnr import FedBNR
 from privfl.channels import Channel, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.data import FederatedData
 from privfl.features import RandomFourierFeatures
@@ -219,10 +219,13 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int) -> dict:
         hidden = (32,) if "deep" in method else ()
         kfed = FederationConfig(rounds=20, local_epochs=10, lr=0.01, seed=seed)
         aggregation = "distillation" if method.startswith("FedBNR-KD") else "fedavg"
-        run = run_fedbnr(data, fed, privacy_for(private, **exact), kernel_rounds=20, kernel_fed=kfed,
-                         kernel_options=dict(hidden=hidden, latent_dim=4, update_clip=0.05, aggregation=aggregation))
-        k = run.kernel.final
-        return {**run.final, "epsilon": run.epsilon, "learned_noise_std": k["noise_std"],
+        privacy = privacy_for(private, **exact)
+        # both phases within one budget: a two-phase FedBNR, run by the runtime (privfl.phases)
+        alg = FedBNR(fed, privacy, kernel_rounds=20, kernel_fed=kfed,
+                     kernel_options=dict(hidden=hidden, latent_dim=4, update_clip=0.05, aggregation=aggregation))
+        r = Simulation(alg, data, fed, privacy).run()
+        k = r.phases[0]["final"]
+        return {**r.final, "epsilon": r.audit["max_epsilon"], "learned_noise_std": k["noise_std"],
                 "learned_prior_std": k["prior_std"], "learned_lengthscale": k["lengthscale"]}
     if method == "FedAvg MLP":
         ffed = FederationConfig(rounds=30, local_epochs=2, batch_size=16, lr=0.02, momentum=0.5, seed=seed)

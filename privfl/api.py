@@ -30,8 +30,6 @@ from privfl.errors import ConfigurationError
 #: the FedAvg family, whose local step trains the user's own model, loss and optimizer (any algorithm whose constructor
 #: takes ``model`` is accepted too: :func:`own_model_algorithms`)
 OWN_MODEL_ALGORITHMS = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg")
-#: the privacy unit each algorithm is built for when ``unit`` is left out (the CLI's defaults)
-DEFAULT_UNITS = {"dpsgd_fedavg": "example", "fedbnr": "example"}
 #: torch's harmless warning when opacus's per-example hooks fire on a first layer (its inputs need no gradient)
 _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
                           r"since no inputs require gradients")
@@ -170,7 +168,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       the noise from the OS CSPRNG (False: reproducible from ``seed``, and the audit says so). ``ledger``: a SQLite
       path to keep the ledger. ``options``: the algorithm's own options (e.g. FedProx's ``mu``).
     """
-    from privfl.algorithms import ALGORITHMS, algorithm_options, make_algorithm
+    from privfl.algorithms import ALGORITHMS, algorithm_options, default_unit, make_algorithm
     from privfl.config import FederationConfig, PrivacyConfig
     from privfl.data.federated import federated_from_arrays
     from privfl.data.inputs import as_arrays
@@ -219,7 +217,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
         pairs = [(x[t], y[t]) for (x, y), (t, _) in zip(pairs, held)]
         rule = f"each client's held-out {test_fraction:g} (seed {seed})"
     task = task or _infer_task([y for _, y in pairs])
-    user = UserTraining.of(algorithm, model, loss, optimizer, metrics)
+    # a list of per-client models (HBFL, FedBNN) is checked by the algorithm; the first fixes the output width
+    first = model[0] if isinstance(model, (list, tuple)) and len(model) else model
+    user = UserTraining.of(algorithm, first, loss, optimizer, metrics)
     input_shape = tuple(test_pair[0].shape[1:])
     if task == "classification":
         width = len(classes) if classes is not None else _output_width(user.model, input_shape)
@@ -238,7 +238,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                            else local_epochs, batch_size=batch_size,
                            lr=defaults.get("lr", 0.05) if lr is None else lr, momentum=momentum, seed=seed,
                            client_size=client_size)
-    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=unit or DEFAULT_UNITS.get(algorithm, "client"),
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=unit or default_unit(algorithm),
                             clip=defaults.get("clip", 1.0) if clip is None else clip, secure_noise=secure_noise)
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
@@ -262,4 +262,4 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                            delta=delta, algorithm=algorithm, clients=names, run=run)
 
 
-__all__ = ["DEFAULT_UNITS", "FederatedResult", "OWN_MODEL_ALGORITHMS", "federate", "own_model_algorithms"]
+__all__ = ["FederatedResult", "OWN_MODEL_ALGORITHMS", "federate", "own_model_algorithms"]

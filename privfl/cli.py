@@ -56,10 +56,14 @@ MODEL_NAMES = ("cnn1", "cnn2", "lenet5", "mlp")
 DATASET_NAMES = ("bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "mnist", "mnist5k", "parkinsons",
                  "skillcraft", "sml2010", "synthetic1d")
 
-#: the privacy unit ``privfl run`` uses when ``--unit`` is not given: the one the algorithm's guarantee is stated in
-#: (DP-SGD FedAvg is record-level by construction; FedBNR clips each record's feature row and target, and at client
-#: level would have to clip whole scatter sums to a record cap); every other algorithm defaults to client level
-DEFAULT_UNITS = {"dpsgd_fedavg": "example", "fedbnr": "example"}
+#: the algorithms whose ``default_unit`` is record level, for help texts only (the classes' attribute decides; a test
+#: keeps this in step with it, as with ALGORITHM_NAMES)
+RECORD_LEVEL_ALGORITHMS = ("dpsgd_fedavg", "fedbnr")
+#: options that only some algorithms take, as ``privfl run`` flags: (flag, option name, the flag's default). A flag
+#: is passed to ``make_algorithm`` when the algorithm declares the option (``algorithm_options``), and refused with a
+#: pointer to the algorithms that do when it is given otherwise
+ALGORITHM_FLAGS = (("--kernel-rounds", "kernel_rounds", 0), ("--kernel-aggregation", "kernel_aggregation", "fedavg"),
+                   ("--kernel-clip", "kernel_clip", 0.05))
 
 def version() -> str:
     """privfl's installed version (the distribution's metadata, else the package's ``__version__``)."""
@@ -158,10 +162,48 @@ def cmd_calibrate(args) -> int:
 
 # -- run ---------------------------------------------------------------------------------------------------------
 
+def _algorithm_flag_options(args) -> dict:
+    """The :data:`ALGORITHM_FLAGS` options for ``args.algorithm``: those it declares, with the flags' values; a flag
+    given to an algorithm that has no such option is a ConfigurationError naming the algorithms that have it."""
+    from privfl.algorithms import ALGORITHMS, algorithm_options
+    from privfl.errors import ConfigurationError
+
+    declared = set(algorithm_options(args.algorithm)) if args.algorithm in ALGORITHMS else set()
+    options = {}
+    for flag, name, default in ALGORITHM_FLAGS:
+        value = getattr(args, name, default)
+        if name in declared:
+            options[name] = value
+        elif value != default:
+            users = sorted(a for a in ALGORITHMS if name in algorithm_options(a))
+            raise ConfigurationError(f"{flag} is an option of {', '.join(users)} only ({name}); use it with "
+                                     f"--algorithm {users[0]} or drop it")
+    return options
+
+
+def _entry_model_option(args) -> dict:
+    """``{"model": ...}`` when the ``--entry`` point returned the user's own model (an ``nn.Module`` or a factory) and
+    the algorithm trains one (its constructor takes ``model``); a clear refusal for an algorithm that does not."""
+    module = getattr(args, "entry_model", None)
+    if module is None:
+        return {}
+    from privfl.algorithms import ALGORITHMS, algorithm_options
+    from privfl.errors import ConfigurationError
+
+    if "model" in algorithm_options(args.algorithm):
+        return {"model": module}
+    able = sorted(a for a in ALGORITHMS if "model" in algorithm_options(a))
+    kind = getattr(module, "__name__", type(module).__name__)
+    raise ConfigurationError(f"--entry {args.entry} returned your own model ({kind}), and {args.algorithm} builds its "
+                             f"own models from a built-in architecture: train your model with --algorithm one of "
+                             f"{', '.join(able)}, or have the entry return a built-in model's name or settings "
+                             "(e.g. {'model': 'mlp', 'hidden': [16]})")
+
+
 def cmd_run(args) -> int:
-    from privfl.algorithms import make_algorithm
+    from privfl.algorithms import ALGORITHMS, default_unit, make_algorithm
+    from privfl.algorithms.base import is_phased
     from privfl.config import FederationConfig, PrivacyConfig
-    from privfl.algorithms import ALGORITHMS
     from privfl.data import make_federated
     from privfl.errors import ConfigurationError
     from privfl.runtime import Simulation
@@ -169,7 +211,7 @@ def cmd_run(args) -> int:
     data = _own_data(args)  # None for a built-in data set
     _refuse_ignored_input(args)
     if args.unit is None:
-        args.unit = DEFAULT_UNITS.get(args.algorithm, "client")
+        args.unit = default_unit(args.algorithm)
         if math.isfinite(args.epsilon) and args.algorithm in ALGORITHMS:
             print(f"privfl run: privacy unit {args.unit!r} (the default for {args.algorithm}; pass --unit to choose)",
                   file=sys.stderr)
@@ -189,30 +231,24 @@ def cmd_run(args) -> int:
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
                            seed=args.seed, client_size=args.client_size, record_cap=args.record_cap)
-    two_phase = args.algorithm == "fedbnr" and args.kernel_rounds > 0
-    distil = two_phase and args.kernel_aggregation == "distillation"
-    if (args.kernel_rounds or args.kernel_aggregation != "fedavg") and args.algorithm != "fedbnr":
-        raise ConfigurationError("--kernel-rounds and --kernel-aggregation are FedBNR's phase 1; use them with "
-                                 "--algorithm fedbnr or drop them")
-    if args.kernel_rounds < 0:
-        raise ConfigurationError(f"--kernel-rounds must be >= 0, got {args.kernel_rounds}")
-    if args.kernel_aggregation == "distillation" and not two_phase:
-        raise ConfigurationError("--kernel-aggregation distillation needs phase 1: add --kernel-rounds N (N >= 1)")
-    if distil and not args.alignment_size:
-        raise ConfigurationError("FedBNR's kernel distillation needs a server-held labelled set: add "
-                                 "--alignment-size N (the paper uses about 8% of the data)")
-    if args.alignment_size is not None and not distil and not getattr(ALGORITHMS.get(args.algorithm),
-                                                                       "uses_alignment", False):
+    algorithm = make_algorithm(args.algorithm, fed, privacy, **_algorithm_flag_options(args),
+                               **_entry_model_option(args))
+    phased = is_phased(algorithm)
+    uses_alignment = bool(getattr(algorithm, "uses_alignment", False))
+    if uses_alignment and not args.alignment_size:
+        raise ConfigurationError(f"{args.algorithm} with these options needs a server-held labelled set held out from "
+                                 "every client: add --alignment-size N (FedBNR's kernel distillation: the paper uses "
+                                 "about 8% of the data)")
+    if args.alignment_size is not None and not uses_alignment:
         users = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "uses_alignment", False))
         raise ConfigurationError(f"--alignment-size applies to algorithms with a public alignment set ({users}, "
                                  f"and fedbnr with --kernel-aggregation distillation); {args.algorithm} has none "
                                  "here: drop the flag")
-    algorithm = make_algorithm(args.algorithm, fed, privacy)
     if data is None:
         data = make_federated(args.dataset, args.clients, partition=args.partition, alpha=args.alpha, seed=args.seed,
                               alignment_size=args.alignment_size or 0, public_size=args.public_size,
                               standardize=None if args.standardize == "none" else args.standardize)
-    elif args.alignment_size is not None or getattr(ALGORITHMS.get(args.algorithm), "uses_alignment", False):
+    elif args.alignment_size is not None or uses_alignment:
         raise ConfigurationError(f"{args.algorithm} needs a public alignment set carved from a built-in data set "
                                  "(--alignment-size); with --data or --entry choose another algorithm")
     if args.run_id is None:
@@ -220,7 +256,7 @@ def cmd_run(args) -> int:
     if args.ledger and args.ledger != ":memory:":
         _check_folder(os.path.dirname(os.path.abspath(args.ledger)), "--ledger", args.ledger)
         held = _check_ledger_file(args.ledger, "--ledger")
-        ids = [f"{args.run_id}-kernel", f"{args.run_id}-regression"] if two_phase else [args.run_id]
+        ids = [f"{args.run_id}-{name}" for name, _ in algorithm.phase_plan] if phased else [args.run_id]
         taken = [i for i in ids if i in held]
         if taken:
             raise ConfigurationError(f"--ledger {args.ledger} already holds run {taken[0]!r} (the default run id "
@@ -232,20 +268,23 @@ def cmd_run(args) -> int:
         _check_out_path(args.save_model, "--save-model")
     if args.json and args.json != "-":
         _check_out_path(args.json, "--json")
-    if args.algorithm == "fedbnr" and privacy.private and privacy.unit == "client":
+    if getattr(algorithm, "clips_to_record_cap", False) and privacy.private and privacy.unit == "client":
         from privfl.public import PublicFacts
 
         cap = PublicFacts.of(data, privacy, fed).record_cap
-        print(f"privfl run: fedbnr at --unit client clips each client's scatter sums as if it held at most {cap} "
+        print(f"privfl run: {args.algorithm} at --unit client clips each client's sums as if it held at most {cap} "
               f"records (--record-cap{'' if args.record_cap else '; default 4 x the design size'}); the noise grows "
               "with this cap, and a client holding more records is clipped into it (warned)", file=sys.stderr)
+
+    total_rounds = sum(rounds for _, rounds in algorithm.phase_plan) if phased else fed.rounds
 
     def show(rec):
         m = rec.metrics
         utility = (f"rmse {m['rmse']:.4g}  ece {m.get('ece', float('nan')):.4f}" if "rmse" in m  # regression
                    else f"accuracy {m.get('accuracy', float('nan')):.4f}  "
                         f"balanced accuracy {m.get('balanced_accuracy', float('nan')):.4f}")
-        print(f"round {rec.round + 1:3d}/{fed.rounds}  {utility}  "
+        phase = f" [{rec.phase}]" if rec.phase else ""
+        print(f"round {rec.round + 1:3d}/{total_rounds}{phase}  {utility}  "
               f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
               f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else "")
               + ("  ABORTED (secure aggregation: nothing revealed)" if rec.aborted else ""),
@@ -257,8 +296,6 @@ def cmd_run(args) -> int:
               if args.secure_agg else None)
     if secure is not None:
         secure.check(args.clients)  # a threat model no degree and threshold meet is refused before any round
-    if two_phase:
-        return _run_fedbnr_two_phases(args, data, fed, privacy, secure, None if args.quiet else show)
     from privfl.metrics.report import applied_noise
 
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
@@ -278,6 +315,12 @@ def cmd_run(args) -> int:
         "noise_applied": applied_noise(sim.ledger.charges()), "privfl_version": version(),
         "settings": _settings(args, fed, privacy, secure),
     }
+    if phased:  # every phase's ledger run, noise and final metrics; the epsilon figures are composed over them
+        runs = sim.phase_runs
+        out.update(algorithm.describe_phases() if callable(getattr(algorithm, "describe_phases", None)) else {})
+        out["run_id"] = [p.result.run_id for p in runs]
+        out["noise_applied"] = {p.name: applied_noise(p.ledger.charges()) for p in runs}
+        out.update({f"{p.name}_final": p.result.final for p in runs[:-1]})
     if args.save_model:
         out["model_path"] = save_model(sim.diagnostic_algorithm(), args.save_model)
     if "warning" in result.audit:
@@ -290,7 +333,8 @@ def cmd_run(args) -> int:
     _warn_aborted(aborted, len(result.history))
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
-    print(f"{final}; max epsilon spent {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
+    spent = f"max epsilon spent over its {len(sim.phase_runs)} phases" if phased else "max epsilon spent"
+    print(f"{final}; {spent} {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
@@ -345,6 +389,7 @@ def _own_data(args):
             raise ConfigurationError("--client-column applies to --data files; an --entry point returns a mapping of "
                                      "clients already")
         entry = load_entry(args.entry)
+        args.entry_model = entry.module
         for key, value in entry.model.items():
             if getattr(args, key) is None:
                 setattr(args, key, tuple(value) if key == "hidden" else value)
@@ -416,9 +461,7 @@ def _settings(args, fed, privacy, secure) -> dict:
            "privacy": asdict(privacy), "data": data, "privfl_version": version(),
            "secure_aggregation": None if secure is None else {"bits": args.secagg_bits, "dropout": args.dropout,
                                                                "min_survivors": args.min_survivors}}
-    if args.algorithm == "fedbnr":
-        out["algorithm_options"].update(kernel_rounds=args.kernel_rounds, kernel_aggregation=args.kernel_aggregation,
-                                        kernel_clip=args.kernel_clip)
+    out["algorithm_options"].update(_algorithm_flag_options(args))
     return out
 
 
@@ -477,71 +520,6 @@ def _warn_aborted(aborted: list[int], rounds: int) -> None:
               f"the ledger)", file=sys.stderr)
 
 
-def _run_fedbnr_two_phases(args, data, fed, privacy, secure, progress) -> int:
-    """FedBNR with phase 1 (``--kernel-rounds`` rounds of kernel learning, by FedAvg or distillation) and phase 2
-    (``--rounds`` releases of the scatter matrices) within one (epsilon, delta) per client; the ledger holds the runs
-    ``<run-id>-kernel`` and ``<run-id>-regression``. ``--hidden`` gives the kernel network a deep extractor (default
-    none: phase 1 learns the random features' lengthscale, sigma and lambda). The JSON's epsilon figures are
-    composed over both phases."""
-    from dataclasses import replace
-
-    from privfl.accounting.accountants import make_accountant
-    from privfl.algorithms.fedbnr import run_fedbnr
-    from privfl.metrics.report import applied_noise
-
-    kernel_fed = replace(fed, rounds=args.kernel_rounds)
-    kernel_options = {"aggregation": args.kernel_aggregation, "update_clip": args.kernel_clip,
-                      "hidden": tuple(args.hidden) if args.hidden is not None else ()}
-    if args.ledger and args.ledger != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
-    run = run_fedbnr(data, fed, privacy, kernel_rounds=args.kernel_rounds, kernel_fed=kernel_fed,
-                     kernel_options=kernel_options, secure=secure, ledger_path=args.ledger or ":memory:",
-                     run_id=args.run_id, progress=progress)
-    accountant = privacy.resolved_accountant
-    # each client's epsilon after every round of both phases: its charges composed in (phase, round) order
-    total_rounds = args.kernel_rounds + fed.rounds
-    per_round = [math.inf if not privacy.private else 0.0] * total_rounds
-    if privacy.private:
-        by_client: dict[str, list] = {}
-        for phase, ledger in enumerate(run.ledgers):
-            offset = 0 if phase == 0 else args.kernel_rounds
-            for c in ledger.charges():
-                by_client.setdefault(c.client_id, []).append((offset + c.round, c.event))
-        for events in by_client.values():
-            acct, pending = make_accountant(accountant), sorted(events, key=lambda e: e[0])
-            for r in range(total_rounds):
-                while pending and pending[0][0] <= r:
-                    acct.compose(pending.pop(0)[1])
-                per_round[r] = max(per_round[r], float(acct.get_epsilon(privacy.delta)))
-    result = run.regression
-    out = {
-        "algorithm": "fedbnr", "dataset": result.dataset, "clients": result.clients, "rounds": result.rounds,
-        "kernel_rounds": args.kernel_rounds, "kernel_aggregation": args.kernel_aggregation,
-        "epsilon_target": result.epsilon_target, "delta": result.delta, "accountant": accountant,
-        "phase_epsilons": list(run.phase_epsilons) if run.phase_epsilons else None,
-        "noise_multipliers": {"kernel": run.kernel.noise_multipliers, "regression": result.noise_multipliers},
-        "accuracy": None, "final": result.final, "kernel_final": run.kernel.final,
-        "accuracy_per_round": [None] * len(per_round),
-        "epsilon_spent_per_round": per_round,
-        "epsilon_spent_max": run.epsilon,
-        "epsilon_spent": run.epsilon_per_client,
-        "ledger": result.ledger, "run_id": [run.kernel.run_id, result.run_id],
-        "privfl_version": version(), "settings": _settings(args, fed, privacy, secure),
-        "noise_applied": {phase: applied_noise(ledger.charges())
-                          for phase, ledger in zip(("kernel", "regression"), run.ledgers)},
-    }
-    if args.save_model:
-        out["model_path"] = save_model(run.algorithm, args.save_model)
-    _aborted_rounds(out, secure, run.kernel.history if run.kernel is not None else [])
-    aborted = _aborted_rounds(out, secure, result.history, offset=args.kernel_rounds)
-    if args.json:
-        _dump(out, args.json)
-    _warn_aborted(aborted, total_rounds)
-    print(f"final rmse {result.final['rmse']:.4g}; max epsilon spent over both phases {run.epsilon:.4g} "
-          f"(target {args.epsilon:g}, delta {args.delta:g})", file=sys.stderr if args.json == "-" else sys.stdout)
-    return 0
-
-
 # -- audit -------------------------------------------------------------------------------------------------------
 
 #: what the audit's rho means when clients were sampled (the epsilon column counts the amplification, rho does not)
@@ -567,6 +545,12 @@ def cmd_audit(args) -> int:
     from privfl.accounting.ledger import PrivacyLedger
 
     held = _check_ledger_file(args.ledger, "ledger")
+    if args.run_id is not None and args.run_id not in held and os.path.isfile(args.ledger):
+        from privfl.phases import phase_runs_of
+
+        phases = phase_runs_of(args.ledger, args.run_id, held)
+        if phases:  # a multi-phase run: its phases' ledger runs, composed per client
+            return _audit_phases(args, phases)
     if os.path.isfile(args.ledger) and (args.run_id is not None and args.run_id not in held
                                         or args.run_id is None and len(held) > 1):
         from privfl.errors import ConfigurationError
@@ -613,6 +597,44 @@ def cmd_audit(args) -> int:
                                 budget=report["epsilon_budget"])
         if not args.json:
             print(f"wrote {args.png}")
+    return 0
+
+
+def _audit_phases(args, phases) -> int:
+    """``privfl audit`` of a multi-phase run (``privfl.phases``): each client's epsilon composed over every phase's
+    ledger run, with each phase's own beside it."""
+    from privfl.errors import ConfigurationError
+    from privfl.phases import composed_audit
+
+    try:
+        if args.png:
+            raise ConfigurationError(f"--png plots one ledger run; {args.run_id} is a multi-phase run: pass --run-id "
+                                     f"with one of its phases ({', '.join(p.run_id for p in phases.values())})")
+        first = next(iter(phases.values()))
+        meta = first.meta
+        report = composed_audit(phases, args.run_id, first.delta if args.delta is None else args.delta,
+                                first.accountant, meta.get("epsilon_target", math.nan))
+        if any(_sampled(c.event.to_dict()) for ledger in phases.values() for c in ledger.charges()):
+            report["rho_note"] = RHO_SAMPLED_NOTE
+    finally:
+        for ledger in phases.values():
+            ledger.close()
+    for key in ("noise", "warning"):
+        if meta.get(key):
+            report[key] = meta[key]
+    if args.json:
+        _dump(report, None)
+        return 0
+    print(f"ledger {args.ledger}  run {args.run_id} (phases {', '.join(report['runs'])})  accountant "
+          f"{report['accountant']}  delta {report['delta']:g}  budget {report['epsilon_budget']:g}")
+    names = list(phases)
+    print(f"{'client':>8} {'epsilon':>12} " + " ".join(f"{n:>12}" for n in names) + f" {'releases':>9} {'charges':>8}")
+    for cid, v in report["clients"].items():
+        print(f"{cid:>8} {v['epsilon']:>12.6g} " + " ".join(f"{v['phase_epsilons'].get(n, 0.0):>12.6g}" for n in names)
+              + f" {v['releases']:>9d} {v['charges']:>8d}")
+    print(f"max epsilon {report['max_epsilon']:.6g} (composed over the phases)")
+    if "warning" in report:
+        print(f"warning: {report['warning']}")
     return 0
 
 
@@ -757,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alpha", type=_float, default=None,
                    help="Dirichlet concentration, with --partition dirichlet only (default 0.1)")
     r.add_argument("--unit", default=None, choices=["client", "example"],
-                   help=f"privacy unit (default: the algorithm's: example for {' and '.join(sorted(DEFAULT_UNITS))}, "
+                   help=f"privacy unit (default: the algorithm's: example for {' and '.join(RECORD_LEVEL_ALGORITHMS)}, "
                         "client otherwise; the choice is printed)")
     r.add_argument("--adjacency", default="add_remove", choices=["add_remove", "replace_one"],
                    help="neighbouring relation; at --unit example, replace_one declares the clients' record counts "

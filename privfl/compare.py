@@ -241,7 +241,8 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
         settings = {**cls.defaults, **over, **entry_model}
     else:
         settings = {**cls.defaults, **entry_model, **over}
-    unit = "client" if spec.algorithm == "dp_fedavg" else config.unit
+    units = getattr(cls, "units", None)  # an algorithm built for fewer units (DP-FedAvg: client level) uses its own
+    unit = units[0] if units and config.unit not in units else config.unit
     priv_kw = {k: v for k, v in settings.items() if k in _PRIV_FIELDS}
     priv_kw.setdefault("unit", unit)
     if config.accountant is not None:
@@ -254,10 +255,26 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
 
 
 def _options(config: CompareConfig, algorithm: str) -> dict[str, Any]:
-    """The algorithm's own options among its overrides (lists from TOML become tuples)."""
+    """The algorithm's own options among its overrides (lists from TOML become tuples), and the user's own model
+    when the ``entry`` point returned one (:func:`_entry_model`)."""
     names = set(algorithm_options(algorithm)) if algorithm in ALGORITHMS else set()
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in config.overrides.get(algorithm, {}).items()
-            if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}
+    return {**{k: tuple(v) if isinstance(v, list) else v for k, v in config.overrides.get(algorithm, {}).items()
+               if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}, **_entry_model(config, algorithm)}
+
+
+def _entry_model(config: CompareConfig, algorithm: str) -> dict[str, Any]:
+    """``{"model": ...}`` when the ``entry`` point returned the user's own model (an ``nn.Module`` or a factory) and
+    ``algorithm`` trains one (its constructor takes ``model``); a clear refusal for one that does not."""
+    module = _entry(config.entry).module if config.entry is not None else None
+    if module is None:
+        return {}
+    if "model" in algorithm_options(algorithm):
+        return {"model": module}
+    able = sorted(a for a in ALGORITHMS if "model" in algorithm_options(a))
+    kind = getattr(module, "__name__", type(module).__name__)
+    raise ConfigurationError(f"entry = {config.entry!r} returned your own model ({kind}), and {algorithm} builds its "
+                             f"own models from a built-in architecture: list only algorithms that train your model "
+                             f"({', '.join(able)}), or have the entry return a built-in model's name or settings")
 
 
 def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
@@ -356,10 +373,12 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         "clients": config.clients, "dataset": data.name if config.own_data else config.dataset, "seconds": seconds,
         "ledger": ledger,
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
-        "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in
-                                         _epsilon_series(ledger, config.delta).items()},
+        "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in (
+            sim.epsilon_by_round(config.delta) if result.phases else _epsilon_series(ledger, config.delta)).items()},
         "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
-        "noise_multipliers": result.noise_multipliers, "noise_applied": applied_noise(sim.ledger.charges()),
+        "noise_multipliers": result.noise_multipliers,
+        "noise_applied": ({p.name: applied_noise(p.ledger.charges()) for p in sim.phase_runs} if result.phases
+                          else applied_noise(sim.ledger.charges())),
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
         "model_path": save_model(diagnostic, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
     }
@@ -389,7 +408,8 @@ def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> 
     finals, per_round = [], []
     for k, fed_data in enumerate(federations):
         report = progress if k == len(federations) - 1 else None  # the bar counts the grid's rounds once
-        result = Simulation(make_algorithm("fedavg", fed, privacy), fed_data, fed, privacy, run_id=spec.key,
+        result = Simulation(make_algorithm("fedavg", fed, privacy, **_entry_model(config, "fedavg")), fed_data, fed,
+                            privacy, run_id=spec.key,
                             progress=report).run()
         finals.append(result.final)
         per_round.append([r.metrics.get("accuracy") for r in result.history])
@@ -462,6 +482,8 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     only if its settings are identical; otherwise nothing is run and a :class:`ConfigurationError` says which
     output folder to change. ``toml_path``, the TOML the config came from, is copied to ``out_dir/config.toml``."""
     specs = grid(config)
+    for alg in config.algorithms:  # an entry's own model is refused for an algorithm that cannot train it, up front
+        _entry_model(config, alg)
     done: dict[str, dict] = {}
     for spec in specs:  # check every finished run before running anything
         path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")

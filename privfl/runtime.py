@@ -42,11 +42,11 @@ from privfl.aggregation import weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.plan import RunPlan, seed_stream
-from privfl.release import Release
+from privfl.release import Release, mark_round_released
 from privfl.plan import noise_multipliers_for as plan_multipliers
 from privfl.errors import ConfigurationError
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
-from privfl.secure import SecureAggregation, secure_weighted_sums
+from privfl.secure import SecureAggregation, local_noise_stds, public_weight_bound, secure_weighted_sums
 from privfl.secure_agg import ProtocolAbort
 
 
@@ -60,6 +60,8 @@ class RoundRecord:
     epsilon_max: float
     epsilon_mean: float
     seconds: float
+    #: the phase of a multi-phase run (``privfl.phases``) this round belongs to; None in a one-phase run
+    phase: str | None = None
 
 
 @dataclass
@@ -77,6 +79,8 @@ class RunResult:
     ledger: str = ":memory:"
     run_id: str = "default"
     noise: str = "secure"
+    #: a multi-phase run's phases, in order: name, ledger run id, rounds, target, noise multipliers, final, audit
+    phases: list[dict] = field(default_factory=list)
 
     @property
     def final(self) -> dict[str, float]:
@@ -109,7 +113,18 @@ def _blas_limit(threads: int | None):
 
 
 class Simulation:
-    """Runs ``algorithm`` on ``data`` for ``fed.rounds`` rounds under ``privacy``, charging ``ledger``."""
+    """Runs ``algorithm`` on ``data`` for ``fed.rounds`` rounds under ``privacy``, charging ``ledger``. A multi-phase
+    algorithm (``privfl.algorithms.base.phases_of``) runs its phases one after the other: the simulation is then a
+    :class:`privfl.phases.PhasedSimulation`."""
+
+    def __new__(cls, algorithm=None, *args, **kwargs):
+        from privfl.algorithms.base import is_phased
+
+        if cls is Simulation and is_phased(algorithm):
+            from privfl.phases import PhasedSimulation
+
+            return super().__new__(PhasedSimulation)
+        return super().__new__(cls)
 
     def __init__(self, algorithm: FederatedAlgorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
                  ledger_path: str = ":memory:", run_id: str | None = None,
@@ -160,7 +175,9 @@ class Simulation:
                             else None)
         self.client_states: list[dict | None] = [None] * n_clients
         self._broadcast = None
-        self.secure_rng = np.random.default_rng(plan.stream("secure"))
+        self.secure_rng = np.random.default_rng(plan.stream("secure"))  # simulated dropouts only
+        # each client's own encoding generator (rounding coins, noise shares), as a deployment's client holds it
+        self.secure_rngs = {str(k): plan.secure_rng(k) for k in range(n_clients)}
         self.train_rngs = [plan.train_rng(k) for k in range(n_clients)]
         self.pipelines = [plan.pipeline(k, self.ledger, self._noise(plan.client_stream(k)))
                           for k in range(n_clients)]
@@ -223,7 +240,8 @@ class Simulation:
             outputs = ((k, self._client_update(k, rnd)) for k in clients)
         for k, out in outputs:
             try:
-                yield k, self.pipelines[k].release(rnd, out.values, out.weight)
+                # under secure aggregation a value leaves as its masked input: marked released then (_mark_sent)
+                yield k, self.pipelines[k].release(rnd, out.values, out.weight, mark=self.secure is None)
             except PrivacyBudgetExceeded as exc:
                 yield k, exc
 
@@ -249,6 +267,13 @@ class Simulation:
         if not self.split:
             return self.algorithm
         return self.client_half.view(self.client_states, self.algorithm.broadcast(self.fed.rounds))
+
+    def _mark_sent(self, clients, rnd: int) -> None:
+        """Mark the round's rows of ``clients`` released: their masked inputs are about to leave (a simulated
+        dropout's rows stay charged and unmarked, as on a deployment)."""
+        with self.ledger.transaction():
+            for cid in clients:
+                mark_round_released(self.ledger, cid, rnd)
 
     def run(self) -> RunResult:
         with _blas_limit(self.blas_threads):
@@ -300,9 +325,12 @@ class Simulation:
             if releases:
                 try:
                     if self.secure is not None:
-                        aggregates = secure_weighted_sums(releases, by_name, self.secure, self.secure_rng,
-                                                          self.server_noise, distributed=plans,
-                                                          secure_noise=privacy.secure_noise)
+                        aggregates = secure_weighted_sums(
+                            releases, by_name, self.secure, self.secure_rng, self.server_noise, distributed=plans,
+                            secure_noise=privacy.secure_noise, client_rngs=self.secure_rngs,
+                            weight_bound=public_weight_bound(privacy, self.public), n_clients=n_clients,
+                            local_stds=local_noise_stds(channels, self.plan.placement, multipliers),
+                            on_masked_input=lambda sent, rnd=rnd: self._mark_sent(sent, rnd))
                     else:
                         aggregates = weighted_sums(releases, by_name, self.server_noise)
                     alg.server_update(aggregates, rnd)

@@ -85,3 +85,77 @@ def test_layout_folders_are_not_imported_as_top_level_modules():
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                               if n.split(".")[0] in MAPPED]
     assert not offenders, "import these as privfl.<package>:\n" + "\n".join(offenders)
+
+
+def _privfl_modules_imported(path: pathlib.Path, root: pathlib.Path = ROOT):
+    """Every privfl module name ``path`` imports, at any depth of the file (lazy imports count), relative imports
+    resolved against the file's package (under ``root``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            for alias in node.names:  # from privfl import runtime; from privfl.algorithms import fedbnr
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def _is_within(module: str, names) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in names)
+
+
+#: what an algorithm may not import: the runtimes and the front ends that drive it
+RUNTIME_MODULES = ("privfl.runtime", "privfl.phases", "privfl.flower", "privfl.cli", "privfl.compare", "privfl.api")
+
+
+def test_algorithms_do_not_import_the_runtime():
+    """An algorithm is its two halves (and, for a multi-phase one, its phases) and nothing else: any runtime
+    (in-process, Flower) drives it, never the other way round."""
+    violations = []
+    for path in (ROOT / "privfl" / "algorithms").rglob("*.py"):
+        for lineno, module in _privfl_modules_imported(path):
+            if _is_within(module, RUNTIME_MODULES):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not violations, "algorithms import a runtime:\n" + "\n".join(violations)
+
+
+def test_the_cli_knows_no_single_algorithm():
+    """The CLI and ``compare`` build algorithms through the registry (privfl.algorithms.make_algorithm /
+    ALGORITHMS), never by importing one algorithm's module."""
+    allowed = {"privfl.algorithms", "privfl.algorithms.base"}
+    registry = {f"privfl.algorithms.{name}" for name in ("ALGORITHMS", "make_algorithm", "algorithm_options",
+                                                           "default_unit", "ClientOutput", "FederatedAlgorithm")}
+    violations = []
+    for name in ("cli.py", "compare.py"):
+        path = ROOT / "privfl" / name
+        for lineno, module in _privfl_modules_imported(path):
+            if (_is_within(module, ["privfl.algorithms"]) and module not in allowed | registry
+                    and not module.startswith("privfl.algorithms.base.")):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not violations, "the CLI imports a single algorithm:\n" + "\n".join(violations)
+
+
+def test_the_new_rules_see_violations(tmp_path):
+    """The two rules above catch a lazy import, a relative import and ``from package import module``."""
+    algorithms = tmp_path / "privfl" / "algorithms"
+    algorithms.mkdir(parents=True)
+    bad = algorithms / "bad.py"
+    bad.write_text("def f():\n    from privfl.runtime import Simulation\n"
+                   "from ..phases import run_fedbnr\nfrom privfl import cli\nimport privfl.client_state\n")
+    found = {m for _, m in _privfl_modules_imported(bad, tmp_path)}
+    assert {m for m in found if _is_within(m, RUNTIME_MODULES)} == {"privfl.runtime", "privfl.runtime.Simulation",
+                                                                     "privfl.phases", "privfl.phases.run_fedbnr",
+                                                                     "privfl.cli"}
+    cli = tmp_path / "privfl" / "cli.py"
+    cli.write_text("def g():\n    from privfl.algorithms.fedbnr import run_fedbnr\n"
+                   "from privfl.algorithms import fedbnn, make_algorithm\n")
+    found = {m for _, m in _privfl_modules_imported(cli, tmp_path)}
+    assert {"privfl.algorithms.fedbnr", "privfl.algorithms.fedbnn", "privfl.algorithms.make_algorithm"} <= found
+

@@ -27,6 +27,12 @@ def algorithm_options(name: str) -> tuple[str, ...]:
                  and p.name not in ("self", "fed", "privacy"))
 
 
+def default_unit(name: str) -> str:
+    """The privacy unit a run of ``name`` uses unless told: the class's ``default_unit`` (the unit its guarantee is
+    stated in: record level for DP-SGD FedAvg and FedBNR), else ``"client"``."""
+    return getattr(ALGORITHMS.get(name), "default_unit", "client")
+
+
 def make_algorithm(name: str, fed, privacy, **options) -> FederatedAlgorithm:
     """``ALGORITHMS[name](fed, privacy, **options)``; an option the algorithm does not take is a clear error."""
     if name not in ALGORITHMS:
@@ -37,4 +43,4 @@ def make_algorithm(name: str, fed, privacy, **options) -> FederatedAlgorithm:
     return ALGORITHMS[name](fed, privacy, **options)
 
 
-__all__ = ["ALGORITHMS", "ClientOutput", "FederatedAlgorithm", "algorithm_options", "make_algorithm"]
+__all__ = ["ALGORITHMS", "ClientOutput", "FederatedAlgorithm", "algorithm_options", "default_unit", "make_algorithm"]

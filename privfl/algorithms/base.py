@@ -371,7 +371,8 @@ def is_phased(algorithm) -> bool:
 def phases_of(algorithm, public: PublicFacts):
     """The phases of a multi-phase algorithm, one after the other.
 
-    A multi-phase algorithm declares ``phased`` (true) and ``phases(public)``, a generator: it yields a
+    A multi-phase algorithm declares ``phased`` (true), ``phase_plan`` (each phase's name and rounds, in order,
+    known before the run) and ``phases(public)``, a generator: it yields a
     :class:`Phase`, is sent that phase's trained server half back, and yields the next phase built from it (FedBNR's
     phase 2 takes phase 1's kernel network), until it returns. The phases' budgets are fixed before the first
     phase, from public inputs only, so that their composition meets the run's target; a runtime runs each phase

@@ -15,6 +15,7 @@ from privfl.errors import ConfigurationError
 
 class DPFedAvg(FedAvg):
     name = "dp_fedavg"
+    units = ("client",)  # the privacy units it gives a guarantee at: client level only
     supports_privacy = True
     # Client-level noise on the average is z*C/n per coordinate (z ~ 6 for epsilon 3 over 20 rounds, n = 10), so
     # the total noise grows with sqrt(#parameters): a logistic regression on 2x2-pooled images (1,970 weights)

@@ -49,8 +49,8 @@ Two phases, two algorithms
 --------------------------
 The runtime releases the same declared channels every round and calibrates their noise over all rounds, so a single
 algorithm switching from a model-update channel (phase 1) to scatter channels (phase 2) would be charged for all three
-in every round. FedBNR is therefore two algorithms run one after the other on the same clients, and
-:func:`run_fedbnr` composes them:
+in every round. FedBNR is therefore two algorithms run one after the other on the same clients, as the phases of one
+run (``privfl.algorithms.base.phases_of``: the runtime runs them, this module only describes them):
 
 1. :class:`FedBNRKernel` (phase 1, optional): a kernel network (extractor weights, log lengthscale, sigma, lambda),
    each client maximising its local BLR marginal likelihood (eq. 18) from the broadcast global network, aggregated
@@ -60,15 +60,16 @@ in every round. FedBNR is therefore two algorithms run one after the other on th
    client's clipped upload rather than removing it: under ``unit="example"`` the channel's adjacency is replace-one
    (sensitivity 2C, whatever the record adjacency); under ``unit="client"`` it is the configured one (C or 2C).
 2. :class:`FedBNR` (phase 2, registered as ``fedbnr``): one release of ``scatter`` and ``cross`` under the fixed
-   kernel network (the phase-1 result, or pure RFF with public hyperparameters when phase 1 is skipped: what
-   ``privfl run --algorithm fedbnr`` runs unless given ``--kernel-rounds K``, which runs both phases through
-   :func:`run_fedbnr`, with ``--kernel-aggregation distillation --alignment-size N`` for FedBNR-KD). One round is all it needs; with R > 1 rounds every round re-releases and
-   the server averages the R sums, which for Gaussian noise costs nothing (R releases at multiplier z sqrt(R) average
-   to one release at z) and is exact without noise.
+   kernel network (the phase-1 result, or pure RFF with public hyperparameters when phase 1 is skipped). One round is
+   all it needs; with R > 1 rounds every round re-releases and the server averages the R sums, which for Gaussian
+   noise costs nothing (R releases at multiplier z sqrt(R) average to one release at z) and is exact without noise.
 
-:func:`run_fedbnr` splits the budget between the phases in Gaussian DP (mu^2, i.e. rho, adds), checks the
-composition of the two calibrations under the run's accountant, runs both simulations (ledger runs ``<id>-kernel``
-and ``<id>-regression``) and reports each client's epsilon composed over both.
+``FedBNR(..., kernel_rounds=K)`` (``privfl run --algorithm fedbnr --kernel-rounds K``, with ``--kernel-aggregation
+distillation --alignment-size N`` for FedBNR-KD) is a two-phase run: its constructor splits the budget between the
+phases in Gaussian DP (:func:`phase_budgets`: mu^2, i.e. rho, adds) and checks the composition of the two
+calibrations under the run's accountant; :meth:`FedBNR.phases` yields phase 1, is sent its trained kernel, and yields
+phase 2. The runtime charges them as the ledger runs ``<id>-kernel`` and ``<id>-regression`` and reports each
+client's epsilon composed over both.
 
 Kernel distillation (FedBNR-KD, eq. 19)
 ---------------------------------------
@@ -104,7 +105,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import numpy as np
@@ -118,7 +119,7 @@ from privfl.accounting.events import ComposedEvent, PrivacyEvent, SelfComposedEv
 from privfl.mechanisms import InvalidRelease, clip_rows, clip_values
 from privfl.mechanisms.clipping import check_adjacency
 from privfl.aggregation import Aggregate
-from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
+from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
@@ -315,11 +316,19 @@ class FedBNR(FederatedAlgorithm):
     name = "fedbnr"
     supports_privacy = True
     defaults = {"clip": 1.0}
+    #: the privacy unit a run uses unless told: record level (the scatter channels are sums over records)
+    default_unit = "example"
+    #: at ``unit="client"`` each client's sums are clipped as if it held at most the public record cap
+    clips_to_record_cap = True
+    #: whether the run needs a server-held labelled set (``data.alignment``): FedBNR-KD's phase 1 (per instance)
+    uses_alignment = False
 
     def __init__(self, fed, privacy, *, kernel: KernelNetwork | None = None, num_samples: int = 50,
                  lengthscale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
                  feature_seed: int = 0, target_clip: float = 3.0, scatter_share: float = 0.5,
-                 ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int | None = None):
+                 ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int | None = None,
+                 kernel_rounds: int = 0, kernel_aggregation: str = "fedavg", kernel_clip: float | None = None,
+                 kernel_share: float = 0.5, kernel_fed=None, kernel_options: Mapping | None = None):
         super().__init__(fed, privacy)
         if kernel is not None and not isinstance(kernel, KernelNetwork):
             raise ConfigurationError("kernel must be a privfl.features.KernelNetwork (phase 1's result) or None")
@@ -337,6 +346,8 @@ class FedBNR(FederatedAlgorithm):
                                      f"{client_rows!r}")
         if not (isinstance(ridge_scale, (int, float)) and math.isfinite(ridge_scale) and ridge_scale >= 0):
             raise ConfigurationError(f"ridge_scale must be a finite number >= 0, got {ridge_scale!r}")
+        self._plan_phases(kernel, kernel_rounds, kernel_aggregation, kernel_clip, kernel_share, kernel_fed,
+                          kernel_options, scatter_share)
         self.kernel = kernel
         self.num_samples = int(num_samples)
         self.lengthscale = None if lengthscale is None else _positive("lengthscale", lengthscale)
@@ -357,6 +368,80 @@ class FedBNR(FederatedAlgorithm):
         self._sums: dict[str, np.ndarray] = {}
         self._noise_var: dict[str, float] = {}
         self._releases = 0
+
+    # -- phase 1 before this phase (a multi-phase run: privfl.algorithms.base.phases_of) ---------------------------
+
+    def _plan_phases(self, kernel, kernel_rounds, aggregation, kernel_clip, kernel_share, kernel_fed, kernel_options,
+                     scatter_share) -> None:
+        """Check phase 1's options and split the budget between the phases (:func:`phase_budgets`), before anything
+        runs: from public inputs only."""
+        if isinstance(kernel_rounds, bool) or not isinstance(kernel_rounds, int) or kernel_rounds < 0:
+            raise ConfigurationError(f"kernel_rounds must be an integer >= 0, got {kernel_rounds!r}")
+        if aggregation not in AGGREGATIONS:
+            raise ConfigurationError(f"kernel_aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if aggregation == "distillation" and kernel_rounds == 0:
+            raise ConfigurationError("kernel distillation is phase 1: add --kernel-rounds N (N >= 1; "
+                                     "kernel_rounds=N)")
+        self.kernel_rounds = kernel_rounds
+        self.phase_epsilons: tuple[float, float] | None = None
+        self.uses_alignment = kernel_rounds > 0 and aggregation == "distillation"
+        if kernel_rounds == 0:
+            return
+        if kernel is not None:
+            raise ConfigurationError("give either a trained kernel (phase 2 alone) or kernel_rounds > 0 (phase 1 "
+                                     "learns it), not both")
+        options = dict(kernel_options or {})
+        options.setdefault("aggregation", aggregation)
+        if kernel_clip is not None:
+            options.setdefault("update_clip", kernel_clip)
+        kfed = replace(kernel_fed or self.fed, rounds=kernel_rounds)
+        options.setdefault("hidden", tuple(kfed.hidden) if kfed.hidden is not None else ())
+        FedBNRKernel(kfed, self.privacy, **options)  # validates phase 1's options before anything runs
+        privacy_k = privacy_r = self.privacy
+        if self.privacy.private:
+            if not 0 < scatter_share < 1:
+                raise ConfigurationError(f"scatter_share must lie in (0, 1), got {scatter_share!r}")
+            accountant = self.privacy.resolved_accountant
+            kernel_shares = {"gram" if options["aggregation"] == "distillation" else "update": 1.0}
+            self.phase_epsilons = phase_budgets(
+                self.privacy.epsilon, self.privacy.delta, kernel_rounds, self.fed.rounds,
+                {"scatter": scatter_share, "cross": 1.0 - scatter_share}, accountant, kernel_share,
+                kernel_shares=kernel_shares)
+            privacy_k = replace(self.privacy, epsilon=self.phase_epsilons[0], accountant=accountant)
+            privacy_r = replace(self.privacy, epsilon=self.phase_epsilons[1], accountant=accountant)
+        self._phase_plan = (kfed, privacy_k, options, privacy_r)
+
+    @property
+    def phase_plan(self) -> tuple[tuple[str, int], ...]:
+        """Each phase's name and rounds, in order, known before the run (``()`` for a one-phase run)."""
+        return (("kernel", self.kernel_rounds), ("regression", self.fed.rounds)) if self.phased else ()
+
+    @property
+    def phased(self) -> bool:
+        """Whether this run has phase 1 (``kernel_rounds > 0``): a runtime then runs :meth:`phases`."""
+        return self.kernel_rounds > 0
+
+    def phases(self, public):
+        """Phase 1 (``"kernel"``: :class:`FedBNRKernel` for ``kernel_rounds`` rounds), then phase 2
+        (``"regression"``: FedBNR on the kernel network phase 1 was sent back with), each under its share of the
+        budget (:attr:`phase_epsilons`); see :func:`privfl.algorithms.base.phases_of`."""
+        if not self.phased:
+            raise ConfigurationError("fedbnr runs as one phase unless kernel_rounds > 0")
+        kfed, privacy_k, options, privacy_r = self._phase_plan
+        kernel = FedBNRKernel(kfed, privacy_k, **options)
+        if kernel.aggregation == "distillation":  # refused before phase 1 charges anything
+            _check_regression(public, kernel.name)
+            _distillation_set(public)
+        trained = yield Phase("kernel", kernel, kfed, privacy_k)
+        args, kwargs = self._init_args
+        regression_options = {k: v for k, v in kwargs.items() if k not in PHASE_ONE_OPTIONS}
+        yield Phase("regression", FedBNR(self.fed, privacy_r, kernel=trained.kernel(), **regression_options),
+                    self.fed, privacy_r)
+
+    def describe_phases(self) -> dict:
+        """What a report says of the phase split: phase 1's rounds and aggregation, and each phase's epsilon."""
+        return {"kernel_rounds": self.kernel_rounds, "kernel_aggregation": self._phase_plan[2]["aggregation"],
+                "phase_epsilons": list(self.phase_epsilons) if self.phase_epsilons else None}
 
     @property
     def feature_clip(self) -> float:
@@ -493,6 +578,9 @@ class FedBNR(FederatedAlgorithm):
 # -- phase 1: the kernel network by FedAvg or by kernel distillation ---------------------------------------------
 
 AGGREGATIONS = ("fedavg", "distillation")
+#: FedBNR's options that configure phase 1 (the phase-2 algorithm of a two-phase run takes the others)
+PHASE_ONE_OPTIONS = ("kernel_rounds", "kernel_aggregation", "kernel_clip", "kernel_share", "kernel_fed",
+                     "kernel_options")
 #: FedBNR-KD defaults (see FedBNRKernel): Gram matching weight, server Adam steps and rate, and the root-mean-square
 #: change per Gram entry that the default clip allows
 KD_ALPHA, KD_STEPS, KD_LR, KD_GRAM_RMS = 1000.0, 10, 0.01, 0.02
@@ -789,97 +877,6 @@ def phase_budgets(epsilon: float, delta: float, kernel_rounds: int, regression_r
     return split(s)
 
 
-def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]:
-    """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed: each ledger's
-    rounds grouped as the ledger groups them (``accounting.rounds.round_events``: a round's sampled channels share one
-    coin), the phases one after the other."""
-    from privfl.accounting.ledger import composed_epsilon as history_epsilon, history_key
-
-    histories: dict[str, tuple] = {}
-    for ledger in ledgers:
-        by_client: dict[str, list] = {}
-        for charge in ledger.charges():
-            by_client.setdefault(charge.client_id, []).append((charge.round, charge.event))
-        for cid, charged in by_client.items():
-            histories[cid] = histories.get(cid, ()) + history_key(charged)
-    return {cid: history_epsilon(accountant, key, delta) for cid, key in histories.items()}
-
-
-@dataclass
-class FedBNRRun:
-    """Both phases of a FedBNR run: the phase results, the fitted phase-2 algorithm (the global GP), and each
-    client's epsilon composed over both phases."""
-
-    regression: object  # privfl.runtime.RunResult
-    algorithm: FedBNR
-    kernel: object | None = None  # privfl.runtime.RunResult of phase 1, if run
-    kernel_algorithm: FedBNRKernel | None = None
-    epsilon_per_client: dict[str, float] = field(default_factory=dict)
-    phase_epsilons: tuple[float, float] | None = None
-    ledgers: list = field(default_factory=list)  # the phases' PrivacyLedgers, kernel first
-
-    @property
-    def epsilon(self) -> float:
-        return max(self.epsilon_per_client.values(), default=0.0)
-
-    @property
-    def final(self) -> dict[str, float]:
-        return self.regression.final
-
-
-def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, kernel_share: float = 0.5,
-               kernel_options: Mapping | None = None, options: Mapping | None = None, secure=None,
-               ledger_path: str = ":memory:", run_id: str | None = None, progress=None) -> FedBNRRun:
-    """Run FedBNR: phase 1 for ``kernel_rounds`` rounds (skipped when 0: pure RFF), then phase 2 for ``fed.rounds``
-    rounds (1 suffices), on the same clients, within one (epsilon, delta) per client.
-
-    ``kernel_fed``: the FederationConfig of phase 1 (default ``fed``; its rounds are replaced by ``kernel_rounds``).
-    ``kernel_options`` / ``options``: keyword arguments of :class:`FedBNRKernel` / :class:`FedBNR`.
-    ``secure``: a :class:`privfl.secure.SecureAggregation` for both phases.
-    """
-    from privfl.runtime import Simulation
-
-    options = dict(options or {})
-    if isinstance(kernel_rounds, bool) or not isinstance(kernel_rounds, int) or kernel_rounds < 0:
-        raise ConfigurationError(f"kernel_rounds must be an integer >= 0, got {kernel_rounds!r}")
-    base_id = run_id or f"fedbnr-{fed.seed}"
-    if kernel_rounds == 0:
-        alg = FedBNR(fed, privacy, **options)
-        sim = Simulation(alg, data, fed, privacy, ledger_path=ledger_path, run_id=f"{base_id}-regression",
-                         progress=progress, secure=secure)
-        result = sim.run()
-        return FedBNRRun(result, alg, epsilon_per_client=composed_epsilon([sim.ledger], privacy.delta,
-                                                                          privacy.resolved_accountant),
-                         ledgers=[sim.ledger])
-    kfed = replace(kernel_fed or fed, rounds=kernel_rounds)
-    accountant = privacy.resolved_accountant
-    privacy_k, privacy_r, budgets = privacy, privacy, None
-    kalg = FedBNRKernel(kfed, privacy, **dict(kernel_options or {}))  # validates the options before anything runs
-    if kalg.aggregation == "distillation":
-        _check_regression(data, kalg.name)
-        _distillation_set(data)
-    if privacy.private:
-        if privacy.sampling_rate < 1:
-            raise ConfigurationError("run_fedbnr splits the budget between unsampled phases; set sampling_rate=1")
-        probe = FedBNR(fed, privacy, **options)
-        shares = {"scatter": probe.scatter_share, "cross": 1.0 - probe.scatter_share}
-        budgets = phase_budgets(privacy.epsilon, privacy.delta, kernel_rounds, fed.rounds, shares, accountant,
-                                kernel_share, kernel_shares=kalg.channel_shares)
-        privacy_k = replace(privacy, epsilon=budgets[0], accountant=accountant)
-        privacy_r = replace(privacy, epsilon=budgets[1], accountant=accountant)
-        kalg = FedBNRKernel(kfed, privacy_k, **dict(kernel_options or {}))
-    ksim = Simulation(kalg, data, kfed, privacy_k, ledger_path=ledger_path, run_id=f"{base_id}-kernel",
-                      progress=progress, secure=secure)
-    kresult = ksim.run()
-    alg = FedBNR(fed, privacy_r, kernel=kalg.kernel(), **options)
-    sim = Simulation(alg, data, fed, privacy_r, ledger_path=ledger_path, run_id=f"{base_id}-regression",
-                     progress=progress, secure=secure)
-    result = sim.run()
-    return FedBNRRun(result, alg, kresult, kalg,
-                     composed_epsilon([ksim.ledger, sim.ledger], privacy.delta, accountant), budgets,
-                     ledgers=[ksim.ledger, sim.ledger])
-
-
-__all__ = ["BLRPosterior", "FedBNR", "FedBNRClippingWarning", "FedBNRKernel", "FedBNRRun", "PairedScatter",
-           "blr_from_statistics", "centralised_blr", "composed_epsilon", "distill_kernel", "distillation_loss",
-           "phase_budgets", "prior_posterior", "repair_scatter", "run_fedbnr"]
+__all__ = ["BLRPosterior", "FedBNR", "FedBNRClippingWarning", "FedBNRKernel", "PairedScatter", "blr_from_statistics",
+           "centralised_blr", "distill_kernel", "distillation_loss", "phase_budgets", "prior_posterior",
+           "repair_scatter"]

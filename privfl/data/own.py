@@ -20,7 +20,8 @@ simulation diagnostic: nothing of the test set is released).
 
 An entry point ``module:function`` is called with no arguments and returns ``(model, clients)`` or
 ``(model, clients, test)``: ``model`` is a built-in model name (``"mlp"``), a mapping of ``FederationConfig`` model
-settings (``{"model": "mlp", "hidden": [16]}``) or None; ``clients`` maps client names to ``(x, y)`` arrays or
+settings (``{"model": "mlp", "hidden": [16]}``), None, or the user's own model: a ``torch.nn.Module`` or a
+zero-argument factory of one (``EntryPoint.module``, for the algorithms that train a user's model); ``clients`` maps client names to ``(x, y)`` arrays or
 tensors, or to a pandas DataFrame with the ``target`` column; ``test`` is one such value.
 """
 
@@ -240,6 +241,8 @@ class EntryPoint:
     model: dict
     clients: Mapping[str, Any]
     test: Any = None
+    #: the user's own model the entry returned (an ``nn.Module`` or a zero-argument factory of one), else None
+    module: Any = None
 
 
 def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
@@ -265,6 +268,7 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
                            f"{type(out).__name__}")
     model, clients = out[0], out[1]
     test = out[2] if len(out) == 3 else None
+    module = None
     if model is None:
         settings: dict = {}
     elif isinstance(model, str):
@@ -274,15 +278,16 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
         if unknown:
             raise DatasetError(f"{flag} {spec!r}: model settings may be model, hidden and pool, got {sorted(unknown)}")
         settings = dict(model)
+    elif callable(model):  # an nn.Module (modules are callable) or a zero-argument factory of one
+        settings, module = {}, model
     else:
-        raise DatasetError(f"{flag} {spec!r} returned a {type(model).__name__} as the model: the command line builds "
-                           "a built-in architecture, so return its name ('mlp') or settings ({'model': 'mlp', "
-                           "'hidden': [16]}), or None for --model; to train your own nn.Module, call "
-                           "privfl.federate(model, clients, ...) from Python")
+        raise DatasetError(f"{flag} {spec!r} returned a {type(model).__name__} as the model: return a built-in "
+                           "architecture's name ('mlp') or settings ({'model': 'mlp', 'hidden': [16]}), None for "
+                           "--model, or your own torch.nn.Module (or a zero-argument factory of one)")
     if not isinstance(clients, Mapping):
         raise DatasetError(f"{flag} {spec!r}: clients must be a mapping of client name to data, got "
                            f"{type(clients).__name__}")
-    return EntryPoint(settings, clients, test)
+    return EntryPoint(settings, clients, test, module)
 
 
 __all__ = ["EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_split", "load_entry",

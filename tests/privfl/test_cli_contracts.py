@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 import privfl
-from privfl.cli import ALGORITHM_NAMES, DEFAULT_UNITS, build_parser, main
+from privfl.cli import ALGORITHM_NAMES, RECORD_LEVEL_ALGORITHMS, build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--dataset", "digits", "--clients", "3", "--rounds", "1", "--hidden", "8", "--quiet"]
@@ -49,10 +49,11 @@ def test_every_flag_has_help_and_the_help_shows_defaults():
 
 
 def test_the_algorithm_names_in_the_help_are_the_registered_ones():
-    from privfl.algorithms import ALGORITHMS
+    from privfl.algorithms import ALGORITHMS, default_unit
 
     assert tuple(sorted(ALGORITHMS)) == ALGORITHM_NAMES
-    assert set(DEFAULT_UNITS) <= set(ALGORITHMS)
+    assert all(default_unit(name) in ("client", "example") for name in ALGORITHMS)
+    assert RECORD_LEVEL_ALGORITHMS == tuple(sorted(n for n in ALGORITHMS if default_unit(n) == "example"))
 
 
 @pytest.mark.parametrize("argv, needle", [

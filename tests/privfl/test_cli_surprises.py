@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from privfl.cli import DEFAULT_UNITS, RHO_SAMPLED_NOTE, build_parser, default_run_id, main
+from privfl.algorithms import default_unit
+from privfl.cli import RHO_SAMPLED_NOTE, build_parser, default_run_id, main
 
 
 def run_cli(capsys, *argv):
@@ -40,7 +41,7 @@ def _run_args(*extra):
     from privfl.config import FederationConfig, PrivacyConfig
 
     args = build_parser().parse_args(["run", "--dataset", "digits", "--clients", "3", *extra])
-    args.unit = args.unit or DEFAULT_UNITS.get(args.algorithm, "client")
+    args.unit = args.unit or default_unit(args.algorithm)
     for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "model": "mlp", "partition": "iid"}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

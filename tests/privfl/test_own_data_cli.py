@@ -72,16 +72,63 @@ def test_own_data_flags_without_data_are_refused(capsys):
     assert "--target" in capsys.readouterr().err
 
 
-def test_an_entry_returning_a_module_is_refused_clearly(tmp_path, monkeypatch, capsys):
-    (tmp_path / "torch_entry.py").write_text(
+def _module_entry(tmp_path, monkeypatch, name, model="torch.nn.Linear(3, 2)"):
+    """An entry point ``<name>:federation`` (a fresh module name: imports are cached per process)."""
+    (tmp_path / f"{name}.py").write_text(
         "import torch, numpy as np\n"
         "def federation():\n"
-        "    return torch.nn.Linear(3, 2), {f'c{i}': (np.zeros((4, 3)), np.zeros(4, dtype=int)) for i in range(2)}\n")
+        "    rng = np.random.default_rng(0)\n"
+        f"    return {model}, {{f'c{{i}}': (rng.normal(size=(12, 3)).astype('float32'), rng.integers(0, 2, 12)) "
+        "for i in range(2)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = main(["run", "--algorithm", "fedavg", "--epsilon", "inf", "--entry", "torch_entry:federation",
+
+
+@pytest.mark.parametrize("model", ["torch.nn.Linear(3, 2)", "(lambda: torch.nn.Linear(3, 2))"])
+def test_an_entry_returning_a_module_trains_it(tmp_path, monkeypatch, model):
+    """Issue 15: the entry point returns the model (a module or a zero-argument factory) and the clients' data;
+    FedAvg trains that module: the saved state is the Linear's."""
+    name = "module_entry" if model.startswith("torch") else "factory_entry"
+    _module_entry(tmp_path, monkeypatch, name, model)
+    out, saved = tmp_path / "r.json", tmp_path / "m.pt"
+    code = main(["run", "--algorithm", "fedavg", "--epsilon", "inf", "--entry", f"{name}:federation",
+                 "--classes", "0,1", "--rounds", "2", "--quiet", "--json", str(out), "--save-model", str(saved)])
+    assert code == 0
+    import torch
+
+    state = torch.load(saved)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {"weight": (2, 3), "bias": (2,)}
+    assert len(json.loads(out.read_text())["accuracy_per_round"]) == 2
+
+
+def test_an_entry_returning_a_module_is_refused_clearly_where_it_cannot_be_trained(tmp_path, monkeypatch, capsys):
+    _module_entry(tmp_path, monkeypatch, "refused_entry")
+    code = main(["run", "--algorithm", "fedbnr", "--epsilon", "inf", "--entry", "refused_entry:federation",
                  "--classes", "0,1", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "--entry" in err and "Linear" in err and "Traceback" not in err
+    assert "fedbnr" in err and "fedavg" in err and "dpsgd_fedavg" in err  # names the algorithm and those that train it
+
+
+@pytest.mark.timeout(300)
+def test_compare_toml_entry_returning_a_module_trains_it_and_is_refused_where_it_cannot(tmp_path, monkeypatch,
+                                                                                      capsys):
+    _module_entry(tmp_path, monkeypatch, "compare_module_entry")
+    cfg = tmp_path / "own.toml"
+    cfg.write_text('entry = "compare_module_entry:federation"\nclasses = ["0", "1"]\nepsilons = [3.0]\nseeds = [0]\n'
+                   f'rounds = 1\nalgorithms = ["fedavg", "dp_fedavg"]\nout_dir = "{tmp_path / "out"}"\n')
+    code = main(["compare", str(cfg), "--quiet", "--json", str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr().err
+    import torch
+
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert {r["algorithm"] for r in rows} == {"fedavg", "dp_fedavg"}
+    for r in rows:  # the entry's Linear(3, 2) is what was trained and saved
+        state = torch.load(r["model_path"])
+        assert {k: tuple(v.shape) for k, v in state.items()} == {"weight": (2, 3), "bias": (2,)}
+    cfg.write_text(cfg.read_text().replace('["fedavg", "dp_fedavg"]', '["fedavg", "fedbnr"]'))
+    code = main(["compare", str(cfg), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fedbnr" in err and "Linear" in err and "fedavg" in err and "Traceback" not in err
 
 
 @pytest.mark.timeout(300)

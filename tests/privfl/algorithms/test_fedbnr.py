@@ -5,6 +5,7 @@ FedBNR-KD (phase 1 by kernel distillation, eq. 19): the released mean Gram is ex
 distils, the Gram upload respects its sensitivity, and private runs charge every release within the budget."""
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -23,7 +24,7 @@ from privfl.mechanisms import InvalidRelease, SeededNoise
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedbnr import (FedBNR, FedBNRClippingWarning, FedBNRKernel, PairedScatter, _check_pairs,
                                       blr_from_statistics, centralised_blr, distill_kernel, distillation_loss,
-                                      phase_budgets, run_fedbnr)
+                                      phase_budgets)
 from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.cli import main
 from privfl.config import FederationConfig, PrivacyConfig
@@ -32,6 +33,7 @@ from privfl.errors import ConfigurationError
 from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
                              pair_squared_norms)
 from privfl.release import ReleasePipeline
+from privfl.phases import run_fedbnr
 from privfl.runtime import Simulation
 from privfl.secure import SecureAggregation
 
@@ -756,6 +758,15 @@ def test_cli_runs_both_phases_with_distillation_within_one_budget(tmp_path, caps
     assert main(["audit", ledger, "--run-id", kernel_id, "--json"]) == 0
     kernel = json.loads(capsys.readouterr().out)
     assert 0 < kernel["max_epsilon"] < r["epsilon_spent_max"]  # one phase spends part of the budget
+    assert main(["audit", ledger, "--run-id", base, "--json"]) == 0  # the run itself: composed over its phases
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["runs"] == [kernel_id, regression_id] and whole["epsilon_budget"] == 3.0
+    assert whole["max_epsilon"] == pytest.approx(r["epsilon_spent_max"])
+    assert {cid: v["epsilon"] for cid, v in whole["clients"].items()} == pytest.approx(r["epsilon_spent"])
+    assert all(v["phase_epsilons"]["kernel"] == pytest.approx(kernel["clients"][cid]["epsilon"])
+               for cid, v in whole["clients"].items())
+    assert main(["audit", ledger, "--run-id", base]) == 0
+    assert "composed over the phases" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -768,3 +779,106 @@ def test_cli_phase_one_flags_are_checked(argv, needle, capsys):
     code = main(["run", "--dataset", "diabetes", "--clients", "3", "--rounds", "1", "--epsilon", "inf", "--quiet",
                  *argv])
     assert code == 2 and needle in capsys.readouterr().err
+
+
+# -- FedBNR as a multi-phase run of the runtime (privfl.phases) ----------------------------------------------------
+
+SEEDED_DP = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", accountant="exact", secure_noise=False)
+PHASE1 = dict(hidden=(4,), num_samples=20, update_clip=0.05)
+
+
+def _by_hand(data, kfed, privacy, kernel_options, regression_options=None):
+    """The two phases run as two simulations composed by hand (what ``run_fedbnr`` did before phases were a runtime
+    feature): the reference a phased run must equal."""
+    regression_options = dict(regression_options or {})
+    privacy_k = privacy_r = privacy
+    if privacy.private:
+        shares = {"scatter": 0.5, "cross": 0.5}
+        eps_k, eps_r = phase_budgets(privacy.epsilon, privacy.delta, kfed.rounds, ONE_ROUND.rounds, shares,
+                                     privacy.resolved_accountant)
+        privacy_k = dataclasses.replace(privacy, epsilon=eps_k, accountant=privacy.resolved_accountant)
+        privacy_r = dataclasses.replace(privacy, epsilon=eps_r, accountant=privacy.resolved_accountant)
+    kalg = FedBNRKernel(kfed, privacy_k, **kernel_options)
+    ksim = Simulation(kalg, data, kfed, privacy_k, run_id="k")
+    kresult = ksim.run()
+    alg = FedBNR(ONE_ROUND, privacy_r, kernel=kalg.kernel(), **regression_options)
+    sim = Simulation(alg, data, ONE_ROUND, privacy_r, run_id="r")
+    return alg, kresult, sim.run(), [ksim.ledger, sim.ledger]
+
+
+@pytest.mark.parametrize("privacy", [NONPRIVATE, SEEDED_DP])
+def test_fedbnr_through_simulation_equals_the_phases_run_by_hand(privacy):
+    data = make_federated("synthetic1d", 4, seed=0, n=200)
+    kfed = FederationConfig(rounds=3, local_epochs=5, lr=0.05, seed=0)
+    ref_alg, ref_kernel, ref, _ = _by_hand(data, kfed, privacy, PHASE1)
+    alg = make_algorithm("fedbnr", ONE_ROUND, privacy, kernel_rounds=3, kernel_fed=kfed, kernel_options=PHASE1)
+    sim = Simulation(alg, data, ONE_ROUND, privacy, run_id="phased")
+    result = sim.run()
+    trained = sim.final_algorithm
+    assert isinstance(trained, FedBNR) and trained is not alg and trained.kernel is not None
+    np.testing.assert_array_equal(trained.posterior.mean, ref_alg.posterior.mean)
+    np.testing.assert_array_equal(trained.posterior.precision, ref_alg.posterior.precision)
+    assert result.final == ref.final
+    # one history over both phases: rounds numbered consecutively, each marked with its phase
+    assert [(r.round, r.phase) for r in result.history] == [(0, "kernel"), (1, "kernel"), (2, "kernel"),
+                                                            (3, "regression")]
+    assert [r.metrics for r in result.history] == [r.metrics for r in ref_kernel.history + ref.history]
+    assert [p["name"] for p in result.phases] == ["kernel", "regression"]
+    assert [p["run_id"] for p in result.phases] == ["phased-kernel", "phased-regression"]
+    assert result.noise_multipliers == {"kernel": ref_kernel.noise_multipliers, "regression": ref.noise_multipliers}
+
+
+def test_a_phased_runs_audit_is_the_composition_of_all_its_charges(tmp_path):
+    from privfl.accounting.accountants import make_accountant
+
+    data = make_federated("synthetic1d", 4, seed=0, n=200)
+    kfed = FederationConfig(rounds=3, local_epochs=5, lr=0.05, seed=0)
+    path = str(tmp_path / "ledger.sqlite")
+    alg = make_algorithm("fedbnr", ONE_ROUND, SEEDED_DP, kernel_rounds=3, kernel_fed=kfed, kernel_options=PHASE1)
+    result = Simulation(alg, data, ONE_ROUND, SEEDED_DP, ledger_path=path, run_id="run").run()
+    kernel, regression = _charges(path, "run-kernel"), _charges(path, "run-regression")
+    assert kernel and regression
+    audit = result.audit
+    assert audit["runs"] == ["run-kernel", "run-regression"] and audit["epsilon_budget"] == 3.0
+    for cid, v in audit["clients"].items():
+        acct = make_accountant("exact")  # every charge of the client, phase 1 then phase 2, composed from scratch
+        for c in sorted((c for c in kernel if c.client_id == cid), key=lambda c: c.round) + \
+                [c for c in regression if c.client_id == cid]:
+            acct.compose(c.event)
+        assert v["epsilon"] == pytest.approx(acct.get_epsilon(1e-5), rel=1e-9)
+        assert v["epsilon"] <= 3.0 + 1e-9
+        assert v["phase_epsilons"]["kernel"] < v["epsilon"] and v["phase_epsilons"]["regression"] < v["epsilon"]
+        assert v["charges"] == sum(c.client_id == cid for c in kernel + regression)
+    assert audit["max_epsilon"] == pytest.approx(3.0, rel=1e-4)
+    # each round's epsilon is the composition so far, over both phases; the last one the audit's
+    per_round = [r.epsilon_max for r in result.history]
+    assert all(a < b for a, b in zip(per_round, per_round[1:]))
+    assert per_round[-1] == pytest.approx(audit["max_epsilon"])
+    assert per_round[2] < 3.0 * 0.9  # phase 1 spends only its share
+
+
+def test_fedbnr_with_no_kernel_rounds_is_a_one_phase_run():
+    data = make_federated("synthetic1d", 3, seed=0, n=120)
+    alg = make_algorithm("fedbnr", ONE_ROUND, SEEDED_DP, kernel_rounds=0, num_samples=20)
+    sim = Simulation(alg, data, ONE_ROUND, SEEDED_DP)
+    assert not alg.phased and type(sim) is Simulation
+    result = sim.run()
+    assert result.phases == [] and [r.phase for r in result.history] == [None]
+    ref, ref_result = _fitted(data, SEEDED_DP, num_samples=20)
+    np.testing.assert_array_equal(alg.posterior.mean, ref.posterior.mean)
+
+
+def test_phase_options_are_refused_before_anything_runs():
+    with pytest.raises(ConfigurationError, match="kernel-rounds"):
+        make_algorithm("fedbnr", ONE_ROUND, EXAMPLE_DP, kernel_aggregation="distillation")
+    with pytest.raises(ConfigurationError, match="kernel_rounds"):
+        make_algorithm("fedbnr", ONE_ROUND, EXAMPLE_DP, kernel_rounds=-1)
+    with pytest.raises(ConfigurationError, match="not both"):
+        make_algorithm("fedbnr", ONE_ROUND, EXAMPLE_DP, kernel_rounds=2,
+                       kernel=KernelNetwork(1, num_samples=4, hidden=()))
+    alg = make_algorithm("fedbnr", ONE_ROUND, EXAMPLE_DP, kernel_rounds=2)
+    eps_k, eps_r = alg.phase_epsilons  # fixed up front, from public inputs
+    assert eps_k < 3.0 and eps_r < 3.0 and alg.phase_plan == (("kernel", 2), ("regression", 1))
+    sim = Simulation(alg, make_federated("synthetic1d", 3, seed=0, n=60), ONE_ROUND, EXAMPLE_DP)
+    with pytest.raises(ConfigurationError, match="phases"):
+        sim.client_step(0, 0)
