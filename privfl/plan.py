@@ -142,6 +142,12 @@ class RunPlan:
     # -- pipelines and events ---------------------------------------------------------------------------------------
 
     @property
+    def amplified(self) -> bool:
+        """Whether client sampling amplifies this run (``privfl.release.amplifies``): every member's round is then
+        charged, sampled or not."""
+        return amplifies(self.sampling_rate, self.unit, self.placement)
+
+    @property
     def distributed_events(self) -> dict[str, PrivacyEvent] | None:
         if self.distributed is None:
             return None

@@ -69,6 +69,9 @@ TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-templa
 #: Flower message type of a round and privfl message kinds
 TRAIN = "train"
 BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
+#: client sampling: the Flower message types of "which client are you" and of a left-out member's charge, and kinds
+QUERY, CHARGE_TYPE = "query", "train.charge"
+IDENTIFY, CHARGE = "privfl.identify", "privfl.charge"
 #: the Context.state key of the algorithm's per-client state (privfl.algorithms.base: client_state)
 ALGORITHM_STATE = "privfl.algorithm-state"
 
@@ -111,8 +114,9 @@ class RunSpec:
                                      f"so far, got {self.algorithm!r}")
         if not isinstance(self.fed, FederationConfig) or not isinstance(self.privacy, PrivacyConfig):
             raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
-        if self.privacy.sampling_rate < 1:
-            raise ConfigurationError("client sampling is not supported by the Flower runtime yet; set sampling_rate=1")
+        if self.privacy.sampling_rate < 1 and self.secure is not None:
+            raise ConfigurationError("client sampling with secure aggregation is not supported by the Flower runtime "
+                                     "yet; set sampling_rate=1 or turn secure aggregation off")
         if self.secure is not None:
             _check_secure(self)
         elif self.privacy.placement == "distributed":
@@ -292,12 +296,32 @@ def server_main(grid, context) -> None:
     server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
     history, audits, node_client = [], {}, {}
+    sampled = spec.privacy.sampling_rate < 1
+    if sampled:  # the run plan's sampling stream, drawn as the in-process runtime draws it
+        sampler = np.random.default_rng(seed_stream(spec.fed.seed, "sample"))
+        node_of = _identify(grid, spec, nodes, node_client)
+    exhausted: set[str] = set()  # clients whose budget is spent take no further part, charged or not
     for rnd in range(spec.fed.rounds):
         start = time.perf_counter()
         broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values)}
-        if spec.secure is None:
-            participants, sat_out = _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise,
-                                                 audits, node_client)
+        if sampled:
+            chosen = {str(k) for k in np.flatnonzero(sampler.random(spec.n_clients) < spec.privacy.sampling_rate)}
+            live = sorted((c for c in node_of if c not in exhausted), key=int)
+            refused = _charge_round(grid, spec, rnd, [node_of[c] for c in live if c not in chosen], audits,
+                                    node_client) if plan.amplified else []
+            exhausted.update(refused)
+            participants, sat_out = _plain_round(grid, spec, alg, rnd, [node_of[c] for c in live if c in chosen],
+                                                 broadcast, by_name, server_noise, audits, node_client,
+                                                 all_nodes=False)
+            exhausted.update(sat_out)
+            sat_out = sorted(set(sat_out) | exhausted, key=int)
+            aborted = False
+        elif spec.secure is None:
+            live = [n for n in nodes if node_client.get(n) not in exhausted]
+            participants, sat_out = _plain_round(grid, spec, alg, rnd, live, broadcast, by_name, server_noise,
+                                                 audits, node_client, all_nodes=len(live) == len(nodes))
+            exhausted.update(sat_out)
+            sat_out = sorted(set(sat_out) | exhausted, key=int)
             aborted = False
         else:
             participants, sat_out, aborted = _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name,
@@ -316,15 +340,63 @@ def server_main(grid, context) -> None:
         os.replace(tmp, result_path)  # the result appears whole or not at all
 
 
-def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, audits, node_client):
-    """One round without secure aggregation: every SuperNode replies with its releases in the clear."""
+def _identify(grid, spec, nodes, node_client) -> dict[str, int]:
+    """Ask every SuperNode which organisation (partition id) it speaks for: client sampling draws clients, and the
+    server must know which node to send a sampled client's round to. Returns client id -> node id."""
+    from flwr.app import Message
+
+    messages = [Message(to_record({"round": -1}, IDENTIFY), dst_node_id=node, message_type=QUERY, group_id="identify")
+                for node in nodes]
+    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
+    seen: set[str] = set()
+    for msg in replies:
+        if msg.has_error():
+            raise DeploymentError(f"SuperNode {msg.metadata.src_node_id} failed to identify: {msg.error.reason}")
+        _reply_client(from_record(msg.content, IDENTIFY), -1, msg.metadata.src_node_id, seen, node_client)
+    if len(seen) != len(nodes):
+        raise DeploymentError(f"{len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not identify themselves")
+    _check_partitions(seen, spec)
+    return {c: n for n, c in node_client.items()}
+
+
+def _charge_round(grid, spec, rnd, nodes, audits, node_client) -> list[str]:
+    """Under amplification by sampling every member's round is charged, sampled or not: the SuperNodes of the
+    clients left out charge their own ledgers (``ReleasePipeline.charge_only``). Returns the clients whose budget
+    refused the charge (they take no further part)."""
+    from flwr.app import Message
+
+    if not nodes:
+        return []
+    messages = [Message(to_record({"round": rnd}, CHARGE), dst_node_id=node, message_type=CHARGE_TYPE,
+                        group_id=f"{rnd}.charge") for node in nodes]
+    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
+    refused, seen = [], set()
+    for msg in replies:
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            raise DeploymentError(f"round {rnd}: SuperNode {node} failed to charge its round: {msg.error.reason}")
+        reply = from_record(msg.content, CHARGE)
+        cid = _reply_client(reply, rnd, node, seen, node_client)
+        audits[cid] = reply["audit"]
+        if reply["sat_out"]:
+            refused.append(cid)
+    if len(seen) != len(nodes):
+        raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not charge "
+                              f"their round within {spec.round_timeout:g} s")
+    return refused
+
+
+def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, audits, node_client,
+                 all_nodes: bool = True):
+    """One round without secure aggregation: every SuperNode of ``nodes`` replies with its releases in the clear
+    (``all_nodes``: they are the whole federation, whose partition ids are checked)."""
     from flwr.app import Message
 
     from privfl.aggregation import weighted_sums
 
     messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
                         group_id=str(rnd)) for node in nodes]
-    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
+    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout)) if messages else []
     releases, sat_out, seen = [], [], set()
     for msg in replies:
         node = msg.metadata.src_node_id
@@ -347,7 +419,8 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
     if len(seen) != len(nodes):
         raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not reply "
                               f"within {spec.round_timeout:g} s")
-    _check_partitions(seen, spec)
+    if all_nodes:
+        _check_partitions(seen, spec)
     releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
     if releases:
         alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
@@ -687,6 +760,42 @@ def client_secagg(msg, context):
     return Message(to_record(reply, SECAGG_REPLY), reply_to=msg)
 
 
+def client_identify(msg, context):
+    """The ClientApp's answer to :func:`_identify`: the partition id its node config gives it (public)."""
+    from flwr.app import Message
+
+    client = int(_node_value(context, PARTITION_KEY))
+    return Message(to_record({"client_id": str(client), "round": -1}, IDENTIFY), reply_to=msg)
+
+
+def client_charge(msg, context):
+    """A round in which sampling left this client out, under amplification: it charges its own ledger for the round
+    (``ReleasePipeline.charge_only``), or sits out for good if its budget refuses; nothing is released."""
+    from flwr.app import Message
+
+    from privfl.accounting.errors import PrivacyBudgetExceeded
+
+    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    client = int(_node_value(context, PARTITION_KEY))
+    rnd = int(from_record(msg.content, CHARGE)["round"])
+    alg = _setup(spec)
+    plan = _run_plan(alg, spec)
+    ledger = _ledger(spec, context)
+    try:
+        pipeline = plan.pipeline(client, ledger, _noise(spec.privacy, client_seed(spec.fed.seed, client)))
+        try:
+            with ledger.transaction():
+                pipeline.charge_only(rnd)
+            sat_out = False
+        except PrivacyBudgetExceeded:
+            sat_out = True
+        audit = ledger.audit()["clients"].get(str(client))
+    finally:
+        ledger.close()
+    reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out, "audit": audit}
+    return Message(to_record(reply, CHARGE), reply_to=msg)
+
+
 def _apps():
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
@@ -695,6 +804,8 @@ def _apps():
     server.main()(server_main)
     client.train()(client_train)
     client.train(SECAGG.split(".", 1)[1])(client_secagg)
+    client.train(CHARGE_TYPE.split(".", 1)[1])(client_charge)
+    client.query()(client_identify)
     return server, client
 
 

@@ -139,6 +139,32 @@ def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_p
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+def test_client_sampling_deployed_equals_in_process(deployment, federation, in_process_reference):
+    """Poisson client sampling with central noise (amplified): the server draws the run plan's sampling stream as the
+    in-process runtime does, sends the round to the sampled organisations only, and every left-out member charges its
+    own ledger for the round; the model and every ledger equal the in-process run's."""
+    fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=21)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="central",
+                            sampling_rate=0.5, secure_noise=False)
+    spec = _spec("dp_fedavg", federation, fed, privacy, "sampled")
+    reference = in_process_reference(spec, deployment.workdir)
+    result = _deploy(deployment, spec, "sampled")
+    got, expected = result["state"]["global_params"], reference["global_params"]
+    assert np.array_equal(got, expected), f"max abs difference {np.max(np.abs(got - expected))}"
+    participants = [h["participants"] for h in result["history"]]
+    assert 0 < sum(participants) < N_CLIENTS * ROUNDS, "sampling left no one out (or everyone): a weak test"
+    sim_clients = reference["audit"]["clients"]
+    for k, audit in _ledgers(deployment, spec).items():
+        assert audit["releases"] == sim_clients[str(k)]["releases"]
+        assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
+        assert audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        ledger = PrivacyLedger.open_existing(deployment.node_configs[k]["ledger-path"], spec.run_id)
+        try:
+            assert {c.round for c in ledger.charges(str(k))} == set(range(ROUNDS)), "every round charged"
+        finally:
+            ledger.close()
+
+
 def _spend_nearly_all(path, run_id, privacy, client_id):
     """Charge ``client_id`` in ``path`` an event that leaves less than any round of the run costs: the largest
     Gaussian (smallest noise, found by bisection on throwaway ledgers) that still fits under the budget."""
