@@ -145,8 +145,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
              **options) -> FederatedResult:
     """Train ``model`` over ``clients`` with ``algorithm`` under (``epsilon``, ``delta``) per client.
 
-    - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one. Its
-      output width is the number of classes (or of regression targets).
+    - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
+      and fedbnn also a list of them, one per client, cycled). Its output width is the number of classes (or of
+      regression targets).
     - ``clients``: client name -> its data: a torch ``Dataset`` or ``DataLoader`` of (x, y) pairs (privfl draws its
       own batches: DP-SGD samples them), an ``(X, y)`` pair of numpy arrays or tensors, or a pandas DataFrame with
       its ``target`` column. ``test``: held-out data in the same form; without it each client holds out

@@ -63,6 +63,65 @@ def unsupported_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
 
 
+def _layer_names(model: nn.Module, modules) -> str:
+    names = [f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules() if m in modules]
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+
+def check_fisher_model(model: nn.Module, input_shape: Sequence[int], algorithm: str) -> None:
+    """Refuse, before anything trains, a model whose per-example Fisher the hooks (and the vectorised executor's
+    per-example terms) cannot compute exactly, naming the offending layers and what is supported: every trainable
+    parameter in an ``nn.Linear`` or ``nn.Conv2d`` (groups=1, zero padding given as numbers), no frozen parameters
+    (the posterior covers every parameter), no batch normalisation (it mixes the examples of a batch, so one
+    example's gradient is not its own), and, on a probe forward pass of two zero examples, every such layer run
+    exactly once (no weight sharing) with one input vector per example for ``nn.Linear``."""
+    supported = "nn.Linear and nn.Conv2d (groups=1, zero padding given as numbers) layers"
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ConfigurationError(f"{algorithm}: parameters {frozen[:8]} are frozen (requires_grad=False), but the "
+                                 "posterior covers every parameter of the model; unfreeze them, or build the model "
+                                 "without them")
+    unsupported = {m for m in model.modules()
+                   if not _supported(m) and any(p.requires_grad for p in m.parameters(recurse=False))}
+    if unsupported:
+        raise ConfigurationError(f"{algorithm}: the per-example Fisher is computed for {supported} only; the model "
+                                 f"has parameters in layers {_layer_names(model, unsupported)}. Build "
+                                 "it from supported layers (parameter-free activations, pooling and reshapes are "
+                                 "fine), or use an algorithm that trains any model (fedavg, dp_fedavg, dpsgd_fedavg)")
+    mixing = {m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if mixing:
+        raise ConfigurationError(f"{algorithm}: batch normalisation ({_layer_names(model, mixing)}) mixes the "
+                                 "examples of a batch, so an example's gradient is not its own and the per-example "
+                                 "Fisher is undefined; remove it (standardise the inputs instead)")
+    layers = [m for m in model.modules() if _supported(m)]
+    calls: dict[nn.Module, list[tuple[int, ...]]] = {m: [] for m in layers}
+    handles = [m.register_forward_hook(lambda m, inputs, _out: calls[m].append(tuple(inputs[0].shape)))
+               for m in layers]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(torch.zeros((2, *input_shape)))
+    except Exception as exc:
+        raise ConfigurationError(f"{algorithm}: the model failed on an input of shape {(2, *input_shape)}: "
+                                 f"{type(exc).__name__}: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    unused = {m for m in layers if not calls[m]}
+    if unused:
+        raise ConfigurationError(f"{algorithm}: layers {_layer_names(model, unused)} do not take part in the forward "
+                                 "pass, so their parameters have no Fisher; remove them from the model")
+    shared = {m for m in layers if len(calls[m]) > 1}
+    if shared:
+        raise ConfigurationError(f"{algorithm}: layers {_layer_names(model, shared)} run more than once per forward "
+                                 "pass (shared weights); the per-example Fisher hooks need each layer once: give "
+                                 "each use a layer of its own")
+    flat = {m for m in layers if isinstance(m, nn.Linear) and len(calls[m][0]) != 2}
+    if flat:
+        raise ConfigurationError(f"{algorithm}: linear layers {_layer_names(model, flat)} see more than one input "
+                                 "vector per example (e.g. a sequence); the per-example Fisher needs one: flatten "
+                                 "or pool before them")
+
+
 class _Layer:
     """One hooked layer: what its forward saw and what its backward sent back (the last backward wins)."""
 
@@ -361,5 +420,5 @@ class FisherAccumulator:
         return self.clip ** 2
 
 
-__all__ = ["BatchFisher", "FisherAccumulator", "GradientRecorder", "SUPPORTED_LAYERS", "clip_factors",
-           "per_example_fisher", "per_example_gradients", "unsupported_parameters"]
+__all__ = ["BatchFisher", "FisherAccumulator", "GradientRecorder", "SUPPORTED_LAYERS", "check_fisher_model",
+           "clip_factors", "per_example_fisher", "per_example_gradients", "unsupported_parameters"]

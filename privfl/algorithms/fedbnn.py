@@ -92,7 +92,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -101,10 +101,12 @@ from torch import nn
 
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
+from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.channels import Channel, RangeBound, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
-from privfl.models import MODELS, ModelPrior, make_bayesian_model, model_kl_divergence, set_generator
+from privfl.models import (MODELS, BayesConv2d, BayesLinear, ModelPrior, bayes_modules, make_bayesian_model,
+                           model_kl_divergence, set_generator)
 from privfl.training import batches, torch_generator
 
 CHANNEL = "alignment_probs"
@@ -145,6 +147,68 @@ class Architecture:
         if self.pool > 1:
             kw["pool"] = self.pool
         return make_bayesian_model(self.model, tuple(input_shape), num_classes, **kw)
+
+
+@dataclass(frozen=True)
+class UserArchitecture:
+    """A client network from the user's ``model`` argument: ``factory`` (zero-argument, returning an ``nn.Module``),
+    the ``index`` of its entry in that argument; built as its Bayesian twin (:func:`bayesian_twin`)."""
+
+    factory: Callable[[], nn.Module]
+    index: int = 0
+
+    def build(self, input_shape: Sequence[int], num_classes: int, init_rho: float) -> nn.Module:
+        net = check_user_model(self.factory(), input_shape, num_classes, "fedbnn")
+        return bayesian_twin(net, init_rho, "fedbnn")
+
+
+def bayesian_twin(net: nn.Module, init_rho: float, algorithm: str = "fedbnn") -> nn.Module:
+    """``net`` with every ``nn.Linear`` / ``nn.Conv2d`` (groups=1, zero padding) replaced, in place, by a
+    ``BayesLinear`` / ``BayesConv2d`` whose means are its weights and whose stds are softplus(``init_rho``); privfl's
+    Bayesian layers are kept. Parameters elsewhere (e.g. normalisation layers) or frozen ones are refused: FedBNN's
+    posterior, its prior and the KL of eq. 5 are over every weight."""
+    frozen = [name for name, p in net.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ConfigurationError(f"{algorithm}: parameters {frozen[:8]} are frozen (requires_grad=False); the "
+                                 "Bayesian posterior covers every weight: unfreeze them or build the net without them")
+    bayes = {id(p) for _, m in bayes_modules(net) for p in m.parameters()}
+
+    def convertible(m: nn.Module) -> bool:
+        if isinstance(m, nn.Conv2d):
+            return type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
+        return type(m) is nn.Linear
+
+    other = [f"{name or '<model>'} ({type(m).__name__})" for name, m in net.named_modules()
+             if not convertible(m) and any(id(p) not in bayes for p in m.parameters(recurse=False))]
+    if other:
+        raise ConfigurationError(f"{algorithm}: the net is made Bayesian layer by layer, and only nn.Linear and "
+                                 f"nn.Conv2d (groups=1, zero padding) have a Bayesian twin; parameters live in "
+                                 f"{', '.join(other[:8])}. Build it from those layers (parameter-free activations, "
+                                 "pooling and reshapes are fine) or from privfl.models' BayesLinear / BayesConv2d")
+    twins: dict[int, nn.Module] = {}
+
+    def twin(m: nn.Module) -> nn.Module:
+        if id(m) not in twins:
+            has_bias = m.bias is not None
+            if isinstance(m, nn.Linear):
+                new = BayesLinear(m.in_features, m.out_features, bias=has_bias, init_rho=init_rho)
+            else:
+                new = BayesConv2d(m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
+                                  dilation=m.dilation, bias=has_bias, init_rho=init_rho)
+            with torch.no_grad():
+                new.weight_mu.copy_(m.weight)
+                if has_bias:
+                    new.bias_mu.copy_(m.bias)
+            twins[id(m)] = new.train(m.training)
+        return twins[id(m)]
+
+    if convertible(net):
+        return twin(net)
+    for parent in list(net.modules()):
+        for child_name, child in list(parent.named_children()):
+            if convertible(child):
+                setattr(parent, child_name, twin(child))
+    return net
 
 
 def clip_and_renormalise(probs: np.ndarray) -> np.ndarray:
@@ -226,6 +290,13 @@ class FedBNN(FederatedAlgorithm):
         noise_aware: scale gamma by the broadcast's reliability (``release_reliability``), so that a release the
             noise swamps does not pull the clients' priors towards noise; no effect without noise. False: the paper's
             fixed gamma.
+        model: the user's own networks instead of ``architectures``: an ``nn.Module`` (copied, so yours is never
+            trained) or zero-argument factory used by every client, or a list of them cycled over the clients (the
+            paper's heterogeneous setting). Each is made Bayesian (:func:`bayesian_twin`): every ``nn.Linear`` and
+            ``nn.Conv2d`` (groups=1, zero padding) becomes a mean-field Gaussian layer whose means start at its
+            weights, with std softplus(``init_rho``); privfl's ``BayesLinear``/``BayesConv2d`` are kept as they are.
+            Parameters in any other layer, or frozen ones, are refused (the posterior covers every weight). A client
+            rebuilds its net from this argument (seeded per client) and loads its posterior from its state.
     """
 
     name = "fedbnn"
@@ -244,8 +315,14 @@ class FedBNN(FederatedAlgorithm):
                  alignment_size: int = 2000, warmup_epochs: int = 50, gamma: float = 0.7, prior_steps: int = 100,
                  prior_lr: float = 1e-4, bbb_lr: float = 1e-3, mc_samples: int = 10, init_prior_std: float = 1.0,
                  init_rho: float = -3.0, weighting: str = "uniform", noise_aware: bool = True,
-                 label_shift: bool = False):
+                 label_shift: bool = False, model=None):
         super().__init__(fed, privacy)
+        user = user_model_factories(model, self.name, many=True)
+        if user is not None:
+            if architectures is not None or small_architecture is not None or small_fraction not in (None, 0, 0.0):
+                raise ConfigurationError("fedbnn: give either model (your own networks, cycled over the clients) or "
+                                         "architectures / small_fraction / small_architecture, not both")
+            architectures = tuple(UserArchitecture(factory, i) for i, factory in enumerate(user))
         if architectures is not None:
             archs = (architectures,) if isinstance(architectures, (str, Architecture)) else tuple(architectures)
             if not archs:
@@ -325,6 +402,10 @@ class FedBNN(FederatedAlgorithm):
         else:
             self.small_clients = frozenset()
             self.client_architectures = [self.architectures[k % len(self.architectures)] for k in range(n)]
+        for arch in self.architectures:  # a user's net is checked once here, before any client trains it
+            if isinstance(arch, UserArchitecture):
+                with torch.random.fork_rng(devices=[]):
+                    arch.build(self._input_shape, self._num_classes, self.init_rho)
         self._test_given, self._test_rest = None, None
         if public.alignment is not None and len(public.alignment):
             ad = public.alignment
@@ -547,8 +628,8 @@ class FedBNN(FederatedAlgorithm):
         return client in self.small_clients
 
 
-def _as_architecture(spec) -> Architecture:
-    if isinstance(spec, Architecture):
+def _as_architecture(spec) -> "Architecture | UserArchitecture":
+    if isinstance(spec, (Architecture, UserArchitecture)):
         return spec
     if isinstance(spec, str):
         return Architecture(spec)
@@ -573,5 +654,6 @@ def _fraction(name: str, value) -> float:
     return float(value)
 
 
-__all__ = ["Architecture", "CHANNEL", "FedBNN", "MAX_ROW_NORM", "PER_POINT_SENSITIVITY", "clip_and_renormalise",
-           "mc_predict", "label_shifted", "release_reliability", "soft_cross_entropy"]
+__all__ = ["Architecture", "CHANNEL", "FedBNN", "MAX_ROW_NORM", "PER_POINT_SENSITIVITY", "UserArchitecture",
+           "bayesian_twin", "clip_and_renormalise", "mc_predict", "label_shifted", "release_reliability",
+           "soft_cross_entropy"]

@@ -63,13 +63,14 @@ from torch import nn
 
 from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule,
-                                            dpsgd_train)
+from privfl.algorithms.dpsgd_fedavg import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
+                                            check_opacus_model, dpsgd_schedule, dpsgd_train)
 from privfl.algorithms.gaussian_product import combine, gaussian_product
+from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, vectorisable
-from privfl.fisher import FisherAccumulator, GradientRecorder, unsupported_parameters
+from privfl.fisher import FisherAccumulator, GradientRecorder, check_fisher_model, unsupported_parameters
 from privfl.metrics import classification_metrics
 from privfl.models import make_model
 from privfl.public import private_torch_generator
@@ -85,6 +86,21 @@ def _positive(name: str, value) -> float:
     return float(value)
 
 
+def _check_loss(loss) -> None:
+    """Accept FOLA's own task loss only: None, or an ``nn.CrossEntropyLoss`` with its defaults (mean reduction, no
+    class weights, no label smoothing), which is the loss whose Fisher every path computes."""
+    if loss is None:
+        return
+    plain = (type(loss) is nn.CrossEntropyLoss and loss.weight is None and loss.label_smoothing == 0
+             and loss.ignore_index == -100 and loss.reduction == "mean")
+    if not plain:
+        raise ConfigurationError(f"fola: loss={loss!r} is refused: FOLA's posterior precision is the Fisher "
+                                 "information of the task loss (eq. 22), which it reads off per-example gradients "
+                                 "of plain cross-entropy on logits; another loss (or class weights, label smoothing) "
+                                 "would need a Fisher of its own. Leave loss out (cross-entropy), or train with "
+                                 "fedavg, dp_fedavg or dpsgd_fedavg, which take any loss")
+
+
 class FOLA(FederatedAlgorithm):
     """FOLA with privacy per channel (module docstring).
 
@@ -93,6 +109,15 @@ class FOLA(FederatedAlgorithm):
     mu_n - mu_S is clipped to in ``fisher_natural_mean`` (example unit; the noise of that channel scales with B).
     ``precision_clip``: the norm bound of ``precision_delta`` at client level (default: the privacy clip C; the
     precision changes far less than the natural mean, so a smaller bound there means less noise). ``budget_shares``: channel name -> share (private runs).
+
+    ``model``: the user's network whose posterior FOLA learns (an ``nn.Module``, copied so yours is never trained, or
+    a zero-argument factory; default the built-in ``fed.model``): mean and precision over its flat parameters. Its
+    per-example Fisher is read off hooks, so every trainable parameter must live in an ``nn.Linear`` or
+    ``nn.Conv2d`` (groups=1) used once per forward pass, with no batch normalisation and no frozen parameters
+    (:func:`privfl.fisher.check_fisher_model`, checked in setup with a message naming the layers); at record level
+    it must also pass opacus's validation. ``loss``: only cross-entropy (``None`` or a plain
+    ``nn.CrossEntropyLoss()``): the precision is the Fisher of the task loss, eq. 22, and another loss would need
+    its own Fisher, so it is refused with that reason. Classification only.
     """
 
     name = "fola"
@@ -102,8 +127,10 @@ class FOLA(FederatedAlgorithm):
 
     def __init__(self, fed, privacy, *, prior_weight: float = 1.0, prior_precision: float = 1e-3,
                  update_bound: float = 0.1, precision_clip: float | None = None,
-                 budget_shares: Mapping[str, float] | None = None):
+                 budget_shares: Mapping[str, float] | None = None, model=None, loss=None):
         super().__init__(fed, privacy)
+        self.user_model = user_model_factories(model, self.name, many=False)
+        _check_loss(loss)
         self.prior_weight = _positive("prior_weight", prior_weight)
         self.prior_precision = _positive("prior_precision", prior_precision)
         self.update_bound = _positive("update_bound", update_bound)
@@ -129,8 +156,17 @@ class FOLA(FederatedAlgorithm):
 
     def setup(self, data, rng):
         public = self.bind_public(data)
+        if public.task != "classification":
+            raise ConfigurationError("fola's precision is the Fisher of the cross-entropy of a classifier; it needs a "
+                                     "classification data set")
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        if self.user_model is None:
+            self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        else:
+            self.model = check_user_model(self.user_model[0](), public.input_shape, public.num_classes, self.name)
+            check_fisher_model(self.model, public.input_shape, self.name)
+            if self.mode == "example":
+                check_opacus_model(self.model, self.name)
         self.mean = flat_parameters(self.model)
         self.precision = np.full_like(self.mean, self.prior_precision)
 
@@ -389,6 +425,12 @@ class FOLA(FederatedAlgorithm):
             return float(public.client_size * aggregate.participants)
         total = public.total_size(range(public.n_clients))
         return total * aggregate.participants / public.n_clients
+
+    def global_model(self) -> nn.Module:
+        """The network (the user's, or the built-in one) at the global posterior mean (the algorithm's own module:
+        copy it to keep it)."""
+        load_flat_parameters(self.model, self.mean)
+        return self.model
 
     def predict_proba(self, dataset):
         load_flat_parameters(self.model, self.mean)

@@ -84,6 +84,7 @@ from privfl.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
 from privfl.algorithms.gaussian_product import gaussian_product
+from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
@@ -137,6 +138,13 @@ class HBFL(FederatedAlgorithm):
         precision_floor: noisy aggregated precisions are floored at this multiple of ``init_precision``.
         precision_clip: client-unit clip bound of the precision channel (default: ``privacy.clip``).
         budget_shares: (natural_mean, precision) shares of the client-unit budget.
+        model: the user's own local model instead of ``local_models``: an ``nn.Module`` (copied per client, so yours
+            is never trained) or a zero-argument factory, or a list of them, one per client and cycled over the
+            clients (heterogeneous architectures, HBFL's point). Any classifier of the data's input shape with one
+            logit per class; the meme stays privfl's Bayesian ``fed.model``. A client rebuilds its model from this
+            argument (a factory is called on the client's seeded generator) and loads its weights from its state.
+            Local models the vectorised executor cannot batch (buffers, dropout, frozen parameters, layers outside
+            ``privfl.executor``'s pure set) make the round run per client.
     """
 
     name = "hbfl"
@@ -150,8 +158,12 @@ class HBFL(FederatedAlgorithm):
     def __init__(self, fed, privacy, *, local_models: Sequence[str] | None = None, temperature: float = TEMPERATURE,
                  distill_weight: float = 0.5, distill_temperature: float = 1.0, init_precision: float = 1.0,
                  carry_precision: bool = False, meme_lr: float = 1e-3, precision_floor: float = 1.0,
-                 precision_clip: float | None = None, budget_shares: tuple[float, float] = (0.7, 0.3)):
+                 precision_clip: float | None = None, budget_shares: tuple[float, float] = (0.7, 0.3), model=None):
         super().__init__(fed, privacy)
+        self.user_models = user_model_factories(model, self.name, many=True)
+        if self.user_models is not None and local_models is not None:
+            raise ConfigurationError("hbfl: give either model (your own local models) or local_models (built-in "
+                                     "architecture names), not both")
         self.local_models = self._check_local_models(local_models if local_models is not None else (fed.model,))
         self.temperature = _positive("temperature", temperature)
         if not (isinstance(distill_weight, (int, float)) and 0.0 <= distill_weight <= 1.0):
@@ -200,6 +212,9 @@ class HBFL(FederatedAlgorithm):
         self._input_shape, self._num_classes = tuple(public.input_shape), int(public.num_classes)
         self.meme = make_bayesian_model(self.fed.model, self._input_shape, self._num_classes,
                                         **self._model_kwargs(self.fed.model))
+        for factory in self.user_models or ():  # each user architecture checked once, without moving the generator
+            with torch.random.fork_rng(devices=[]):
+                check_user_model(factory(), self._input_shape, self._num_classes, self.name)
         mean, _ = get_mean_precision(self.meme)
         self.global_mean = mean
         self.global_precision = np.full_like(mean, self.init_precision)
@@ -254,9 +269,18 @@ class HBFL(FederatedAlgorithm):
             self.client_models[client] = self._build_local_model(client)
         return self.client_models[client]
 
+    def local_architecture(self, client: int) -> str | int:
+        """Client ``client``'s local architecture (public): a name of ``local_models``, or the index of its user
+        model in ``model`` (both cycled over the clients)."""
+        if self.user_models is not None:
+            return client % len(self.user_models)
+        return self.local_models[client % len(self.local_models)]
+
     def _build_local_model(self, client: int) -> nn.Module:
-        name = self.local_models[client % len(self.local_models)]
-        return make_model(name, self._input_shape, self._num_classes, **self._model_kwargs(name))
+        arch = self.local_architecture(client)
+        if self.user_models is not None:
+            return self.user_models[arch]()
+        return make_model(arch, self._input_shape, self._num_classes, **self._model_kwargs(arch))
 
     def encode_client_state(self, client, state):
         """The local model as its state_dict's arrays."""
@@ -351,8 +375,15 @@ class HBFL(FederatedAlgorithm):
         if self._vectorisable is None:
             with torch.random.fork_rng():  # building probe models must not move the global generator
                 try:
-                    locals_ok = all(vectorisable(make_model(name, self._input_shape, self._num_classes,
-                                                            **self._model_kwargs(name))) for name in self.local_models)
+                    if self.user_models is not None:
+                        # the per-client step trains only parameters that require a gradient; the batched one all
+                        probes = [factory() for factory in self.user_models]
+                        locals_ok = all(vectorisable(m) and all(p.requires_grad for p in m.parameters())
+                                        for m in probes)
+                    else:
+                        locals_ok = all(vectorisable(make_model(name, self._input_shape, self._num_classes,
+                                                                **self._model_kwargs(name)))
+                                        for name in self.local_models)
                 except ModelConfigError:  # the per-client step then reports it
                     locals_ok = False
             self._vectorisable = locals_ok and bayes_linear_stack(self.meme) is not None
@@ -511,7 +542,7 @@ class VectorisedHBFL:
         self._meme_grad = vmap(grad(self._meme_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
         self._example_grads = vmap(vmap(grad(self._example_loss), in_dims=(None, 0, 0, 0)))
         self._reg_grad = vmap(grad(self._regulariser), in_dims=(0, None))
-        self._local_grads: dict[str, object] = {}
+        self._local_grads: dict[str | int, object] = {}
 
     # -- the meme, functionally ------------------------------------------------------------------------------------
 
@@ -561,7 +592,7 @@ class VectorisedHBFL:
 
     # -- the local models ------------------------------------------------------------------------------------------
 
-    def _local_step_fn(self, arch: str, template: nn.Module):
+    def _local_step_fn(self, arch: str | int, template: nn.Module):
         if arch not in self._local_grads:
             a, tau = self.alg.distill_weight, self.alg.distill_temperature
 
@@ -618,14 +649,14 @@ class VectorisedHBFL:
                 coins.append(private_rng(rng, secure))
         data = [d.tensors() for d in datasets]
         params = {n: p.unsqueeze(0).repeat(c, *([1] * p.dim())) for n, p in self.start.items()}
-        arch_of = [alg.local_models[k % len(alg.local_models)] for k in clients]
-        local_groups: dict[str, list[int]] = {}
+        arch_of = [alg.local_architecture(k) for k in clients]
+        local_groups: dict[str | int, list[int]] = {}
         for r, arch in enumerate(arch_of):
             local_groups.setdefault(arch, []).append(r)
         local_params = {arch: {n: torch.stack([dict(locals_[r].named_parameters())[n].detach() for r in rows])
                                for n, _ in locals_[rows[0]].named_parameters()}
                         for arch, rows in local_groups.items()}
-        local_bufs: dict[str, dict | None] = {arch: None for arch in local_groups}
+        local_bufs: dict[str | int, dict | None] = {arch: None for arch in local_groups}
         adam = None
         meme_loss = [0.0] * c
         local_loss = [0.0] * c
