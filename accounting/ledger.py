@@ -289,7 +289,13 @@ class PrivacyLedger:
             raise LedgerError(f"channels charged twice in one request: {names}")
         conn = self._conn
         batched = self._batch_depth > 0
-        conn.execute("SAVEPOINT charge" if batched else "BEGIN IMMEDIATE")
+        # Inside a transaction() block a charge of one row needs no savepoint: the budget check refuses before
+        # anything is written, and a single INSERT is atomic on its own.
+        savepoint = batched and len(requests) > 1
+        if savepoint:
+            conn.execute("SAVEPOINT charge")
+        elif not batched:
+            conn.execute("BEGIN IMMEDIATE")
         try:
             if not batched:  # a transaction() block synced when it took the write lock: no one else can commit
                 self._sync()
@@ -325,18 +331,18 @@ class PrivacyLedger:
                         (self.run_id, client_id, round, r.channel, mech, sens, std, q, r.unit,
                          _event_json(r.event), now))
                     inserted.append((cur.lastrowid, client_id, round, r.channel, r.event, r.unit))
-            if batched:
+            if savepoint:
                 conn.execute("RELEASE charge")
-            else:
+            elif not batched:
                 # Until the cache has learnt these rows, the next sync must look at the file (an interrupt between
                 # the commit and the update below then costs a re-read, never a stale cache).
                 synced, self._data_version = self._data_version, None
                 conn.execute("COMMIT")
         except BaseException:
-            if batched:
+            if savepoint:
                 conn.execute("ROLLBACK TO charge")
                 conn.execute("RELEASE charge")
-            else:
+            elif not batched:
                 conn.execute("ROLLBACK")
             raise
         if inserted:  # written in this transaction (committed unless batched): now, and only now, the cache learns

@@ -44,7 +44,9 @@ def check_bound(name: str, bound) -> float:
 def check_finite(name: str, value) -> np.ndarray:
     """Convert to a float64 array and refuse NaN/Inf (nothing non-finite is ever clipped or released)."""
     arr = np.asarray(value, dtype=np.float64)
-    if not np.all(np.isfinite(arr)):
+    # A finite sum has no NaN or infinite term (either would make it NaN or infinite): one pass, no temporary. Only a
+    # non-finite sum (a bad entry, or finite entries whose sum overflows) needs the entry-by-entry look.
+    if not np.isfinite(np.add.reduce(arr, axis=None)) and not np.all(np.isfinite(arr)):
         bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
         raise InvalidRelease(f"{name} has {bad} non-finite entries (NaN or Inf); fix the computation that produced it "
                              f"(e.g. lower the learning rate) — nothing was released")
@@ -84,19 +86,29 @@ class ClipResult:
         return float(np.mean(self.clipped)) if self.clipped.size else 0.0
 
 
-def _scale_rows(rows: np.ndarray, bound: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    norms = np.linalg.norm(rows, axis=1)
+def _scale_rows(rows: np.ndarray, bound: float, *, own: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows scaled to norm at most ``bound``; ``own``: ``rows`` is a fresh array the caller hands over, scaled in
+    place and returned as it is when no row is over the bound (no new array of the upload's size)."""
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))  # one pass per row, no squared temporary
     over = norms > bound
+    if own and not over.any():
+        return rows, over, norms
     scale = np.ones_like(norms)
     np.divide(bound, norms, out=scale, where=over)
+    if own:
+        rows *= scale[:, None]
+        return rows, over, norms
     return rows * scale[:, None], over, norms
 
 
 def clip_per_client(value, bound: float, adjacency: str = "add_remove") -> ClipResult:
-    """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP)."""
+    """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP). The
+    result never shares memory with ``value``."""
     arr = check_finite("client upload", value)
     bound = check_bound("clip bound", bound)
-    flat, clipped, norms = _scale_rows(arr.reshape(1, -1), bound)
+    if arr is value or (isinstance(value, np.ndarray) and np.shares_memory(arr, value)):
+        arr = arr.copy()  # the conversion made no copy: make the one the result owns
+    flat, clipped, norms = _scale_rows(arr.reshape(1, -1), bound, own=True)
     return ClipResult(flat.reshape(arr.shape), clipped, norms, bound, sum_sensitivity(bound, adjacency))
 
 

@@ -25,7 +25,11 @@ def gaussian_noise(shape, std: float, source: NoiseSource | np.random.Generator 
     src = as_noise_source(source)
     shape = tuple(shape)
     if not symmetric:
-        return std * src.standard_normal(shape)
+        noise = np.asarray(src.standard_normal(shape), dtype=np.float64)  # a fresh draw (NoiseSource's contract)
+        if not noise.flags.writeable:
+            noise = noise.copy()
+        noise *= std  # in place: an upload-sized temporary is not free
+        return noise
     if len(shape) != 2 or shape[0] != shape[1]:
         raise InvalidRelease(f"symmetric noise needs a square matrix, got shape {shape}")
     iu = np.triu_indices(shape[0])

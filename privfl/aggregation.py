@@ -58,7 +58,7 @@ def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
         total = total.astype(np.float64, copy=False)
         central = centrals.pop() * float(weights.max())
         if central > 0:
-            total = total + gaussian_noise(total.shape, central, source, channels[name].symmetric)
+            total += gaussian_noise(total.shape, central, source, channels[name].symmetric)  # total is ours
         local_var = float(np.sum(weights ** 2 * np.array([r.local_noise_std ** 2 for r in rs])))
         out[name] = Aggregate(name, total, float(weights.sum()), len(rs), float(np.sqrt(local_var + central ** 2)))
     return out
