@@ -24,7 +24,7 @@ $(FLOWER_STAMP): $(STAMP)
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PRIVFL) compare --out-dir runs/compare --json runs/compare/results.json
+	$(PRIVFL) compare experiments/configs/default.toml --out-dir runs/compare --json runs/compare/results.json
 	$(PRIVFL) audit runs/compare/ledgers/fola-eps3-seed0.sqlite --delta 1e-5 --png runs/compare/fola_eps3_audit.png
 
 # pytest exits 5 when it collects no test (e.g. a -k filter that matches nothing): say so and do not fail on it.
