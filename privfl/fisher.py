@@ -16,6 +16,10 @@ without building a (batch x parameters) tensor where the layer allows it:
 :class:`GradientRecorder` hooks a model so a training step's own backward pass yields the Fisher term for free (the
 online accumulation of eq. 22). :class:`FisherAccumulator` sums those terms over local steps and caps how often one
 record may contribute, which is what bounds the sensitivity of the accumulated sum (see its docstring).
+
+The loss is the task's per-example loss (:func:`per_example_task_loss`: cross-entropy on logits for classification,
+the Gaussian likelihood's 0.5 ||y - f(x)||^2 for regression). Nothing above depends on which: the clip acts on each
+example's gradient whatever the loss, so the bounds are the same.
 """
 
 from __future__ import annotations
@@ -39,6 +43,44 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _per_example_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+def half_squared_error(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-example Gaussian negative log-likelihood with unit noise variance, up to a constant:
+    0.5 ||y_i - f(x_i)||^2 (a scalar target of shape (n,) meets an output of shape (n, 1)). Its per-example gradients
+    give the regression Fisher exactly as cross-entropy's give the classification one."""
+    if y.shape != outputs.shape and y.numel() == outputs.numel():
+        y = y.reshape(outputs.shape)
+    return 0.5 * (outputs - y.to(outputs.dtype)).pow(2).reshape(outputs.shape[0], -1).sum(dim=1)
+
+
+class HalfSquaredError(nn.Module):
+    """:func:`half_squared_error` as a criterion with torch's ``reduction`` switch (``"mean"`` over the batch, or
+    ``"none"``: one loss per example), so opacus's DP-SGD loss wrapper can ask it for per-example losses."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per = half_squared_error(outputs, y)
+        if self.reduction == "none":
+            return per
+        if self.reduction == "mean":
+            return per.mean()
+        if self.reduction == "sum":
+            return per.sum()
+        raise ConfigurationError(f"reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
+
+
+def per_example_task_loss(task: str) -> LossFn:
+    """The per-example loss whose gradients make the empirical Fisher: cross-entropy on logits for classification,
+    :func:`half_squared_error` (a Gaussian likelihood) for regression."""
+    if task == "classification":
+        return _per_example_loss
+    if task == "regression":
+        return half_squared_error
+    raise ConfigurationError(f"task must be 'classification' or 'regression', got {task!r}")
 
 
 def clip_factors(norms: torch.Tensor, clip: float | None) -> torch.Tensor:
@@ -420,5 +462,6 @@ class FisherAccumulator:
         return self.clip ** 2
 
 
-__all__ = ["BatchFisher", "FisherAccumulator", "GradientRecorder", "SUPPORTED_LAYERS", "check_fisher_model",
-           "clip_factors", "per_example_fisher", "per_example_gradients", "unsupported_parameters"]
+__all__ = ["BatchFisher", "FisherAccumulator", "GradientRecorder", "HalfSquaredError", "SUPPORTED_LAYERS",
+           "check_fisher_model", "clip_factors", "half_squared_error", "per_example_fisher", "per_example_gradients",
+           "per_example_task_loss", "unsupported_parameters"]

@@ -47,6 +47,14 @@ together (:meth:`FOLA.client_updates`), each from its own generators in the per-
 chunks, DP-SGD noise, Poisson coins); the per-client step stays for subclasses with a local step of their own and
 for models the executor cannot batch.
 
+Regression (float targets): the likelihood is Gaussian with unit noise variance in the standardised target units, so
+the task loss is 0.5 (y - f(x))^2 per example (:class:`privfl.fisher.HalfSquaredError`, mean over the batch), and
+the precision is the empirical Fisher of that loss, read off its per-example gradients exactly as for
+cross-entropy; DP-SGD gets the same loss per example. Every channel's sensitivity is in terms of clipped
+per-example gradients, so every bound above holds whatever the loss. Regression runs on the per-client loop (the
+vectorised executor computes cross-entropy only: :attr:`FOLA.vectorisable` is False); it is evaluated by RMSE, MAE
+and R^2 in the targets' own units, as the FedAvg family is.
+
 Differences from the authors' code: per-example squared gradients (theirs square mini-batch means), a floor at gamma
 (theirs adds 1e-5 to a denominator).
 """
@@ -70,11 +78,12 @@ from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, vectorisable
-from privfl.fisher import FisherAccumulator, GradientRecorder, check_fisher_model, unsupported_parameters
-from privfl.metrics import classification_metrics
+from privfl.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
+                           per_example_task_loss, unsupported_parameters)
+from privfl.metrics import classification_metrics, point_regression_metrics
 from privfl.models import make_model
 from privfl.public import private_torch_generator
-from privfl.training import batches, flat_parameters, load_flat_parameters, predict_proba
+from privfl.training import batches, flat_parameters, load_flat_parameters, predict_outputs, predict_proba
 
 _SHARES = {"client": {"natural_mean_delta": 0.5, "precision_delta": 0.5},
            "example": {"mean": 0.5, "fisher_diag": 0.25, "fisher_natural_mean": 0.25}}
@@ -88,7 +97,8 @@ def _positive(name: str, value) -> float:
 
 def _check_loss(loss) -> None:
     """Accept FOLA's own task loss only: None, or an ``nn.CrossEntropyLoss`` with its defaults (mean reduction, no
-    class weights, no label smoothing), which is the loss whose Fisher every path computes."""
+    class weights, no label smoothing), which is the loss whose Fisher every path computes for classification
+    (regression's loss is the Gaussian likelihood's, chosen from the data: ``loss`` must then be left out)."""
     if loss is None:
         return
     plain = (type(loss) is nn.CrossEntropyLoss and loss.weight is None and loss.label_smoothing == 0
@@ -96,8 +106,9 @@ def _check_loss(loss) -> None:
     if not plain:
         raise ConfigurationError(f"fola: loss={loss!r} is refused: FOLA's posterior precision is the Fisher "
                                  "information of the task loss (eq. 22), which it reads off per-example gradients "
-                                 "of plain cross-entropy on logits; another loss (or class weights, label smoothing) "
-                                 "would need a Fisher of its own. Leave loss out (cross-entropy), or train with "
+                                 "of plain cross-entropy on logits (regression: of 0.5 (y - f(x))^2); another loss "
+                                 "(or class weights, label smoothing) would need a Fisher of its own. Leave loss out "
+                                 "(cross-entropy, or the Gaussian loss for regression), or train with "
                                  "fedavg, dp_fedavg or dpsgd_fedavg, which take any loss")
 
 
@@ -117,7 +128,8 @@ class FOLA(FederatedAlgorithm):
     (:func:`privfl.fisher.check_fisher_model`, checked in setup with a message naming the layers); at record level
     it must also pass opacus's validation. ``loss``: only cross-entropy (``None`` or a plain
     ``nn.CrossEntropyLoss()``): the precision is the Fisher of the task loss, eq. 22, and another loss would need
-    its own Fisher, so it is refused with that reason. Classification only.
+    its own Fisher, so it is refused with that reason. Regression (float targets) uses the Gaussian likelihood's
+    0.5 (y - f(x))^2 instead (module docstring), with ``loss`` left out.
     """
 
     name = "fola"
@@ -131,6 +143,7 @@ class FOLA(FederatedAlgorithm):
         super().__init__(fed, privacy)
         self.user_model = user_model_factories(model, self.name, many=False)
         _check_loss(loss)
+        self.loss_given = loss is not None
         self.prior_weight = _positive("prior_weight", prior_weight)
         self.prior_precision = _positive("prior_precision", prior_precision)
         self.update_bound = _positive("update_bound", update_bound)
@@ -156,9 +169,9 @@ class FOLA(FederatedAlgorithm):
 
     def setup(self, data, rng):
         public = self.bind_public(data)
-        if public.task != "classification":
-            raise ConfigurationError("fola's precision is the Fisher of the cross-entropy of a classifier; it needs a "
-                                     "classification data set")
+        if public.task == "regression" and self.loss_given:
+            raise ConfigurationError("fola: on regression data the task loss is the Gaussian likelihood's "
+                                     "0.5 (y - f(x))^2, whose Fisher is the precision; leave loss out")
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         if self.user_model is None:
             self.model = make_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
@@ -226,7 +239,7 @@ class FOLA(FederatedAlgorithm):
                 for idx in batches(len(x), self.fed.batch_size, rng):
                     idx_t = torch.as_tensor(idx)
                     opt.zero_grad(set_to_none=True)
-                    task = nn.functional.cross_entropy(model(x[idx_t]), y[idx_t])
+                    task = self._per_example_loss(model(x[idx_t]), y[idx_t]).mean()
                     penalty = sum((lam * (p - m).pow(2)).sum() for p, m, lam in zip(params, anchor, prior))
                     (task + self.prior_weight * 0.5 * penalty).backward()
                     fisher.add_recorded(rec, idx, scale=float(len(idx)))  # mean loss: x batch size per example
@@ -255,7 +268,7 @@ class FOLA(FederatedAlgorithm):
             ids = np.flatnonzero(step_of == step)
             if len(ids):
                 idx = torch.from_numpy(ids)
-                fisher.add(model, x[idx], y[idx], ids)
+                fisher.add(model, x[idx], y[idx], ids, loss_fn=self._per_example_loss)
 
         @torch.no_grad()
         def prior_gradient() -> None:
@@ -264,8 +277,22 @@ class FOLA(FederatedAlgorithm):
 
         stats = dpsgd_train(model, x, y, schedule, noise_multiplier=z, clip=clip, lr=self.fed.lr,
                             momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
-                            before_step=fisher_pass, extra_gradient=prior_gradient)
+                            before_step=fisher_pass, extra_gradient=prior_gradient, loss=self._dpsgd_loss(),
+                            algorithm=self.name)
         return {**stats, "noise_multiplier": z}, fisher.per_visit(), schedule.round_event(z)
+
+    @property
+    def regression(self) -> bool:
+        return self.public is not None and self.public.task == "regression"
+
+    @property
+    def _per_example_loss(self):
+        """The task's per-example loss (cross-entropy on logits, or the Gaussian 0.5 ||y - f(x)||^2)."""
+        return per_example_task_loss("regression" if self.regression else "classification")
+
+    def _dpsgd_loss(self) -> nn.Module:
+        """DP-SGD's criterion, with a ``reduction`` switch for opacus's per-example losses (the task loss)."""
+        return HalfSquaredError() if self.regression else nn.CrossEntropyLoss()
 
     def _dpsgd_noise_multiplier(self, schedule: DPSGDSchedule) -> float:
         """DP-SGD's z: what the target leaves after the runtime's calibrated Fisher releases (module docstring)."""
@@ -332,12 +359,13 @@ class FOLA(FederatedAlgorithm):
         (``privfl.executor.VectorisedOnlineFisher``); the record-level step is DP-SGD
         (``privfl.executor.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
         added after the noise, every client's Poisson coins, noise and Fisher chunks drawn from its own generators
-        in the per-client order."""
+        in the per-client order. Both compute cross-entropy, so regression (the Gaussian loss) runs per client."""
         cls = type(self)
         own = (cls.client_update is FOLA.client_update and cls._train_online is FOLA._train_online
                and cls._train_dpsgd is FOLA._train_dpsgd)
         # the per-client step reads its Fisher off hooks that refuse other layers; the batched one must not accept more
-        return (own and self.model is not None and vectorisable(self.model)
+        # the batched steps compute cross-entropy: regression runs per client
+        return (own and self.model is not None and not self.regression and vectorisable(self.model)
                 and not unsupported_parameters(self.model))
 
     def client_updates(self, clients, datasets, round, rngs):
@@ -433,10 +461,18 @@ class FOLA(FederatedAlgorithm):
         return self.model
 
     def predict_proba(self, dataset):
+        if dataset.task == "regression":
+            return None
         load_flat_parameters(self.model, self.mean)
         return predict_proba(self.model, dataset.tensors()[0])
 
     def evaluate(self, dataset):
+        """Classification metrics, or for regression RMSE, MAE and R^2 of the posterior mean's predictions in the
+        targets' own units."""
+        if dataset.task == "regression":
+            load_flat_parameters(self.model, self.mean)
+            pred = predict_outputs(self.model, dataset.tensors()[0]).reshape(dataset.y.shape)
+            return point_regression_metrics(dataset.to_original_units(pred), dataset.to_original_units(dataset.y))
         return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())
 
 
