@@ -120,6 +120,17 @@ def adam_step(params: dict, grads: dict, state: dict | None, *, lr: float, betas
     return state
 
 
+def unflatten(flat: torch.Tensor, names, shapes) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` (``(..., total)``: one flat row per client, or one vector) shaped ``(..., *shape)`` per
+    parameter name, in the model's parameter order."""
+    out, start = {}, 0
+    for name, shape in zip(names, shapes):
+        size = shape.numel()
+        out[name] = flat[..., start:start + size].reshape(*flat.shape[:-1], *shape)
+        start += size
+    return out
+
+
 def chunk_size(model: nn.Module, n_records: int, batch_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
     """Clients per chunk: about ``memory_budget`` bytes of parameters, gradients, momentum and one batch's
     activations per chunk (at least one client)."""
@@ -158,12 +169,7 @@ class VectorisedSGD:
         return loss
 
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, start = {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            size = shape.numel()
-            out[name] = flat[..., start:start + size].reshape(*flat.shape[:-1], *shape)
-            start += size
-        return out
+        return unflatten(flat, self.names, self.shapes)
 
     def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
               rngs: Sequence[np.random.Generator]) -> Iterator[tuple[int, np.ndarray]]:
@@ -507,12 +513,7 @@ class VectorisedOnlineFisher:
         self.per_example = PerExampleGradients(model)
 
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, start = {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            size = shape.numel()
-            out[name] = flat[..., start:start + size].reshape(*flat.shape[:-1], *shape)
-            start += size
-        return out
+        return unflatten(flat, self.names, self.shapes)
 
     def chunk(self, n: int) -> int:
         """Clients per chunk: parameters, momentum, Fisher, gradients and one batch's per-example terms."""
@@ -579,4 +580,4 @@ class VectorisedOnlineFisher:
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "PerExampleGradients", "PerExampleTerms", "VectorisedDPSGD",
            "VectorisedOnlineFisher", "VectorisedSGD", "adam_step", "chunk_size", "clip_factor", "linear_stack",
-           "sgd_step", "vectorisable"]
+           "sgd_step", "unflatten", "vectorisable"]

@@ -77,7 +77,7 @@ from privfl.algorithms.gaussian_product import combine, gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, vectorisable
+from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, unflatten, vectorisable
 from privfl.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
                            per_example_task_loss, unsupported_parameters)
 from privfl.metrics import classification_metrics, point_regression_metrics
@@ -478,11 +478,8 @@ class FOLA(FederatedAlgorithm):
 
 def _unflatten(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """A flat vector as views shaped like ``model``'s named parameters."""
-    out, offset = {}, 0
-    for name, p in model.named_parameters():
-        out[name] = flat[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
-    return out
+    named = list(model.named_parameters())
+    return unflatten(flat, [n for n, _ in named], [p.shape for _, p in named])
 
 
 class _StackedFisher:
