@@ -4,7 +4,9 @@ weights omega come from a public seed, optionally after a learned feature extrac
 A kernel network maps an input x to ``phi(x) = s^m(x) / sqrt(m)``, the concatenation of m samples of
 ``z_omega(h(x)) = [cos(omega^T h(x) / l), sin(omega^T h(x) / l)]`` with omega ~ N(0, I) (eqs. 14-17): random Fourier
 features (Rahimi and Recht 2007) of the Gaussian kernel exp(-|h - h'|^2 / (2 l^2)) on ``h(x)``, where h is the
-identity (pure RFF, the default) or a small MLP (deep kernel, learned in FedBNR's phase 1).
+identity (pure RFF, the default), a small MLP (deep kernel, learned in FedBNR's phase 1) or the user's own
+``nn.Module`` (:func:`check_extractor` says which ones: a flat vector per example, no layer mixing the examples of a
+batch; the extractor is always evaluated in eval mode, so a record's features are a function of that record alone).
 
 Facts the privacy analysis of FedBNR's phase 2 uses:
 
@@ -21,8 +23,9 @@ Facts the privacy analysis of FedBNR's phase 2 uses:
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,6 +58,103 @@ def fourier_frequencies(input_dim: int, num_samples: int, seed: int) -> np.ndarr
         raise ConfigurationError(f"feature seed must be an integer >= 0, got {seed!r}")
     rng = np.random.default_rng(np.random.SeedSequence([_OMEGA_STREAM, int(seed), input_dim, num_samples]))
     return rng.standard_normal((input_dim, num_samples))
+
+
+# -- a user's feature extractor -----------------------------------------------------------------------------------
+
+def extractor_factory(model, what: str) -> Callable[[], nn.Module]:
+    """A zero-argument builder of the feature extractor ``model``: a copy of an ``nn.Module`` (the user's module is
+    never trained or changed), or the module a zero-argument factory returns. ``model`` must be deep-copyable, since
+    an algorithm's client half is built from deep copies of its server half's constructor arguments."""
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise ConfigurationError(f"{what}: model must be a torch.nn.Module or a zero-argument function returning one "
+                                 f"(the feature extractor f of g(omega, f(x))), got {type(model).__name__}")
+    try:
+        copy.deepcopy(model)
+    except Exception as exc:
+        raise ConfigurationError(f"{what}: the model must be deep-copyable (the client half is built from copies of "
+                                 f"the server half's arguments): {type(exc).__name__}: {exc}") from None
+    if isinstance(model, nn.Module):
+        refuse_batch_norm(model, f"{what}: the model")
+        return lambda: copy.deepcopy(model)
+
+    def build() -> nn.Module:
+        try:
+            net = model()
+        except TypeError as exc:
+            raise ConfigurationError(f"{what}: the model factory must take no arguments ({exc}); pass an nn.Module "
+                                     "or e.g. lambda: MyExtractor(10, 4)") from None
+        if not isinstance(net, nn.Module):
+            raise ConfigurationError(f"{what}: the model factory returned a {type(net).__name__}, not a "
+                                     "torch.nn.Module")
+        return net
+
+    return build
+
+
+def _module_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
+    """The dtype a module computes in: its first floating parameter's or buffer's (``default`` without any)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return default
+
+
+def refuse_batch_norm(extractor: nn.Module, what: str) -> None:
+    """Refuse an extractor with batch normalisation (see :func:`check_extractor`), naming its layers."""
+    mixing = [f"{name or '<model>'} ({type(m).__name__})" for name, m in extractor.named_modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if mixing:
+        raise ConfigurationError(f"{what}: batch normalisation ({', '.join(mixing[:8])}) mixes the examples of a "
+                                 "batch (its statistics are the batch's in training and the data's otherwise), so a "
+                                 "record's features would not be its own and FedBNR's sensitivities would not hold; "
+                                 "remove it (standardise the inputs with public statistics instead), or use a "
+                                 "per-example normalisation such as nn.LayerNorm")
+
+
+def check_extractor(extractor: nn.Module, input_shape: Sequence[int], what: str = "the feature extractor") -> int:
+    """The width of ``extractor``'s output (the latent dimension), read from a forward pass on one zero input of the
+    public ``input_shape``; refuses (ConfigurationError) an extractor whose output is not one flat, finite vector per
+    example, or that mixes the examples of a batch.
+
+    FedBNR's channels are sums of per-record terms (phase 2) and its sensitivities assume a record's feature row is a
+    function of that record alone. Batch normalisation breaks that (batch statistics in training, running statistics
+    of data otherwise) and is refused by type; any other layer that does (e.g. ``x - x.mean(0)``) is caught by moving
+    the other rows of a batch of random inputs and checking, in float64, that the first row's output does not move.
+    The probes run on a copy in eval mode, under a forked torch random state."""
+    input_shape = tuple(int(s) for s in input_shape)
+    refuse_batch_norm(extractor, what)
+    probe = copy.deepcopy(extractor).eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = probe(torch.zeros((1, *input_shape), dtype=_module_dtype(probe, torch.float32)))
+    except Exception as exc:
+        raise ConfigurationError(f"{what} failed on an input of shape {(1, *input_shape)} (one record of the "
+                                 f"clients' data): {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != 1 or out.shape[1] < 1:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigurationError(f"{what} must return one flat vector per example, a tensor of shape (n, k); on an "
+                                 f"input of shape {(1, *input_shape)} it returned {shape}. End it with nn.Flatten() "
+                                 "(or reshape to (n, -1)) before the random features")
+    if not torch.isfinite(out).all():
+        raise ConfigurationError(f"{what} returned non-finite features on a zero input")
+    try:
+        wide = probe.double()
+        gen = torch.Generator().manual_seed(0)
+        batch = torch.randn((3, *input_shape), generator=gen, dtype=torch.float64)
+        moved = batch.clone()
+        moved[1:] = 3.0 * torch.randn((2, *input_shape), generator=gen, dtype=torch.float64)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            first, again, alone = wide(batch)[0], wide(moved)[0], wide(batch[:1])[0]
+    except Exception as exc:
+        raise ConfigurationError(f"{what} failed on a batch of 3 random inputs in float64: "
+                                 f"{type(exc).__name__}: {exc}") from None
+    scale = 1e-9 * (1.0 + float(first.abs().max()))
+    if float((first - again).abs().max()) > scale or float((first - alone).abs().max()) > scale:
+        raise ConfigurationError(f"{what} mixes the examples of a batch: one record's output changed when the other "
+                                 "records of its batch did, so a record's features would not be its own and FedBNR's "
+                                 "sensitivities would not hold; use layers that act on each example alone")
+    return int(out.shape[1])
 
 
 class RandomFourierFeatures:
@@ -94,39 +194,67 @@ class RandomFourierFeatures:
 class KernelNetwork(nn.Module):
     """A kernel network g(omega, f(x)) with its Bayesian linear regression hyperparameters.
 
-    - ``hidden`` empty: f is the identity and the network is pure RFF with a learnable lengthscale;
-      otherwise f is an MLP ``input_dim -> hidden... -> latent_dim`` (tanh), the deep feature extractor.
+    - ``hidden`` empty and no ``extractor``: f is the identity and the network is pure RFF with a learnable
+      lengthscale; ``hidden``: f is an MLP ``input_dim -> hidden... -> latent_dim`` (tanh), the deep feature
+      extractor; ``extractor``: f is that ``nn.Module`` (taken as is: pass a copy), fed inputs of ``input_shape``
+      (default ``(input_dim,)``), its latent dimension read by :func:`check_extractor`, which also refuses one that
+      mixes the examples of a batch. The extractor always runs in eval mode (``train()`` leaves it there): a record's
+      features depend on that record alone, in phase 1's training as in phase 2's release.
     - omega is a frozen buffer from ``seed`` (public, never trained, never uploaded).
     - learnable in phase 1 (eq. 18): the extractor, log lengthscale, log noise std sigma, log prior std lambda.
+    - ``lengthscale`` None: sqrt of the latent dimension (the RFF default for standardised coordinates).
 
     ``forward(x)`` returns Phi, float64 of shape ``(n, 2 * num_samples)`` with unit-norm rows.
     """
 
     def __init__(self, input_dim: int, num_samples: int = 50, hidden: Sequence[int] = (), latent_dim: int = 8,
-                 lengthscale: float = 1.0, noise_std: float = 0.5, prior_std: float = 1.0, seed: int = 0):
+                 lengthscale: float | None = 1.0, noise_std: float = 0.5, prior_std: float = 1.0, seed: int = 0,
+                 extractor: nn.Module | None = None, input_shape: Sequence[int] | None = None):
         super().__init__()
         self.input_dim = _count("input_dim", input_dim)
         self.num_samples = _count("num_samples", num_samples)
+        self.input_shape = (self.input_dim,) if input_shape is None else tuple(int(s) for s in input_shape)
+        if int(np.prod(self.input_shape)) != self.input_dim:
+            raise ConfigurationError(f"input_shape {self.input_shape} does not hold input_dim={self.input_dim} values")
         hidden = tuple(hidden)
         for h in hidden:
             _count("hidden width", h)
+        if extractor is not None and hidden:
+            raise ConfigurationError("give either hidden (the built-in tanh MLP extractor) or extractor (your own "
+                                     "module), not both")
         self.hidden = hidden
-        layers: list[nn.Module] = []
-        width = self.input_dim
-        if hidden:
-            for h in hidden:
-                layers += [nn.Linear(width, h), nn.Tanh()]
-                width = h
-            layers.append(nn.Linear(width, _count("latent_dim", latent_dim)))
-            width = latent_dim
-        self.extractor = nn.Sequential(*layers)
+        if extractor is not None:
+            if not isinstance(extractor, nn.Module):
+                raise ConfigurationError(f"extractor must be a torch.nn.Module, got {type(extractor).__name__}")
+            width = check_extractor(extractor, self.input_shape)
+            self.extractor = extractor
+        else:
+            layers: list[nn.Module] = []
+            width = self.input_dim
+            if hidden:
+                for h in hidden:
+                    layers += [nn.Linear(width, h), nn.Tanh()]
+                    width = h
+                layers.append(nn.Linear(width, _count("latent_dim", latent_dim)))
+                width = latent_dim
+            self.extractor = nn.Sequential(*layers)
+        self.deep = bool(hidden) or extractor is not None
         self.latent_dim = width
         self.seed = int(seed)
         omega = fourier_frequencies(width, self.num_samples, self.seed)
         self.register_buffer("omega", torch.as_tensor(omega, dtype=torch.float64))
+        lengthscale = math.sqrt(width) if lengthscale is None else lengthscale
         self.log_lengthscale = nn.Parameter(torch.tensor(math.log(_positive("lengthscale", lengthscale))))
         self.log_noise_std = nn.Parameter(torch.tensor(math.log(_positive("noise_std", noise_std))))
         self.log_prior_std = nn.Parameter(torch.tensor(math.log(_positive("prior_std", prior_std))))
+        self.extractor.eval()
+
+    def train(self, mode: bool = True) -> "KernelNetwork":
+        """Set the mode of the hyperparameters; the extractor stays in eval mode (no batch statistics, no dropout:
+        a record's features are its own)."""
+        super().train(mode)
+        self.extractor.eval()
+        return self
 
     @property
     def dim(self) -> int:
@@ -145,11 +273,12 @@ class KernelNetwork(nn.Module):
         return float(self.log_lengthscale.detach().exp())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.as_tensor(x).reshape(len(x), -1)
-        if self.hidden:  # in the extractor's own precision (float32 for training; float64 after ``.double()``)
-            h = self.extractor(x.to(next(self.extractor.parameters()).dtype)).double()
+        x = torch.as_tensor(x)
+        if self.deep:  # in the extractor's own precision (float32 for training; float64 after ``.double()``)
+            x = x.reshape(len(x), *self.input_shape)
+            h = self.extractor(x.to(_module_dtype(self.extractor, torch.float64))).reshape(len(x), -1).double()
         else:
-            h = x.double()
+            h = x.reshape(len(x), -1).double()
         proj = h @ self.omega / self.log_lengthscale.double().exp()
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(self.num_samples)
 
@@ -210,5 +339,5 @@ def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: t
             - 0.5 * (y @ y) / s2 + 0.5 * (b @ alpha))
 
 
-__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "cos_sin_pairs",
-           "fourier_frequencies", "pair_squared_norms"]
+__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "check_extractor",
+           "cos_sin_pairs", "extractor_factory", "fourier_frequencies", "pair_squared_norms", "refuse_batch_norm"]

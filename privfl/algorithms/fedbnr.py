@@ -96,6 +96,28 @@ the paper's L^KD with its log likelihood negated (it is maximised there). The Gr
 lambda: in FedBNR-KD they are learned from the server's set only, as in the paper. The released network is a
 function of X_kd, y_kd, which this library does not protect (they are the server's own data).
 
+The user's feature extractor (``model=``, ``privfl.federate(model, ..., algorithm="fedbnr")``)
+----------------------------------------------------------------------------------------------
+f in g(omega, f(x)) may be the user's ``nn.Module`` (copied, never changed) or a zero-argument factory of one, built
+from a torch seed drawn from the run's setup stream, so the server half and every client half build the same network
+(constructor arguments must be deep-copyable: a client half is built from copies of them). Its latent dimension is
+read from a forward pass on one zero input of the public input shape; an output that is not one flat vector per
+example, batch normalisation, or any layer whose output for one example moves with the other examples of its batch
+is refused (``privfl.features.check_extractor``), and the extractor always runs in eval mode (no batch statistics,
+no dropout). With ``kernel_rounds=0`` it is used as given, random Fourier features on top of it; with
+``kernel_rounds > 0`` phase 1 trains it (with l, sigma, lambda) and phase 2 runs on the result. The sensitivities
+above do not depend on it:
+
+- phase 1 releases the change of *all* the kernel network's parameters (or its Gram change) clipped to a norm as one
+  vector: the bound C (2C replace-one) holds for any architecture; the architecture and its initial weights are
+  public facts of the run (the user's agreed model), the same on every neighbouring dataset.
+- phase 2's rows are m (cos, sin) pairs of *whatever* latent vector comes first, so every row has unit norm and
+  sum_i phi_i^4 <= |phi|^4 / m whatever f is (``cos_sin_pairs`` recognises the kernel network's feature map, and
+  every row is checked before release); the row and target clips make the declared bounds true. What the argument
+  needs of f is that a record's row is a function of that record alone (then adding or removing a record adds or
+  removes exactly one term of each sum): hence the refusals and eval mode above. f's weights are public (as given)
+  or phase 1's private result, so using them is post-processing.
+
 Not done: distributed discrete noise for phase 2 (the scatter channel is a matrix, which ``privfl.secure`` does not
 plan noise for).
 """
@@ -123,7 +145,7 @@ from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
 from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
-                             pair_squared_norms)
+                             check_extractor, extractor_factory, pair_squared_norms)
 from privfl.metrics.regression import regression_metrics
 from privfl.training import flat_parameters, load_flat_parameters
 
@@ -291,6 +313,10 @@ class FedBNR(FederatedAlgorithm):
     """FedBNR phase 2 over a fixed kernel network; see the module docstring.
 
     Args:
+        model: the user's feature extractor f (an ``nn.Module``, copied and never changed, or a zero-argument
+            factory; see the module docstring): random Fourier features are taken of f(x) instead of x, as given
+            (``kernel_rounds=0``) or after phase 1 trains it. Neither with ``kernel``. The RFF lengthscale then
+            defaults to sqrt(f's output width).
         kernel: a trained :class:`KernelNetwork` (phase 1's result: its feature map, sigma and lambda), or None for
             pure random Fourier features built from ``num_samples``, ``lengthscale`` and ``feature_seed``.
         num_samples: m, the number of omega samples (2m features). Default 50, the paper's.
@@ -308,6 +334,12 @@ class FedBNR(FederatedAlgorithm):
             (:class:`FedBNRClippingWarning`). Default: the run's public record cap (``FederationConfig.record_cap``,
             ``--record-cap``; else 4 x the design size of a client), never a hidden constant.
 
+    Privacy with the user's extractor (``model``): unchanged. The scatter bound needs rows of m (cos, sin) pairs of
+    equal norm, which the random-feature layer after f gives whatever f computes (and every row is checked before
+    release), plus a row that depends on its own record only, which the refusal of batch normalisation and of any
+    layer mixing a batch's examples, and eval mode, ensure; the cross bound needs only the row and target clips.
+    Phase 1 clips the whole network's change as one vector, whatever its architecture (the module docstring).
+
     Under DP a client whose targets mostly lie outside [-B_y, B_y] (unstandardised targets) or whose feature rows
     mostly exceed B is warned on its own side (the fractions are never released): most of its signal is clipped away
     and the fit can be worse than predicting the mean.
@@ -323,7 +355,7 @@ class FedBNR(FederatedAlgorithm):
     #: whether the run needs a server-held labelled set (``data.alignment``): FedBNR-KD's phase 1 (per instance)
     uses_alignment = False
 
-    def __init__(self, fed, privacy, *, kernel: KernelNetwork | None = None, num_samples: int = 50,
+    def __init__(self, fed, privacy, *, model=None, kernel: KernelNetwork | None = None, num_samples: int = 50,
                  lengthscale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
                  feature_seed: int = 0, target_clip: float = 3.0, scatter_share: float = 0.5,
                  ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int | None = None,
@@ -332,6 +364,10 @@ class FedBNR(FederatedAlgorithm):
         super().__init__(fed, privacy)
         if kernel is not None and not isinstance(kernel, KernelNetwork):
             raise ConfigurationError("kernel must be a privfl.features.KernelNetwork (phase 1's result) or None")
+        if model is not None and kernel is not None:
+            raise ConfigurationError("fedbnr: give either model (your feature extractor, from which the kernel network "
+                                     "is built) or kernel (a trained kernel network), not both")
+        self.extractor = None if model is None else extractor_factory(model, self.name)
         if privacy.private and privacy.sampling_rate < 1:
             raise ConfigurationError("fedbnr sums every client's scatter matrices; client sampling would leave them "
                                      "out; set sampling_rate=1")
@@ -347,7 +383,7 @@ class FedBNR(FederatedAlgorithm):
         if not (isinstance(ridge_scale, (int, float)) and math.isfinite(ridge_scale) and ridge_scale >= 0):
             raise ConfigurationError(f"ridge_scale must be a finite number >= 0, got {ridge_scale!r}")
         self._plan_phases(kernel, kernel_rounds, kernel_aggregation, kernel_clip, kernel_share, kernel_fed,
-                          kernel_options, scatter_share)
+                          kernel_options, scatter_share, model, num_samples, feature_seed)
         self.kernel = kernel
         self.num_samples = int(num_samples)
         self.lengthscale = None if lengthscale is None else _positive("lengthscale", lengthscale)
@@ -372,7 +408,7 @@ class FedBNR(FederatedAlgorithm):
     # -- phase 1 before this phase (a multi-phase run: privfl.algorithms.base.phases_of) ---------------------------
 
     def _plan_phases(self, kernel, kernel_rounds, aggregation, kernel_clip, kernel_share, kernel_fed, kernel_options,
-                     scatter_share) -> None:
+                     scatter_share, model=None, num_samples=50, feature_seed=0) -> None:
         """Check phase 1's options and split the budget between the phases (:func:`phase_budgets`), before anything
         runs: from public inputs only."""
         if isinstance(kernel_rounds, bool) or not isinstance(kernel_rounds, int) or kernel_rounds < 0:
@@ -392,10 +428,19 @@ class FedBNR(FederatedAlgorithm):
                                      "learns it), not both")
         options = dict(kernel_options or {})
         options.setdefault("aggregation", aggregation)
+        # the feature map's frequencies are phase 1's too (phase 2 runs on phase 1's network)
+        options.setdefault("num_samples", num_samples)
+        options.setdefault("feature_seed", feature_seed)
         if kernel_clip is not None:
             options.setdefault("update_clip", kernel_clip)
         kfed = replace(kernel_fed or self.fed, rounds=kernel_rounds)
-        options.setdefault("hidden", tuple(kfed.hidden) if kfed.hidden is not None else ())
+        if model is not None:
+            if "hidden" in options or "latent_dim" in options or "model" in options:
+                raise ConfigurationError("fedbnr: model is the feature extractor phase 1 trains; leave hidden, "
+                                         "latent_dim and model out of kernel_options")
+            options["model"] = model
+        else:
+            options.setdefault("hidden", tuple(kfed.hidden) if kfed.hidden is not None else ())
         FedBNRKernel(kfed, self.privacy, **options)  # validates phase 1's options before anything runs
         privacy_k = privacy_r = self.privacy
         if self.privacy.private:
@@ -459,6 +504,11 @@ class FedBNR(FederatedAlgorithm):
                 raise ConfigurationError(f"the kernel network takes {self.kernel.input_dim} inputs but the data has "
                                          f"{input_dim}")
             net = copy.deepcopy(self.kernel).double()  # float64 rows: one record's row ignores the rest of its batch
+            self.feature_map, self.dim = net.features, net.dim
+        elif self.extractor is not None:  # the user's extractor as given, random features on top (no phase 1)
+            net = _built_kernel(self.extractor, public.input_shape, rng, self.name, num_samples=self.num_samples,
+                                lengthscale=self.lengthscale, noise_std=self.noise_std, prior_std=self.prior_std,
+                                seed=self.feature_seed).double()
             self.feature_map, self.dim = net.features, net.dim
         else:
             rff = RandomFourierFeatures(input_dim, self.num_samples, self.lengthscale or math.sqrt(input_dim),
@@ -580,7 +630,7 @@ class FedBNR(FederatedAlgorithm):
 AGGREGATIONS = ("fedavg", "distillation")
 #: FedBNR's options that configure phase 1 (the phase-2 algorithm of a two-phase run takes the others)
 PHASE_ONE_OPTIONS = ("kernel_rounds", "kernel_aggregation", "kernel_clip", "kernel_share", "kernel_fed",
-                     "kernel_options")
+                     "kernel_options", "model")
 #: FedBNR-KD defaults (see FedBNRKernel): Gram matching weight, server Adam steps and rate, and the root-mean-square
 #: change per Gram entry that the default clip allows
 KD_ALPHA, KD_STEPS, KD_LR, KD_GRAM_RMS = 1000.0, 10, 0.01, 0.02
@@ -646,6 +696,19 @@ def _distillation_set(data):
     return kd
 
 
+def _built_kernel(extractor: Callable, input_shape, rng: np.random.Generator, what: str,
+                  **options) -> KernelNetwork:
+    """A :class:`KernelNetwork` on the user's extractor (``extractor``: a builder from
+    :func:`privfl.features.extractor_factory`), built under a torch seed drawn from the run's setup stream ``rng``
+    (not global state), so the server half and every client half, set up from the same stream, build the same
+    network; the extractor is checked (flat output, no mixing of examples) and runs in eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        module = extractor()
+    check_extractor(module, input_shape, f"{what}: your model (the feature extractor)")
+    return KernelNetwork(int(np.prod(input_shape)), extractor=module, input_shape=input_shape, **options)
+
+
 class FedBNRKernel(FederatedAlgorithm):
     """FedBNR phase 1: a :class:`KernelNetwork` (extractor weights, log lengthscale, log sigma, log lambda) learned
     by clients each taking ``fed.local_epochs`` full-batch Adam steps (``fed.lr``) from the broadcast global network
@@ -658,7 +721,10 @@ class FedBNRKernel(FederatedAlgorithm):
       :func:`distillation_loss` (its own X_kd, y_kd and weight ``alpha``). X_kd is ``data.alignment``; its inputs
       are broadcast to the clients, its targets stay on the server. See the module docstring.
 
-    ``hidden=()`` learns only the RFF hyperparameters.
+    ``hidden=()`` learns only the RFF hyperparameters; ``hidden`` defaults to (32,) and ``latent_dim`` to 4.
+    ``model``: the user's feature extractor instead of the built-in MLP (neither with ``hidden`` nor ``latent_dim``;
+    see the module docstring): an ``nn.Module`` (copied) or a zero-argument factory, built identically on both
+    halves from the run's setup stream; the lengthscale defaults to sqrt(its output width).
 
     Distillation options (defaults measured on 10% validation splits, seed 10, never on a test set: 10 clients, 20
     rounds of 10 local steps, a server set of 8% of the data; one seed, so treat them as sensible, not tuned):
@@ -681,7 +747,8 @@ class FedBNRKernel(FederatedAlgorithm):
     name = "fedbnr_kernel"
     supports_privacy = True
 
-    def __init__(self, fed, privacy, *, hidden: tuple[int, ...] = (32,), latent_dim: int = 4, num_samples: int = 50,
+    def __init__(self, fed, privacy, *, model=None, hidden: tuple[int, ...] | None = None,
+                 latent_dim: int | None = None, num_samples: int = 50,
                  lengthscale: float | None = None, noise_std: float = 0.5, prior_std: float = 1.0,
                  feature_seed: int = 0, update_clip: float | None = None, aggregation: str = "fedavg",
                  alpha: float = KD_ALPHA, kd_steps: int = KD_STEPS, kd_lr: float = KD_LR,
@@ -694,8 +761,14 @@ class FedBNRKernel(FederatedAlgorithm):
                                      f">= 0, got {alpha!r}")
         if isinstance(kd_steps, bool) or not isinstance(kd_steps, int) or kd_steps < 1:
             raise ConfigurationError(f"kd_steps must be an integer >= 1, got {kd_steps!r}")
-        self.options = dict(hidden=tuple(hidden), latent_dim=latent_dim, num_samples=num_samples,
-                            noise_std=noise_std, prior_std=prior_std, seed=feature_seed)
+        if model is not None and (hidden is not None or latent_dim is not None):
+            raise ConfigurationError(f"{self.name}: give either model (your feature extractor; its latent dimension is "
+                                     "read from its output) or hidden and latent_dim (the built-in tanh MLP), not both")
+        self.extractor = None if model is None else extractor_factory(model, self.name)
+        self.options = dict(num_samples=num_samples, noise_std=noise_std, prior_std=prior_std, seed=feature_seed)
+        if model is None:
+            self.options.update(hidden=tuple((32,) if hidden is None else hidden),
+                                latent_dim=4 if latent_dim is None else latent_dim)
         self.lengthscale = lengthscale
         self.update_clip = _positive("update_clip", update_clip if update_clip is not None else privacy.clip)
         self.aggregation = aggregation
@@ -738,11 +811,15 @@ class FedBNRKernel(FederatedAlgorithm):
             kd = _distillation_set(public)
             self.kd_x = torch.as_tensor(np.asarray(kd.x, dtype=np.float32))
             self.kd_y = _targets(kd)
-        input_dim = int(np.prod(public.input_shape))
-        default_scale = 1.0 if self.options["hidden"] else math.sqrt(input_dim)
-        with torch.random.fork_rng(devices=[]):  # the initial network from the run's public seed, not global state
-            torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-            self.net = KernelNetwork(input_dim, lengthscale=self.lengthscale or default_scale, **self.options)
+        if self.extractor is not None:  # sqrt(latent dim) unless given: the user's latent scale is unknown
+            self.net = _built_kernel(self.extractor, public.input_shape, rng, self.name, lengthscale=self.lengthscale,
+                                     **self.options)
+        else:
+            input_dim = int(np.prod(public.input_shape))
+            default_scale = 1.0 if self.options["hidden"] else math.sqrt(input_dim)
+            with torch.random.fork_rng(devices=[]):  # the initial network from the run's public seed, not global state
+                torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+                self.net = KernelNetwork(input_dim, lengthscale=self.lengthscale or default_scale, **self.options)
         self.global_params = flat_parameters(self.net)
         if self.aggregation == "distillation":
             self.global_gram = self._gram_of(self.global_params)

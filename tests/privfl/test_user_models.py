@@ -226,10 +226,17 @@ def test_fedbnn_makes_the_users_layers_bayesian_and_refuses_others():
                         algorithm="fedbnn", epsilon=math.inf, test=test, rounds=1, **FEDBNN_OPTIONS)
 
 
-def test_federate_says_why_it_refuses_the_remaining_algorithm():
+def test_federate_gives_fedbnr_the_model_and_says_why_it_refuses_a_classification_task():
+    # fedbnr takes the user's model (its feature extractor: tests/privfl/test_fedbnr_user_extractor.py), and a
+    # classification data set is refused with the reason, as are training objects it has no use for
     clients, test = _breast_cancer()
-    with pytest.raises(ConfigurationError, match=r"does not yet train your own model with fedbnr"):
+    from privfl.api import own_model_algorithms
+
+    assert "fedbnr" in own_model_algorithms()
+    with pytest.raises(ConfigurationError, match=r"fedbnr is a regression algorithm"):
         privfl.federate(_mlp(), clients, algorithm="fedbnr", epsilon=math.inf, test=test)
+    with pytest.raises(ConfigurationError, match=r"fedbnr does not take \['loss'\]"):
+        privfl.federate(_mlp(), clients, algorithm="fedbnr", epsilon=math.inf, test=test, loss=nn.MSELoss())
 
 
 # -- the halves apart -----------------------------------------------------------------------------------------------
