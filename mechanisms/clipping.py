@@ -101,12 +101,13 @@ def _scale_rows(rows: np.ndarray, bound: float, *, own: bool = False) -> tuple[n
     return rows * scale[:, None], over, norms
 
 
-def clip_per_client(value, bound: float, adjacency: str = "add_remove") -> ClipResult:
+def clip_per_client(value, bound: float, adjacency: str = "add_remove", *, owned: bool = False) -> ClipResult:
     """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP). The
-    result never shares memory with ``value``."""
+    result never shares memory with ``value``, unless ``owned``: the caller hands over a float64 array of its own
+    (the release pipeline's validated copy), which is then scaled in place."""
     arr = check_finite("client upload", value)
     bound = check_bound("clip bound", bound)
-    if arr is value or (isinstance(value, np.ndarray) and np.shares_memory(arr, value)):
+    if not owned and (arr is value or (isinstance(value, np.ndarray) and np.shares_memory(arr, value))):
         arr = arr.copy()  # the conversion made no copy: make the one the result owns
     flat, clipped, norms = _scale_rows(arr.reshape(1, -1), bound, own=True)
     return ClipResult(flat.reshape(arr.shape), clipped, norms, bound, sum_sensitivity(bound, adjacency))

@@ -41,8 +41,10 @@ class NormClip:
     def sensitivity(self, adjacency: str) -> float:
         return sum_sensitivity(self.bound, adjacency)
 
-    def apply(self, value: np.ndarray) -> np.ndarray:
-        return clip_per_client(value, self.bound).value
+    def apply(self, value: np.ndarray, *, owned: bool = False) -> np.ndarray:
+        """``value`` clipped to norm ``bound``; ``owned``: ``value`` is the caller's own float64 copy, scaled in
+        place (``mechanisms.clipping.clip_per_client``)."""
+        return clip_per_client(value, self.bound, owned=owned).value
 
 
 @dataclass(frozen=True)

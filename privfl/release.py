@@ -31,7 +31,7 @@ from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSamp
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
-from privfl.channels import Channel, PrivatizedValue, TrainedPrivately
+from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately
 
 PLACEMENTS = ("local", "central", "distributed")
 
@@ -203,6 +203,15 @@ class ReleasePipeline:
                                 "event is only known once the client has trained")
         self.ledger.charge_all(self.client_id, round, self._requests())
 
+    @staticmethod
+    def _clip(channel: Channel, validated, raw):
+        """The channel's clip of its validated value; a norm clip scales in place the float64 copy validation made
+        (never the algorithm's own array: when validation made no copy, the clip makes one)."""
+        if isinstance(channel.clip, NormClip) and isinstance(validated, np.ndarray) and validated is not raw and not (
+                isinstance(raw, np.ndarray) and np.shares_memory(validated, raw)):
+            return channel.clip.apply(validated, owned=True)
+        return channel.clip.apply(validated)
+
     def release(self, round: int, values: Mapping[str, object], weight: float = 1.0, *,
                 mark: bool = True) -> dict[str, Release]:
         """Validate, clip, charge, noise and release every channel of one round (all or nothing). ``mark=False``:
@@ -217,7 +226,7 @@ class ReleasePipeline:
             raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
         # 1. validate, 2. clip — before anything is charged.
         validated = {name: ch.validate(values[name]) for name, ch in self.channels.items()}
-        clipped = {name: ch.clip.apply(validated[name]) for name, ch in self.channels.items()}
+        clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
         # 3. charge, atomically for the round.
         charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated))}
         releases = {}

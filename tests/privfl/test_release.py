@@ -259,3 +259,20 @@ def test_record_level_runs_refuse_client_clips_under_add_remove():
     assert replace[0].sensitivity == 2.0
     check_record_level_clips(add_remove, PrivacyConfig(epsilon=1.0, unit="client"))  # a client's removal: C
     check_record_level_clips(add_remove, PrivacyConfig())  # non-private
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("scale", [0.1, 10.0])  # under and over the clip
+def test_clipping_never_touches_the_algorithms_own_array(dtype, scale):
+    """The pipeline clips in place only the float64 copy validation made; an upload the algorithm handed over (in
+    either precision, clipped or not) is left exactly as it was, and the release holds the clipped value."""
+    ch = Channel("update", (50,), unit="client", clip=NormClip(1.0))
+    pipe = ReleasePipeline("0", [ch], PrivacyLedger(":memory:", "r"), {"update": 2.0}, placement="central")
+    upload = (scale * np.random.default_rng(0).normal(size=50) / 7.0).astype(dtype)
+    before = upload.copy()
+    value = pipe.release(0, {"update": upload})["update"].value
+    np.testing.assert_array_equal(upload, before)
+    assert not np.shares_memory(value, upload)
+    np.testing.assert_allclose(np.linalg.norm(value), min(1.0, np.linalg.norm(before.astype(np.float64))),
+                               rtol=1e-12)
+    assert np.linalg.norm(value) <= 1.0 * (1 + 1e-12)
