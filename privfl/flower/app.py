@@ -1,8 +1,18 @@
 """A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): every algorithm whose two halves are apart
-(``privfl.algorithms.base``) — FedAvg, FedProx, DP-FedAvg, DP-SGD FedAvg, FOLA and HBFL (:func:`runs_on_flower`;
-FedBNN needs its public alignment set in the run spec, which does not carry one yet) — across machines, one SuperNode
-per organisation. A client's own state (HBFL's local model) is kept as a message in its SuperNode's ``Context.state`` between rounds and never
-leaves it; the metrics of those models (``local_metrics``) are not reported to the server.
+(``privfl.algorithms.base``) — FedAvg, FedProx, DP-FedAvg, DP-SGD FedAvg, FOLA, HBFL and FedBNN
+(:func:`runs_on_flower`) — across machines, one SuperNode per organisation. A client's own state (HBFL's local model,
+FedBNN's personalised BNN) is kept as a message in its SuperNode's ``Context.state`` between rounds and never leaves
+it; the metrics of those models (``local_metrics``) are not reported to the server. The run spec carries the
+algorithm's options (``RunSpec.options``, given to ``make_algorithm`` on both halves) and, for FedBNN, the public
+alignment set as a file every party reads (``RunSpec.alignment_path``, checked by its SHA-256; labels never read).
+
+Restart and resume: every run starts by asking each SuperNode which rounds of the run id its own ledger has released
+(:func:`_identify`), and runs from the first round after all of them, so a second ``flwr run`` of a run id (after a
+SuperNode was killed and restarted with the same ledger) never asks for a round twice; a client refuses a round its
+ledger has released, and each ledger refuses the rounds that would take it past its budget (the client sits out).
+A run id whose rounds are all released is refused with a message naming it, and so is a resume with seeded noise
+(its generators would redraw noise already used). The global model is not checkpointed: a resumed run continues the
+rounds and the budget, from the algorithm's initial server state.
 
 The server half (:func:`server_main`) sets the algorithm up from the run's public facts, builds the run plan
 (``privfl.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
@@ -29,9 +39,9 @@ kept in its Context.state, as are its session's secrets between stages); the ser
 that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
 ledger rows are charged at training and marked released just before its masked input leaves.
 
-Not yet here (issue 13): client sampling, the malicious-server variant of secure aggregation (an identity registry
-of the SuperNodes' keys), algorithm options other than their defaults, and algorithms with per-client state (HBFL,
-FedBNN) or phases (FedBNR).
+Not yet here (issue 13): client sampling under secure aggregation, the malicious-server variant of secure
+aggregation (an identity registry of the SuperNodes' keys), algorithms with phases (FedBNR), and a checkpoint of the
+server's state for resumed runs.
 """
 
 from __future__ import annotations
@@ -53,13 +63,37 @@ from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 
 
 def runs_on_flower(algorithm: str) -> bool:
-    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast and needs no public alignment
-    set (the run spec does not carry one yet: FedBNN); FedBNR's phases do not run on Flower yet."""
+    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast (an algorithm that needs a
+    public alignment set, FedBNN, gets it from the spec's ``alignment_path``); FedBNR's phases do not run on Flower
+    yet."""
     from privfl.algorithms import ALGORITHMS
 
     cls = ALGORITHMS.get(algorithm)
-    return (cls is not None and cls.splittable and bool(cls.broadcast_state)
-            and not getattr(cls, "uses_alignment", False))
+    return cls is not None and cls.splittable and bool(cls.broadcast_state)
+
+
+def _option_value(name: str, value):
+    """An algorithm option as the spec carries it: a JSON scalar, or a tuple of them (a JSON list)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) and math.isfinite(value):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_option_value(name, v) for v in value)
+    raise ConfigurationError(f"the run spec carries algorithm options as JSON values (numbers, strings, booleans, "
+                             f"lists of them); option {name!r} is {value!r}")
+
+
+def _file_digest(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
@@ -69,7 +103,8 @@ TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-templa
 #: Flower message type of a round and privfl message kinds
 TRAIN = "train"
 BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
-#: client sampling: the Flower message types of "which client are you" and of a left-out member's charge, and kinds
+#: the Flower message types of "which client are you, and which rounds of this run has your ledger released" (the
+#: start of every run) and of a left-out member's charge under client sampling, and their kinds
 QUERY, CHARGE_TYPE = "query", "train.charge"
 IDENTIFY, CHARGE = "privfl.identify", "privfl.charge"
 #: the Context.state key of the algorithm's per-client state (privfl.algorithms.base: client_state)
@@ -105,13 +140,48 @@ class RunSpec:
     #: secure aggregation (``privfl.secure.SecureAggregation``, semi-honest variant): each round then runs
     #: secure_agg's stages as Flower message rounds; None: plaintext releases
     secure: object = None
+    #: the algorithm's options (``privfl.algorithms.algorithm_options``, e.g. FedBNN's ``warmup_epochs``), given to
+    #: ``make_algorithm`` on the server and on every client: a mapping of JSON values, kept as sorted (name, value)
+    options: tuple = ()
+    #: a public alignment set (FedBNN's AD): an ``.npz`` whose array ``x`` holds its inputs (any labels in it are
+    #: never read), at a path the server and every SuperNode can read; ``alignment_digest`` is its SHA-256, filled
+    #: in when the spec is built, so that a SuperNode holding another file refuses the run
+    alignment_path: str | None = None
+    alignment_digest: str = ""
 
     def __post_init__(self):
-        if not runs_on_flower(self.algorithm):
-            from privfl.algorithms import ALGORITHMS
+        from privfl.algorithms import ALGORITHMS, algorithm_options
 
+        if not runs_on_flower(self.algorithm):
             raise ConfigurationError(f"the Flower runtime runs {sorted(a for a in ALGORITHMS if runs_on_flower(a))} "
                                      f"so far, got {self.algorithm!r}")
+        items = self.options.items() if isinstance(self.options, dict) else self.options
+        try:
+            options = tuple(sorted((str(k), _option_value(str(k), v)) for k, v in items))
+        except ConfigurationError:
+            raise
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"options must be a mapping of option names to JSON values, got "
+                                     f"{self.options!r}") from None
+        object.__setattr__(self, "options", options)
+        bad = sorted({k for k, _ in options} - set(algorithm_options(self.algorithm)))
+        if bad or len({k for k, _ in options}) != len(options):
+            raise ConfigurationError(f"{self.algorithm} takes no option {bad} (or an option twice); its options are "
+                                     f"{list(algorithm_options(self.algorithm))}")
+        if getattr(ALGORITHMS[self.algorithm], "uses_alignment", False) and not self.alignment_path:
+            raise ConfigurationError(f"{self.algorithm} needs a public alignment set on Flower: give the spec "
+                                     f"alignment_path, an .npz with its inputs x that the server and every SuperNode "
+                                     f"can read")
+        if self.alignment_path:
+            try:
+                digest = _file_digest(self.alignment_path)
+            except OSError as exc:
+                raise ConfigurationError(f"cannot read the alignment set {self.alignment_path!r}: {exc}") from None
+            if self.alignment_digest and self.alignment_digest != digest:
+                raise ConfigurationError(f"the alignment set at {self.alignment_path!r} is not the one this run was "
+                                         f"planned with (SHA-256 {digest}, the spec says {self.alignment_digest}); "
+                                         f"give every party the same file")
+            object.__setattr__(self, "alignment_digest", digest)
         if not isinstance(self.fed, FederationConfig) or not isinstance(self.privacy, PrivacyConfig):
             raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
         if self.privacy.sampling_rate < 1 and self.secure is not None:
@@ -141,8 +211,13 @@ class RunSpec:
                    run_id or f"{algorithm}-eps{privacy.epsilon:g}-seed{fed.seed}", **kwargs)
 
     def public_facts(self, test=None) -> PublicFacts:
+        alignment = load_alignment(self.alignment_path, self) if self.alignment_path else None
         return PublicFacts(self.n_clients, self.task, self.num_classes, self.input_shape, self.client_size,
-                           self.client_sizes, self.record_cap, self.name, None, test)
+                           self.client_sizes, self.record_cap, self.name, alignment, test)
+
+    def algorithm_options(self) -> dict:
+        """The options ``make_algorithm`` takes for this run (JSON lists as tuples)."""
+        return dict(self.options)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)  # secure (a frozen dataclass) becomes its fields
@@ -161,6 +236,7 @@ class RunSpec:
             d["input_shape"] = tuple(d["input_shape"])
             if d.get("client_sizes") is not None:
                 d["client_sizes"] = tuple(d["client_sizes"])
+            d["options"] = tuple((k, v) for k, v in d.get("options", ()))
             if d.get("secure") is not None:
                 from privfl.secure import SecureAggregation
 
@@ -232,7 +308,7 @@ def _setup_seq(spec: RunSpec) -> np.random.SeedSequence:
 def _setup(spec: RunSpec, test=None):
     from privfl.algorithms import make_algorithm
 
-    alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy)
+    alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy, **spec.algorithm_options())
     setup_seq = _setup_seq(spec)
     alg.setup(spec.public_facts(test), np.random.default_rng(setup_seq))
     return alg
@@ -249,6 +325,24 @@ def load_dataset(path: str, spec: RunSpec):
         raise ConfigurationError(f"cannot read the data file {path!r} ({exc}); give an .npz with arrays x and y"
                                  ) from None
     return ArrayDataset(x, y, spec.task, spec.num_classes, os.path.basename(path))
+
+
+def load_alignment(path: str, spec: RunSpec):
+    """The public alignment set: the inputs ``x`` of an ``.npz`` (its labels, if any, are never read: the dataset's
+    targets are zeros), checked against the spec's input shape."""
+    from privfl.data import ArrayDataset
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            x = np.asarray(f["x"], dtype=np.float32)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigurationError(f"cannot read the alignment set {path!r} ({exc}); give an .npz with an array x of "
+                                 f"its inputs") from None
+    if x.ndim < 1 or len(x) < 1 or tuple(x.shape[1:]) != tuple(spec.input_shape):
+        raise ConfigurationError(f"the alignment set {path!r} has inputs of shape {x.shape}; the run's inputs have "
+                                 f"shape {tuple(spec.input_shape)}")
+    y = np.zeros(len(x), dtype=np.int64 if spec.task == "classification" else np.float32)
+    return ArrayDataset(x, y, spec.task, spec.num_classes, f"{spec.name}-alignment")
 
 
 def encode_release(r) -> dict:
@@ -296,12 +390,15 @@ def server_main(grid, context) -> None:
     server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
     history, audits, node_client = [], {}, {}
+    node_of, first_round = _identify(grid, spec, nodes, node_client)
+    _check_resume(spec, first_round)
     sampled = spec.privacy.sampling_rate < 1
     if sampled:  # the run plan's sampling stream, drawn as the in-process runtime draws it
         sampler = np.random.default_rng(seed_stream(spec.fed.seed, "sample"))
-        node_of = _identify(grid, spec, nodes, node_client)
+        for _ in range(first_round):  # a resumed run draws its rounds' samples where the first run left off
+            sampler.random(spec.n_clients)
     exhausted: set[str] = set()  # clients whose budget is spent take no further part, charged or not
-    for rnd in range(spec.fed.rounds):
+    for rnd in range(first_round, spec.fed.rounds):
         start = time.perf_counter()
         broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values)}
         if sampled:
@@ -333,30 +430,49 @@ def server_main(grid, context) -> None:
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
     if result_path:
         result = {"run_id": spec.run_id, "state": dict(alg.broadcast(spec.fed.rounds).values),
-                  "history": history, "audits": audits, "noise_multipliers": multipliers}
+                  "history": history, "audits": audits, "noise_multipliers": multipliers,
+                  "start_round": first_round}
         tmp = f"{result_path}.tmp"
         with open(tmp, "wb") as f:
             f.write(to_bytes(result, RESULT))
         os.replace(tmp, result_path)  # the result appears whole or not at all
 
 
-def _identify(grid, spec, nodes, node_client) -> dict[str, int]:
-    """Ask every SuperNode which organisation (partition id) it speaks for: client sampling draws clients, and the
-    server must know which node to send a sampled client's round to. Returns client id -> node id."""
+def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:
+    """Ask every SuperNode which organisation (partition id) it speaks for (client sampling draws clients, and the
+    server must know which node to send a sampled client's round to) and which rounds of this run id its own ledger
+    has already released. Returns (client id -> node id, the first round after every released one): a second
+    ``flwr run`` of a run id resumes there, so no round is released twice."""
     from flwr.app import Message
 
     messages = [Message(to_record({"round": -1}, IDENTIFY), dst_node_id=node, message_type=QUERY, group_id="identify")
                 for node in nodes]
     replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
     seen: set[str] = set()
+    start = 0
     for msg in replies:
         if msg.has_error():
             raise DeploymentError(f"SuperNode {msg.metadata.src_node_id} failed to identify: {msg.error.reason}")
-        _reply_client(from_record(msg.content, IDENTIFY), -1, msg.metadata.src_node_id, seen, node_client)
+        reply = from_record(msg.content, IDENTIFY)
+        _reply_client(reply, -1, msg.metadata.src_node_id, seen, node_client)
+        released = [int(r) for r in reply.get("released", [])]
+        start = max([start, *(r + 1 for r in released)])
     if len(seen) != len(nodes):
         raise DeploymentError(f"{len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not identify themselves")
     _check_partitions(seen, spec)
-    return {c: n for n, c in node_client.items()}
+    return {c: n for n, c in node_client.items()}, start
+
+
+def _check_resume(spec: RunSpec, start: int) -> None:
+    """A run id whose ledgers have released rounds resumes at ``start``; refuse what cannot be resumed safely."""
+    if start >= spec.fed.rounds:
+        raise DeploymentError(f"run {spec.run_id!r}: the SuperNodes' ledgers have already released rounds up to "
+                              f"{start - 1} of it, and this spec has {spec.fed.rounds} rounds: nothing is left to "
+                              f"run (a round is released once); give a new run a new run_id")
+    if start and spec.privacy.private and not spec.privacy.secure_noise:
+        raise DeploymentError(f"run {spec.run_id!r} would resume at round {start} with seeded noise, whose "
+                              f"generators restart from the seed and would redraw noise already released; resume "
+                              f"with secure_noise=True or give a new run a new run_id")
 
 
 def _charge_round(grid, spec, rnd, nodes, audits, node_client) -> list[str]:
@@ -651,6 +767,10 @@ def client_train(msg, context):
     ledger = _ledger(spec, context)
     secure = spec.secure is not None
     try:
+        if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
+            raise DeploymentError(f"run {spec.run_id!r}: this SuperNode's ledger has already released round {rnd}; "
+                                  f"a round is released once (a second flwr run of a run id resumes after the "
+                                  f"rounds its ledgers released); give a new run a new run_id")
         pipeline = plan.pipeline(client, ledger, noise)
         state = (half.decode_state(client, context.state[ALGORITHM_STATE]["envelope"])
                  if ALGORITHM_STATE in context.state else None)
@@ -761,11 +881,24 @@ def client_secagg(msg, context):
 
 
 def client_identify(msg, context):
-    """The ClientApp's answer to :func:`_identify`: the partition id its node config gives it (public)."""
+    """The ClientApp's answer to :func:`_identify`: the partition id its node config gives it (public) and the
+    rounds of this run id its ledger has released (the server saw them all; nothing else of the ledger)."""
     from flwr.app import Message
 
+    from privfl.accounting.ledger import PrivacyLedger
+
+    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     client = int(_node_value(context, PARTITION_KEY))
-    return Message(to_record({"client_id": str(client), "round": -1}, IDENTIFY), reply_to=msg)
+    path = str(_node_value(context, LEDGER_KEY))
+    released: list[int] = []
+    if os.path.exists(path) and spec.run_id in PrivacyLedger.run_ids(path):
+        ledger = PrivacyLedger.open_existing(path, spec.run_id)
+        try:
+            released = sorted({c.round for c in ledger.charges(str(client)) if c.released})
+        finally:
+            ledger.close()
+    reply = {"client_id": str(client), "round": -1, "released": released}
+    return Message(to_record(reply, IDENTIFY), reply_to=msg)
 
 
 def client_charge(msg, context):

@@ -75,9 +75,10 @@ class LocalDeployment:
             raise ValueError("a simulation SuperLink runs virtual SuperNodes: pass node_configs=[]")
         self.procs: list[subprocess.Popen] = []
         self.port = 0
+        self._node_args: list[list[str]] = []  # each SuperNode's command line, to restart it as it was
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")
+    def _start(self, name: str, args: list[str], mode: str = "wb") -> subprocess.Popen:
+        log = open(os.path.join(self.workdir, f"{name}.log"), mode)
         try:
             proc = subprocess.Popen([os.path.join(self.bin_dir, args[0]), *args[1:]], stdout=log,
                                     stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True)
@@ -99,8 +100,10 @@ class LocalDeployment:
         for k, config in enumerate(self.node_configs):
             items = " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
                              for key, value in config.items())
-            self._start(f"supernode{k}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                                          "--port", str(node_ports[k]), "--node-config", items])
+            args = ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                    "--port", str(node_ports[k]), "--node-config", items]
+            self._node_args.append(args)
+            self._start(f"supernode{k}", args)
         return self
 
     def run(self, app_dir: str, *, timeout: float, federation_config: str | None = None
@@ -123,6 +126,16 @@ class LocalDeployment:
 
     def kill_node(self, k: int) -> None:
         _stop(self.procs[1 + k])
+
+    def restart_node(self, k: int) -> subprocess.Popen:
+        """Start SuperNode ``k`` again (after :meth:`kill_node`, or stopping it first) with its command line and node
+        config as they were: the same data and ledger paths, so its ledger carries on from the rows it holds. Its log
+        goes on in ``supernode{k}.log``. The SuperLink registers it as a new node."""
+        _stop(self.procs[1 + k])
+        proc = self._start(f"supernode{k}", self._node_args[k], mode="ab")
+        self.procs.pop()  # keep procs[1 + k] the SuperNode of organisation k
+        self.procs[1 + k] = proc
+        return proc
 
     def close(self) -> None:
         for proc in reversed(self.procs):

@@ -35,7 +35,7 @@ for k in range(spec.n_clients):
         parts.append(ArrayDataset(f["x"], f["y"], spec.task, spec.num_classes, f"org{k}"))
 data = federated_from_arrays(parts, parts[0], name=spec.name)
 torch.set_num_threads(spec.torch_threads or 1)  # as the ClientApps train
-sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy), data, spec.fed, spec.privacy,
+sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy, **spec.algorithm_options()), data, spec.fed, spec.privacy,
                  executor="per_client", public=spec.public_facts())
 result = sim.run()
 with open(out_path, "wb") as f:

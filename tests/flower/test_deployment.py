@@ -139,6 +139,36 @@ def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_p
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_reference):
+    """FedBNN with its public alignment set as a file every party reads (``RunSpec.alignment_path``; its labels are
+    never read) and its options in the spec (a short warm-up and prior tuning): each client's personalised BNN stays
+    in its SuperNode's Context.state between rounds, and the broadcast state (the noisy average of the clients'
+    probabilities on the alignment set, and its reliability) equals the in-process run's; each ledger audits within
+    its target."""
+    digits = load_digits(flatten=True)
+    idx = np.random.default_rng(0).permutation(len(digits))
+    alignment = os.path.join(deployment.workdir, "alignment.npz")
+    np.savez(alignment, x=digits.x[idx[1700:1740]])  # public inputs, disjoint from every organisation's data
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=17)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", placement="local", secure_noise=False)
+    options = {"warmup_epochs": 1, "prior_steps": 3, "mc_samples": 2, "alignment_size": 40}
+    spec = RunSpec.of("fedbnn", federation, fed, privacy, run_id="fedbnn-client", node_wait=60, round_timeout=120,
+                      alignment_path=alignment, options=options)
+    assert len(spec.public_facts().alignment) == 40
+    reference = in_process_reference(spec, deployment.workdir)
+    result = _deploy(deployment, spec, "fedbnn")
+    assert set(result["state"]) == set(reference["state"]) == {"global_probs", "reliability"}
+    for key, expected in reference["state"].items():
+        got = result["state"][key]
+        assert np.array_equal(got, expected), f"{key}: max abs difference {np.max(np.abs(got - expected))}"
+    assert result["state"]["global_probs"].shape == (40, 10)
+    sim_clients = reference["audit"]["clients"]
+    for k, audit in _ledgers(deployment, spec).items():
+        assert audit["releases"] == sim_clients[str(k)]["releases"] == 2
+        assert audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
+
+
 def test_client_sampling_deployed_equals_in_process(deployment, federation, in_process_reference):
     """Poisson client sampling with central noise (amplified): the server draws the run plan's sampling stream as the
     in-process runtime does, sends the round to the sampled organisations only, and every left-out member charges its
@@ -233,22 +263,40 @@ def _ledgers_of(deployment, run_id, orgs):
     return out
 
 
-def test_a_supernode_killed_mid_run_aborts_the_run_cleanly(federation, tmp_path):
+def _rows(path, run_id):
+    """A ledger's rows of ``run_id``: (client, round, channel) -> (event, charged_at, released)."""
+    ledger = PrivacyLedger.open_existing(path, run_id)
+    try:
+        return {(c.client_id, c.round, c.channel): (c.event, c.charged_at, c.released) for c in ledger.charges()}
+    finally:
+        ledger.close()
+
+
+def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(federation, tmp_path):
     """Organisation 2's SuperNode (and its ClientApp) is killed once its ledger holds the release of round 0: for the
     round in flight the ServerApp gets Flower's "node unavailable" error reply (or no reply within its round timeout)
     and aborts with a DeploymentError; no model is published, no organisation is asked for a later round, and the
-    killed organisation's ledger holds nothing released after the kill. (Dropout recovery, which would let the round
-    complete with the survivors, needs privfl's secure-aggregation stages as message rounds: not built yet.)"""
+    killed organisation's ledger holds nothing released after the kill.
+
+    Then the SuperNode is restarted with the same node config (the same ledger) and the run id is launched again,
+    with more rounds: the server resumes at the first round no ledger has released, every ledger keeps the rows of
+    the first run as they were and releases no (round, channel) twice, and each refuses the rounds that would take
+    it past its budget (it sits out; charging one more round would indeed exceed it), so every audit stays within
+    the target. A third launch of the run id, whose rounds are all released, is refused with a message naming it."""
+    import dataclasses
+    import shutil
     import sqlite3
     import threading
     import time
+
+    from privfl.accounting.errors import PrivacyBudgetExceeded
 
     configs = []
     for k, part in enumerate(federation.train_parts):
         data = str(tmp_path / f"org{k}.npz")
         np.savez(data, x=part.x, y=part.y)
         configs.append({"partition-id": k, "data-path": data, "ledger-path": str(tmp_path / f"org{k}.sqlite")})
-    fed = FederationConfig(rounds=4, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="fault", node_wait=60, round_timeout=40)
     result_path = str(tmp_path / "result.bin")
@@ -265,6 +313,9 @@ def test_a_supernode_killed_mid_run_aborts_the_run_cleanly(federation, tmp_path)
         finally:
             conn.close()
 
+    def log_text():
+        return open(os.path.join(dep.workdir, "flwr-run.log"), errors="replace").read()
+
     dep = LocalDeployment(str(tmp_path / "dep"), configs)
     os.makedirs(dep.workdir, exist_ok=True)
     try:
@@ -279,21 +330,62 @@ def test_a_supernode_killed_mid_run_aborts_the_run_cleanly(federation, tmp_path)
         killed_after = released_rounds(configs[2]["ledger-path"])
         runner.join(RUN_TIMEOUT + 30)
         assert not runner.is_alive()
+        assert not os.path.exists(result_path), "an aborted run must not publish a model"
+        log = log_text()
+        assert "DeploymentError" in log and ("did not reply" in log or "failed" in log), log[-3000:]
+        assert released_rounds(configs[2]["ledger-path"]) == killed_after and max(killed_after) <= 1
+        first = {}
+        for config in configs:
+            first[config["partition-id"]] = rows = _rows(config["ledger-path"], "fault")
+            assert rows and max(r for (_, r, _) in rows) <= 1, "no one was asked for a round after the aborted one"
+            assert all(released for (_, _, released) in rows.values()), "a plaintext row is marked with its charge"
+        start = 1 + max(r for rows in first.values() for (_, r, _), (_, _, rel) in rows.items() if rel)
+
+        # restart organisation 2's SuperNode and launch the run id again, with 7 rounds: the noise is calibrated for
+        # 7, so the rounds of the first run (calibrated for 3) leave too little budget for all of the new ones
+        dep.restart_node(2)
+        longer = dataclasses.replace(spec, fed=dataclasses.replace(fed, rounds=7))
+        resumed_path = str(tmp_path / "resumed.bin")
+        dep.run(write_app(str(tmp_path / "app-resumed"), longer, result_path=resumed_path), timeout=RUN_TIMEOUT)
+        assert os.path.exists(resumed_path), f"the resumed run published nothing:\n{log_text()[-4000:]}"
+        resumed = read_result(resumed_path)
+        assert resumed["start_round"] == start
+        assert [h["round"] for h in resumed["history"]] == list(range(start, 7))
+        assert "2" in resumed["history"][-1]["sat_out"], "the restarted organisation never reached its budget"
+        after = {}
+        for config in configs:
+            k = config["partition-id"]
+            after[k] = rows = _rows(config["ledger-path"], "fault")
+            assert {key: rows[key] for key in first[k]} == first[k], "the first run's rows are kept as they were"
+            new = sorted(r for (_, r, _) in set(rows) - set(first[k]))
+            assert all(released for (_, _, released) in rows.values()), "every charge marked, nothing else"
+            assert new == list(range(start, start + len(new))), f"organisation {k} released rounds {new}"
+            assert len(new) < 7 - start, f"organisation {k} released every round: its budget never refused one"
+            assert [h["round"] for h in resumed["history"] if str(k) in h["sat_out"]] == \
+                list(range(start + len(new), 7))
+            ledger = PrivacyLedger.open_existing(config["ledger-path"], "fault")
+            try:
+                assert ledger.epsilon(str(k)) <= privacy.epsilon * (1 + 1e-9)
+                last = max(ledger.charges(str(k)), key=lambda c: c.round)
+            finally:
+                ledger.close()
+            # the refusal was needed: one more round's charge, on a copy of the ledger, would exceed the budget
+            scratch = str(tmp_path / f"scratch{k}.sqlite")
+            shutil.copyfile(config["ledger-path"], scratch)
+            ledger = PrivacyLedger.open_existing(scratch, "fault")
+            try:
+                with pytest.raises(PrivacyBudgetExceeded):
+                    ledger.charge(str(k), 7, last.channel, last.event, last.unit)
+            finally:
+                ledger.close()
+            if k == 2:
+                assert new, "the restarted organisation took no part in the resumed run"
+
+        # a third launch of the run id: every one of its 3 rounds is released, so it is refused, naming the run
+        again_path = str(tmp_path / "again.bin")
+        dep.run(write_app(str(tmp_path / "app-again"), spec, result_path=again_path), timeout=RUN_TIMEOUT)
+        assert not os.path.exists(again_path)
+        assert "run 'fault'" in log_text() and "nothing is left to run" in log_text(), log_text()[-3000:]
+        assert {c["partition-id"]: _rows(c["ledger-path"], "fault") for c in configs} == after
     finally:
         dep.close()
-    assert not os.path.exists(result_path), "an aborted run must not publish a model"
-    log = open(os.path.join(dep.workdir, "flwr-run.log"), errors="replace").read()
-    assert "DeploymentError" in log and ("did not reply" in log or "failed" in log), log[-3000:]
-    assert released_rounds(configs[2]["ledger-path"]) == killed_after and max(killed_after) <= 1
-    for config in configs:
-        conn = sqlite3.connect(f"file:{config['ledger-path']}?mode=ro", uri=True)
-        try:
-            rounds = [r for (r,) in conn.execute("SELECT round FROM charges WHERE run_id='fault' ORDER BY round")]
-        finally:
-            conn.close()
-        assert rounds and max(rounds) <= 1, "no organisation was asked for a round after the aborted one"
-        ledger = PrivacyLedger.open_existing(config["ledger-path"], "fault")
-        try:
-            assert ledger.epsilon(str(config["partition-id"])) <= privacy.epsilon * (1 + 1e-9)
-        finally:
-            ledger.close()

@@ -139,6 +139,42 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
 
 
 @pytest.mark.timeout(400)
+def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path,
+                                                                                       repro_env):
+    """FOLA at client level: its two channels (the changes of the natural mean and of the precision) have norm
+    clips, so their quantiser ranges are public; each round runs secure_agg's stages over Flower messages and the
+    server's posterior equals the in-process run's up to quantisation (the same words on both runtimes)."""
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=13)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
+                            accountant="zcdp", secure_noise=False)
+    spec = RunSpec.of("fola", federation, fed, privacy, run_id="fola-secagg", node_wait=60,
+                      round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
+    configs = _write_orgs(federation, tmp_path)
+    reference = _reference(spec, tmp_path, repro_env)
+    assert reference["aborted"] == [False, False]
+    result_path = str(tmp_path / "result.bin")
+    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+        dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
+    if not os.path.exists(result_path):
+        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
+                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+    result = read_result(result_path)
+    assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
+    assert set(result["state"]) == set(reference["state"])
+    for key, expected in reference["state"].items():
+        got = np.asarray(result["state"][key])
+        np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9, err_msg=key)
+    assert result["noise_multipliers"] == reference["noise_multipliers"]
+    sim_clients = reference["audit"]["clients"]
+    channels = ["natural_mean_delta", "precision_delta"]
+    for k, config in enumerate(configs):
+        assert _rows(config["ledger-path"], spec.run_id) == [(r, c, 1) for r in (0, 1) for c in channels]
+        audit = _audit(config["ledger-path"], spec.run_id, k)
+        assert audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
+
+
+@pytest.mark.timeout(400)
 def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env):
     """SuperNode 2 is killed as soon as it has answered the share-keys stage (charged, not released): the round
     completes from the two survivors, whose shares of its mask key remove its masks. Its ledger keeps the charge,

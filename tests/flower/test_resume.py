@@ -1,0 +1,85 @@
+"""Resuming a run id on Flower, checked on privfl's ClientApp and ServerApp functions directly (no Flower process):
+a client refuses a round its own ledger has released, answers the rounds it released when asked, and the server
+refuses a resume that has nothing left to run or that would redraw seeded noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+
+from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.data import federated_from_arrays, load_digits  # noqa: E402
+from privfl.flower import app as flower_app  # noqa: E402
+from privfl.flower.app import (BROADCAST, IDENTIFY, QUERY, REPLY, SPEC_KEY, DeploymentError, RunSpec,  # noqa: E402
+                               client_identify, client_train)
+from privfl.flower.records import from_record, to_record  # noqa: E402
+
+
+@pytest.fixture
+def setting(tmp_path, monkeypatch):
+    # flwr builds a Message from the identity of the process's task, which a ServerApp or ClientApp process has
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_task_id", "_run_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    digits = load_digits(flatten=True)
+    parts = [digits.subset(np.arange(k * 60, (k + 1) * 60)) for k in range(2)]
+    federation = federated_from_arrays(parts, digits.subset(np.arange(200, 260)), name="digits2")
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=4)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="resume-unit")
+    data = str(tmp_path / "org0.npz")
+    np.savez(data, x=parts[0].x, y=parts[0].y)
+    node = {"partition-id": 0, "data-path": data, "ledger-path": str(tmp_path / "org0.sqlite")}
+    return spec, node
+
+
+def _context(spec, node):
+    return Context(run_id=1, node_id=1, node_config=dict(node), state=RecordDict(),
+                   run_config={SPEC_KEY: spec.to_json()})
+
+
+def _train(spec, node, rnd):
+    alg = flower_app._setup(spec)
+    broadcast = {"round": rnd, "noise_multipliers": flower_app._run_plan(alg, spec).noise_multipliers,
+                 "values": dict(alg.broadcast(rnd).values)}
+    msg = Message(to_record(broadcast, BROADCAST), dst_node_id=1, message_type="train")
+    return from_record(client_train(msg, _context(spec, node)).content, REPLY)
+
+
+def _released(spec, node):
+    msg = Message(to_record({"round": -1}, IDENTIFY), dst_node_id=1, message_type=QUERY)
+    return from_record(client_identify(msg, _context(spec, node)).content, IDENTIFY)["released"]
+
+
+def test_a_client_reports_its_released_rounds_and_refuses_to_release_one_again(setting):
+    spec, node = setting
+    assert _released(spec, node) == []  # no ledger yet
+    reply = _train(spec, node, 0)
+    assert not reply["sat_out"] and len(reply["releases"]) == 1
+    assert _released(spec, node) == [0]
+    with pytest.raises(DeploymentError, match="run 'resume-unit'.*already released round 0"):
+        _train(spec, node, 0)  # a new flwr run (a fresh Context.state) asking for the same round
+    assert _released(spec, node) == [0]
+    _train(spec, node, 1)
+    assert _released(spec, node) == [0, 1]
+    other = RunSpec.from_json(spec.to_json().replace('"resume-unit"', '"another-run"'))
+    assert _released(other, node) == []  # released rounds are per run id
+
+
+def test_the_server_refuses_a_resume_with_nothing_left_or_with_seeded_noise(setting):
+    spec, _ = setting
+    flower_app._check_resume(spec, 0)
+    flower_app._check_resume(spec, 2)  # secure noise: rounds 2.. can run
+    with pytest.raises(DeploymentError, match="run 'resume-unit'.*nothing is left to run"):
+        flower_app._check_resume(spec, 3)
+    import dataclasses
+
+    seeded = dataclasses.replace(spec, privacy=dataclasses.replace(spec.privacy, secure_noise=False))
+    flower_app._check_resume(seeded, 0)
+    with pytest.raises(DeploymentError, match="seeded noise"):
+        flower_app._check_resume(seeded, 1)
