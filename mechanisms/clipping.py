@@ -103,9 +103,14 @@ def _scale_rows(rows: np.ndarray, bound: float, *, own: bool = False) -> tuple[n
 
 def clip_per_client(value, bound: float, adjacency: str = "add_remove", *, owned: bool = False) -> ClipResult:
     """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP). The
-    result never shares memory with ``value``, unless ``owned``: the caller hands over a float64 array of its own
-    (the release pipeline's validated copy), which is then scaled in place."""
-    arr = check_finite("client upload", value)
+    result never shares memory with ``value``, unless ``owned``: the caller hands over a float64 array of its own,
+    already checked finite (the release pipeline's validated copy), which is then scaled in place."""
+    if owned:
+        if not (isinstance(value, np.ndarray) and value.dtype == np.float64):
+            raise InvalidRelease("an owned client upload must be the caller's float64 array")
+        arr = value
+    else:
+        arr = check_finite("client upload", value)
     bound = check_bound("clip bound", bound)
     if not owned and (arr is value or (isinstance(value, np.ndarray) and np.shares_memory(arr, value))):
         arr = arr.copy()  # the conversion made no copy: make the one the result owns
