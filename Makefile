@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 FLOWER_STAMP := $(VENV)/.installed-flower
 PIP_INSTALL := $(PY) -m pip install --quiet -c constraints.txt
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-all test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(STAMP)
 test: $(FLOWER_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "WARNING: pytest collected no tests"; exit 0; fi; exit $$rc
+
+# every test, the slow Flower deployments included (about 6 more minutes on 2 cores)
+test-all: $(FLOWER_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m 'slow or not slow' $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	for b in experiments/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

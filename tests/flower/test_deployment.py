@@ -112,12 +112,19 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
 
 
+# Each deployment takes a minute or more (every ClientApp call is a fresh process): these are `slow`, outside the
+# default run (CI's 20-minute budget), run by `make test-all`. FOLA under secure aggregation stays in the default run
+# (tests/flower/test_secure_deployment.py).
 @pytest.mark.parametrize("name, privacy", [
-    ("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)),
-    ("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)),
-    ("dpsgd_fedavg", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False)),
+    pytest.param("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
+                                       secure_noise=False), marks=pytest.mark.slow),
+    pytest.param("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False),
+                 marks=pytest.mark.slow),
+    pytest.param("dpsgd_fedavg", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0,
+                                               secure_noise=False), marks=pytest.mark.slow),
     # a client's own local model kept in its SuperNode's Context.state between rounds
-    ("hbfl", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)),
+    pytest.param("hbfl", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
+                                       secure_noise=False), marks=pytest.mark.slow),
 ], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client"])
 def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy):
     """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
@@ -139,6 +146,7 @@ def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_p
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_reference):
     """FedBNN with its public alignment set as a file every party reads (``RunSpec.alignment_path``; its labels are
     never read) and its options in the spec (a short warm-up and prior tuning): each client's personalised BNN stays
