@@ -4,19 +4,19 @@ Imports nothing of the rest of the project; see ``accounting.events``, ``account
 ``accounting.calibration``. The limits every entry point enforces are listed in ``accounting.validation``.
 """
 
-from privfl.accounting.errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
+from .errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
                                PrivacyError, UnsupportedEventError)
-from privfl.accounting.events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
+from .events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
                                PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
                                event_from_dict, flatten, rho_of)
-from privfl.accounting.accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
-from privfl.accounting.calibration import Calibration, calibrate, epsilon_for, round_event
+from .accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
+from .calibration import Calibration, calibrate, epsilon_for, round_event
 
 
 
 def __getattr__(name: str):  # the dp-accounting backends load on first use (privfl.accounting.accountants)
     if name in ("PLDAccountant", "RDPAccountant"):
-        from privfl.accounting import accountants
+        from . import accountants
 
         return getattr(accountants, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

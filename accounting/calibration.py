@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from privfl.accounting.accountants import ACCOUNTANTS, Accountant, make_accountant
-from privfl.accounting.accountants.analytic_gaussian import gaussian_mu
-from privfl.accounting.errors import InvalidPrivacyParameter, UnsupportedEventError
-from privfl.accounting.events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
-from privfl.accounting.rounds import round_events
-from privfl.accounting.validation import (MAX_TOL, MIN_SHARE_RATIO, MIN_TOL, check_count, check_delta,
+from .accountants import ACCOUNTANTS, Accountant, make_accountant
+from .accountants.analytic_gaussian import gaussian_mu
+from .errors import InvalidPrivacyParameter, UnsupportedEventError
+from .events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
+from .rounds import round_events
+from .validation import (MAX_TOL, MIN_SHARE_RATIO, MIN_TOL, check_count, check_delta,
                                    check_non_negative_finite, check_positive_finite, check_probability,
                                    check_relation, check_target_epsilon)
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from privfl.accounting.errors import InvalidPrivacyParameter
-from privfl.accounting.validation import (RELATIONS, check_count, check_positive_finite, check_probability,
+from .errors import InvalidPrivacyParameter
+from .validation import (RELATIONS, check_count, check_positive_finite, check_probability,
                                    check_relation)
 
 

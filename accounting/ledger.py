@@ -47,13 +47,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-from privfl.accounting.accountants import make_accountant
-from privfl.accounting.accountants.tree import unamplified_rho
-from privfl.accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
-from privfl.accounting.rounds import round_events
-from privfl.accounting.events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
+from .accountants import make_accountant
+from .accountants.tree import unamplified_rho
+from .errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
+from .rounds import round_events
+from .events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
                                SelfComposedEvent, event_from_dict, flatten)
-from privfl.accounting.validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
+from .validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
                                    check_unit)
 
 _SCHEMA = """

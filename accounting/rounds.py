@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from privfl.accounting.events import ComposedEvent, PoissonSampledEvent, PrivacyEvent
+from .events import ComposedEvent, PoissonSampledEvent, PrivacyEvent
 
 
 def round_events(charged: Iterable[tuple[int, PrivacyEvent]]) -> list[PrivacyEvent]:

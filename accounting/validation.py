@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from privfl.accounting.errors import InvalidLedgerArgument, InvalidPrivacyParameter
+from .errors import InvalidLedgerArgument, InvalidPrivacyParameter
 
 MIN_DELTA = 1e-100
 MIN_TARGET_EPSILON = 1e-6

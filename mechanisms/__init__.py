@@ -3,11 +3,11 @@
 Works on numpy arrays and privacy events only; knows nothing of models or federations.
 """
 
-from privfl.mechanisms.clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
+from .clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
                                  cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)
-from privfl.mechanisms.errors import InvalidRelease, ReleaseMisuse
-from privfl.mechanisms.gaussian import GaussianMechanism, gaussian_noise
-from privfl.mechanisms.noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
+from .errors import InvalidRelease, ReleaseMisuse
+from .gaussian import GaussianMechanism, gaussian_noise
+from .noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
 
 __all__ = [
     "ADJACENCIES", "ClipResult", "clip_per_client", "clip_per_example", "clip_rows", "clip_values",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privfl.mechanisms.errors import InvalidRelease
+from .errors import InvalidRelease
 
 ADJACENCIES = ("add_remove", "replace_one")
 

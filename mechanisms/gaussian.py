@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from privfl.accounting.events import GaussianEvent
-from privfl.mechanisms.clipping import check_finite
-from privfl.mechanisms.errors import InvalidRelease
-from privfl.mechanisms.noise import NoiseSource, as_noise_source
+from .clipping import check_finite
+from .errors import InvalidRelease
+from .noise import NoiseSource, as_noise_source
 
 
 def gaussian_noise(shape, std: float, source: NoiseSource | np.random.Generator | int | str,

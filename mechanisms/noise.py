@@ -50,7 +50,7 @@ from typing import Callable
 
 import numpy as np
 
-from privfl.mechanisms.errors import ReleaseMisuse
+from .errors import ReleaseMisuse
 
 RandomBytes = Callable[[int], bytes]
 

@@ -61,16 +61,16 @@ Security model (what holds, and what it needs):
   ``SessionConfig`` it receives carries the ``min_inputs`` it was charged for (``ClientSession(min_inputs=...)``).
 """
 
-from privfl.secure_agg.client import ClientSession
-from privfl.secure_agg.errors import ProtocolAbort, QuantisationRangeError
-from privfl.secure_agg.graph import default_degree, neighbour_graph
-from privfl.secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
-from privfl.secure_agg.messages import message_from_dict
-from privfl.secure_agg.params import ParameterError, Parameters, check_parameters, derive_parameters
-from privfl.secure_agg.protocol import STAGES, SessionConfig, default_threshold
-from privfl.secure_agg.quantize import Quantiser, noise_headroom
-from privfl.secure_agg.runtime import RoundResult, run_round
-from privfl.secure_agg.server import AggregateResult, ServerSession
+from .client import ClientSession
+from .errors import ProtocolAbort, QuantisationRangeError
+from .graph import default_degree, neighbour_graph
+from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+from .messages import message_from_dict
+from .params import ParameterError, Parameters, check_parameters, derive_parameters
+from .protocol import STAGES, SessionConfig, default_threshold
+from .quantize import Quantiser, noise_headroom
+from .runtime import RoundResult, run_round
+from .server import AggregateResult, ServerSession
 
 __all__ = [
     "run_round", "RoundResult", "Quantiser", "noise_headroom", "ProtocolAbort", "QuantisationRangeError",

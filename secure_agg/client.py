@@ -23,13 +23,13 @@ import json
 import numpy as np
 from cryptography.hazmat.primitives import serialization
 
-from privfl.secure_agg import identity as I
-from privfl.secure_agg import primitives as P
-from privfl.secure_agg import shamir
-from privfl.secure_agg.errors import ProtocolAbort
-from privfl.secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
+from . import identity as I
+from . import primitives as P
+from . import shamir
+from .errors import ProtocolAbort
+from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
                                  MaskedInput, RevealedShare, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
-from privfl.secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
+from .protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
                                  SessionConfig, survivor_set_problem)
 
 __all__ = ["ClientSession", "check_input_vector"]

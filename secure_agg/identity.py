@@ -19,7 +19,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from privfl.secure_agg.primitives import PROTOCOL_LABEL, encode_id
+from .primitives import PROTOCOL_LABEL, encode_id
 
 __all__ = ["IdentityRegistry", "generate_identity", "identity_public_bytes", "sign", "SIGNATURE_BYTES",
            "KEYS_PURPOSE", "INPUT_PURPOSE", "SURVIVORS_PURPOSE", "digest", "encode_ids"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from privfl.secure_agg import codec
-from privfl.secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
-from privfl.secure_agg.shamir import PRIME
+from . import codec
+from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
+from .shamir import PRIME
 
 __all__ = ["AdvertiseKeys", "PublicKeys", "KeyDirectory", "EncryptedShare", "ShareKeys", "ShareDelivery",
            "MaskedInput", "UnmaskRequest", "ConsistencySignature", "SignedBy", "ConsistencyProof", "RevealedShare",

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from privfl.secure_agg import codec, params
-from privfl.secure_agg.graph import default_degree, neighbour_graph
-from privfl.secure_agg.primitives import random_seed, word_dtype
+from . import codec, params
+from .graph import default_degree, neighbour_graph
+from .primitives import random_seed, word_dtype
 
 __all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK", "DONE", "SessionConfig",
            "default_threshold", "survivor_set_problem", "component_of"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privfl.secure_agg.errors import QuantisationRangeError
+from .errors import QuantisationRangeError
 
 __all__ = ["Quantiser", "noise_headroom"]
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from privfl.secure_agg.client import ClientSession
-from privfl.secure_agg.errors import ProtocolAbort
-from privfl.secure_agg.identity import IdentityRegistry, generate_identity, identity_public_bytes
-from privfl.secure_agg.protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
-from privfl.secure_agg.server import ServerSession
+from .client import ClientSession
+from .errors import ProtocolAbort
+from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
+from .server import ServerSession
 
 __all__ = ["run_round", "RoundResult"]
 

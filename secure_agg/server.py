@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privfl.secure_agg import identity as I
-from privfl.secure_agg import primitives as P
-from privfl.secure_agg import shamir
-from privfl.secure_agg.errors import ProtocolAbort
-from privfl.secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
+from . import identity as I
+from . import primitives as P
+from . import shamir
+from .errors import ProtocolAbort
+from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
                                  PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest, UnmaskShares)
-from privfl.secure_agg.protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
+from .protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
                                  component_of)
 
 __all__ = ["ServerSession", "AggregateResult"]

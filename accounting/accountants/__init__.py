@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 
-from privfl.accounting.accountants.base import Accountant
-from privfl.accounting.accountants.exact import ExactAccountant
-from privfl.accounting.accountants.zcdp import ZCDPAccountant
-from privfl.accounting.errors import InvalidPrivacyParameter
+from .base import Accountant
+from .exact import ExactAccountant
+from .zcdp import ZCDPAccountant
+from ..errors import InvalidPrivacyParameter
 
 #: backends built on dp-accounting, imported on first use (dp-accounting takes ~0.6 s to import; a closed-form
 #: calibration or an exact-accountant audit never needs it)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import abc
 import copy
 
-from privfl.accounting.errors import UnsupportedEventError
-from privfl.accounting.events import PrivacyEvent
+from ..errors import UnsupportedEventError
+from ..events import PrivacyEvent
 
 
 class Accountant(abc.ABC):
@@ -45,7 +45,7 @@ class Accountant(abc.ABC):
 
     def compose(self, event: PrivacyEvent, count: int = 1) -> "Accountant":
         """Compose ``event`` ``count`` times; raises :class:`UnsupportedEventError` with the state unchanged."""
-        from privfl.accounting.validation import check_count
+        from ..validation import check_count
 
         count = check_count("count", count)
         if not isinstance(event, PrivacyEvent):

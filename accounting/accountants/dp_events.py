@@ -21,7 +21,7 @@ import math
 
 import dp_accounting
 
-from privfl.accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
+from ..events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
                                PrivacyEvent, SelfComposedEvent, ZCDPEvent, flatten)
 
 _MU_NON_PRIVATE = 1e50

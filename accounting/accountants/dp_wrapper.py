@@ -10,11 +10,11 @@ import math
 
 import dp_accounting
 
-from privfl.accounting.accountants.base import Accountant
-from privfl.accounting.accountants.dp_events import has_replace_one_sampling, to_dp_event
-from privfl.accounting.errors import InvalidPrivacyParameter
-from privfl.accounting.events import PrivacyEvent
-from privfl.accounting.validation import check_delta, check_non_negative_finite
+from .base import Accountant
+from .dp_events import has_replace_one_sampling, to_dp_event
+from ..errors import InvalidPrivacyParameter
+from ..events import PrivacyEvent
+from ..validation import check_delta, check_non_negative_finite
 
 
 class DpAccountingAccountant(Accountant):

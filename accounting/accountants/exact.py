@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from privfl.accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
-from privfl.accounting.accountants.base import Accountant
-from privfl.accounting.accountants.tree import unsampled_leaves
-from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PrivacyEvent
-from privfl.accounting.validation import check_delta, check_non_negative_finite
+from .analytic_gaussian import gaussian_delta, gaussian_epsilon
+from .base import Accountant
+from .tree import unsampled_leaves
+from ..events import GaussianEvent, NonPrivateEvent, PrivacyEvent
+from ..validation import check_delta, check_non_negative_finite
 
 
 class ExactAccountant(Accountant):

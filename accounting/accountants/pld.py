@@ -48,12 +48,12 @@ from dp_accounting import NeighboringRelation
 from dp_accounting.pld import privacy_loss_distribution as dp_pld
 from scipy import special
 
-from privfl.accounting.accountants.analytic_gaussian import gaussian_delta, gaussian_epsilon
-from privfl.accounting.accountants.base import Accountant
-from privfl.accounting.errors import InvalidPrivacyParameter
-from privfl.accounting.events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
+from .analytic_gaussian import gaussian_delta, gaussian_epsilon
+from .base import Accountant
+from ..errors import InvalidPrivacyParameter
+from ..events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
                                PrivacyEvent, SelfComposedEvent, flatten)
-from privfl.accounting.validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
+from ..validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
                                    check_positive_finite)
 
 DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-3

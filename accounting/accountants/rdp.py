@@ -22,12 +22,12 @@ import numpy as np
 from dp_accounting import rdp as dp_rdp
 from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp_conversions
 
-from privfl.accounting.accountants.dp_wrapper import DpAccountingAccountant, clamp_answer
-from privfl.accounting.accountants.tree import unamplified_rho
-from privfl.accounting.accountants.zcdp import optimal_delta, optimal_epsilon
-from privfl.accounting.errors import InvalidPrivacyParameter
-from privfl.accounting.events import PrivacyEvent
-from privfl.accounting.validation import (MAX_RDP_ORDER, MAX_RDP_ORDER_SUM, MAX_RDP_ORDERS, check_delta,
+from .dp_wrapper import DpAccountingAccountant, clamp_answer
+from .tree import unamplified_rho
+from .zcdp import optimal_delta, optimal_epsilon
+from ..errors import InvalidPrivacyParameter
+from ..events import PrivacyEvent
+from ..validation import (MAX_RDP_ORDER, MAX_RDP_ORDER_SUM, MAX_RDP_ORDERS, check_delta,
                                    check_non_negative_finite, check_positive_finite)
 
 # Fine steps near 1 (large epsilon), every integer to 128, then a geometric tail to ~2500 (small rho or small q).

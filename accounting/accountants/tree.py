@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent, ZCDPEvent, flatten
+from ..events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent, ZCDPEvent, flatten
 
 
 def unsampled_leaves(event: PrivacyEvent) -> list[tuple[PrivacyEvent, int]]:

@@ -20,10 +20,10 @@ import math
 import numpy as np
 from scipy import optimize
 
-from privfl.accounting.accountants.base import Accountant
-from privfl.accounting.accountants.tree import unsampled_leaves
-from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PrivacyEvent, ZCDPEvent
-from privfl.accounting.validation import check_delta, check_non_negative_finite
+from .base import Accountant
+from .tree import unsampled_leaves
+from ..events import GaussianEvent, NonPrivateEvent, PrivacyEvent, ZCDPEvent
+from ..validation import check_delta, check_non_negative_finite
 
 # alpha = 1 + t; a log-spaced grid of t locates the optimum, a bounded 1-D search refines it. Any alpha is sound.
 _T_GRID = np.logspace(-12.0, 14.0, 521)
