@@ -46,7 +46,9 @@ def check_finite(name: str, value) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float64)
     # A finite sum has no NaN or infinite term (either would make it NaN or infinite): one pass, no temporary. Only a
     # non-finite sum (a bad entry, or finite entries whose sum overflows) needs the entry-by-entry look.
-    if not np.isfinite(np.add.reduce(arr, axis=None)) and not np.all(np.isfinite(arr)):
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(arr, axis=None)
+    if not np.isfinite(total) and not np.all(np.isfinite(arr)):
         bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
         raise InvalidRelease(f"{name} has {bad} non-finite entries (NaN or Inf); fix the computation that produced it "
                              f"(e.g. lower the learning rate) — nothing was released")
@@ -96,15 +98,19 @@ def _scale_rows(rows: np.ndarray, bound: float, *, own: bool = False) -> tuple[n
     scale = np.ones_like(norms)
     np.divide(bound, norms, out=scale, where=over)
     if own:
-        rows *= scale[:, None]
+        with np.errstate(invalid="ignore"):  # an Inf entry times the zero scale is NaN: the owner's check sees it
+            rows *= scale[:, None]
         return rows, over, norms
     return rows * scale[:, None], over, norms
 
 
 def clip_per_client(value, bound: float, adjacency: str = "add_remove", *, owned: bool = False) -> ClipResult:
     """Clip a client's whole upload (any shape, flattened for the norm) to L2 norm ``bound`` (user-level DP). The
-    result never shares memory with ``value``, unless ``owned``: the caller hands over a float64 array of its own,
-    already checked finite (the release pipeline's validated copy), which is then scaled in place."""
+    result never shares memory with ``value``, unless ``owned``: the caller hands over a float64 array of its own
+    (the release pipeline's validated copy), which is then scaled in place. An owned array is checked finite through
+    its norm, the pass the clip makes anyway: a NaN or Inf entry makes the norm non-finite and survives the scaling
+    (Inf times the zero scale is NaN), so a non-finite norm whose scaled result is not all finite raises
+    :class:`InvalidRelease`; finite entries whose squares overflow scale to zero, as unowned uploads do."""
     if owned:
         if not (isinstance(value, np.ndarray) and value.dtype == np.float64):
             raise InvalidRelease("an owned client upload must be the caller's float64 array")
@@ -115,6 +121,8 @@ def clip_per_client(value, bound: float, adjacency: str = "add_remove", *, owned
     if not owned and (arr is value or (isinstance(value, np.ndarray) and np.shares_memory(arr, value))):
         arr = arr.copy()  # the conversion made no copy: make the one the result owns
     flat, clipped, norms = _scale_rows(arr.reshape(1, -1), bound, own=True)
+    if owned and not math.isfinite(float(norms[0])):
+        check_finite("client upload", flat)
     return ClipResult(flat.reshape(arr.shape), clipped, norms, bound, sum_sensitivity(bound, adjacency))
 
 

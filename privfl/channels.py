@@ -172,6 +172,11 @@ class Channel:
 
     ``value_bound``: a public bound on every coordinate's magnitude (before noise), used to size the quantisation
     range under secure aggregation; a :class:`NormClip` implies it (C).
+
+    ``record_sampling_rate``: a record-level channel whose value is a sum over a Poisson sample of the client's
+    records, each included with this public probability q, declares q (DP-FedSGD's clipped gradient sums). The
+    release is then the sampled Gaussian ``PoissonSampled(q, Gaussian(sensitivity, noise))`` under the channel's
+    relation: charged so by the pipeline and calibrated so by the run plan. 1: no record sampling.
     """
 
     name: str
@@ -182,6 +187,7 @@ class Channel:
     budget_share: float = 1.0
     symmetric: bool = False
     value_bound: float | None = None
+    record_sampling_rate: float = 1.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -200,6 +206,18 @@ class Channel:
             raise InvalidRelease(f"channel {self.name}: value_bound must be a finite number > 0 or None")
         if self.symmetric and (len(self.shape) != 2 or self.shape[0] != self.shape[1]):
             raise InvalidRelease(f"channel {self.name}: symmetric needs a square shape, got {self.shape}")
+        q = self.record_sampling_rate
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1:
+            raise InvalidRelease(f"channel {self.name}: record_sampling_rate must lie in (0, 1], got {q!r}")
+        object.__setattr__(self, "record_sampling_rate", float(q))
+        if q < 1 and self.unit != "example":
+            raise InvalidRelease(f"channel {self.name}: record sampling bounds a record's influence; it needs "
+                                 f"unit='example', got {self.unit!r}")
+
+    @property
+    def record_sampled(self) -> bool:
+        """Whether the value is a sum over a Poisson sample of records (``record_sampling_rate`` < 1)."""
+        return self.record_sampling_rate < 1.0
 
     @property
     def sensitivity(self) -> float:
@@ -219,8 +237,13 @@ class Channel:
     def private(self) -> bool:
         return not isinstance(self.clip, Unclipped)
 
-    def validate(self, value) -> np.ndarray | ClippedValue:
-        """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel."""
+    def validate(self, value, *, defer_finite: bool = False) -> np.ndarray | ClippedValue:
+        """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel.
+
+        ``defer_finite``: a float32 array converted here to a float64 copy is not checked for finiteness; the caller
+        (the release pipeline, for a norm-clipped channel) hands that copy to the norm clip, which checks it through
+        the norm it computes anyway (``mechanisms.clipping.clip_per_client(owned=True)``). Any other value is
+        checked here as always."""
         raw = value.value if isinstance(value, (ClippedValue, PrivatizedValue)) else value
         # An unclipped (non-private) float32 value stays float32 (no copy): nothing about it needs float64. Anything
         # clipped or noised is float64 from here on, so that its clip and its noise hold as computed.
@@ -231,7 +254,7 @@ class Channel:
             raise InvalidRelease(f"channel {self.name}: expected shape {self.shape}, got {arr.shape}; nothing was "
                                  f"released")
         # float32 values are checked before conversion (half the bytes; the conversion keeps finiteness exactly)
-        if not _all_finite(raw if is32 else arr):
+        if not (defer_finite and is32 and arr is not raw) and not _all_finite(raw if is32 else arr):
             raise InvalidRelease(f"channel {self.name}: value has NaN or Inf entries; nothing was released "
                                  f"(check the local training, e.g. lower the learning rate)")
         if isinstance(value, ClippedValue):

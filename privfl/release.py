@@ -173,9 +173,15 @@ class ReleasePipeline:
             if name not in self.distributed_events:
                 raise InvalidRelease(f"no distributed-noise event planned for channel {name}")
             return self.distributed_events[name]
+        channel = self.channels[name]
         event: PrivacyEvent = GaussianEvent(mech.sensitivity, mech.noise_std)
+        if channel.record_sampled:  # a sum over a Poisson sample of records (Channel.record_sampling_rate)
+            if self.amplified:
+                raise InvalidRelease(f"channel {name}: record sampling and amplifying client sampling cannot be "
+                                     "composed into one event; use sampling_rate=1")
+            return PoissonSampledEvent(channel.record_sampling_rate, event, relation=channel.adjacency)
         if self.amplified:
-            event = PoissonSampledEvent(self.sampling_rate, event, relation=self.channels[name].adjacency)
+            event = PoissonSampledEvent(self.sampling_rate, event, relation=channel.adjacency)
         return event
 
     @property
@@ -206,10 +212,15 @@ class ReleasePipeline:
     @staticmethod
     def _clip(channel: Channel, validated, raw):
         """The channel's clip of its validated value; a norm clip scales in place the float64 copy validation made
-        (never the algorithm's own array: when validation made no copy, the clip makes one)."""
+        (never the algorithm's own array: when validation made no copy, the clip makes one). A float32 upload's copy
+        is checked finite by that clip's norm (``Channel.validate(defer_finite=True)``), before anything is
+        charged."""
         if isinstance(channel.clip, NormClip) and isinstance(validated, np.ndarray) and validated is not raw and not (
                 isinstance(raw, np.ndarray) and np.shares_memory(validated, raw)):
-            return channel.clip.apply(validated, owned=True)
+            try:
+                return channel.clip.apply(validated, owned=True)
+            except InvalidRelease as exc:
+                raise InvalidRelease(f"channel {channel.name}: {exc}") from None
         return channel.clip.apply(validated)
 
     def release(self, round: int, values: Mapping[str, object], weight: float = 1.0, *,
@@ -225,7 +236,8 @@ class ReleasePipeline:
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
         # 1. validate, 2. clip — before anything is charged.
-        validated = {name: ch.validate(values[name]) for name, ch in self.channels.items()}
+        validated = {name: ch.validate(values[name], defer_finite=isinstance(ch.clip, NormClip))
+                     for name, ch in self.channels.items()}
         clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
         # 3. charge, atomically for the round.
         charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated))}

@@ -39,12 +39,25 @@ def test_release_clips_charges_then_noises(tmp_path):
 
 
 @pytest.mark.parametrize("value", [np.array([1.0, np.nan, 0.0]), np.array([np.inf, 0.0, 0.0]), np.ones(4),
-                                   np.ones((3, 1))])
+                                   np.ones((3, 1)),
+                                   # float32: checked finite by the norm clip of the float64 copy (deferred check)
+                                   np.array([1.0, np.nan, 0.0], dtype=np.float32),
+                                   np.array([np.inf, 0.0, 0.0], dtype=np.float32),
+                                   np.array([-np.inf, np.inf, np.nan], dtype=np.float32)])
 def test_invalid_values_release_and_charge_nothing(tmp_path, value):
     led, pipe = make(tmp_path)
-    with pytest.raises(InvalidRelease):
+    with pytest.raises(InvalidRelease, match="channel update" if value.shape == (3,) else None):
         pipe.release(0, {"update": value})
     assert led.charges() == []
+
+
+def test_float32_upload_is_clipped_exactly_and_left_untouched(tmp_path):
+    led, pipe = make(tmp_path, placement="central")  # central: the pipeline hands over the clipped value as it is
+    raw = np.array([3.0, 4.0, 0.0], dtype=np.float32)
+    out = pipe.release(0, {"update": raw})["update"]
+    assert out.value.dtype == np.float64 and np.array_equal(out.value, np.array([3.0, 4.0, 0.0]) * (1.0 / 5.0))
+    assert np.array_equal(raw, np.array([3.0, 4.0, 0.0], dtype=np.float32))  # the algorithm's array is never touched
+    assert len(led.charges()) == 1
 
 
 def test_missing_or_undeclared_channels_are_refused(tmp_path):
