@@ -29,7 +29,10 @@ values. The one exception is a non-private run (``epsilon = inf``, nothing claim
 the range its own value needs (:func:`announced_half_width`) and the largest is used; a deployment refuses it.
 
 Distributed noise is planned for the channel's sensitivity under its own relation (add/remove: C; replace one: 2C,
-and two independent roundings), so the charged zCDP event is the one of the relation the run declares.
+and two independent roundings), so the charged zCDP event is the one of the relation the run declares. A channel that
+is a sum over a Poisson sample of records (record-level DP-FedSGD) is planned by
+:func:`plan_distributed_noise_sampled` / :func:`calibrate_distributed_sampled`: the round is charged
+``PoissonSampledEvent(q, ZCDPEvent(rho))``, which the rdp accountant bounds (Zhu and Wang 2019, Theorem 6).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from privfl.accounting.calibration import calibrate, calibrate_noise
-from privfl.accounting.events import ComposedEvent, GaussianEvent, PrivacyEvent, SelfComposedEvent
+from privfl.accounting.accountants.analytic_gaussian import gaussian_mu
+from privfl.accounting.calibration import calibrate, calibrate_noise, clt_noise_multiplier
+from privfl.accounting.validation import check_count, check_delta, check_probability, check_target_epsilon
+from privfl.accounting.events import (ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent,
+                                     SelfComposedEvent)
 from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, local_sigma, sample_discrete_gaussian
 from privfl.mechanisms.gaussian import gaussian_noise
 from privfl.mechanisms.noise import NoiseSource, as_noise_source
@@ -52,6 +58,11 @@ from privfl.public import private_rng
 from privfl.release import Release
 from privfl.secure_agg import ProtocolAbort, Quantiser, noise_headroom, run_round
 from privfl.secure_agg.params import ParameterError
+
+
+# Aim a hair below the target: the ledger composes round by round, which can differ from the count-composition
+# searched here in the last digits.
+_LEDGER_MARGIN = 1e-6
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,10 @@ class SecureAggregation:
 @dataclass(frozen=True)
 class DistributedNoise:
     """The plan of one channel's distributed noise: the quantiser every client uses, the std of the discrete Gaussian
-    share each client adds (integer units), and the zCDP event charged for it (Kairouz, Liu, Steinke 2021 bound, for
-    any number of summed shares between ``n_min`` and ``n_max``; rounds with fewer survivors abort)."""
+    share each client adds (integer units), and the event charged for it per round (Kairouz, Liu, Steinke 2021 bound,
+    for any number of summed shares between ``n_min`` and ``n_max``; rounds with fewer survivors abort): a
+    ``ZCDPEvent`` (:func:`plan_distributed_noise`), or ``PoissonSampledEvent(q, ZCDPEvent)`` for a sum over a
+    Poisson sample of records (:func:`plan_distributed_noise_sampled`)."""
 
     quantiser: Quantiser
     local_sigma: float
@@ -139,6 +152,18 @@ def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float
     if relation not in ("add_remove", "replace_one"):
         raise ConfigurationError(f"relation must be add_remove or replace_one, got {relation!r}")
     sensitivity = bound if sensitivity is None else float(sensitivity)
+    quantiser, share = _size_distributed_noise(bound, sensitivity, noise_multiplier, n_max, n_min, bits)
+    rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension, replace_one=relation == "replace_one")
+    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
+                                                dimension=dimension)
+    return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event)
+
+
+def _size_distributed_noise(bound: float, sensitivity: float, noise_multiplier: float, n_max: int, n_min: int,
+                            bits: int) -> tuple[Quantiser, float]:
+    """(quantiser on [-bound, bound], per-client share sigma in integer units) such that ``n_min`` shares sum to noise
+    of std ``noise_multiplier * sensitivity`` and a sum of ``n_max`` inputs plus 10 standard deviations of the
+    largest noise sum cannot wrap."""
     ratio = sensitivity / bound  # noise std in units of the range's half-width
     spread = 10.0 * noise_multiplier * ratio * math.sqrt(n_max / n_min)
     levels = int((2 ** (bits - 1) - 2) // (n_max + spread + 1))
@@ -150,11 +175,84 @@ def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float
     sigma_total = noise_multiplier * ratio * levels
     quantiser = Quantiser(low=-bound, high=bound, bits=bits, n_clients=n_max, step=step,
                           noise_headroom=noise_headroom(sigma_total * math.sqrt(n_max / n_min)))
-    share = local_sigma(sigma_total, n_min)
-    rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension, replace_one=relation == "replace_one")
-    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
-                                                dimension=dimension)
-    return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event)
+    return quantiser, local_sigma(sigma_total, n_min)
+
+
+def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
+                                   bits: int, *, clip: float, sampling_rate: float) -> DistributedNoise:
+    """Distributed noise for a sum over a Poisson sample of records (record-level DP, add/remove, e.g. DP-FedSGD):
+    each client releases sum_{i in S} clip_C(g_i), S a Poisson sample of its records at rate ``sampling_rate``,
+    coordinate-clipped to the public range [-bound, bound], stochastically rounded, plus its discrete-Gaussian
+    share; ``n_min`` shares sum to noise of std ``noise_multiplier * clip``. ``.event``, charged per round, is
+    ``PoissonSampledEvent(sampling_rate, ZCDPEvent(rho))`` (composed by the rdp accountant).
+
+    Sensitivity. Adding or removing one record moves the client's real sum by its clipped gradient, L2 norm <= clip;
+    the coordinate clip of the sum to [-bound, bound] is 1-Lipschitz in each coordinate, so it cannot increase that
+    L2 distance. The client still sends a sum, with or without the record, and both are stochastically rounded, each
+    coordinate moving by less than one step: the integer vectors differ by less than clip/step + 2 sqrt(d), the
+    replace-one form of ``Quantiser.rounded_l2_sensitivity`` (not the + sqrt(d) of a whole upload added or removed).
+    rho is the Kairouz-Liu-Steinke bound of the sum of n shares at that sensitivity, the largest over n in
+    [n_min, n_max] (rounds with fewer survivors abort), and the record's membership of the Poisson sample gives the
+    amplification the accountant applies. ``bound`` sizes the quantiser as in :func:`plan_distributed_noise`.
+    """
+    if not 1 <= n_min <= n_max:
+        raise ConfigurationError(f"need 1 <= min survivors <= clients, got {n_min} and {n_max}")
+    for name, value in (("bound", bound), ("clip", clip), ("noise_multiplier", noise_multiplier)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float)) or not 0 < sampling_rate <= 1:
+        raise ConfigurationError(f"the record sampling rate must lie in (0, 1], got {sampling_rate!r}")
+    quantiser, share = _size_distributed_noise(float(bound), float(clip), float(noise_multiplier), n_max, n_min, bits)
+    rounded = quantiser.rounded_l2_sensitivity(float(clip), dimension, replace_one=True)
+    zcdp = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
+                                               dimension=dimension)
+    return DistributedNoise(quantiser, share, float(noise_multiplier), n_min, n_max,
+                            PoissonSampledEvent(float(sampling_rate), zcdp))
+
+
+def _survivor_floor(config: "SecureAggregation", n_clients: int) -> int:
+    """The number of noise shares a plan is calibrated for (``min_survivors``, else every client); refuses, before
+    the run, a dropout that leaves fewer survivors than that (every round would abort)."""
+    survivors = config.survivors(n_clients)
+    if config.min_survivors is None and survivors < n_clients:
+        raise ConfigurationError(
+            f"distributed noise with dropout {config.dropout:g}: {survivors} of {n_clients} clients survive a round, "
+            f"fewer than the {n_clients} noise shares the noise would be calibrated for, so every round would abort; "
+            f"set --min-survivors to at most {survivors} (the noise is then calibrated for that many shares)")
+    if config.min_survivors is not None and config.min_survivors > survivors:
+        raise ConfigurationError(
+            f"--min-survivors {config.min_survivors} exceeds the {survivors} of {n_clients} clients that survive a "
+            f"dropout of {config.dropout:g}, so every round would abort; set --min-survivors to at most {survivors}")
+    return config.min_survivors or n_clients
+
+
+def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sampling_rate: float, bound: float,
+                                  dimension: int, clip: float, n_clients: int, config: "SecureAggregation"
+                                  ) -> DistributedNoise:
+    """The record-sampled distributed plan (:func:`plan_distributed_noise_sampled`) with the smallest noise
+    multiplier whose ``rounds``-fold composition of ``PoissonSampledEvent(sampling_rate, ZCDPEvent(rho))`` meets
+    (epsilon, delta) under the rdp accountant: the one search (``accounting.calibration.calibrate_noise``), started
+    from the central-limit estimate of the continuous Poisson-sampled Gaussian's (``clt_noise_multiplier``). The
+    answer is never below the continuous sampled Gaussian's noise multiplier under rdp: the KLS rho is at least the
+    continuous one, and Zhu and Wang's bound at least the sampled Gaussian's RDP. ``n_clients``: the
+    clients summed at most; the survivor floor is ``config.min_survivors`` (else every client), checked against the
+    dropout as in :func:`calibrate_distributed`. Never overshoots the target.
+    """
+    epsilon, delta = check_target_epsilon(epsilon), check_delta(delta)
+    rounds, sampling_rate = check_count("rounds", rounds), check_probability("sampling_rate", sampling_rate)
+    n_min = _survivor_floor(config, n_clients)
+    guess = clt_noise_multiplier(gaussian_mu(epsilon, delta), sampling_rate, rounds)
+
+    def plan(m: float) -> DistributedNoise:
+        return plan_distributed_noise_sampled(bound, dimension, m, n_clients, n_min, config.bits, clip=clip,
+                                              sampling_rate=sampling_rate)
+
+    def run_events(m: float) -> PrivacyEvent:
+        return SelfComposedEvent(plan(m).event, rounds)
+
+    m, _ = calibrate_noise(run_events, epsilon * (1.0 - _LEDGER_MARGIN), delta, "rdp", guess=guess, step=1.1,
+                           tol=1e-6)
+    return plan(m)
 
 
 def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: float, rounds: int, n_clients: int,
@@ -170,18 +268,8 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     for c in private:
         if c.coordinate_bound is None or len(c.shape) != 1:
             raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a norm clip")
-    survivors = config.survivors(n_clients)
-    if config.min_survivors is None and survivors < n_clients:
-        raise ConfigurationError(
-            f"distributed noise with dropout {config.dropout:g}: {survivors} of {n_clients} clients survive a round, "
-            f"fewer than the {n_clients} noise shares the noise would be calibrated for, so every round would abort; "
-            f"set --min-survivors to at most {survivors} (the noise is then calibrated for that many shares)")
-    if config.min_survivors is not None and config.min_survivors > survivors:
-        raise ConfigurationError(
-            f"--min-survivors {config.min_survivors} exceeds the {survivors} of {n_clients} clients that survive a "
-            f"dropout of {config.dropout:g}, so every round would abort; set --min-survivors to at most {survivors}")
+    n_min = _survivor_floor(config, n_clients)
     cal = calibrate(epsilon, delta, rounds, channels={c.name: c.budget_share for c in private}, accountant="zcdp")
-    n_min = config.min_survivors or n_clients
     plans = {}
     for c in private:
         def plan(m: float, c=c) -> DistributedNoise:

@@ -2,7 +2,8 @@
 
 - ``exact``: unsampled Gaussian compositions, converted exactly (Gaussian DP + analytic Gaussian).
 - ``zcdp``: rho adds; optimal zCDP-to-DP conversion.
-- ``rdp``: dp-accounting's Renyi-DP accountant (sampled Gaussians, zCDP events).
+- ``rdp``: dp-accounting's Renyi-DP accountant (sampled Gaussians, zCDP events), plus Poisson-sampled zCDP events
+  (Zhu and Wang 2019, Theorem 6; ``sampled_zcdp``).
 - ``pld``: dp-accounting's privacy-loss-distribution accountant (sampled Gaussians; tightest with sampling).
 """
 

@@ -36,8 +36,8 @@ class Accountant(abc.ABC):
             return None
         return (f"the {self.name!r} accountant cannot compose a {event.mechanism!r} event; "
                 f"choose an accountant that supports it (exact: unsampled Gaussians; pld: sampled Gaussians under "
-                f"add/remove or replace-one; rdp: add/remove-sampled Gaussians and zCDP events; zcdp: Gaussian and "
-                f"zCDP events)")
+                f"add/remove or replace-one; rdp: add/remove-sampled Gaussians, zCDP events and add/remove Poisson-"
+                f"sampled zCDP events; zcdp: unsampled Gaussian and zCDP events)")
 
     @abc.abstractmethod
     def _compose(self, event: PrivacyEvent, count: int) -> None:

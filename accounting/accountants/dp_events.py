@@ -65,7 +65,7 @@ def to_dp_event(event: PrivacyEvent, *, allow_zcdp: bool) -> dp_accounting.DpEve
 def _sampled_gaussian(event: PoissonSampledEvent) -> dp_accounting.DpEvent | None:
     leaves = flatten(event.event)
     if not all(isinstance(leaf, (GaussianEvent, NonPrivateEvent)) for leaf, _ in leaves):
-        return None  # zCDP-only, nested sampling or unsupported inside a sample: no exact treatment here
+        return None  # zCDP inside a sample (the rdp accountant bounds it itself), nested sampling or unsupported
     if any(isinstance(leaf, NonPrivateEvent) for leaf, _ in leaves):
         return dp_accounting.NonPrivateDpEvent()  # sound: a sampled non-private release is charged as non-private
     mu_squared = sum(count * leaf.mu * leaf.mu for leaf, count in leaves)  # products overflow to inf, ** raises

@@ -52,7 +52,7 @@ from .analytic_gaussian import gaussian_delta, gaussian_epsilon
 from .base import Accountant
 from ..errors import InvalidPrivacyParameter
 from ..events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
-                               PrivacyEvent, SelfComposedEvent, flatten)
+                               PrivacyEvent, SelfComposedEvent, ZCDPEvent, flatten)
 from ..validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
                                    check_positive_finite)
 
@@ -249,6 +249,11 @@ def _plan(event: PrivacyEvent) -> _Plan | str:
 
     def sampled(e: PoissonSampledEvent, count: int) -> str | None:
         leaves = flatten(e.event)
+        if any(isinstance(leaf, ZCDPEvent) for leaf, _ in leaves):
+            return (f"the pld accountant cannot compose {e.mechanism!r}: a Poisson-sampled mechanism known only to be "
+                    "zCDP (e.g. distributed discrete Gaussian noise on a record sample) has no privacy loss "
+                    "distribution; use the rdp accountant (accountant='rdp'), which bounds it with Zhu and Wang's "
+                    "Poisson-subsampled RDP bound")
         if not all(isinstance(leaf, (GaussianEvent, NonPrivateEvent)) for leaf, _ in leaves):
             return (f"the pld accountant composes Poisson-sampled Gaussian releases only, not {e.mechanism!r} "
                     "(zCDP-only, nested sampling or unsupported mechanisms inside a sample have no exact treatment)")

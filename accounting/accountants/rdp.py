@@ -9,6 +9,13 @@ Conversions use RDP(alpha) capped by rho alpha, with rho the composition's zCDP 
 never costs privacy, so that is an upper bound at every order). An order whose computed RDP is negative or NaN (the
 sampled Gaussian's series cancels for extreme noise) keeps only that cap: dp-accounting would report epsilon = 0
 for it, which is not a bound at small delta.
+
+Poisson-sampled zCDP. dp-accounting has no event for a Poisson-sampled mechanism known only to be rho-zCDP (a sum of
+distributed discrete Gaussians under secure aggregation, sampled per record). ``PoissonSampledEvent(q, E)`` under
+add/remove, where ``E``'s leaves are zCDP events (and Gaussians: a composition on one sample is rho-zCDP with the
+summed rho), is charged here with Zhu and Wang's general bound (``sampled_zcdp``) at integer orders and rho alpha at
+fractional ones, into a side array of RDP values that adds, per order, to dp-accounting's own. Nested sampling,
+unsupported mechanisms or replace-one inside such a sample are refused by name.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ import numpy as np
 from dp_accounting import rdp as dp_rdp
 from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp_conversions
 
+from .dp_events import to_dp_event
 from .dp_wrapper import DpAccountingAccountant, clamp_answer
+from .sampled_zcdp import poisson_sampled_zcdp_rdp
 from .tree import unamplified_rho
 from .zcdp import optimal_delta, optimal_epsilon
 from ..errors import InvalidPrivacyParameter
-from ..events import PrivacyEvent
+from ..events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
+                      SelfComposedEvent, UnsupportedEvent, ZCDPEvent, flatten)
 from ..validation import (MAX_RDP_ORDER, MAX_RDP_ORDER_SUM, MAX_RDP_ORDERS, check_delta,
                                    check_non_negative_finite, check_positive_finite)
 
@@ -63,7 +73,8 @@ def _quiet_non_convergence():
 
 
 class RDPAccountant(DpAccountingAccountant):
-    """Renyi-DP accountant (dp-accounting ``RdpAccountant``): unsampled and add/remove-sampled Gaussians, zCDP events.
+    """Renyi-DP accountant (dp-accounting ``RdpAccountant``): unsampled and add/remove-sampled Gaussians, zCDP events,
+    and add/remove Poisson-sampled zCDP events (Zhu and Wang 2019, Theorem 6; ``sampled_zcdp``).
 
     Replace-one sampled events are refused (dp-accounting has no replace-one sampled Gaussian RDP); use ``pld``.
     """
@@ -75,20 +86,45 @@ class RDPAccountant(DpAccountingAccountant):
         orders = DEFAULT_ORDERS if orders is None else _check_orders(orders)
         super().__init__(dp_rdp.RdpAccountant(orders=list(orders)))
         self._rho_bound = 0.0  # zCDP of the composition ignoring sampling: RDP(alpha) <= rho alpha
+        # RDP per order of the Poisson-sampled zCDP events, which dp-accounting cannot represent (adds to its rdp)
+        self._sampled_zcdp_rdp = np.zeros(len(self._inner.orders), dtype=np.float64)
+
+    def supports(self, event: PrivacyEvent) -> bool:
+        if not (isinstance(event, PrivacyEvent) and _has_sampled_zcdp(event)):
+            return super().supports(event)
+        split = _split(event)
+        return not isinstance(split, str) and (split[0] is None or super().supports(split[0]))
+
+    def _refusal(self, event: PrivacyEvent) -> str | None:
+        if not (isinstance(event, PrivacyEvent) and _has_sampled_zcdp(event)):
+            return super()._refusal(event)
+        split = _split(event)
+        if isinstance(split, str):
+            return split
+        rest = split[0]
+        return None if rest is None else super()._refusal(rest)  # the rest holds no sampled zCDP event
 
     def _compose(self, event: PrivacyEvent, count: int) -> None:
-        with _quiet_non_convergence():
-            super()._compose(event, count)
+        if _has_sampled_zcdp(event):
+            rest, sampled = _split(event)
+            if rest is not None:
+                with _quiet_non_convergence():
+                    self._inner.compose(to_dp_event(rest, allow_zcdp=True), count)
+            for (q, rho), times in sampled:
+                self._sampled_zcdp_rdp += (count * times) * poisson_sampled_zcdp_rdp(q, rho, self._inner.orders)
+        else:
+            with _quiet_non_convergence():
+                super()._compose(event, count)
         rho = unamplified_rho(event)
         self._rho_bound += math.inf if rho is None else count * rho
 
     def _safe_rdp(self) -> np.ndarray:
-        """RDP per order, capped by rho alpha; negative or NaN values (numerical failures) keep only the cap, and
-        positive values below 1e-15 are raised to it (dp-accounting's conversion takes log(1 - e^-r), which fails
-        once e^-r rounds to 1)."""
+        """RDP per order (dp-accounting's plus the sampled-zCDP side array), capped by rho alpha; negative or NaN
+        values (numerical failures) keep only the cap, and positive values below 1e-15 are raised to it
+        (dp-accounting's conversion takes log(1 - e^-r), which fails once e^-r rounds to 1)."""
         cap = self._rho_bound * self.orders
         rdp = np.asarray(self._inner.rdp, dtype=np.float64)
-        rdp = np.where(np.isnan(rdp) | (rdp < 0.0), np.inf, rdp)
+        rdp = np.where(np.isnan(rdp) | (rdp < 0.0), np.inf, rdp) + self._sampled_zcdp_rdp
         rdp = np.minimum(rdp, cap)
         return np.where((rdp > 0.0) & (rdp < _RDP_FLOOR), _RDP_FLOOR, rdp)
 
@@ -117,8 +153,82 @@ class RDPAccountant(DpAccountingAccountant):
 
     @property
     def rdp(self) -> np.ndarray:
-        """The composed RDP epsilon(alpha) at each of ``orders``."""
-        return self._inner.rdp
+        """The composed RDP epsilon(alpha) at each of ``orders`` (dp-accounting's plus the Poisson-sampled zCDP
+        events'), before the cap by rho alpha that conversions apply."""
+        return self._inner.rdp + self._sampled_zcdp_rdp
+
+
+def _has_zcdp(event: PrivacyEvent) -> bool:
+    return any(isinstance(sub, ZCDPEvent) or (isinstance(sub, PoissonSampledEvent) and _has_zcdp(sub.event))
+               for sub, _ in flatten(event))
+
+
+def _has_sampled_zcdp(event: PrivacyEvent) -> bool:
+    """Whether ``event`` holds a Poisson-sampled zCDP event (q < 1), possibly under samplings at q = 1."""
+    for leaf, _ in flatten(event):
+        if isinstance(leaf, PoissonSampledEvent):
+            if leaf.sampling_rate < 1.0 and _has_zcdp(leaf.event):
+                return True
+            if leaf.sampling_rate == 1.0 and _has_sampled_zcdp(leaf.event):
+                return True
+    return False
+
+
+def _split(event: PrivacyEvent) -> tuple[PrivacyEvent | None, list[tuple[tuple[float, float], int]]] | str:
+    """(the rest of ``event``, for dp-accounting, or None; the Poisson-sampled zCDP leaves as ((q, rho), count)),
+    or why the event cannot be composed. Sampling at q = 1 samples everyone and is unwrapped."""
+    rest: list[PrivacyEvent] = []
+    sampled: dict[tuple[float, float], int] = {}
+
+    def walk(e: PrivacyEvent, times: int) -> str | None:
+        for leaf, count in flatten(e):
+            n = times * count
+            if isinstance(leaf, PoissonSampledEvent) and leaf.sampling_rate == 1.0:
+                reason = walk(leaf.event, n)
+                if reason is not None:
+                    return reason
+            elif isinstance(leaf, PoissonSampledEvent) and _has_zcdp(leaf.event):
+                reason = _sampled_zcdp_refusal(leaf)
+                if reason is not None:
+                    return reason
+                inner = flatten(leaf.event)
+                if any(isinstance(sub, NonPrivateEvent) for sub, _ in inner):
+                    rest.append(SelfComposedEvent(NonPrivateEvent(), n))  # sound: charged as non-private
+                    continue
+                rho = sum(c * sub.rho for sub, c in inner)  # zCDP composes on one sample: rho adds
+                if math.isinf(rho):
+                    rest.append(SelfComposedEvent(NonPrivateEvent(), n))
+                elif rho > 0.0:
+                    key = (leaf.sampling_rate, rho)
+                    sampled[key] = sampled.get(key, 0) + n
+            else:
+                rest.append(leaf if n == 1 else SelfComposedEvent(leaf, n))
+        return None
+
+    reason = walk(event, 1)
+    if reason is not None:
+        return reason
+    remainder = None if not rest else rest[0] if len(rest) == 1 else ComposedEvent(tuple(rest))
+    return remainder, list(sampled.items())
+
+
+def _sampled_zcdp_refusal(event: PoissonSampledEvent) -> str | None:
+    """Why the rdp accountant cannot bound this Poisson-sampled zCDP event, or None."""
+    if event.relation != "add_remove":
+        return (f"the 'rdp' accountant cannot compose {event.mechanism!r}: its bound for Poisson-sampled zCDP "
+                "events (Zhu and Wang 2019, Theorem 6) holds under add/remove adjacency only, and no accountant of "
+                "privfl bounds a replace-one sampled zCDP mechanism; run with add_remove adjacency (record counts "
+                "private) or without record sampling")
+    for sub, _ in flatten(event.event):
+        if isinstance(sub, PoissonSampledEvent):
+            return (f"the 'rdp' accountant cannot compose {event.mechanism!r}: a Poisson sample nested inside a "
+                    "Poisson-sampled zCDP event has no bound here; charge the inner mechanism's unsampled zCDP "
+                    "guarantee inside the sample instead")
+        if not isinstance(sub, (ZCDPEvent, GaussianEvent, NonPrivateEvent)):
+            kind = "an unsupported mechanism" if isinstance(sub, UnsupportedEvent) else f"a {sub.mechanism!r} event"
+            return (f"the 'rdp' accountant cannot compose {event.mechanism!r}: the sample holds {kind}, which has "
+                    "no zCDP guarantee")
+    return None
 
 
 def _check_orders(orders) -> tuple[float, ...]:

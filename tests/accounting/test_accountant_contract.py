@@ -98,7 +98,8 @@ def test_delta_decreases_in_epsilon(name):
     UnsupportedEvent("a mechanism nobody can account for"),
     ComposedEvent((GaussianEvent(1.0, 1.0), UnsupportedEvent("hidden inside a composition"))),
     SelfComposedEvent(UnsupportedEvent(), 3),
-    PoissonSampledEvent(0.5, ZCDPEvent(0.1)),
+    PoissonSampledEvent(0.5, PoissonSampledEvent(0.5, ZCDPEvent(0.1))),  # nested sampling of a zCDP event
+    PoissonSampledEvent(0.5, ZCDPEvent(0.1), "replace_one"),
 ])
 def test_a_refused_event_leaves_no_trace(name, refused):
     accountant = make_accountant(name).compose(GaussianEvent(1.0, 4.0), 3)
@@ -114,12 +115,13 @@ def test_a_refused_event_leaves_no_trace(name, refused):
 
 
 def test_refusals_specific_to_each_backend(name):
-    """exact and zcdp refuse sampling (q < 1); pld refuses bare zCDP events; rdp composes both."""
+    """exact and zcdp refuse sampling (q < 1); pld refuses bare and sampled zCDP events; rdp composes all three."""
     sampled = PoissonSampledEvent(0.3, GaussianEvent(1.0, 2.0))
     zcdp = ZCDPEvent(0.2)
     accountant = make_accountant(name)
     assert accountant.supports(sampled) == (name in ("pld", "rdp"))
     assert accountant.supports(zcdp) == (name in ("rdp", "zcdp"))
+    assert accountant.supports(PoissonSampledEvent(0.3, zcdp)) == (name == "rdp")
     # Sampling everyone (q = 1) changes nothing, and every backend composes it like the bare release.
     everyone = PoissonSampledEvent(1.0, GaussianEvent(1.0, 2.0))
     assert epsilon_of(name, everyone, 3) == pytest.approx(epsilon_of(name, GaussianEvent(1.0, 2.0), 3), rel=1e-9)
