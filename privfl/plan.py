@@ -43,8 +43,9 @@ def seed_stream(seed: int, name: str, *key: int) -> np.random.SeedSequence:
 def noise_multipliers_for(channels, privacy: PrivacyConfig, rounds: int) -> dict[str, float] | None:
     """Calibrate one noise multiplier per noised private channel so each client's composition over ``rounds`` meets
     (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
-    amplifies client-level guarantees under central noise only (``ReleasePipeline``); any other run is calibrated as
-    if its client released every round. ``{}`` when every private channel is trained privately (DP-SGD calibrates
+    amplifies client-level guarantees under central noise only (``ReleasePipeline``); channels that are sums over
+    Poisson-sampled records (:func:`record_sampling_rate`) are calibrated as sampled Gaussians at the record rate;
+    any other run is calibrated as if its client released every round. ``{}`` when every private channel is trained privately (DP-SGD calibrates
     its own noise); ``None`` for a non-private run."""
     from privfl.accounting.calibration import calibrate
 
@@ -55,6 +56,9 @@ def noise_multipliers_for(channels, privacy: PrivacyConfig, rounds: int) -> dict
     if not shares or all(isinstance(c.clip, TrainedPrivately) for c in private):
         return {}
     q = privacy.sampling_rate if amplifies(privacy.sampling_rate, privacy.unit, privacy.placement) else 1.0
+    rate = record_sampling_rate(channels, privacy)
+    if rate < 1:  # sums over Poisson-sampled records: every round is a sampled Gaussian at the record rate
+        q = rate
     kwargs = {}
     if q < 1:
         relations = {c.adjacency for c in private}
@@ -65,6 +69,57 @@ def noise_multipliers_for(channels, privacy: PrivacyConfig, rounds: int) -> dict
     cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=shares,
                     accountant=privacy.resolved_accountant, **kwargs)
     return dict(cal.noise_multipliers)
+
+
+def record_sampling_rate(channels, privacy: PrivacyConfig) -> float:
+    """The one Poisson record-sampling rate q of a run whose noised channels are sums over sampled records
+    (``Channel.record_sampling_rate``, e.g. DP-FedSGD's clipped gradient sums), 1.0 when none is. Every noised
+    private channel must declare the same q (they are released on one sample of records, so a round is one
+    sampled event, the event calibration composes), and client sampling must not amplify the same rounds."""
+    noised = [c for c in channels if c.private and not isinstance(c.clip, TrainedPrivately)]
+    rates = {c.record_sampling_rate for c in noised}
+    if not any(rate < 1 for rate in rates):
+        return 1.0
+    if len(rates) != 1:
+        raise ConfigurationError(f"the noised channels sample records at different rates {sorted(rates)}; a round "
+                                 "is one Poisson sample of records, so they must declare one rate")
+    if amplifies(privacy.sampling_rate, privacy.unit, privacy.placement):
+        raise ConfigurationError("record sampling and amplifying client sampling cannot be composed into one event; "
+                                 "set sampling_rate=1")
+    return rates.pop()
+
+
+def _calibrate_distributed_sampled(channels, privacy: PrivacyConfig, rounds: int, n_clients: int, secure):
+    """Distributed noise for channels that are sums over Poisson-sampled records: each client's discrete-Gaussian
+    share under secure aggregation, the round charged ``PoissonSampled(q, ZCDP(rho))`` and composed by the rdp
+    accountant (``privfl.secure.calibrate_distributed_sampled``)."""
+    import privfl.secure as secure_module
+
+    calibrate_sampled = getattr(secure_module, "calibrate_distributed_sampled", None)
+    if calibrate_sampled is None:
+        raise ConfigurationError("distributed noise for record-sampled channels needs "
+                                 "privfl.secure.calibrate_distributed_sampled (sampled distributed discrete Gaussian, "
+                                 "charged PoissonSampled(q, ZCDP(rho))), which this installation lacks; choose "
+                                 "placement 'central' or 'local'")
+    if privacy.resolved_accountant != "rdp":
+        raise ConfigurationError("distributed noise on sampled records is charged PoissonSampled(q, ZCDP(rho)), which "
+                                 "only the rdp accountant composes; set accountant='rdp' (CLI: --accountant rdp)")
+    q = record_sampling_rate(channels, privacy)
+    private = [c for c in channels if c.private]
+    if len(private) != 1:
+        raise ConfigurationError("distributed noise on sampled records is planned for one private channel; got "
+                                 f"{[c.name for c in private]}")
+    c = private[0]
+    if c.coordinate_bound is None or len(c.shape) != 1:
+        raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a public "
+                                 "coordinate bound")
+    if c.adjacency != "add_remove":
+        raise ConfigurationError("distributed noise on sampled records is planned under add/remove adjacency (the "
+                                 "sampled zCDP event has no replace-one form); use adjacency='add_remove' or "
+                                 "placement 'central'")
+    plan = calibrate_sampled(privacy.epsilon, privacy.delta, rounds, q, c.coordinate_bound, c.shape[0],
+                             c.clip.bound, n_clients, secure)
+    return {c.name: plan}
 
 
 @dataclass(frozen=True)
@@ -105,8 +160,11 @@ class RunPlan:
             if secure is None:
                 raise ConfigurationError("distributed noise is added by the clients under secure aggregation; turn "
                                          "secure aggregation on (--secure-agg) or choose local/central placement")
-            distributed = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients,
-                                                secure)
+            if record_sampling_rate(channels, privacy) < 1:
+                distributed = _calibrate_distributed_sampled(channels, privacy, fed.rounds, n_clients, secure)
+            else:
+                distributed = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients,
+                                                    secure)
             multipliers = {name: p.noise_multiplier for name, p in distributed.items()}
             placement = "distributed"
         else:
@@ -178,4 +236,4 @@ class RunPlan:
         return events
 
 
-__all__ = ["RunPlan", "STREAMS", "noise_multipliers_for", "seed_stream"]
+__all__ = ["RunPlan", "STREAMS", "noise_multipliers_for", "record_sampling_rate", "seed_stream"]

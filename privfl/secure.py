@@ -137,10 +137,15 @@ class DistributedNoise:
 
 
 def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
-                           bits: int, *, sensitivity: float | None = None, relation: str = "add_remove"
-                           ) -> DistributedNoise:
+                           bits: int, *, sensitivity: float | None = None, relation: str = "add_remove",
+                           record_level: bool = False) -> DistributedNoise:
     """Quantiser and per-client noise share so that ``n_min`` shares carry noise of std ``noise_multiplier *
     sensitivity``; the event is the Kairouz-Liu-Steinke bound for the rounded sensitivity under ``relation``.
+
+    ``record_level``: the neighbours differ in one record of a client that uploads either way, so both uploads are
+    stochastically rounded and the integer vectors differ by less than sensitivity/step + 2 sqrt(d) (the replace-one
+    form of ``Quantiser.rounded_l2_sensitivity``) under either relation; + sqrt(d) holds only when a whole upload is
+    added or removed (client level, add/remove).
 
     ``bound``: the public coordinate bound that sets the quantiser's range [-bound, bound]. ``sensitivity``: the
     channel's L2 sensitivity under its relation (default ``bound``: a norm clip under add/remove). The grid has L
@@ -153,7 +158,8 @@ def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float
         raise ConfigurationError(f"relation must be add_remove or replace_one, got {relation!r}")
     sensitivity = bound if sensitivity is None else float(sensitivity)
     quantiser, share = _size_distributed_noise(bound, sensitivity, noise_multiplier, n_max, n_min, bits)
-    rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension, replace_one=relation == "replace_one")
+    rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension,
+                                               replace_one=record_level or relation == "replace_one")
     event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
                                                 dimension=dimension)
     return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event)
@@ -274,7 +280,8 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
     for c in private:
         def plan(m: float, c=c) -> DistributedNoise:
             return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
-                                          sensitivity=c.sensitivity, relation=c.adjacency)
+                                          sensitivity=c.sensitivity, relation=c.adjacency,
+                                          record_level=c.unit == "example")
 
         others = tuple(GaussianEvent(1.0, cal.noise_multipliers[o.name]) for o in private if o is not c)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.algorithms.dp_fedavg import DPFedAvg
+from privfl.algorithms.dp_fedsgd import DPFedSGD
 from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.fedbnr import FedBNR
@@ -14,7 +15,8 @@ from privfl.algorithms.hbfl import HBFL
 from privfl.errors import ConfigurationError
 
 ALGORITHMS: dict[str, type[FederatedAlgorithm]] = {cls.name: cls for cls in (FedAvg, DPFedAvg, HBFL, FedProx,
-                                                                              DPSGDFedAvg, FOLA, FedBNN, FedBNR)}
+                                                                              DPSGDFedAvg, DPFedSGD, FOLA, FedBNN,
+                                                                              FedBNR)}
 
 
 def algorithm_options(name: str) -> tuple[str, ...]:
@@ -29,7 +31,7 @@ def algorithm_options(name: str) -> tuple[str, ...]:
 
 def default_unit(name: str) -> str:
     """The privacy unit a run of ``name`` uses unless told: the class's ``default_unit`` (the unit its guarantee is
-    stated in: record level for DP-SGD FedAvg and FedBNR), else ``"client"``."""
+    stated in: record level for DP-SGD FedAvg, DP-FedSGD and FedBNR), else ``"client"``."""
     return getattr(ALGORITHMS.get(name), "default_unit", "client")
 
 

@@ -1,5 +1,7 @@
 """Mechanism-level empirical audit: the lower bound never exceeds the claim; injected faults are caught."""
 
+import functools
+
 import pytest
 
 from privfl.empirical_audit import audit_gaussian_release
@@ -25,3 +27,73 @@ def test_bad_arguments():
         audit_gaussian_release(1.0, mutation="other")
     with pytest.raises(ValueError, match="trials"):
         audit_gaussian_release(1.0, trials=10)
+
+
+# -- DP-FedSGD: the algorithm's own client step, black box -----------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _dp_fedsgd_sums(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
+    """``trials`` runs of DP-FedSGD's client step (Poisson coin at q = 1/2, per-example clip, box) on D = {an outlier
+    record} and on its neighbour D' = {} (the worst case: nothing else in the sum), projected on the outlier's clipped
+    gradient; the std of the plan's central noise; and the epsilon the ledger claims for that round."""
+    import numpy as np
+
+    from privfl.accounting.accountants import make_accountant
+    from privfl.algorithms.dp_fedsgd import DPFedSGD
+    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime import Simulation
+
+    rng = np.random.default_rng(3)
+    canary = (np.full((1, 4), 50.0, np.float32), np.array([1], np.int64))  # gradient norm >> C: clipped to C
+    test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
+    data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
+    fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)  # public total 2, lot 1: q = 1/2
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1), data, fed, privacy)
+    sim.prepare()
+    (channel,) = sim.channels
+    assert channel.record_sampling_rate == 0.5
+    half, broadcast, present = sim.client_half, sim.broadcast(0), data.train_parts[0]
+    sums = []
+    for dataset in (present, present.subset(np.arange(0))):
+        rngs = [np.random.default_rng([5, i]) for i in range(trials)]
+        sums.append(np.stack([out.values[channel.name].value for _, out, _ in
+                              half.client_updates(range(trials), broadcast, [dataset] * trials, [None] * trials,
+                                                  rngs)]))
+    drawn = np.linalg.norm(sums[0], axis=1)
+    assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])  # the coin of q = 1/2; D' sends zeros
+    direction = sums[0][drawn.argmax()] / drawn.max()  # the outlier's clipped gradient (norm C)
+    std = sim.plan.noise_multipliers[channel.name] * channel.sensitivity
+    claimed = make_accountant("pld").compose(sim.plan.round_events(0)[channel.name]).get_epsilon(delta)
+    return sums[0] @ direction, sums[1] @ direction, std, claimed
+
+
+def _dp_fedsgd_scores(noise_scale: float):
+    """The projected releases with ``noise_scale`` times the plan's noise, and the claimed epsilon."""
+    import numpy as np
+
+    projected_in, projected_out, std, claimed = _dp_fedsgd_sums()
+    rng = np.random.default_rng(int(noise_scale * 1000))
+    # the noise is isotropic: its projection on the unit direction is N(0, std^2)
+    return (projected_in + rng.normal(scale=std * noise_scale, size=projected_in.shape),
+            projected_out + rng.normal(scale=std * noise_scale, size=projected_out.shape), claimed)
+
+
+@pytest.mark.timeout(300)
+def test_dp_fedsgd_round_lower_bound_stays_below_the_claim():
+    from privfl.empirical_audit import epsilon_lower_bound
+
+    score_in, score_out, claimed = _dp_fedsgd_scores(1.0)
+    assert claimed <= 4.0
+    eps_lb, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
+    assert 0 < eps_lb <= claimed
+
+
+@pytest.mark.timeout(300)
+def test_dp_fedsgd_audit_catches_a_quarter_of_the_noise():
+    from privfl.empirical_audit import epsilon_lower_bound
+
+    score_in, score_out, claimed = _dp_fedsgd_scores(0.25)
+    eps_lb, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
+    assert eps_lb > claimed

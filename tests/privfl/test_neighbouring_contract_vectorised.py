@@ -17,7 +17,7 @@ contract = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("_contract", contract)  # dataclasses look their module up there
 _spec.loader.exec_module(contract)
 
-VECTORISED = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg", "fola", "hbfl")
+VECTORISED = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg", "dp_fedsgd", "dp_fedsgd_sampled", "fola", "hbfl")
 GRID = [g for g in contract.GRID if g[0] in VECTORISED]
 
 

@@ -213,3 +213,25 @@ def test_replace_one_distributed_noise_is_not_distinguishable_beyond_the_claim()
         bounds[adjacency] = epsilon_lower_bound(plus, minus, delta=1e-5)[0]
     assert bounds["replace_one"] <= 1.0
     assert bounds["add_remove"] > 1.0  # the test has the power to see the landed bug
+
+
+def test_record_level_distributed_noise_rounds_both_neighbours():
+    """At record level a client uploads with and without the record, and both uploads are stochastically rounded:
+    the integer vectors differ by less than clip/step + 2 sqrt(d). The landed plan charged the + sqrt(d) of a whole
+    upload added or removed (client level) for record-level add/remove channels too (rho under-charged)."""
+    from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
+
+    record = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0, record_level=True)
+    client = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0)
+    two_sided = record.quantiser.rounded_l2_sensitivity(1.0, 100, replace_one=True)
+    expected = distributed_discrete_gaussian_event(l2_sensitivity=two_sided, sigma=record.local_sigma, n_min=3,
+                                                   n_max=3, dimension=100)
+    assert record.event == expected and record.event.rho > client.event.rho
+    # calibrate_distributed plans a record-level (unit "example") add/remove channel with the two-sided rounding
+    cfg = SecureAggregation(bits=20)
+    chan = Channel("s", (100,), unit="example", clip=PreClipped(1.0), value_bound=1.0)
+    plan = calibrate_distributed([chan], 1.0, 1e-5, 1, 3, cfg)["s"]
+    again = plan_distributed_noise(1.0, 100, plan.noise_multiplier, 3, 3, 20, sensitivity=chan.sensitivity,
+                                   record_level=True)
+    assert plan.event == again.event
+    assert make_accountant("zcdp").compose(plan.event).get_epsilon(1e-5) <= 1.0

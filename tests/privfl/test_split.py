@@ -36,7 +36,8 @@ CLIENT = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placeme
 EXAMPLE = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0.7, secure_noise=False)
 #: every algorithm whose halves are apart, in each of its privacy modes
 SPLIT = [("fedavg", NON_PRIVATE), ("fedprox", NON_PRIVATE), ("dp_fedavg", NON_PRIVATE), ("dp_fedavg", CLIENT),
-         ("dpsgd_fedavg", NON_PRIVATE), ("dpsgd_fedavg", EXAMPLE), ("fola", NON_PRIVATE), ("fola", CLIENT),
+         ("dpsgd_fedavg", NON_PRIVATE), ("dpsgd_fedavg", EXAMPLE), ("dp_fedsgd", NON_PRIVATE),
+         ("dp_fedsgd", EXAMPLE), ("fola", NON_PRIVATE), ("fola", CLIENT),
          ("fola", EXAMPLE), ("hbfl", NON_PRIVATE), ("hbfl", CLIENT), ("hbfl", EXAMPLE), ("fedbnn", NON_PRIVATE),
          ("fedbnn", CLIENT), ("fedbnn", EXAMPLE)]
 IDS = [f"{name}-{p.unit if p.private else 'nonprivate'}" for name, p in SPLIT]

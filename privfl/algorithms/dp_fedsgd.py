@@ -1,0 +1,268 @@
+"""DP-FedSGD: record-level DP at the noise of centralised DP-SGD (Abadi et al., CCS 2016), the noise paid once for
+the whole federation rather than once per client (McMahan et al., ICLR 2018, with the record as the unit).
+
+One round is one DP-SGD step on the pooled data, computed where the data lives:
+
+1. the server broadcasts its model (``global_params``, the only thing broadcast);
+2. every client Poisson-samples its records at a public rate q (each record in with probability q);
+3. it sums the sampled records' loss gradients, each clipped to L2 norm C (``privfl.executor.PerExampleGradients``:
+   ghost form on a linear stack, ``vmap`` of ``grad`` otherwise), and clips the sum to the public box [-B, B] per
+   coordinate (1-Lipschitz, so a record still moves it by at most C; the box gives secure aggregation a range);
+4. it releases that sum on one record-level channel of sensitivity C, sampled at q
+   (``Channel.record_sampling_rate``): each round is charged ``PoissonSampled(q, Gaussian(C, zC))``;
+5. the server divides the (noisy) sum by the public expected lot L = q N and takes one optimiser step (SGD with
+   momentum, or Adam): post-processing.
+
+Public facts only (``privfl.public``): with N the public record total (the design size times the number of clients,
+or the declared sizes), q = min(1, lot_size / N) and L = q N, as DP-SGD FedAvg derives its rate from the design
+size; a client's true count changes how many of its records a step sees on average, never q, L, B or the noise.
+Poisson sampling at a fixed q is add/remove-DP whatever the true counts; with declared sizes (replace-one) the same
+sampled event is charged under the replace-one relation (displacement 2C).
+
+Placements (``PrivacyConfig.placement``), the noise z C added once to the sum of all clients' sums:
+
+- ``central``: a trusted aggregator adds N(0, (zC)^2) to the sum (the federation's noise is centralised DP-SGD's);
+- ``distributed``: each client adds a discrete-Gaussian share under secure aggregation, so the unmasked sum carries
+  the noise once; trusted: at least ``min_survivors`` clients survive a round and the server is honest but curious
+  (``privfl.secure``; the sampled plan comes from ``privfl.secure.calibrate_distributed_sampled``, charged
+  ``PoissonSampled(q, ZCDP(rho))`` by the rdp accountant);
+- ``local``: each client adds the full noise zC (it trusts no aggregation); the average then carries sqrt(K) times
+  more noise.
+
+z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
+(``privfl.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
+release weight is the constant 1, and a client reports no metrics (no sampled count, no norm, no loss).
+Non-private (``epsilon = inf``) it is plain minibatch SGD on the same Poisson lots, without clipping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from privfl.aggregation import Aggregate
+from privfl.algorithms.base import ClientOutput
+from privfl.algorithms.dpsgd_fedavg import SAMPLED_ACCOUNTANTS
+from privfl.algorithms.fedavg import FedAvg
+from privfl.channels import Channel, ClippedValue, PreClipped, Unclipped
+from privfl.errors import ConfigurationError
+from privfl.executor import PerExampleGradients, clip_factor, unflatten
+from privfl.public import private_torch_generator
+
+OPTIMIZERS = ("sgd", "adam")
+#: bytes of per-client state (a lot's per-example terms, the stacked parameters) one vectorised chunk may hold
+_MEMORY_BUDGET = 256 * 2 ** 20
+
+
+def _positive(name: str, value, *, allow_none: bool = True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"dp_fedsgd: {name} must be a finite number > 0{' or None' if allow_none else ''}, "
+                                 f"got {value!r}")
+    return value
+
+
+class DPFedSGD(FedAvg):
+    name = "dp_fedsgd"
+    supports_privacy = True
+    units = ("example",)
+    default_unit = "example"  # record-level by construction: every example's gradient is clipped
+    broadcast_state = ("global_params",)
+    # logistic regression on 2x2-pooled images (fewer weights, less total noise); lr is the server's step size
+    defaults = {"hidden": (), "pool": 2, "lr": 0.5, "clip": 1.0}
+
+    def __init__(self, fed, privacy, model=None, metrics=None, lot_size: int | None = None,
+                 coordinate_bound: float | None = None, server_optimizer: str = "sgd",
+                 betas: tuple[float, float] = (0.9, 0.999)):
+        super().__init__(fed, privacy, model=model, metrics=metrics)
+        if lot_size is not None and (isinstance(lot_size, bool) or not isinstance(lot_size, int) or lot_size < 1):
+            raise ConfigurationError(f"dp_fedsgd: lot_size must be an integer >= 1 or None (the run's batch_size), "
+                                     f"got {lot_size!r}")
+        #: the public expected lot size L asked for (records per step over the whole federation)
+        self.lot_size = int(lot_size if lot_size is not None else fed.batch_size)
+        #: public per-coordinate bound B of a client's gradient sum (None: C times the expected lot at the cap)
+        self.coordinate_bound = _positive("coordinate_bound", coordinate_bound)
+        if server_optimizer not in OPTIMIZERS:
+            raise ConfigurationError(f"dp_fedsgd: server_optimizer must be one of {OPTIMIZERS}, got "
+                                     f"{server_optimizer!r}")
+        self.server_optimizer = server_optimizer
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigurationError(f"dp_fedsgd: betas must be two numbers in [0, 1), got {betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        if privacy.private:
+            check_fedsgd_privacy(privacy)
+        self.sample_rate = 1.0
+        self.expected_lot = 1.0
+        self.bound = math.inf
+        self._optimizer_state: dict | None = None  # the server's: never broadcast
+
+    # -- public schedule -----------------------------------------------------------------------------------------
+
+    def setup(self, data, rng):
+        super().setup(data, rng)
+        public = self.public
+        if public.task != "classification":
+            raise ConfigurationError("dp_fedsgd trains classifiers (per-example cross-entropy gradients); for "
+                                     "regression use dpsgd_fedavg")
+        total = public.total_size(range(public.n_clients))
+        self.sample_rate = min(1.0, self.lot_size / total)
+        self.expected_lot = self.sample_rate * total
+        if self.privacy.private and self.sample_rate < 1 and self.sample_rate <= self.privacy.delta:
+            raise ConfigurationError(f"dp_fedsgd: the record sampling rate {self.sample_rate:.3g} is not above "
+                                     f"delta={self.privacy.delta}; raise lot_size or lower delta")
+        if self.coordinate_bound is not None:
+            self.bound = float(self.coordinate_bound)
+        else:  # the expected lot of a client at the public record cap: a box only outsized clients ever reach
+            self.bound = float(self.privacy.clip * max(1.0, self.sample_rate * public.record_cap))
+        self._per_example = PerExampleGradients(self.model)
+        self._optimizer_state = None
+
+    def channels(self):
+        if not self.privacy.private:
+            return [Channel("gradient_sum", (self.dim,), unit="example", clip=Unclipped(),
+                            description="sum of the sampled records' loss gradients")]
+        return [Channel("gradient_sum", (self.dim,), unit="example", clip=PreClipped(self.privacy.clip, "sum"),
+                        adjacency=self.privacy.adjacency, value_bound=self.bound,
+                        record_sampling_rate=self.sample_rate,
+                        description="sum of the Poisson-sampled records' gradients, each clipped to C, boxed to "
+                                    "[-B, B]")]
+
+    def release_weight(self, dataset, client: int = 0) -> float:
+        return 1.0  # a sum: the server divides by the public expected lot, never by a count
+
+    # -- the client step -----------------------------------------------------------------------------------------
+
+    @property
+    def vectorisable(self) -> bool:
+        """Clients' lots are computed together (one batched per-example pass) when the model is built of stateless
+        layers; per client otherwise. The same function either way (:meth:`_gradient_sums`)."""
+        from privfl.executor import vectorisable
+
+        return self.model is not None and vectorisable(self.model)
+
+    def _sample(self, dataset, rng) -> torch.Tensor:
+        """The indices of the client's Poisson lot: each record in with probability q, coins from a generator of its
+        own (the OS CSPRNG unless the run asks for seeded noise, or is not private). Which records were drawn never
+        leaves the client."""
+        generator = private_torch_generator(rng, self.privacy.secure_noise and self.privacy.private)
+        n = len(dataset)
+        if self.sample_rate >= 1.0:
+            return torch.arange(n)
+        return (torch.rand(n, generator=generator) < self.sample_rate).nonzero().reshape(-1)
+
+    def _gradient_sums(self, lots) -> np.ndarray:
+        """One row per client: the sum of its lot's per-example gradients at the broadcast model, each clipped to C
+        (private runs), then boxed to [-B, B]. ``lots``: ``(x, y)`` of each client's sampled records."""
+        c = len(lots)
+        dim = self.dim
+        out = np.zeros((c, dim), dtype=np.float64)
+        width = max((len(x) for x, _ in lots), default=0)
+        if width == 0:
+            return out
+        names = [n for n, _ in self.model.named_parameters()]
+        shapes = [p.shape for _, p in self.model.named_parameters()]
+        start = torch.as_tensor(self.global_params, dtype=torch.float32)
+        feats = lots[0][0].shape[1:]
+        if self._per_example.stack is not None:  # ghost form: a lot's inputs and activations, the parameters
+            per_client = 4 * (4 * dim + 4 * width * (int(np.prod(feats)) + 64))
+        else:  # every example's gradient
+            per_client = 4 * dim * (width + 4)
+        step = max(1, int(_MEMORY_BUDGET // per_client))
+        for lo in range(0, c, step):
+            chunk = lots[lo:lo + step]
+            k = len(chunk)
+            params = unflatten(start.unsqueeze(0).repeat(k, 1), names, shapes)
+            xb = torch.zeros(k, width, *feats, dtype=chunk[0][0].dtype)
+            yb = torch.zeros(k, width, dtype=chunk[0][1].dtype)
+            weight = torch.zeros(k, width)
+            for r, (x, y) in enumerate(chunk):
+                xb[r, :len(x)], yb[r, :len(x)], weight[r, :len(x)] = x, y, 1.0
+            terms = self._per_example(params, xb, yb, weight)
+            factor = clip_factor(terms.norms2(), self.privacy.clip) * weight if self.privacy.private else weight
+            out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
+        if self.privacy.private:
+            np.clip(out, -self.bound, self.bound, out=out)
+        return out
+
+    def _output(self, value: np.ndarray) -> ClientOutput:
+        if self.privacy.private:
+            value = ClippedValue(value, self.privacy.clip, "sum")
+        return ClientOutput({"gradient_sum": value}, weight=1.0)
+
+    def client_update(self, client, dataset, round, rng):
+        x, y = dataset.tensors()
+        idx = self._sample(dataset, rng)
+        return self._output(self._gradient_sums([(x[idx], y[idx])])[0])
+
+    def client_updates(self, clients, datasets, round, rngs):
+        """``(k, client_update(k, ...))`` for every client, their lots' per-example gradients computed together
+        (each client's coins drawn from its own generator, as :meth:`client_update` draws them)."""
+        if not self.vectorisable:
+            for k, dataset, rng in zip(clients, datasets, rngs):
+                yield k, self.client_update(k, dataset, round, rng)
+            return
+        lots = []
+        for dataset, rng in zip(datasets, rngs):
+            x, y = dataset.tensors()
+            idx = self._sample(dataset, rng)
+            lots.append((x[idx], y[idx]))
+        sums = self._gradient_sums(lots)
+        for row, k in enumerate(clients):
+            yield k, self._output(sums[row])
+
+    # -- the server step -----------------------------------------------------------------------------------------
+
+    def server_update(self, aggregates: Mapping[str, Aggregate], round):
+        """One optimiser step on the noisy gradient sum over the public expected lot L (post-processing)."""
+        agg = aggregates["gradient_sum"]
+        gradient = np.asarray(agg.total, dtype=np.float64) / self.expected_lot
+        params = np.asarray(self.global_params, dtype=np.float64)
+        lr, state = float(self.fed.lr), self._optimizer_state
+        if self.server_optimizer == "sgd":
+            momentum = float(self.fed.momentum)
+            if momentum:
+                state = {"buf": gradient.copy()} if state is None else {"buf": momentum * state["buf"] + gradient}
+                gradient = state["buf"]
+            params = params - lr * gradient
+        else:  # Adam (Kingma and Ba 2015), bias-corrected
+            b1, b2 = self.betas
+            if state is None:
+                state = {"step": 0, "m": np.zeros_like(params), "v": np.zeros_like(params)}
+            step = state["step"] + 1
+            m = b1 * state["m"] + (1 - b1) * gradient
+            v = b2 * state["v"] + (1 - b2) * gradient ** 2
+            state = {"step": step, "m": m, "v": v}
+            params = params - lr * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + 1e-8)
+        self._optimizer_state = state
+        self.global_params = params.astype(self.global_params.dtype)
+
+
+def check_fedsgd_privacy(privacy) -> str:
+    """Refuse configurations DP-FedSGD's accounting cannot honour; return the run's accountant."""
+    if privacy.unit != "example":
+        raise ConfigurationError("dp_fedsgd gives record-level DP (each example's gradient clipped); set "
+                                 "unit='example' (for client-level DP use dp_fedavg)")
+    if privacy.sampling_rate < 1:
+        raise ConfigurationError("dp_fedsgd samples records, not clients: every client takes part in every round "
+                                 "(record-level client sampling buys no amplification); set sampling_rate=1")
+    accountant = privacy.resolved_accountant
+    if privacy.placement == "distributed":
+        if accountant != "rdp":
+            raise ConfigurationError("dp_fedsgd with distributed noise is charged PoissonSampled(q, ZCDP(rho)), which "
+                                     "only the rdp accountant composes; set accountant='rdp' (CLI: --accountant rdp)")
+        return accountant
+    if accountant not in SAMPLED_ACCOUNTANTS:
+        raise ConfigurationError(f"dp_fedsgd's rounds are Poisson-sampled Gaussians, which the {accountant!r} "
+                                 "accountant cannot compose; set accountant='pld' (or 'rdp'); CLI: --accountant pld")
+    if privacy.adjacency == "replace_one" and accountant != "pld":
+        raise ConfigurationError("dp_fedsgd: replace-one (public record counts) sampled rounds are composed by the "
+                                 "pld accountant only; set accountant='pld' (CLI: --accountant pld)")
+    return accountant
+
+
+__all__ = ["DPFedSGD", "OPTIMIZERS", "check_fedsgd_privacy"]

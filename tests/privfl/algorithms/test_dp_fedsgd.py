@@ -1,0 +1,189 @@
+"""DP-FedSGD: one round is one full-batch gradient step on the pooled data (no noise, q = 1); the ledger charges the
+plan's sampled Gaussian and meets the target with the smallest noise; central noise is paid once (zC), local noise
+K times (sqrt(K) zC); the vectorised and per-client executors agree; nothing private leaves outside the channel."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import privfl.secure as secure_module
+from privfl.accounting import GaussianEvent, PoissonSampledEvent
+from privfl.accounting.accountants import make_accountant
+from privfl.aggregation import weighted_sums
+from privfl.algorithms import ALGORITHMS, default_unit
+from privfl.algorithms.dp_fedsgd import DPFedSGD
+from privfl.config import FederationConfig, PrivacyConfig
+from privfl.data import federated_from_arrays
+from privfl.errors import ConfigurationError
+from privfl.mechanisms.noise import NoiseSource
+from privfl.runtime import Simulation
+from privfl.secure import SecureAggregation
+from privfl.training import load_flat_parameters
+
+K, N, DIM, CLASSES = 4, 50, 12, 3
+
+
+class ZeroNoise(NoiseSource):
+    def standard_normal(self, shape):
+        return np.zeros(shape)
+
+
+def federation(sizes=(N,) * K, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(DIM, CLASSES))
+    parts = []
+    for n in sizes:
+        x = rng.normal(size=(n, DIM)).astype(np.float32)
+        parts.append((x, np.argmax(x @ w + rng.normal(size=(n, CLASSES)), 1).astype(np.int64)))
+    x = rng.normal(size=(60, DIM)).astype(np.float32)
+    return federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
+                                 num_classes=CLASSES, name="toy")
+
+
+def privacy(**kw):
+    return PrivacyConfig(**{"epsilon": 3.0, "delta": 1e-5, "unit": "example", "clip": 1.0, "secure_noise": False,
+                            **kw})
+
+
+def fed(**kw):
+    return FederationConfig(**{"rounds": 3, "batch_size": 40, "lr": 0.3, "momentum": 0.0, "hidden": (8,),
+                               "seed": 1, **kw})
+
+
+def test_registered_at_record_level():
+    assert ALGORITHMS["dp_fedsgd"] is DPFedSGD
+    assert default_unit("dp_fedsgd") == "example"
+
+
+def test_one_round_is_a_full_batch_gradient_step_on_the_pooled_data():
+    data = federation()
+    f = fed(rounds=1, momentum=0.9)
+    p = privacy(clip=1e6)
+    alg = DPFedSGD(f, p, lot_size=10 ** 6)  # q = 1: every record in the lot
+    sim = Simulation(alg, data, f, p)
+    sim.prepare()
+    assert alg.sample_rate == 1.0 and alg.expected_lot == K * N
+    start = alg.global_params.copy()
+    releases = [r for _, sent in sim.client_steps(range(K), 0) for r in sent.values()]
+    alg.server_update(weighted_sums(releases, {c.name: c for c in sim.channels}, ZeroNoise()), 0)
+    model = alg.build_model(sim.public)  # the same architecture, loaded with the broadcast model
+    load_flat_parameters(model, start)
+    x = torch.cat([part.tensors()[0] for part in data.train_parts])
+    y = torch.cat([part.tensors()[1] for part in data.train_parts])
+    loss = nn.functional.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected = start - f.lr * torch.cat([g.reshape(-1) for g in grads]).double().numpy()
+    np.testing.assert_allclose(alg.global_params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_ledger_charges_the_plan_and_meets_the_target_with_the_smallest_noise():
+    data = federation()
+    f, p = fed(rounds=5), privacy()
+    alg = DPFedSGD(f, p)
+    sim = Simulation(alg, data, f, p)
+    result = sim.run()
+    q = 40 / (K * N)
+    z = sim.plan.noise_multipliers["gradient_sum"]
+    for k in range(K):
+        planned = sim.plan.round_events(k)["gradient_sum"]
+        assert planned == PoissonSampledEvent(q, GaussianEvent(1.0, z * 1.0))
+        charged = [c.event for c in sim.ledger.charges(str(k))]
+        assert charged == [planned] * f.rounds
+        assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon
+    # the smallest noise: 0.3% less of it (three times the calibration's tolerance) misses the target
+    less = make_accountant("pld").compose(PoissonSampledEvent(q, GaussianEvent(1.0, z * 0.997)), count=f.rounds)
+    assert less.get_epsilon(p.delta) > p.epsilon
+
+
+def _noise_in_aggregate(placement, rounds=6):
+    """Per-coordinate noise of the aggregate over ``rounds`` rounds: the noisy run's sums minus the noise-free
+    run's (both seeded alike, so the clients' lots and clipped sums are the same)."""
+    f, p = fed(rounds=rounds, hidden=(32,)), privacy(placement=placement)
+    noisy, clean = [], []
+    for out, zero in ((noisy, False), (clean, True)):
+        sim = Simulation(DPFedSGD(f, p), federation(), f, p)
+        sim.prepare()
+        if zero:
+            sim.server_noise = ZeroNoise()
+            for pipe in sim.pipelines:
+                pipe.noise = ZeroNoise()
+        by_name = {c.name: c for c in sim.channels}
+        for rnd in range(rounds):
+            releases = [r for _, sent in sim.client_steps(range(K), rnd) for r in sent.values()]
+            out.append(weighted_sums(releases, by_name, sim.server_noise)["gradient_sum"])
+    z = sim.plan.noise_multipliers["gradient_sum"]
+    diff = np.concatenate([a.total - b.total for a, b in zip(noisy, clean)])
+    return float(diff.std()), z, noisy[0].noise_std
+
+
+def test_central_noise_is_paid_once_local_noise_once_per_client():
+    std, z, declared = _noise_in_aggregate("central")
+    assert declared == pytest.approx(z * 1.0)
+    assert std == pytest.approx(z * 1.0, rel=0.05)
+    std, z, declared = _noise_in_aggregate("local")
+    assert declared == pytest.approx(math.sqrt(K) * z)
+    assert std == pytest.approx(math.sqrt(K) * z, rel=0.05)
+
+
+@pytest.mark.parametrize("hidden", [(), (8,)])
+def test_vectorised_and_per_client_executors_agree(hidden):
+    data = federation(sizes=(50, 31, 64, 12))
+    f, p = fed(hidden=hidden, momentum=0.9), privacy(clip=0.5)
+    params = []
+    for executor in ("vectorised", "per_client"):
+        alg = DPFedSGD(f, p)
+        Simulation(alg, data, f, p, executor=executor).run()
+        params.append(alg.global_params)
+    np.testing.assert_allclose(params[0], params[1], rtol=0, atol=1e-6)
+
+
+def test_a_client_sends_only_its_channel():
+    """The release weight is the constant 1 and a client reports no metrics, whatever its data; the coordinate box
+    and the rate are public facts."""
+    data = federation(sizes=(50, 7, 64, 12))
+    f, p = fed(), privacy()
+    sim = Simulation(DPFedSGD(f, p), data, f, p)
+    sim.prepare()
+    for k in range(K):
+        out = sim._client_update(k, 0)
+        assert out.weight == 1.0 and out.metrics == {}
+        assert set(out.values) == {"gradient_sum"}
+        assert np.abs(out.values["gradient_sum"].value).max() <= sim.algorithm.bound
+    (channel,) = sim.channels
+    assert channel.record_sampling_rate == pytest.approx(40 / (K * round(133 / K)))
+
+
+def test_adam_server_optimizer_runs_and_is_post_processing():
+    data = federation()
+    f, p = fed(lr=0.05), privacy()
+    alg = DPFedSGD(f, p, server_optimizer="adam")
+    result = Simulation(alg, data, f, p).run()
+    assert np.isfinite(alg.global_params).all()
+    assert result.audit["clients"]["0"]["epsilon"] <= p.epsilon
+
+
+@pytest.mark.parametrize("kw, match", [({"unit": "client"}, "record-level"), ({"sampling_rate": 0.5}, "samples records"),
+                                       ({"accountant": "zcdp"}, "cannot compose")])
+def test_refused_configurations(kw, match):
+    with pytest.raises(ConfigurationError, match=match):
+        DPFedSGD(fed(), privacy(**kw))
+    with pytest.raises(ConfigurationError, match="server_optimizer"):
+        DPFedSGD(fed(), privacy(), server_optimizer="rmsprop")
+
+
+def test_distributed_placement_uses_the_sampled_distributed_plan_or_says_what_is_missing():
+    data = federation()
+    f, p = fed(rounds=2), privacy(placement="distributed", accountant="rdp")
+    sim = Simulation(DPFedSGD(f, p), data, f, p, secure=SecureAggregation(bits=48, malicious=False))
+    if not hasattr(secure_module, "calibrate_distributed_sampled"):
+        with pytest.raises(ConfigurationError, match="calibrate_distributed_sampled"):
+            sim.run()
+        return
+    result = sim.run()
+    plan = sim.plan.distributed["gradient_sum"]
+    for k in range(K):
+        assert [c.event for c in sim.ledger.charges(str(k))] == [plan.event] * f.rounds
+        assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon
