@@ -40,7 +40,7 @@ def _widths(text: str) -> tuple[int, ...]:
 
 #: the registered algorithms' names, for help texts (``privfl.algorithms.ALGORITHMS`` imports torch; a test keeps
 #: this tuple equal to its keys)
-ALGORITHM_NAMES = ("dp_fedavg", "dpsgd_fedavg", "fedavg", "fedbnn", "fedbnr", "fedprox", "fola", "hbfl")
+ALGORITHM_NAMES = ("dp_fedavg", "dp_fedsgd", "dpsgd_fedavg", "fedavg", "fedbnn", "fedbnr", "fedprox", "fola", "hbfl")
 
 #: torch's warning when a full backward hook fires on a module whose inputs need no gradient: raised by opacus's
 #: ghost-clipping backward (``dpsgd_train``'s per-client loop, taken by models the vectorised executor cannot train)
@@ -53,17 +53,22 @@ _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are comp
 #: the built-in model and data set names, for help texts (``privfl.models`` and ``privfl.data`` import torch; a test
 #: keeps these equal to ``MODELS`` and ``DATASETS``)
 MODEL_NAMES = ("cnn1", "cnn2", "lenet5", "mlp")
-DATASET_NAMES = ("bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "mnist", "mnist5k", "parkinsons",
-                 "skillcraft", "sml2010", "synthetic1d")
+DATASET_NAMES = ("bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "fair", "mnist", "mnist5k",
+                 "parkinsons", "skillcraft", "sml2010", "star98", "synthetic1d")
 
 #: the algorithms whose ``default_unit`` is record level, for help texts only (the classes' attribute decides; a test
 #: keeps this in step with it, as with ALGORITHM_NAMES)
-RECORD_LEVEL_ALGORITHMS = ("dpsgd_fedavg", "fedbnr")
+RECORD_LEVEL_ALGORITHMS = ("dp_fedsgd", "dpsgd_fedavg", "fedbnr")
 #: options that only some algorithms take, as ``privfl run`` flags: (flag, option name, the flag's default). A flag
 #: is passed to ``make_algorithm`` when the algorithm declares the option (``algorithm_options``), and refused with a
 #: pointer to the algorithms that do when it is given otherwise
 ALGORITHM_FLAGS = (("--kernel-rounds", "kernel_rounds", 0), ("--kernel-aggregation", "kernel_aggregation", "fedavg"),
                    ("--kernel-clip", "kernel_clip", 0.05))
+
+#: ``privfl run --runtime``: the in-process simulation (the default) or Flower's Simulation Engine
+RUNTIMES = ("inprocess", "flower-sim")
+_FLOWER_INSTALL = "pip install 'privfl[flower]'"
+
 
 def version() -> str:
     """privfl's installed version (the distribution's metadata, else the package's ``__version__``)."""
@@ -200,6 +205,102 @@ def _entry_model_option(args) -> dict:
                              "(e.g. {'model': 'mlp', 'hidden': [16]})")
 
 
+def _text_options(args) -> dict:
+    """The ``--option KEY=VALUE`` settings (:mod:`privfl.options`), each one an option ``args.algorithm`` takes as a
+    value: a Python object (your own model), an option with a flag of its own and a name the algorithm does not
+    take are refused, naming the option and the valid ones."""
+    from privfl.algorithms import ALGORITHMS, algorithm_options
+    from privfl.errors import ConfigurationError
+    from privfl.options import OBJECT_OPTIONS, parse_options, settable_options
+
+    given = parse_options(args.option)
+    if not given or args.algorithm not in ALGORITHMS:  # an unknown algorithm is make_algorithm's to report
+        return given
+    declared = algorithm_options(args.algorithm)
+    reserved = [name for name in declared if name in vars(args)]  # set by a flag of its own (--alignment-size...)
+    valid = settable_options(declared, reserved)
+    for name in given:
+        if name in valid:
+            continue
+        if name in declared and name in OBJECT_OPTIONS:
+            raise ConfigurationError(f"--option {name}: {args.algorithm}'s {name} is a Python object (your own "
+                                     f"{name}), not a value: give it through --entry (a model) or the Python API "
+                                     "(privfl.federate)")
+        if name in reserved:
+            raise ConfigurationError(f"--option {name}: {args.algorithm}'s {name} has a flag of its own: use "
+                                     f"--{name.replace('_', '-')}")
+        raise ConfigurationError(f"--option {name}: {args.algorithm} has no option {name!r}; its options are "
+                                 f"{', '.join(valid) or 'none'}")
+    return given
+
+
+def _check_flower_sim(args) -> None:
+    """``--runtime flower-sim`` before any data is loaded: Flower installed, an algorithm that runs on it, and no
+    flag it cannot honour."""
+    from privfl.algorithms import ALGORITHMS
+    from privfl.errors import ConfigurationError
+    from privfl.flower.sim import require_flower, require_runs_on_flower
+
+    require_flower()
+    if args.algorithm in ALGORITHMS:  # an unknown name is make_algorithm's to report
+        require_runs_on_flower(args.algorithm)
+    if args.secure_agg:
+        raise ConfigurationError("--secure-agg with --runtime flower-sim: privfl run's secure aggregation holds "
+                                 "against an active (malicious) server, and on Flower only the semi-honest variant "
+                                 "runs so far (the other needs each SuperNode's identity key registered out of "
+                                 "band): drop --secure-agg, or use --runtime inprocess")
+    if args.placement == "distributed":
+        raise ConfigurationError("--placement distributed needs secure aggregation, which --runtime flower-sim does "
+                                 "not run from the command line yet: choose --placement local or central, or use "
+                                 "--runtime inprocess")
+
+
+def _check_flower_sim_run(args, algorithm) -> None:
+    """``--runtime flower-sim`` once the algorithm is built: what cannot be shipped to the ClientApps or read back
+    from them is refused before the engine starts."""
+    from privfl.errors import ConfigurationError
+    from privfl.flower.sim import require_one_phase
+
+    require_one_phase(algorithm)
+    if getattr(args, "entry_model", None) is not None:
+        raise ConfigurationError(f"--entry {args.entry} returned your own model, a Python object that "
+                                 "--runtime flower-sim cannot ship to the ClientApps (they build the model from the "
+                                 "run's public spec): use --runtime inprocess, or have the entry return a built-in "
+                                 "model's name or settings")
+    if args.save_model and getattr(algorithm, "client_state", ()):
+        raise ConfigurationError(f"--save-model with --runtime flower-sim: {args.algorithm}'s trained models are "
+                                 "the clients' own and stay on their SuperNodes; drop --save-model or use "
+                                 "--runtime inprocess")
+
+
+def _flower_sim_paths(args, n_clients: int) -> tuple[str, str]:
+    """(the run's folder, the clients' ledger folder) of a ``--runtime flower-sim`` run; a ledger folder whose
+    client ledgers already hold the run id is refused, as a ledger file is in process."""
+    from privfl.errors import ConfigurationError
+    from privfl.flower.sim import ledger_paths
+
+    flower_dir = args.flower_dir or os.path.join("runs", "flower-sim", args.run_id)
+    _check_folder(os.path.abspath(flower_dir), "--flower-dir", flower_dir)
+    if os.path.exists(flower_dir) and not os.path.isdir(flower_dir):
+        raise ConfigurationError(f"--flower-dir {flower_dir} is a file; give a folder")
+    if args.ledger == ":memory:":
+        raise ConfigurationError("--ledger :memory: with --runtime flower-sim: each client keeps its own ledger file "
+                                 "on its SuperNode; give a folder, or drop --ledger (default: --flower-dir's "
+                                 "ledgers)")
+    ledger_dir = args.ledger or os.path.join(flower_dir, "ledgers")
+    if os.path.isfile(ledger_dir):
+        raise ConfigurationError(f"--ledger {ledger_dir} is a file; with --runtime flower-sim --ledger is a folder "
+                                 "(client k's own ledger is client<k>.sqlite in it)")
+    _check_folder(os.path.abspath(ledger_dir), "--ledger", ledger_dir)
+    for path in ledger_paths(ledger_dir, n_clients):
+        if args.run_id in _check_ledger_file(path, "--ledger"):
+            raise ConfigurationError(f"--ledger {ledger_dir}: {path} already holds run {args.run_id!r} (the default "
+                                     "run id encodes every setting, so this is the same run again): pass a new "
+                                     f"--run-id (or another --ledger) to start a new run; privfl audit {ledger_dir} "
+                                     f"--run-id {args.run_id} reads the old one")
+    return flower_dir, ledger_dir
+
+
 def cmd_run(args) -> int:
     from privfl.algorithms import ALGORITHMS, default_unit, make_algorithm
     from privfl.algorithms.base import is_phased
@@ -210,6 +311,10 @@ def cmd_run(args) -> int:
 
     data = _own_data(args)  # None for a built-in data set
     _refuse_ignored_input(args)
+    flower = args.runtime == "flower-sim"
+    if flower:
+        _check_flower_sim(args)
+    args.text_options = _text_options(args)
     if args.unit is None:
         args.unit = default_unit(args.algorithm)
         if math.isfinite(args.epsilon) and args.algorithm in ALGORITHMS:
@@ -231,8 +336,16 @@ def cmd_run(args) -> int:
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
                            lr=args.lr, server_lr=args.server_lr, model=args.model, hidden=args.hidden, pool=args.pool,
                            seed=args.seed, client_size=args.client_size, record_cap=args.record_cap)
-    algorithm = make_algorithm(args.algorithm, fed, privacy, **_algorithm_flag_options(args),
-                               **_entry_model_option(args))
+    try:
+        algorithm = make_algorithm(args.algorithm, fed, privacy, **_algorithm_flag_options(args),
+                                   **_entry_model_option(args), **args.text_options)
+    except TypeError as exc:  # an --option value of the wrong kind (a string where a number belongs, ...)
+        if not args.text_options:
+            raise
+        raise ConfigurationError(f"--option: {args.algorithm} cannot take "
+                                 f"{', '.join(f'{k}={v!r}' for k, v in args.text_options.items())} ({exc})") from None
+    if flower:
+        _check_flower_sim_run(args, algorithm)
     phased = is_phased(algorithm)
     uses_alignment = bool(getattr(algorithm, "uses_alignment", False))
     if uses_alignment and not args.alignment_size:
@@ -253,7 +366,9 @@ def cmd_run(args) -> int:
                                  "(--alignment-size); with --data or --entry choose another algorithm")
     if args.run_id is None:
         args.run_id = default_run_id(args, fed, privacy)
-    if args.ledger and args.ledger != ":memory:":
+    if flower:
+        flower_dir, ledger_dir = _flower_sim_paths(args, len(data.train_parts))
+    elif args.ledger and args.ledger != ":memory:":
         _check_folder(os.path.dirname(os.path.abspath(args.ledger)), "--ledger", args.ledger)
         held = _check_ledger_file(args.ledger, "--ledger")
         ids = [f"{args.run_id}-{name}" for name, _ in algorithm.phase_plan] if phased else [args.run_id]
@@ -298,9 +413,24 @@ def cmd_run(args) -> int:
         secure.check(args.clients)  # a threat model no degree and threshold meet is refused before any round
     from privfl.metrics.report import applied_noise
 
-    sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
-                     progress=None if args.quiet else show, secure=secure)
-    result = sim.run()
+    if flower:
+        from privfl.flower.sim import run_simulation_engine
+
+        print(f"privfl run: running on Flower's Simulation Engine ({len(data.train_parts)} virtual SuperNodes on "
+              f"Ray, about a minute to start) in {flower_dir}; the clients' own ledgers go to "
+              f"{os.path.join(ledger_dir, 'client<k>.sqlite')}", file=sys.stderr, flush=True)
+        run = run_simulation_engine(args.algorithm, data, fed, privacy,
+                                    {**_algorithm_flag_options(args), **args.text_options}, flower_dir,
+                                    run_id=args.run_id, ledger_dir=ledger_dir, secure=secure)
+        result, charges, diagnostic, phase_runs = run.result, run.charges(), run.diagnostic_algorithm, []
+        for record in [] if args.quiet else result.history:
+            show(record)
+    else:
+        sim = Simulation(algorithm, data, fed, privacy, ledger_path=args.ledger or ":memory:", run_id=args.run_id,
+                         progress=None if args.quiet else show, secure=secure)
+        result = sim.run()
+        charges, diagnostic = sim.ledger.charges(), sim.diagnostic_algorithm
+        phase_runs = sim.phase_runs if phased else []
     out = {
         "algorithm": result.algorithm, "dataset": result.dataset, "clients": result.clients,
         "rounds": result.rounds, "epsilon_target": result.epsilon_target, "delta": result.delta,
@@ -312,17 +442,19 @@ def cmd_run(args) -> int:
         "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
         "ledger": result.ledger, "run_id": result.run_id, "noise": result.noise,
         "balanced_accuracy": result.final.get("balanced_accuracy"), "auroc": result.final.get("auroc"),
-        "noise_applied": applied_noise(sim.ledger.charges()), "privfl_version": version(),
-        "settings": _settings(args, fed, privacy, secure),
+        "noise_applied": applied_noise(charges), "privfl_version": version(),
+        "settings": _settings(args, fed, privacy, secure), "runtime": args.runtime,
     }
+    if flower:  # each client's own ledger (``privfl audit`` reads the folder, result.ledger, as one run)
+        out.update(ledgers=run.ledger_paths, flower_dir=flower_dir)
     if phased:  # every phase's ledger run, noise and final metrics; the epsilon figures are composed over them
-        runs = sim.phase_runs
+        runs = phase_runs
         out.update(algorithm.describe_phases() if callable(getattr(algorithm, "describe_phases", None)) else {})
         out["run_id"] = [p.result.run_id for p in runs]
         out["noise_applied"] = {p.name: applied_noise(p.ledger.charges()) for p in runs}
         out.update({f"{p.name}_final": p.result.final for p in runs[:-1]})
     if args.save_model:
-        out["model_path"] = save_model(sim.diagnostic_algorithm(), args.save_model)
+        out["model_path"] = save_model(diagnostic(), args.save_model)
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
     aborted = _aborted_rounds(out, secure, result.history)
@@ -333,7 +465,7 @@ def cmd_run(args) -> int:
     _warn_aborted(aborted, len(result.history))
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
-    spent = f"max epsilon spent over its {len(sim.phase_runs)} phases" if phased else "max epsilon spent"
+    spent = f"max epsilon spent over its {len(phase_runs)} phases" if phased else "max epsilon spent"
     print(f"{final}; {spent} {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
@@ -422,6 +554,8 @@ def _refuse_ignored_input(args) -> None:
             raise ConfigurationError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
                                      "secure aggregation; add --secure-agg or drop "
                                      f"{'it' if len(given) == 1 else 'them'}")
+    if args.flower_dir is not None and args.runtime != "flower-sim":
+        raise ConfigurationError("--flower-dir applies with --runtime flower-sim only; add it or drop --flower-dir")
     if args.alpha is not None and args.partition != "dirichlet":
         raise ConfigurationError(f"--alpha is the Dirichlet concentration; it applies with --partition dirichlet "
                                  f"only (got --partition {args.partition}): drop it or change the partition")
@@ -462,6 +596,9 @@ def _settings(args, fed, privacy, secure) -> dict:
            "secure_aggregation": None if secure is None else {"bits": args.secagg_bits, "dropout": args.dropout,
                                                                "min_survivors": args.min_survivors}}
     out["algorithm_options"].update(_algorithm_flag_options(args))
+    out["algorithm_options"].update(getattr(args, "text_options", None) or {})
+    if getattr(args, "runtime", "inprocess") != "inprocess":  # its own ledgers: a run of its own
+        out["runtime"] = args.runtime
     return out
 
 
@@ -544,6 +681,8 @@ def _sampled(event: dict) -> bool:
 def cmd_audit(args) -> int:
     from privfl.accounting.ledger import PrivacyLedger
 
+    if os.path.isdir(args.ledger):
+        return _audit_folder(args)
     held = _check_ledger_file(args.ledger, "ledger")
     if args.run_id is not None and args.run_id not in held and os.path.isfile(args.ledger):
         from privfl.phases import phase_runs_of
@@ -568,9 +707,39 @@ def cmd_audit(args) -> int:
         raise ConfigurationError(f"{args.ledger} is not a readable privfl ledger (SQLite: {exc})") from None
     report = ledger.audit(args.delta)
     sampled = any(_sampled(charge.event.to_dict()) for charge in ledger.charges())
+    return _show_audit(args, report, sampled, ledger.meta, ledger.epsilon_by_round)
+
+
+def _audit_folder(args) -> int:
+    """``privfl audit DIR``: the per-client ledgers (``client<k>.sqlite``) of a ``--runtime flower-sim`` run, each
+    client's own, composed into one report (each client's epsilon is its own ledger's)."""
+    from privfl.errors import ConfigurationError
+    from privfl.flower.sim import client_ledgers, ledger_meta, merged_audit, merged_charges, merged_epsilon_by_round
+
+    paths = client_ledgers(args.ledger)
+    if not paths:
+        raise ConfigurationError(f"{args.ledger} is a directory holding no per-client ledger (client<k>.sqlite); "
+                                 "pass the ledger file privfl run --ledger wrote, or the ledger folder of a "
+                                 "--runtime flower-sim run")
+    held: list[str] = []
+    for path in paths:
+        held += [run for run in _check_ledger_file(path, "ledger") if run not in held]
+    if args.run_id is not None and args.run_id not in held or args.run_id is None and len(held) != 1:
+        raise ConfigurationError(f"the ledgers in {args.ledger} hold the runs [{', '.join(held) or 'none'}]" + (
+            f", not {args.run_id!r}" if args.run_id is not None else "") + "; pass --run-id with one of them")
+    run_id = args.run_id or held[0]
+    if args.png:
+        _check_out_path(args.png, "--png", create_folder=False)
+    report = merged_audit(paths, run_id, args.delta)
+    sampled = any(_sampled(charge.event.to_dict()) for charge in merged_charges(paths, run_id))
+    return _show_audit(args, report, sampled, ledger_meta(paths, run_id),
+                       lambda delta: merged_epsilon_by_round(paths, run_id, delta))
+
+
+def _show_audit(args, report: dict, sampled: bool, meta: dict, epsilon_by_round) -> int:
+    """Print (or dump as JSON) one run's audit, and plot it with ``--png``."""
     if sampled:
         report["rho_note"] = RHO_SAMPLED_NOTE
-    meta = ledger.meta
     if meta.get("noise"):
         report["noise"] = meta["noise"]
     if meta.get("warning"):
@@ -593,7 +762,7 @@ def cmd_audit(args) -> int:
     if args.png:
         from privfl.plots import plot_epsilon_per_client
 
-        plot_epsilon_per_client(ledger.epsilon_by_round(args.delta), args.png, delta=report["delta"],
+        plot_epsilon_per_client(epsilon_by_round(args.delta), args.png, delta=report["delta"],
                                 budget=report["epsilon_budget"])
         if not args.json:
             print(f"wrote {args.png}")
@@ -727,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = _parser(sub, "run", help="run a federation and write its results and ledger")
     r.add_argument("--algorithm", default="dp_fedavg", metavar="NAME",
-                   help=f"one of {', '.join(ALGORITHM_NAMES)}")
+                   help=f"the algorithm, one of {', '.join(ALGORITHM_NAMES)}")
     r.add_argument("--dataset", default=None,
                    help=f"built-in data set: one of {', '.join(DATASET_NAMES)} (see the README's data sets; "
                         "default mnist5k)")
@@ -764,7 +933,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--epsilon", type=_float, default=3.0, help="per-client target; inf for a non-private run")
     r.add_argument("--delta", type=_float, default=1e-5, help="per-client target delta")
     r.add_argument("--ledger", default=None, help="SQLite ledger path (default: in memory); a ledger that already "
-                                                 "holds the run id is refused")
+                                                 "holds the run id is refused. With --runtime flower-sim a folder: "
+                                                 "client k's own ledger is DIR/client<k>.sqlite (default: "
+                                                 "--flower-dir's ledgers)")
     r.add_argument("--run-id", default=None,
                    help="run id in the ledger (default: <algorithm>-<unit>-eps<epsilon>-seed<seed>-<hash of every "
                         "other setting>: runs that differ in anything get different ids)")
@@ -838,6 +1009,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alignment-size", type=int, default=None, metavar="N",
                    help="public alignment set of N training examples, held out from every client (fedbnn; default "
                         "the algorithm's)")
+    r.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an option of the algorithm (repeatable), e.g. --option meme_lr=0.01 --option "
+                        "budget_shares=[0.6,0.4] (hbfl): VALUE is read as JSON where it is JSON (numbers, "
+                        "true/false, lists, objects), else as a string; the options enter the run id (default: the "
+                        "algorithm's own)")
+    r.add_argument("--runtime", choices=RUNTIMES, default="inprocess",
+                   help="inprocess: the clients run one after another in this process; flower-sim: the same "
+                        "federation on Flower's Simulation Engine (one virtual SuperNode per client on Ray; needs "
+                        f"{_FLOWER_INSTALL}), each client charging its own ledger, --ledger DIR/client<k>.sqlite "
+                        "(privfl audit DIR reads them together)")
+    r.add_argument("--flower-dir", default=None, metavar="DIR",
+                   help="with --runtime flower-sim: where the run's files go (each client's data file, the Flower "
+                        "app, Flower's logs and, without --ledger, the clients' ledgers in DIR/ledgers) (default "
+                        "runs/flower-sim/<run id>)")
     r.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and sampling")
     r.add_argument("--quiet", action="store_true", help="no per-round progress")
     r.set_defaults(func=cmd_run)
@@ -849,7 +1034,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "bound whose conversion can exceed epsilon; n/a where a release has no zCDP form); "
                             "releases, values revealed; charges, ledger rows (a charged value that was never "
                             "revealed, e.g. an aborted secure-aggregation round, still counts).")
-    a.add_argument("ledger", help="the SQLite ledger file privfl run --ledger wrote")
+    a.add_argument("ledger", help="the SQLite ledger file privfl run --ledger wrote, or the folder of per-client "
+                                  "ledgers (client<k>.sqlite) of a --runtime flower-sim run, composed into one report")
     a.add_argument("--delta", type=_float, default=None, help="delta to report at (default: the run's)")
     a.add_argument("--run-id", default=None, help="the run to audit (default: the ledger's only run)")
     a.add_argument("--json", action="store_true", help="print one strict JSON object")
@@ -897,7 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
             warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
             return args.func(args)
     except (PrivacyError, InvalidRelease, ConfigurationError, ValueError) as exc:
-        print(f"privfl {args.command}: error: {_name_the_flag(str(exc), parser, args.command)}", file=sys.stderr)
+        print(f"privfl {args.command}: error: "
+              f"{_name_the_flag(str(exc), parser, args.command, getattr(args, 'text_options', None))}",
+              file=sys.stderr)
         return 2
     except OSError as exc:  # a file the command was given could not be read or written
         where = f" {exc.filename}" if exc.filename else ""
@@ -910,12 +1098,14 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = format_warning
 
 
-def _name_the_flag(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+def _name_the_flag(message: str, parser: argparse.ArgumentParser, command: str, options: dict | None = None) -> str:
     """A configuration error that names a setting (``rounds must be ...``, raised by the configuration classes) names
-    the command's flag for it too (``--rounds: rounds must be ...``)."""
+    the command's flag for it too (``--rounds: rounds must be ...``), or the ``--option`` that gave it."""
     match = re.match(r"(\w+) must ", message)
     if match is None:
         return message
+    if options and match.group(1) in options:
+        return f"--option {match.group(1)}: {message}"
     flag = "--" + match.group(1).replace("_", "-")
     (action,) = parser._subparsers._group_actions
     if any(flag in a.option_strings for a in action.choices[command]._actions):

@@ -10,7 +10,10 @@ the comparison was started from), ``config.json`` (the resolved grid) and ``mode
 model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
 
 Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, the noise
-the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``.
+the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``. With ``val_fraction`` > 0 a
+validation split is carved from the training data before partitioning (held by no client, disjoint from the test
+set) and each row also reports ``val_accuracy``, ``val_balanced_accuracy``, ``val_auroc``, ``val_nll``, ``val_ece``
+and ``val_final`` of the same final model: the numbers to choose settings on, never the test set's.
 
 Non-private baselines (fedavg, fedprox) run once per seed at epsilon = inf; private algorithms run at every target
 (at inf without noise). Client-level DP (dp_fedavg) implies record-level DP at the same epsilon, so it is a valid
@@ -38,6 +41,7 @@ from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 from privfl.metrics.classification import reliability_bins
 from privfl.metrics.report import applied_noise, strict_json
+from privfl.options import option_value
 from privfl.runtime import Simulation
 
 _FED_FIELDS = {f.name for f in fields(FederationConfig)}
@@ -46,11 +50,14 @@ _PRIV_FIELDS = {f.name for f in fields(PrivacyConfig)}
 
 @dataclass(frozen=True)
 class CompareConfig:
-    """A comparison grid. ``overrides`` maps an algorithm name to FederationConfig/PrivacyConfig fields.
+    """A comparison grid. ``overrides`` maps an algorithm name to FederationConfig/PrivacyConfig fields and the
+    algorithm's own options; ``rounds`` among them is that algorithm's own count (its rows record it in ``rounds`` and
+    ``settings``), so a DP-SGD step per round and a FedAvg round need not share one number.
 
-    The defaults are the README's main job: MNIST-5k, 10 clients, Dirichlet(0.1), record level, delta 1e-5,
-    epsilon in {1, 3, 8, inf}, every classification algorithm, one seed, 15 rounds of small (32-unit) models (FedBNN
-    with 20 warm-up epochs instead of the paper's 50), sized to finish in under 10 minutes on 2 cores. FedBNR is a regression method and runs in
+    The defaults: MNIST-5k, 10 clients, Dirichlet(0.1), record level, delta 1e-5, epsilon in {1, 3, 8, inf}, every
+    classification algorithm, one seed, 15 rounds of small (32-unit) models (FedBNN with 20 warm-up epochs instead of
+    the paper's 50). The README's main job (``make demo``) is ``experiments/configs/default.toml``, whose settings were
+    chosen on a validation split (``experiments/tune_default.py``). FedBNR is a regression method and runs in
     ``experiments/run_fedbnr.py`` instead.
     """
 
@@ -85,6 +92,9 @@ class CompareConfig:
     # data: the ceiling) and "local_only" (each client trains alone on its own data; the mean of their test metrics:
     # the floor every federation must beat; nothing leaves a client, so epsilon spent is 0)
     references: tuple[str, ...] = ()
+    # share of a built-in data set carved, before partitioning, as a validation split no client holds (0: none); rows
+    # then report val_* metrics, to tune settings on without looking at the test set
+    val_fraction: float = 0.0
 
     def _check_types(self) -> None:
         """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
@@ -96,6 +106,9 @@ class CompareConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
                 raise ConfigurationError(f"{key} must be a number in ({low:g}, {high:g}), got {value!r}")
+        value = self.val_fraction
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ConfigurationError(f"val_fraction must be a number in [0, 1), got {value!r}")
         if self.unit not in ("client", "example"):
             raise ConfigurationError(f"unit must be 'client' or 'example', got {self.unit!r}")
         for key in ("dataset", "partition", "out_dir", "task"):
@@ -139,6 +152,9 @@ class CompareConfig:
             if given:
                 raise ConfigurationError(f"{given} describe your own data: add data (files) or entry "
                                          "(module:function), or drop them")
+        if self.own_data and self.val_fraction:
+            raise ConfigurationError("val_fraction carves a validation split from a built-in dataset; with your own "
+                                     "data leave it out (or 0)")
         uses_alignment = [a for a in self.algorithms if getattr(ALGORITHMS[a], "uses_alignment", False)]
         if self.own_data and uses_alignment:
             raise ConfigurationError(f"{uses_alignment} need a public alignment set carved from a built-in data set; "
@@ -152,6 +168,9 @@ class CompareConfig:
             raise ConfigurationError(f"[overrides.{stray[0]}] is for an algorithm not in the grid (algorithms = "
                                      f"{list(self.algorithms)}); add it to algorithms or delete the section")
         for name, over in self.overrides.items():
+            rounds = over.get("rounds", 1)
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+                raise ConfigurationError(f"[overrides.{name}] rounds must be an integer >= 1, got {rounds!r}")
             bad = set(over) - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(name))
             if bad:
                 raise ConfigurationError(f"[overrides.{name}] has unknown keys {sorted(bad)}; it takes federation and "
@@ -250,15 +269,22 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     privacy = PrivacyConfig(epsilon=spec.epsilon, delta=config.delta, **priv_kw)
     fed_kw = {k: (tuple(v) if k == "hidden" and v is not None else v) for k, v in settings.items()
               if k in _FED_FIELDS}
-    fed = FederationConfig(rounds=config.rounds, seed=spec.seed, **fed_kw)
+    fed_kw.setdefault("rounds", config.rounds)  # [overrides.<algorithm>] rounds: that algorithm's own count
+    fed = FederationConfig(seed=spec.seed, **fed_kw)
     return fed, privacy
 
 
+def run_rounds(config: CompareConfig, spec: RunSpec) -> int:
+    """The rounds ``spec`` runs: the grid's ``rounds``, or its algorithm's ``rounds`` override."""
+    return _configs(config, spec)[0].rounds
+
+
 def _options(config: CompareConfig, algorithm: str) -> dict[str, Any]:
-    """The algorithm's own options among its overrides (lists from TOML become tuples), and the user's own model
-    when the ``entry`` point returned one (:func:`_entry_model`)."""
+    """The algorithm's own options among its overrides (normalised as ``privfl run --option`` values are:
+    :func:`privfl.options.option_value`, lists from TOML become tuples), and the user's own model when the ``entry``
+    point returned one (:func:`_entry_model`)."""
     names = set(algorithm_options(algorithm)) if algorithm in ALGORITHMS else set()
-    return {**{k: tuple(v) if isinstance(v, list) else v for k, v in config.overrides.get(algorithm, {}).items()
+    return {**{k: option_value(v) for k, v in config.overrides.get(algorithm, {}).items()
                if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}, **_entry_model(config, algorithm)}
 
 
@@ -290,8 +316,11 @@ def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
 
 def _data_settings(config: CompareConfig) -> dict:
     if not config.own_data:
-        return {"dataset": config.dataset, "clients": config.clients, "partition": config.partition,
-                "alpha": config.alpha if config.partition == "dirichlet" else None}
+        out = {"dataset": config.dataset, "clients": config.clients, "partition": config.partition,
+               "alpha": config.alpha if config.partition == "dirichlet" else None}
+        if config.val_fraction:  # only when set, so runs finished before the key existed still resume
+            out["val_fraction"] = float(config.val_fraction)
+        return out
     keys = ("data", "target", "client_column", "entry", "test_data", "test_fraction", "classes", "task", "public_data")
     return {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
 
@@ -313,7 +342,7 @@ def federation(config: CompareConfig, seed: int):
     (``seed`` draws the held-out split when there is no test file)."""
     if not config.own_data:
         return make_federated(config.dataset, config.clients, partition=config.partition, alpha=config.alpha,
-                              seed=seed)
+                              seed=seed, val_fraction=float(config.val_fraction))
     from privfl.data.own import client_tables, federated_from_tables, read_table
 
     if config.data is not None:
@@ -364,12 +393,13 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     final = result.final
     diagnostic = sim.diagnostic_algorithm()  # the server half with every client's own state (a simulation view)
     calibration = diagnostic.calibration_predictions(data.test)
+    validation = _validation_metrics(diagnostic, data)
     settings = run_settings(config, spec)
     row = {
         "algorithm": spec.algorithm, "epsilon_target": spec.epsilon, "seed": spec.seed,
         "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
         "epsilon_spent_max": max(eps) if eps else 0.0, "epsilon_spent_mean": float(np.mean(eps)) if eps else 0.0,
-        "delta": config.delta, "unit": privacy.unit, "accountant": result.accountant, "rounds": config.rounds,
+        "delta": config.delta, "unit": privacy.unit, "accountant": result.accountant, "rounds": fed.rounds,
         "clients": config.clients, "dataset": data.name if config.own_data else config.dataset, "seconds": seconds,
         "ledger": ledger,
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
@@ -384,7 +414,25 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     }
     if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
         row["reliability"] = reliability_bins(*calibration)
+    if validation is not None:
+        row.update(_val_columns(validation))
     return row
+
+
+#: the validation columns a row carries when the grid has a validation split (``val_fraction`` > 0)
+VAL_KEYS = ("val_accuracy", "val_balanced_accuracy", "val_auroc", "val_nll", "val_ece")
+
+
+def _validation_metrics(algorithm, data) -> dict[str, float] | None:
+    """The final model's metrics on the validation split, computed as the run's test metrics are (the global model's
+    ``evaluate`` and the clients' own models' ``local_metrics``); None without a validation split."""
+    if getattr(data, "val", None) is None:
+        return None
+    return {**algorithm.evaluate(data.val), **algorithm.local_metrics(data.val)}
+
+
+def _val_columns(validation: dict[str, float]) -> dict[str, Any]:
+    return {**{key: validation.get(key[len("val_"):]) for key in VAL_KEYS}, "val_final": validation}
 
 
 def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
@@ -405,14 +453,15 @@ def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> 
     else:
         federations = [replace(data, train_parts=[p]) for p in parts]
     start = time.perf_counter()
-    finals, per_round = [], []
+    finals, per_round, vals = [], [], []
     for k, fed_data in enumerate(federations):
         report = progress if k == len(federations) - 1 else None  # the bar counts the grid's rounds once
-        result = Simulation(make_algorithm("fedavg", fed, privacy, **_entry_model(config, "fedavg")), fed_data, fed,
-                            privacy, run_id=spec.key,
-                            progress=report).run()
+        sim = Simulation(make_algorithm("fedavg", fed, privacy, **_entry_model(config, "fedavg")), fed_data, fed,
+                         privacy, run_id=spec.key, progress=report)
+        result = sim.run()
         finals.append(result.final)
         per_round.append([r.metrics.get("accuracy") for r in result.history])
+        vals.append(_validation_metrics(sim.diagnostic_algorithm(), fed_data))
     keys = sorted(set.intersection(*(set(f) for f in finals)))
     final = {key: float(np.mean([f[key] for f in finals])) for key in keys}
     spent = math.inf if spec.algorithm == "centralised" else 0.0  # pooling raw data vs. nothing leaving a client
@@ -421,7 +470,7 @@ def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> 
         "algorithm": spec.algorithm, "epsilon_target": math.inf, "seed": spec.seed,
         "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
         "epsilon_spent_max": spent, "epsilon_spent_mean": spent, "delta": config.delta, "unit": None,
-        "accountant": None, "rounds": config.rounds, "clients": config.clients,
+        "accountant": None, "rounds": fed.rounds, "clients": config.clients,
         "dataset": data.name if config.own_data else config.dataset, "seconds": time.perf_counter() - start,
         "ledger": None, "accuracy_per_round": [None if any(v is None for v in r) else float(np.mean(r))
                                for r in zip(*per_round)],
@@ -429,6 +478,8 @@ def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> 
         "auroc": final.get("auroc"), "final": final, "noise_multipliers": None, "noise_applied": {},
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
         "reference": spec.algorithm,
+        **({} if vals[0] is None else _val_columns({key: float(np.mean([v[key] for v in vals]))
+                                                    for key in sorted(set.intersection(*(set(v) for v in vals)))})),
     }
 
 
@@ -446,7 +497,7 @@ def _revive(obj, key: str | None = None):
 
 
 _NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confidence", "epsilon_spent_max",
-                 "epsilon_spent_mean", "epsilon_target"}
+                 "epsilon_spent_mean", "epsilon_target", *VAL_KEYS}
 
 
 def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int, float]]]:
@@ -511,7 +562,7 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
         bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         bar.start()
-        task = bar.add_task("compare", total=len(pending) * config.rounds)
+        task = bar.add_task("compare", total=sum(run_rounds(config, s) for s in pending))
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:
@@ -567,7 +618,8 @@ def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
     with open(os.path.join(config.out_dir, "results.json"), "w") as f:
         json.dump(strict_json({"results": rows}), f, indent=1, allow_nan=False)
     with open(os.path.join(config.out_dir, "results.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_KEYS, extrasaction="ignore")
+        keys = SUMMARY_KEYS + (VAL_KEYS if config.val_fraction else ())  # validation columns last, when there are any
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     plot_accuracy_vs_epsilon(rows, os.path.join(config.out_dir, "accuracy_vs_epsilon.png"), delta=config.delta)
@@ -588,7 +640,8 @@ def summary_table(rows: list[dict]) -> list[dict]:
                     "balanced_accuracy": _mean(rs, "balanced_accuracy"), "auroc": _mean(rs, "auroc"),
                     "ece": float(np.mean([r["ece"] for r in rs])),
                     "epsilon_spent_max": float(max(r["epsilon_spent_max"] for r in rs)),
-                    "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs]))})
+                    "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs])),
+                    **({"val_accuracy": _mean(rs, "val_accuracy")} if any("val_accuracy" in r for r in rs) else {})})
     return out
 
 

@@ -11,6 +11,16 @@ every round and in ``result.audit``, is its charges over all phases so far compo
 phases' ledger runs hold the same clients; their budgets are the phases' shares, whose composition meets the
 target). What the phases release goes through their pipelines exactly as in a one-phase run.
 
+The same logic serves a deployment (``privfl.flower.app``), whose server and clients are apart: :func:`run_phases`
+is the loop over the phases (the server runs each phase and hands its trained server half to the next),
+:func:`phase_run_id` and :func:`phase_ledger_meta` name and describe each phase's ledger run on every party's
+ledger (they and the composition of a run's ledgers live in :mod:`privfl.phase_ledgers`, which a client can import
+without the runtime), and :func:`phase_at` rebuilds a phase on a client, which never holds the earlier phases' server halves:
+it is given their final server states (their last broadcasts, post-processing of what was released) instead. That
+is enough because of the protocol's rule for a phase handed to the next one: the next phase is built from what the
+trained half holds in its ``broadcast_state`` and what its ``setup`` built from public facts (FedBNR's phase 2 takes
+phase 1's ``kernel()``, its set-up network with the broadcast ``global_params``).
+
 :func:`run_fedbnr` is the FedBNR front end kept for scripts: it builds the two-phase FedBNR and runs it here.
 """
 
@@ -22,65 +32,67 @@ from typing import Mapping
 
 import numpy as np
 
-from privfl.algorithms.base import phases_of
+from privfl.algorithms.base import Broadcast, ClientHalf, Phase, phases_of
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
+from privfl.phase_ledgers import (composed_audit, composed_epsilon, phase_ledger_meta, phase_run_id,  # noqa: F401
+                                  phase_runs_of)
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 from privfl.runtime import EXECUTORS, RoundRecord, RunResult, Simulation
 
 
-def composed_epsilon(ledgers, delta: float, accountant: str) -> dict[str, float]:
-    """Each client's epsilon at ``delta`` over the charges of several ledgers (one per phase), composed: each ledger's
-    rounds grouped as the ledger groups them (``accounting.rounds.round_events``: a round's sampled channels share one
-    coin), the phases one after the other."""
-    from privfl.accounting.ledger import composed_epsilon as history_epsilon, history_key
+def setup_phase(phase: Phase, public: PublicFacts) -> None:
+    """Set a phase's algorithm up as a one-phase run does: from the public facts, with the setup stream of the
+    phase's own seed (``privfl.plan.seed_stream``)."""
+    from privfl.plan import seed_stream
 
-    histories: dict[str, tuple] = {}
-    for ledger in ledgers:
-        by_client: dict[str, list] = {}
-        for charge in ledger.charges():
-            by_client.setdefault(charge.client_id, []).append((charge.round, charge.event))
-        for cid, charged in by_client.items():
-            histories[cid] = histories.get(cid, ()) + history_key(charged)
-    return {cid: history_epsilon(accountant, key, delta) for cid, key in histories.items()}
+    phase.algorithm.setup(public, np.random.default_rng(seed_stream(phase.fed.seed, "setup")))
 
 
-def phase_runs_of(path: str, run_id: str, held) -> dict[str, object]:
-    """The ledger runs of ``path`` (among ``held``) that are the phases of the multi-phase run ``run_id``, in phase
-    order, as ``{phase name: PrivacyLedger}`` opened for reading (close them); ``{}`` when there are none."""
-    from privfl.accounting.ledger import PrivacyLedger
+def run_phases(algorithm, public: PublicFacts, run_phase) -> list:
+    """Run the phases of ``algorithm`` one after the other (:func:`privfl.algorithms.base.phases_of`):
+    ``run_phase(index, phase)`` runs one and returns its trained server half, which is handed to the next phase.
+    Returns ``[(phase, trained server half)]`` in order. The loop of every runtime that runs phases."""
+    done = []
+    steps = phases_of(algorithm, public)
+    phase = next(steps)
+    while True:
+        trained = run_phase(len(done), phase)
+        done.append((phase, trained))
+        try:
+            phase = steps.send(trained)
+        except StopIteration:
+            return done
 
-    found = []
-    for rid in held:
-        ledger = PrivacyLedger.open_existing(path, rid)
-        meta = ledger.meta
-        if meta.get("phase_of") == run_id:
-            found.append((meta.get("phase_index", 0), meta.get("phase", rid), ledger))
-        else:
-            ledger.close()
-    return {name: ledger for _, name, ledger in sorted(found, key=lambda f: f[0])}
+
+def final_state(phase: Phase, trained) -> dict:
+    """What a phase hands to the next on a party that did not run its server half: the trained half's
+    ``broadcast_state`` after its last round (the broadcast of round ``phase.fed.rounds``), as message values."""
+    return dict(trained.broadcast(phase.fed.rounds).values)
 
 
-def composed_audit(phases: Mapping[str, object], run_id: str, delta: float, accountant: str,
-                   epsilon_budget: float) -> dict:
-    """The audit of a multi-phase run (``phases``: phase name -> its ledger), shaped as ``PrivacyLedger.audit``:
-    each client's ``epsilon`` is composed over every phase's charges; ``rho``, ``releases`` and ``charges`` add up
-    over the phases; ``phase_epsilons`` is each phase's own. ``runs`` names the phases' ledger runs."""
-    audits = {name: ledger.audit(delta) for name, ledger in phases.items()}
-    total = composed_epsilon(phases.values(), delta, accountant)
-    clients: dict[str, dict] = {}
-    for name, audit in audits.items():
-        for cid, v in audit["clients"].items():
-            c = clients.setdefault(cid, {"epsilon": total[cid], "rho": 0.0, "releases": 0, "charges": 0,
-                                         "phase_epsilons": {}})
-            c["rho"] = None if c["rho"] is None or v["rho"] is None else c["rho"] + v["rho"]
-            c["releases"] += v["releases"]
-            c["charges"] += v["charges"]
-            c["phase_epsilons"][name] = v["epsilon"]
-    clients = dict(sorted(clients.items(), key=lambda kv: (len(kv[0]), kv[0])))
-    return {"delta": delta, "max_epsilon": max((v["epsilon"] for v in clients.values()), default=0.0),
-            "run_id": run_id, "runs": [a["run_id"] for a in audits.values()], "accountant": accountant,
-            "epsilon_budget": epsilon_budget, "clients": clients}
+def phase_at(algorithm, public: PublicFacts, index: int, handed_over, setup=None) -> Phase:
+    """Phase ``index`` of ``algorithm``, rebuilt where the earlier phases' server halves are not (a deployment's
+    client): each earlier phase's algorithm is set up (``setup(phase)``, default :func:`setup_phase` on
+    ``public``), given the server state the run's server handed over (``handed_over[j]``: :func:`final_state` of
+    phase ``j``) and sent back as that phase's trained half, so phase ``index`` is built as the server built it.
+    The returned phase's algorithm is not set up."""
+    from privfl.errors import CorruptMessage
+
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0 or len(handed_over) != index:
+        raise CorruptMessage(f"{algorithm.name}: phase {index!r} needs the final states of the {index!r} phases "
+                             f"before it, got {len(handed_over)}")
+    setup = setup or (lambda p: setup_phase(p, public))
+    steps = phases_of(algorithm, public)
+    phase = next(steps)
+    for j in range(index):
+        setup(phase)
+        ClientHalf(phase.algorithm).load(Broadcast(phase.fed.rounds, handed_over[j]))
+        try:
+            phase = steps.send(phase.algorithm)
+        except StopIteration:
+            raise CorruptMessage(f"{algorithm.name} has {j + 1} phases; there is no phase {index}") from None
+    return phase
 
 
 @dataclass
@@ -170,13 +182,14 @@ class PhasedSimulation(Simulation):
         privacy = self.privacy
         history: list[RoundRecord] = []
         self.phase_runs = []
-        steps = phases_of(self.algorithm, self.public)
-        phase, offset = next(steps), 0
-        while True:
-            self._open_phase_run(phase, len(self.phase_runs))
+        offset = 0
+
+        def run_phase(index: int, phase: Phase):
+            nonlocal offset
+            self._open_phase_run(phase, index)
             sim = Simulation(phase.algorithm, self.data, phase.fed, phase.privacy, ledger_path=self.ledger_path,
-                             run_id=f"{self.run_id}-{phase.name}", secure=self.secure, public=self._given_public,
-                             executor=self.executor, blas_threads=self.blas_threads)
+                             run_id=phase_run_id(self.run_id, phase.name), secure=self.secure,
+                             public=self._given_public, executor=self.executor, blas_threads=self.blas_threads)
             earlier = [p.ledger for p in self.phase_runs]
             sim.progress = self._recorder(phase.name, offset, earlier, sim)
             run = PhaseRun(phase.name, sim)
@@ -185,10 +198,9 @@ class PhasedSimulation(Simulation):
             run.result = sim.run()
             history.extend(run.result.history)
             offset += phase.fed.rounds
-            try:
-                phase = steps.send(sim.algorithm)
-            except StopIteration:
-                break
+            return sim.algorithm
+
+        run_phases(self.algorithm, self.public, run_phase)
         ledgers = {p.name: p.ledger for p in self.phase_runs}
         accountant = privacy.resolved_accountant
         result = RunResult(self.algorithm.name, getattr(self.data, "name", "?"), self.public.n_clients,
@@ -216,12 +228,8 @@ class PhasedSimulation(Simulation):
         from privfl.accounting.ledger import PrivacyLedger
 
         privacy = phase.privacy
-        meta = {"algorithm": phase.algorithm.name, "dataset": getattr(self.data, "name", "?"),
-                "noise": "secure" if privacy.secure_noise else "seeded", "phase_of": self.run_id,
-                "phase": phase.name, "phase_index": index, "epsilon_target": self.privacy.epsilon}
-        if privacy.private and not privacy.secure_noise:
-            meta["warning"] = SEEDED_NOISE_WARNING
-        PrivacyLedger(self.ledger_path, f"{self.run_id}-{phase.name}", delta=privacy.delta,
+        meta = phase_ledger_meta(phase, index, self.run_id, getattr(self.data, "name", "?"), self.privacy.epsilon)
+        PrivacyLedger(self.ledger_path, phase_run_id(self.run_id, phase.name), delta=privacy.delta,
                       epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta).close()
 
     def _recorder(self, name: str, offset: int, earlier: list, sim: Simulation):
@@ -304,5 +312,6 @@ def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, k
                      ledgers=[kernel.ledger, regression.ledger], result=result)
 
 
-__all__ = ["FedBNRRun", "PhaseRun", "PhasedSimulation", "composed_audit", "composed_epsilon", "phase_runs_of",
-           "run_fedbnr"]
+__all__ = ["FedBNRRun", "PhaseRun", "PhasedSimulation", "composed_audit", "composed_epsilon", "final_state",
+           "phase_at", "phase_ledger_meta", "phase_run_id", "phase_runs_of", "run_fedbnr", "run_phases",
+           "setup_phase"]

@@ -746,6 +746,9 @@ class FedBNRKernel(FederatedAlgorithm):
 
     name = "fedbnr_kernel"
     supports_privacy = True
+    #: what a client step reads of the server half (``privfl.algorithms.base``): the global network's weights, and
+    #: under distillation the global Gram on X_kd (None under FedAvg)
+    broadcast_state = ("global_params", "global_gram")
 
     def __init__(self, fed, privacy, *, model=None, hidden: tuple[int, ...] | None = None,
                  latent_dim: int | None = None, num_samples: int = 50,

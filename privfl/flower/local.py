@@ -13,8 +13,15 @@ and, for Flower's Simulation Engine (virtual SuperNodes on Ray, ``simulation=Tru
     flower-superlink --insecure --simulation --port P --database STATE.db --disable-runtime-dependency-installation
     flwr run APP_DIR CONNECTION --stream --federation-config "num-supernodes=N client-resources-num-cpus=1"
 
+With ``warm=True`` each SuperNode is started with ``--isolation process`` (it spawns no SuperExec and no ClientApp
+process) and gets one warm worker (:mod:`privfl.flower.warm`), a long-lived process that serves every ClientApp task
+of its SuperNode on the SuperNode's runtime API::
+
+    flower-supernode --insecure --superlink 127.0.0.1:P --port Q_k --isolation process --node-config "..."
+    python -m privfl.flower.warm --runtime-api-address 127.0.0.1:Q_k --insecure --parent-pid SUPERNODE_PID
+
 Every process is started in its own session and :meth:`LocalDeployment.close` ends each process group it started
-(SIGTERM, then SIGKILL), so no SuperExec or ClientApp child outlives the deployment.
+(SIGTERM, then SIGKILL), so no SuperExec, ClientApp or worker process outlives the deployment.
 """
 
 from __future__ import annotations
@@ -58,10 +65,13 @@ def _wait_port(port: int, timeout: float, proc: subprocess.Popen, log: str) -> N
 
 class LocalDeployment:
     """A SuperLink and ``len(node_configs)`` SuperNodes under ``workdir`` (logs, state database, FLWR_HOME);
-    ``env``: variables added to this process's environment for every process of the deployment."""
+    ``env``: variables added to this process's environment for every process of the deployment; ``warm``: the
+    SuperNodes run with ``--isolation process`` and one warm ClientApp worker each (``workers[k]``, its log
+    ``worker{k}.log``), instead of Flower's default of one fresh ClientApp process per message."""
 
     def __init__(self, workdir: str, node_configs: list[dict], *, bin_dir: str | None = None,
-                 start_timeout: float = 60.0, simulation: bool = False, env: dict[str, str] | None = None):
+                 start_timeout: float = 60.0, simulation: bool = False, env: dict[str, str] | None = None,
+                 warm: bool = False, worker_poll_interval: float = 0.2):
         self.workdir = os.path.abspath(workdir)
         self.bin_dir = bin_dir or os.path.dirname(sys.executable)
         self.home = os.path.join(self.workdir, "flwr-home")
@@ -73,18 +83,38 @@ class LocalDeployment:
         self.simulation = simulation  # the SuperLink runs the Simulation Engine (Ray); node_configs must be empty
         if simulation and node_configs:
             raise ValueError("a simulation SuperLink runs virtual SuperNodes: pass node_configs=[]")
+        self.warm = warm
+        if warm and simulation:
+            raise ValueError("warm workers serve SuperNodes; a simulation SuperLink has none")
+        self.worker_poll_interval = worker_poll_interval
         self.procs: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen | None] = []  # warm mode: the worker of SuperNode k
         self.port = 0
         self._node_args: list[list[str]] = []  # each SuperNode's command line, to restart it as it was
+        self._node_ports: list[int] = []
 
-    def _start(self, name: str, args: list[str], mode: str = "wb") -> subprocess.Popen:
+    def _start(self, name: str, args: list[str], mode: str = "wb", keep: bool = True) -> subprocess.Popen:
         log = open(os.path.join(self.workdir, f"{name}.log"), mode)
         try:
             proc = subprocess.Popen([os.path.join(self.bin_dir, args[0]), *args[1:]], stdout=log,
                                     stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True)
         finally:
             log.close()
-        self.procs.append(proc)
+        if keep:
+            self.procs.append(proc)
+        return proc
+
+    def _start_worker(self, k: int, node: subprocess.Popen, mode: str = "wb") -> subprocess.Popen:
+        """SuperNode ``k``'s warm worker (it ends by itself if the SuperNode ends: ``--parent-pid``)."""
+        python = "python" if os.path.exists(os.path.join(self.bin_dir, "python")) else sys.executable
+        proc = self._start(f"worker{k}", [python, "-m", "privfl.flower.warm", "--runtime-api-address",
+                                          f"127.0.0.1:{self._node_ports[k]}", "--insecure", "--parent-pid",
+                                          str(node.pid), "--poll-interval", str(self.worker_poll_interval)],
+                           mode=mode, keep=False)
+        if k < len(self.workers):
+            self.workers[k] = proc
+        else:
+            self.workers.append(proc)
         return proc
 
     def start(self) -> "LocalDeployment":
@@ -101,10 +131,30 @@ class LocalDeployment:
             items = " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
                              for key, value in config.items())
             args = ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                    "--port", str(node_ports[k]), "--node-config", items]
+                    "--port", str(node_ports[k]), *(["--isolation", "process"] if self.warm else []),
+                    "--node-config", items]
             self._node_args.append(args)
-            self._start(f"supernode{k}", args)
+            self._node_ports.append(node_ports[k])
+            node = self._start(f"supernode{k}", args)
+            if self.warm:
+                self._start_worker(k, node)
         return self
+
+    def wait_workers(self, timeout: float = 120.0) -> None:
+        """Warm mode: return once every worker has started serving (its imports done), else raise RuntimeError."""
+        deadline = time.monotonic() + timeout
+        for k, proc in enumerate(self.workers):
+            log = os.path.join(self.workdir, f"worker{k}.log")
+            while True:
+                with open(log, errors="replace") as f:
+                    if f"pid={proc.pid}] INFO serving" in f.read():
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the warm worker of SuperNode {k} exited with {proc.returncode}; see {log}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the warm worker of SuperNode {k} is not serving after {timeout:g} s; "
+                                       f"see {log}")
+                time.sleep(0.2)
 
     def run(self, app_dir: str, *, timeout: float, federation_config: str | None = None
             ) -> subprocess.CompletedProcess:
@@ -125,19 +175,28 @@ class LocalDeployment:
         return subprocess.CompletedProcess(proc.args, proc.returncode)
 
     def kill_node(self, k: int) -> None:
+        """Stop SuperNode ``k`` (and, in warm mode, its worker, with any ClientApp task it was running)."""
+        if self.warm and self.workers[k] is not None:
+            _stop(self.workers[k])
         _stop(self.procs[1 + k])
 
     def restart_node(self, k: int) -> subprocess.Popen:
         """Start SuperNode ``k`` again (after :meth:`kill_node`, or stopping it first) with its command line and node
         config as they were: the same data and ledger paths, so its ledger carries on from the rows it holds. Its log
-        goes on in ``supernode{k}.log``. The SuperLink registers it as a new node."""
-        _stop(self.procs[1 + k])
+        goes on in ``supernode{k}.log``. The SuperLink registers it as a new node. In warm mode its worker is
+        restarted with it (log ``worker{k}.log``, appended)."""
+        self.kill_node(k)
         proc = self._start(f"supernode{k}", self._node_args[k], mode="ab")
         self.procs.pop()  # keep procs[1 + k] the SuperNode of organisation k
         self.procs[1 + k] = proc
+        if self.warm:
+            self._start_worker(k, proc, mode="ab")
         return proc
 
     def close(self) -> None:
+        for proc in self.workers:
+            if proc is not None:
+                _stop(proc)
         for proc in reversed(self.procs):
             _stop(proc)
 

@@ -5,6 +5,10 @@ FedAvg is compared bit for bit; DP-FedAvg with local, seeded noise too (the clie
 Flower Context.state between rounds, so it draws the same noise as the in-process client). The in-process reference
 runs in a process of its own and every process gets ``MKL_CBWR=COMPATIBLE`` (conftest.py explains why). Each
 SuperNode charges its own SQLite ledger, which must audit.
+
+Every deployment here runs each SuperNode with ``--isolation process`` and a warm privfl worker
+(``privfl.flower.warm``: one long-lived process serving every ClientApp message, a third of the time of Flower's
+default isolation, which starts a fresh ``flwr-clientapp`` process per message and runs the same ClientApp).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 
 N_CLIENTS, ROUNDS = 3, 3
-RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds; each ClientApp is a fresh Python process)
+RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def deployment(federation, tmp_path_factory, repro_env):
         data = str(work / f"org{k}.npz")
         np.savez(data, x=part.x, y=part.y)
         configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
-    dep = LocalDeployment(str(work), configs, env=repro_env)
+    dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)  # warm workers (privfl.flower.warm)
     try:
         dep.start()
         yield dep
@@ -324,7 +328,7 @@ def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(
     def log_text():
         return open(os.path.join(dep.workdir, "flwr-run.log"), errors="replace").read()
 
-    dep = LocalDeployment(str(tmp_path / "dep"), configs)
+    dep = LocalDeployment(str(tmp_path / "dep"), configs, warm=True)  # killing a node kills its worker too
     os.makedirs(dep.workdir, exist_ok=True)
     try:
         dep.start()

@@ -116,7 +116,7 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
     reference = _reference(spec, tmp_path, repro_env)
     assert reference["aborted"] == [False, False]
     result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
         dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
     if not os.path.exists(result_path):
         pytest.fail("the ServerApp wrote no result; flwr run log:\n"
@@ -153,7 +153,7 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
     reference = _reference(spec, tmp_path, repro_env)
     assert reference["aborted"] == [False, False]
     result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
         dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
     if not os.path.exists(result_path):
         pytest.fail("the ServerApp wrote no result; flwr run log:\n"
@@ -188,7 +188,7 @@ def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(f
     configs = _write_orgs(federation, tmp_path)
     result_path = str(tmp_path / "result.bin")
     victim = 2
-    with LocalDeployment(str(tmp_path), configs, env=repro_env) as dep:
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
         with open(tmp_path / "flwr-run.log", "wb") as log:
             run = subprocess.Popen([os.path.join(dep.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],

@@ -36,6 +36,7 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
         assert {"balanced_accuracy", "auroc", "settings", "config_hash", "privfl_version", "noise_applied"} <= set(r)
         assert r["settings"]["federation"]["rounds"] == 2 and r["settings"]["data"]["clients"] == 3
         assert os.path.getsize(r["model_path"]) > 0
+        assert not any(k.startswith("val_") for k in r)  # no validation split asked for: no validation columns
         if r["epsilon_target"] != "inf":  # strict JSON: infinity is the string "inf"
             assert r["noise_applied"]["update"][0]["noise_multiplier"] > 0
             led = PrivacyLedger.open_existing(r["ledger"])
@@ -107,7 +108,11 @@ def test_bad_grids_are_refused(tmp_path):
                                              (b'rounds = "x"\n', "rounds must be an integer >= 1, got 'x'"),
                                              (b"delta = 2\n", "delta must be a number in (0, 1)"),
                                              (b"epsilons = 3\n", "epsilons must be a list"),
-                                             (b"overrides = 3\n", "overrides must be TOML tables")])
+                                             (b"overrides = 3\n", "overrides must be TOML tables"),
+                                             (b"val_fraction = 1.0\n", "val_fraction must be a number in [0, 1)"),
+                                             (b'val_fraction = "0.1"\n', "val_fraction must be a number in [0, 1)"),
+                                             (b'algorithms = ["fedavg"]\n[overrides.fedavg]\nrounds = 0\n',
+                                              "[overrides.fedavg] rounds must be an integer >= 1")])
 def test_cli_compare_file_errors_exit_2_without_traceback(tmp_path, capsys, content, needle):
     cfg = tmp_path / "c.toml"
     if content == "dir":
@@ -175,3 +180,64 @@ def test_overrides_take_an_algorithms_own_options_and_refuse_unknown_ones():
     assert alg.warmup_epochs == 3
     with pytest.raises(ConfigurationError, match="takes no option"):
         make_algorithm("fedavg", FederationConfig(), PrivacyConfig(), mu=0.1)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 1.5, True, "0.1", math.nan])
+def test_val_fraction_is_validated(tmp_path, value):
+    with pytest.raises(ConfigurationError, match=r"val_fraction must be a number in \[0, 1\)"):
+        small(tmp_path, val_fraction=value)
+
+
+def test_val_fraction_refuses_own_data(tmp_path):
+    with pytest.raises(ConfigurationError, match="val_fraction"):
+        CompareConfig(data=str(tmp_path / "*.csv"), target="y", clients=2, algorithms=("fedavg",), val_fraction=0.1,
+                      out_dir=str(tmp_path / "o"))
+
+
+def test_validation_split_is_disjoint_from_test_and_clients(tmp_path):
+    from privfl.compare import federation
+
+    data = federation(small(tmp_path, val_fraction=0.2), 0)
+    assert len(data.val) == round(0.2 * 1797)  # digits: every image is distinct, so rows identify records
+    rows = lambda ds: {r.tobytes() for r in ds.x.reshape(len(ds.x), -1)}  # noqa: E731
+    val, test = rows(data.val), rows(data.test)
+    assert not val & test
+    for part in data.train_parts:
+        assert not val & rows(part)
+    # the test split is the one a grid without validation split uses
+    assert rows(federation(small(tmp_path), 0).test) == test
+
+
+@pytest.mark.timeout(300)
+def test_compare_reports_validation_metrics_and_per_algorithm_rounds(tmp_path):
+    config = small(tmp_path, seeds=(0,), epsilons=(2.0,), val_fraction=0.2,
+                   overrides={"fedavg": {"hidden": [8], "rounds": 3}, "dp_fedavg": {"hidden": [], "pool": 1}})
+    rows = {r["algorithm"]: r for r in compare(config, progress=False)}
+    for r in rows.values():
+        assert 0 <= r["val_accuracy"] <= 1 and 0 <= r["val_balanced_accuracy"] <= 1 and r["val_nll"] > 0
+        assert {"val_auroc", "val_ece", "val_final", "accuracy", "nll", "ece"} <= set(r)
+        assert r["settings"]["data"]["val_fraction"] == 0.2
+    assert rows["fedavg"]["rounds"] == 3 == rows["fedavg"]["settings"]["federation"]["rounds"]
+    assert len(rows["fedavg"]["accuracy_per_round"]) == 3
+    assert rows["dp_fedavg"]["rounds"] == 2 == len(rows["dp_fedavg"]["accuracy_per_round"])
+    out = tmp_path / "out"
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert header.startswith("algorithm,epsilon_target,seed,accuracy") and header.endswith(
+        "val_accuracy,val_balanced_accuracy,val_auroc,val_nll,val_ece")
+    saved = json.loads((out / "results.json").read_text())["results"]
+    assert all(isinstance(r["val_accuracy"], float) for r in saved)
+    from privfl.compare import summary_table
+
+    assert all(0 <= t["val_accuracy"] <= 1 for t in summary_table(list(rows.values())))
+    # a rounds override is a setting like any other: another count in the same folder is refused
+    with pytest.raises(ConfigurationError, match="rounds"):
+        compare(small(tmp_path, seeds=(0,), epsilons=(2.0,), val_fraction=0.2,
+                      overrides={"fedavg": {"hidden": [8], "rounds": 4}, "dp_fedavg": {"hidden": [], "pool": 1}}),
+                progress=False)
+
+
+def test_without_val_fraction_rows_and_settings_are_unchanged(tmp_path):
+    from privfl.compare import RunSpec, run_settings
+
+    config = small(tmp_path)
+    assert "val_fraction" not in run_settings(config, RunSpec("fedavg", math.inf, 0))["data"]  # old runs still resume
