@@ -69,3 +69,54 @@ def in_process_reference(tmp_path_factory):
 def repro_env():
     """The environment every Flower process of a bit-exact comparison gets (``LocalDeployment(env=...)``)."""
     return dict(REPRO_ENV)
+
+
+@pytest.fixture(scope="session")
+def write_orgs():
+    """``write_orgs(federation, work)``: each organisation's records as ``work/org<k>.npz`` and its SuperNode's node config (partition id, data path,
+    ledger path ``work/org<k>-ledger.sqlite``), in partition order."""
+    import numpy as np
+
+    def write(federation, work) -> list[dict]:
+        configs = []
+        for k, part in enumerate(federation.train_parts):
+            data = str(work / f"org{k}.npz")
+            np.savez(data, x=part.x, y=part.y)
+            configs.append({"partition-id": k, "data-path": data,
+                            "ledger-path": str(work / f"org{k}-ledger.sqlite")})
+        return configs
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def federation():
+    """Three organisations of 120 scikit-learn digits each and 200 test digits (``digits3``): the federation of the
+    deployment tests (a module may define its own ``federation`` instead)."""
+    import numpy as np
+
+    from privfl.data import federated_from_arrays, load_digits
+
+    digits = load_digits(flatten=True)
+    idx = np.random.default_rng(0).permutation(len(digits))
+    parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(3)]
+    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
+
+
+@pytest.fixture(scope="session")
+def deploy():
+    """``deploy(deployment, spec, tag, timeout, **write_app_kw)``: write the run's Flower app under the deployment's
+    folder, ``flwr run`` it, and return the result the ServerApp wrote (the test fails with the run's log if none)."""
+    from privfl.flower.app import read_result, write_app
+
+    def run(deployment, spec, tag, timeout, **write_app_kw):
+        result_path = os.path.join(deployment.workdir, f"{tag}-result.bin")
+        app = write_app(os.path.join(deployment.workdir, f"app-{tag}"), spec, result_path=result_path,
+                        **write_app_kw)
+        deployment.run(app, timeout=timeout)
+        if not os.path.exists(result_path):
+            logs = open(os.path.join(deployment.workdir, "flwr-run.log"), errors="replace").read()[-4000:]
+            pytest.fail(f"the ServerApp wrote no result; flwr run log:\n{logs}")
+        return read_result(result_path)
+
+    return run

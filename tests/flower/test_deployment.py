@@ -23,7 +23,7 @@ pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
-from privfl.data import federated_from_arrays, load_digits  # noqa: E402
+from privfl.data import load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 
@@ -32,22 +32,9 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 
 
 @pytest.fixture(scope="module")
-def federation():
-    digits = load_digits(flatten=True)
-    rng = np.random.default_rng(0)
-    idx = rng.permutation(len(digits))
-    parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(N_CLIENTS)]
-    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
-
-
-@pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env):
+def deployment(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("flower")
-    configs = []
-    for k, part in enumerate(federation.train_parts):
-        data = str(work / f"org{k}.npz")
-        np.savez(data, x=part.x, y=part.y)
-        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
+    configs = write_orgs(federation, work)
     dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)  # warm workers (privfl.flower.warm)
     try:
         dep.start()
@@ -61,14 +48,9 @@ def _spec(name, federation, fed, privacy, tag):
     return RunSpec.of(name, federation, fed, privacy, run_id=f"{name}-{tag}", node_wait=60, round_timeout=120)
 
 
-def _deploy(deployment, spec, tag):
-    result_path = os.path.join(deployment.workdir, f"{tag}-result.bin")
-    app = write_app(os.path.join(deployment.workdir, f"app-{tag}"), spec, result_path=result_path)
-    deployment.run(app, timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        logs = open(os.path.join(deployment.workdir, "flwr-run.log"), errors="replace").read()[-4000:]
-        pytest.fail(f"the ServerApp wrote no result; flwr run log:\n{logs}")
-    return read_result(result_path)
+@pytest.fixture
+def _deploy(deploy):
+    return lambda deployment, spec, tag: deploy(deployment, spec, tag, RUN_TIMEOUT)
 
 
 def _ledgers(deployment, spec):
@@ -86,7 +68,7 @@ def _ledgers(deployment, spec):
     return audits
 
 
-def test_fedavg_deployment_equals_in_process(deployment, federation, in_process_reference):
+def test_fedavg_deployment_equals_in_process(deployment, federation, in_process_reference, _deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=7)
     spec = _spec("fedavg", federation, fed, PrivacyConfig(), "fedavg")
     expected = in_process_reference(spec, deployment.workdir)["global_params"]
@@ -100,7 +82,7 @@ def test_fedavg_deployment_equals_in_process(deployment, federation, in_process_
         assert result["audits"][str(k)]["releases"] == ROUNDS
 
 
-def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federation, in_process_reference):
+def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federation, in_process_reference, _deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
     spec = _spec("dp_fedavg", federation, fed, privacy, "dpfedavg")
@@ -130,7 +112,7 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
     pytest.param("hbfl", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
                                        secure_noise=False), marks=pytest.mark.slow),
 ], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client"])
-def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy):
+def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy, _deploy):
     """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
     Poisson batches come from each client's own generators, and HBFL, whose clients keep their local models between
     rounds on their own SuperNodes: the same global state as the in-process run."""
@@ -151,7 +133,7 @@ def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_p
 
 
 @pytest.mark.slow
-def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_reference):
+def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_reference, _deploy):
     """FedBNN with its public alignment set as a file every party reads (``RunSpec.alignment_path``; its labels are
     never read) and its options in the spec (a short warm-up and prior tuning): each client's personalised BNN stays
     in its SuperNode's Context.state between rounds, and the broadcast state (the noisy average of the clients'
@@ -181,7 +163,7 @@ def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_re
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
-def test_client_sampling_deployed_equals_in_process(deployment, federation, in_process_reference):
+def test_client_sampling_deployed_equals_in_process(deployment, federation, in_process_reference, _deploy):
     """Poisson client sampling with central noise (amplified): the server draws the run plan's sampling stream as the
     in-process runtime does, sends the round to the sampled organisations only, and every left-out member charges its
     own ledger for the round; the model and every ledger equal the in-process run's."""
@@ -284,7 +266,7 @@ def _rows(path, run_id):
         ledger.close()
 
 
-def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(federation, tmp_path):
+def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(federation, tmp_path, write_orgs):
     """Organisation 2's SuperNode (and its ClientApp) is killed once its ledger holds the release of round 0: for the
     round in flight the ServerApp gets Flower's "node unavailable" error reply (or no reply within its round timeout)
     and aborts with a DeploymentError; no model is published, no organisation is asked for a later round, and the
@@ -303,11 +285,7 @@ def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(
 
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
-    configs = []
-    for k, part in enumerate(federation.train_parts):
-        data = str(tmp_path / f"org{k}.npz")
-        np.savez(data, x=part.x, y=part.y)
-        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(tmp_path / f"org{k}.sqlite")})
+    configs = write_orgs(federation, tmp_path)
     fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="fault", node_wait=60, round_timeout=40)

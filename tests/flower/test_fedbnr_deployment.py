@@ -27,7 +27,7 @@ from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays  # noqa: E402
 from privfl.data.offline import load_diabetes  # noqa: E402
-from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
+from privfl.flower.app import RunSpec  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
 from privfl.phases import composed_audit, phase_runs_of  # noqa: E402
@@ -77,13 +77,9 @@ def federation():
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env):
+def deployment(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("fedbnr")
-    configs = []
-    for k, part in enumerate(federation.train_parts):
-        data = str(work / f"org{k}.npz")
-        np.savez(data, x=part.x, y=part.y)
-        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
+    configs = write_orgs(federation, work)
     np.savez(work / "test.npz", x=federation.test.x, y=federation.test.y)
     dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)  # warm workers (privfl.flower.warm)
     try:
@@ -94,7 +90,7 @@ def deployment(federation, tmp_path_factory, repro_env):
     assert all(p.poll() is not None for p in dep.procs)
 
 
-def _deploy_and_reference(deployment, spec, repro_env):
+def _deploy_and_reference(deployment, spec, repro_env, deploy_run):
     """The deployment's result and the in-process run's, the latter in a process of its own started first (it runs
     while the deployment does)."""
     work = deployment.workdir
@@ -106,7 +102,7 @@ def _deploy_and_reference(deployment, spec, repro_env):
                                   os.path.join(work, f"{spec.run_id}-reference.sqlite")],
                                  env=dict(os.environ, **repro_env))
     try:
-        result = _deploy(deployment, spec)
+        result = deploy_run(deployment, spec)
         assert reference.wait(timeout=300) == 0, "the in-process reference failed"
     finally:
         if reference.poll() is None:
@@ -116,15 +112,10 @@ def _deploy_and_reference(deployment, spec, repro_env):
         return result, from_bytes(f.read(), "reference")
 
 
-def _deploy(deployment, spec):
-    result_path = os.path.join(deployment.workdir, f"{spec.run_id}-result.bin")
-    app = write_app(os.path.join(deployment.workdir, f"app-{spec.run_id}"), spec, result_path=result_path,
-                    test_path=os.path.join(deployment.workdir, "test.npz"))
-    deployment.run(app, timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        logs = open(os.path.join(deployment.workdir, "flwr-run.log"), errors="replace").read()[-4000:]
-        pytest.fail(f"the ServerApp wrote no result; flwr run log:\n{logs}")
-    return read_result(result_path)
+@pytest.fixture
+def _deploy(deploy):
+    return lambda deployment, spec: deploy(deployment, spec, spec.run_id, RUN_TIMEOUT,
+                                           test_path=os.path.join(deployment.workdir, "test.npz"))
 
 
 def _rows(path, run_id):
@@ -194,20 +185,20 @@ def _check(result, reference, spec, deployment, kernel_rounds, exact):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fedbnr_with_kernel_learning_deployed_equals_in_process(deployment, federation, repro_env):
+def test_fedbnr_with_kernel_learning_deployed_equals_in_process(deployment, federation, repro_env, _deploy):
     """Two rounds of phase 1 and phase 2 in the clear, central noise (the ServerApp's, seeded): bit for bit."""
     fed = FederationConfig(rounds=1, local_epochs=3, lr=0.05, hidden=(4,), seed=3)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="example", clip=1.0, placement="central",
                             accountant="exact", secure_noise=False)
     spec = RunSpec.of("fedbnr", federation, fed, privacy, run_id="fedbnr-plain", node_wait=60, round_timeout=120,
                       options={"kernel_rounds": 2, "num_samples": 10})
-    result, reference = _deploy_and_reference(deployment, spec, repro_env)
+    result, reference = _deploy_and_reference(deployment, spec, repro_env, _deploy)
     _check(result, reference, spec, deployment, kernel_rounds=2, exact=True)
     assert result["state"] == {}  # phase 2 broadcasts nothing: its clients need only the kernel
 
 
 @pytest.mark.timeout(600)
-def test_fedbnr_under_secure_aggregation_deployed_equals_in_process(deployment, federation, repro_env):
+def test_fedbnr_under_secure_aggregation_deployed_equals_in_process(deployment, federation, repro_env, _deploy):
     """One round of each phase under secure aggregation, each client noising its own release (seeded): each client
     encodes with its own generator on both runtimes, so the sums agree up to quantisation."""
     fed = FederationConfig(rounds=1, local_epochs=3, lr=0.05, hidden=(4,), seed=5)
@@ -216,7 +207,7 @@ def test_fedbnr_under_secure_aggregation_deployed_equals_in_process(deployment, 
     spec = RunSpec.of("fedbnr", federation, fed, privacy, run_id="fedbnr-secagg", node_wait=60, round_timeout=120,
                       options={"kernel_rounds": 1, "num_samples": 10},
                       secure=SecureAggregation(bits=48, malicious=False))
-    result, reference = _deploy_and_reference(deployment, spec, repro_env)
+    result, reference = _deploy_and_reference(deployment, spec, repro_env, _deploy)
     _check(result, reference, spec, deployment, kernel_rounds=1, exact=False)
 
 

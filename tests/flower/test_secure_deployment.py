@@ -25,7 +25,6 @@ pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
-from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
@@ -62,24 +61,6 @@ with open(out_path, "wb") as f:
 """
 
 
-@pytest.fixture(scope="module")
-def federation():
-    digits = load_digits(flatten=True)
-    rng = np.random.default_rng(0)
-    idx = rng.permutation(len(digits))
-    parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(N_CLIENTS)]
-    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
-
-
-def _write_orgs(federation, work):
-    configs = []
-    for k, part in enumerate(federation.train_parts):
-        data = str(work / f"org{k}.npz")
-        np.savez(data, x=part.x, y=part.y)
-        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
-    return configs
-
-
 def _reference(spec, work, repro_env):
     """The in-process runtime on the organisations' files, in its own process (conftest.py explains why)."""
     spec_path, out_path = work / f"{spec.run_id}.json", work / f"{spec.run_id}-reference.bin"
@@ -106,13 +87,14 @@ def _audit(path, run_id, k):
 
 
 @pytest.mark.timeout(400)
-def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path, repro_env):
+def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path, repro_env,
+                                                                             write_orgs):
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs = _write_orgs(federation, tmp_path)
+    configs = write_orgs(federation, tmp_path)
     reference = _reference(spec, tmp_path, repro_env)
     assert reference["aborted"] == [False, False]
     result_path = str(tmp_path / "result.bin")
@@ -140,7 +122,7 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
 
 @pytest.mark.timeout(400)
 def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path,
-                                                                                       repro_env):
+                                                                                       repro_env, write_orgs):
     """FOLA at client level: its two channels (the changes of the natural mean and of the precision) have norm
     clips, so their quantiser ranges are public; each round runs secure_agg's stages over Flower messages and the
     server's posterior equals the in-process run's up to quantisation (the same words on both runtimes)."""
@@ -149,7 +131,7 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("fola", federation, fed, privacy, run_id="fola-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs = _write_orgs(federation, tmp_path)
+    configs = write_orgs(federation, tmp_path)
     reference = _reference(spec, tmp_path, repro_env)
     assert reference["aborted"] == [False, False]
     result_path = str(tmp_path / "result.bin")
@@ -175,7 +157,8 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
 
 
 @pytest.mark.timeout(400)
-def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env):
+def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env,
+                                                                              write_orgs):
     """SuperNode 2 is killed as soon as it has answered the share-keys stage (charged, not released): the round
     completes from the two survivors, whose shares of its mask key remove its masks. Its ledger keeps the charge,
     never marked released; the survivors' ledgers mark exactly what they sent."""
@@ -185,7 +168,7 @@ def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(f
     secure = SecureAggregation(bits=48, malicious=False, dropout=0.34)
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg-kill", node_wait=60,
                       round_timeout=90, secure=secure)
-    configs = _write_orgs(federation, tmp_path)
+    configs = write_orgs(federation, tmp_path)
     result_path = str(tmp_path / "result.bin")
     victim = 2
     with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:

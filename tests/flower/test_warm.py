@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("flwr")
 
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
-from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 
@@ -31,21 +30,9 @@ RUN_TIMEOUT = 180
 
 
 @pytest.fixture(scope="module")
-def federation():
-    digits = load_digits(flatten=True)
-    idx = np.random.default_rng(0).permutation(len(digits))
-    parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(N_CLIENTS)]
-    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
-
-
-@pytest.fixture(scope="module")
-def warm(federation, tmp_path_factory, repro_env):
+def warm(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("flower-warm")
-    configs = []
-    for k, part in enumerate(federation.train_parts):
-        data = str(work / f"org{k}.npz")
-        np.savez(data, x=part.x, y=part.y)
-        configs.append({"partition-id": k, "data-path": data, "ledger-path": str(work / f"org{k}-ledger.sqlite")})
+    configs = write_orgs(federation, work)
     dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)
     try:
         dep.start()

@@ -194,8 +194,10 @@ def check_relation_of_events(t: Transcript, privacy: PrivacyConfig):
                     assert isinstance(event, PoissonSampledEvent)
                     assert event.sampling_rate == ch.record_sampling_rate
                     continue
-                rounded = plan.quantiser.rounded_l2_sensitivity(ch.sensitivity, ch.shape[0],
-                                                                replace_one=ch.adjacency == "replace_one")
+                # both neighbouring uploads are rounded unless a whole upload is added or removed (client level,
+                # add/remove): record-level channels take the two-sided rounding under either relation
+                two_sided = ch.adjacency == "replace_one" or ch.unit == "example"
+                rounded = plan.quantiser.rounded_l2_sensitivity(ch.sensitivity, ch.shape[0], replace_one=two_sided)
                 expected = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=plan.local_sigma,
                                                                n_min=plan.n_min, n_max=plan.n_max,
                                                                dimension=ch.shape[0])
