@@ -35,12 +35,8 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 def deployment(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("flower")
     configs = write_orgs(federation, work)
-    dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)  # warm workers (privfl.flower.warm)
-    try:
-        dep.start()
+    with LocalDeployment(str(work), configs, env=repro_env, warm=True) as dep:  # warm workers (privfl.flower.warm)
         yield dep
-    finally:
-        dep.close()
     assert all(p.poll() is not None for p in dep.procs)
 
 

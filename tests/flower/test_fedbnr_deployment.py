@@ -81,12 +81,8 @@ def deployment(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("fedbnr")
     configs = write_orgs(federation, work)
     np.savez(work / "test.npz", x=federation.test.x, y=federation.test.y)
-    dep = LocalDeployment(str(work), configs, env=repro_env, warm=True)  # warm workers (privfl.flower.warm)
-    try:
-        dep.start()
+    with LocalDeployment(str(work), configs, env=repro_env, warm=True) as dep:  # warm workers (privfl.flower.warm)
         yield dep
-    finally:
-        dep.close()
     assert all(p.poll() is not None for p in dep.procs)
 
 

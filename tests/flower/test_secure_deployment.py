@@ -86,25 +86,27 @@ def _audit(path, run_id, k):
     return audit["clients"].get(str(k))
 
 
+def _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy):
+    """The organisations' node configs, the in-process reference (its own process) and the deployment's result
+    (3 warm SuperNodes under ``tmp_path``) of a two-round run that no round may abort on either runtime."""
+    configs = write_orgs(federation, tmp_path)
+    reference = _reference(spec, tmp_path, repro_env)
+    assert reference["aborted"] == [False, False]
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        result = deploy(dep, spec, spec.run_id, RUN_TIMEOUT)
+    assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
+    return configs, reference, result
+
+
 @pytest.mark.timeout(400)
 def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path, repro_env,
-                                                                             write_orgs):
+                                                                             write_orgs, deploy):
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs = write_orgs(federation, tmp_path)
-    reference = _reference(spec, tmp_path, repro_env)
-    assert reference["aborted"] == [False, False]
-    result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
-        dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
-                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
-    result = read_result(result_path)
-    assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
+    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy)
     got, expected = result["state"]["global_params"], reference["state"]["global_params"]
     # each client's encoding draws from its own generator on both runtimes: the same words, the same sum
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
@@ -122,7 +124,7 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
 
 @pytest.mark.timeout(400)
 def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path,
-                                                                                       repro_env, write_orgs):
+                                                                                       repro_env, write_orgs, deploy):
     """FOLA at client level: its two channels (the changes of the natural mean and of the precision) have norm
     clips, so their quantiser ranges are public; each round runs secure_agg's stages over Flower messages and the
     server's posterior equals the in-process run's up to quantisation (the same words on both runtimes)."""
@@ -131,17 +133,7 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("fola", federation, fed, privacy, run_id="fola-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs = write_orgs(federation, tmp_path)
-    reference = _reference(spec, tmp_path, repro_env)
-    assert reference["aborted"] == [False, False]
-    result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
-        dep.run(write_app(str(tmp_path / "app"), spec, result_path=result_path), timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
-                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
-    result = read_result(result_path)
-    assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
+    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy)
     assert set(result["state"]) == set(reference["state"])
     for key, expected in reference["state"].items():
         got = np.asarray(result["state"][key])
