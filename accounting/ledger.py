@@ -20,7 +20,8 @@ accountant given one composition per round along the path (``composed_epsilon``:
 paths of all clients form a tree whose nodes keep their epsilon and, for the nodes clients stand on, the composed
 accountant state: a new round composes only that round into its parent's state (a PLD convolution, not a rebuild),
 identical histories share nodes (every client charged the same events each round composes once), and an audit is a
-lookup per client. The "would this exceed?" check composes the round into a copy and changes nothing. The cache is
+lookup per client. The "would this exceed?" check finds the node the round leads to (for a round after every
+other, one step down the tree; otherwise on a copy of the client's state) and changes nothing. The cache is
 synchronised with the rows inside every charge's transaction and before every read: ``PRAGMA data_version`` tells
 whether another connection committed; if one did, the rows past the last rowid seen are applied and the run's row
 count is compared with the cache's, and any disagreement rebuilds the cache from all rows. A refused charge leaves
@@ -268,12 +269,19 @@ class PrivacyLedger:
         """Charge one release; see :meth:`charge_all`."""
         return self.charge_all(client_id, round, [ChargeRequest(channel, event, unit)])[0]
 
-    def charge_all(self, client_id: str, round: int, requests: list[ChargeRequest]) -> list[Charge]:
+    def charge_all(self, client_id: str, round: int, requests: list[ChargeRequest], *,
+                   release: bool = False) -> list[Charge]:
         """Charge a round's releases of one client together: all are committed, or none is.
 
         Already-charged rows with an identical event are returned as they are (a replay charges nothing twice);
         a replay with a different event raises :class:`LedgerError`. Raises :class:`PrivacyBudgetExceeded`
         (nothing written) if the client's composed epsilon at the ledger's delta would exceed its budget.
+
+        ``release``: the caller reveals the values as soon as this returns, with nothing in between that can fail
+        (the release pipeline when no noise is left to draw on the client). The rows are then written released (a
+        charge and its mark in one statement, the same transaction as :meth:`mark_released` after the charge); a
+        replayed row not yet released is marked; a replayed row already released raises :class:`LedgerError`
+        and nothing is written or marked.
         """
         client_id = check_client_id(client_id)
         round = check_round(round)
@@ -302,6 +310,7 @@ class PrivacyLedger:
             state = self._states.get(client_id)
             existing = {} if state is None else state.rounds.get(round, {})
             new: list[ChargeRequest] = []
+            replayed: list[ChargeRequest] = []
             for r in requests:
                 old = existing.get(r.channel)
                 if old is None:
@@ -310,13 +319,21 @@ class PrivacyLedger:
                     raise LedgerError(
                         f"release {self.run_id}/{client_id}/{round}/{r.channel} was already charged as "
                         f"{old[0].to_dict()} ({old[1]}); a replay must carry the same event")
+                else:
+                    replayed.append(r)
             inserted: list[tuple[int, str, int, str, PrivacyEvent, str]] = []
             now = time.time()
             if new:
-                # "Would this exceed?": the round's new channels on a copy of the cached state; nothing is mutated.
-                trial = _ClientState() if state is None else state.copy()
-                trial.add_round(round, {r.channel: (r.event, r.unit) for r in new}, self._tree)
-                after = self._tree.epsilon(trial.node, self.delta)
+                # "Would this exceed?": the node the round's new channels lead to, the cached state unchanged (a
+                # round after every other: one step down the tree; anything else: on a copy of the state).
+                channels = {r.channel: (r.event, r.unit) for r in new}
+                if state is not None and round > state.latest:
+                    trial, node = None, state.next_node(round, channels, self._tree)
+                else:
+                    trial = _ClientState() if state is None else state.copy()
+                    trial.add_round(round, channels, self._tree)
+                    node = trial.node
+                after = self._tree.epsilon(node, self.delta)
                 if after > self.epsilon_budget * (1 + _BUDGET_RTOL):
                     raise PrivacyBudgetExceeded(
                         f"client {client_id} would spend epsilon={after:.4g} (delta={self.delta:g}) after round "
@@ -327,10 +344,18 @@ class PrivacyLedger:
                     mech, sens, std, q = _describe(r.event)
                     cur = conn.execute(
                         "INSERT INTO charges (run_id, client_id, round, channel, mechanism, sensitivity, noise_std, "
-                        "sampling_rate, unit, event, charged_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "sampling_rate, unit, event, charged_at, released, released_at) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (self.run_id, client_id, round, r.channel, mech, sens, std, q, r.unit,
-                         _event_json(r.event), now))
+                         _event_json(r.event), now, int(release), now if release else None))
                     inserted.append((cur.lastrowid, client_id, round, r.channel, r.event, r.unit))
+            if release:
+                for r in replayed:
+                    if conn.execute("UPDATE charges SET released=1, released_at=? WHERE run_id=? AND client_id=? "
+                                    "AND round=? AND channel=? AND released=0",
+                                    (now, self.run_id, client_id, round, r.channel)).rowcount != 1:
+                        raise LedgerError(f"release {self.run_id}/{client_id}/{round}/{r.channel} was already "
+                                          f"released; releasing a value twice would need a second charge")
             if savepoint:
                 conn.execute("RELEASE charge")
             elif not batched:
@@ -347,14 +372,20 @@ class PrivacyLedger:
             raise
         if inserted:  # written in this transaction (committed unless batched): now, and only now, the cache learns
             # them, as the state the budget check composed (the rows it added are exactly these)
+            if trial is None:
+                state.add_next(round, channels, node)
+                trial = state
             trial.charges += len(inserted)
             self._states[client_id] = trial
             self._row_count += len(inserted)
             self._last_rowid = max(self._last_rowid, max(row[0] for row in inserted))
+        if release and self._released is not None:
+            self._released[client_id] = self._released.get(client_id, 0) + len(requests)
         if not batched:
             self._data_version = synced
         if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
-            return [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, False) for r in requests]
+            return [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, release)
+                    for r in requests]
         rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
                 for ch, ev, unit, t, rel in conn.execute(
                     "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND client_id=? "
@@ -520,13 +551,14 @@ class _ClientState:
     """One client's cached composition: its rounds' channels, each round's contribution, its row count and the node
     of the composition tree its history leads to."""
 
-    __slots__ = ("rounds", "contributions", "node", "charges")
+    __slots__ = ("rounds", "contributions", "node", "charges", "latest")
 
     def __init__(self) -> None:
         self.rounds: dict[int, dict[str, tuple[PrivacyEvent, str]]] = {}
         self.contributions: dict[int, tuple[tuple[PrivacyEvent, int], ...]] = {}
         self.node: _Node | None = None
         self.charges = 0
+        self.latest = -1  # the last round charged (max of ``rounds``), -1 before any
 
     def copy(self) -> "_ClientState":
         other = _ClientState()
@@ -534,12 +566,27 @@ class _ClientState:
         other.contributions = dict(self.contributions)
         other.node = self.node
         other.charges = self.charges
+        other.latest = self.latest
         return other
+
+    def next_node(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]],
+                  tree: "_CompositionTree") -> "_Node":
+        """The node a new round ``rnd`` after every charged one (``rnd > latest``) would lead to; changes nothing."""
+        contribution = _round_contribution(tuple(channels[ch][0] for ch in sorted(channels)))
+        return tree.child(self.node if self.node is not None else tree.root, contribution)
+
+    def add_next(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]], node: "_Node") -> None:
+        """Record the new round ``rnd > latest`` whose node :meth:`next_node` gave."""
+        self.rounds[rnd] = dict(channels)
+        self.contributions[rnd] = node.contribution
+        self.node = node
+        self.latest = rnd
 
     def add_round(self, rnd: int, channels: dict[str, tuple[PrivacyEvent, str]], tree: "_CompositionTree") -> None:
         """Add channels charged in round ``rnd`` (the round's sampled channels share one coin). A round after every
         other is one step down the tree; anything else (a round filled in, an earlier round) re-walks the path."""
-        latest = max(self.rounds, default=-1)
+        latest = self.latest
+        self.latest = max(latest, rnd)
         merged = {**self.rounds.get(rnd, {}), **channels}
         self.rounds[rnd] = merged
         contribution = _round_contribution(tuple(merged[ch][0] for ch in sorted(merged)))

@@ -237,19 +237,29 @@ class Channel:
     def private(self) -> bool:
         return not isinstance(self.clip, Unclipped)
 
-    def validate(self, value, *, defer_finite: bool = False) -> np.ndarray | ClippedValue:
+    def validate(self, value, *, defer_finite: bool = False,
+                 into: np.ndarray | None = None) -> np.ndarray | ClippedValue:
         """Finite and of the declared shape, or :class:`InvalidRelease` naming the channel.
 
         ``defer_finite``: a float32 array converted here to a float64 copy is not checked for finiteness; the caller
         (the release pipeline, for a norm-clipped channel) hands that copy to the norm clip, which checks it through
         the norm it computes anyway (``mechanisms.clipping.clip_per_client(owned=True)``). Any other value is
-        checked here as always."""
+        checked here as always.
+
+        ``into``: a float64 array of the channel's shape that the caller owns and no one else holds (the release
+        pipeline's reused buffer); a float32 upload of a clipped channel is converted into it instead of into a new
+        array (a new array of an upload's size costs a page fault per 4 KiB on first touch)."""
         raw = value.value if isinstance(value, (ClippedValue, PrivatizedValue)) else value
         # An unclipped (non-private) float32 value stays float32 (no copy): nothing about it needs float64. Anything
         # clipped or noised is float64 from here on, so that its clip and its noise hold as computed.
         keep32 = not self.private and isinstance(raw, np.ndarray) and raw.dtype == np.float32
         is32 = isinstance(raw, np.ndarray) and raw.dtype == np.float32
-        arr = raw if keep32 else np.asarray(raw, dtype=np.float64)
+        if (is32 and not keep32 and into is not None and raw.shape == self.shape and into.shape == self.shape
+                and into.dtype == np.float64):
+            np.copyto(into, raw)
+            arr = into
+        else:
+            arr = raw if keep32 else np.asarray(raw, dtype=np.float64)
         if arr.shape != self.shape:
             raise InvalidRelease(f"channel {self.name}: expected shape {self.shape}, got {arr.shape}; nothing was "
                                  f"released")

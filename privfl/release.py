@@ -22,6 +22,7 @@ per release, only its :class:`ReleaseHeader` in the clear.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -159,6 +160,10 @@ class ReleasePipeline:
             if name not in noise_multipliers:
                 raise InvalidRelease(f"no noise multiplier for channel {name}; calibrate one per channel")
             self.mechanisms[name] = GaussianMechanism(ch.sensitivity, noise_multipliers[name])
+        # Whether a release draws noise on the client after its charge. If not, nothing between the charge and the
+        # hand-over can fail, and a marked release writes its rows released (one statement per row, no mark after).
+        self._noise_after_charge = placement == "local" and any(m is not None for m in self.mechanisms.values())
+        self._buffers: dict[str, np.ndarray] = {}  # per channel: the float64 array the last release was made in
 
     def event_for(self, name: str, value: object = None) -> PrivacyEvent:
         """The event one release of channel ``name`` costs (the ledger charges exactly this)."""
@@ -190,9 +195,17 @@ class ReleasePipeline:
         return amplifies(self.sampling_rate, self.privacy_unit, self.placement)
 
     def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
+        """The round's charge requests, in channel order. Without a DP-SGD-trained channel they depend on the
+        pipeline's fixed configuration only, so the list is built once and reused (the requests are frozen)."""
+        cached = self.__dict__.get("_fixed_requests")
+        if cached is not None:
+            return cached
         values = values or {}
-        return [ChargeRequest(name, self.event_for(name, values.get(name)), ch.unit)
-                for name, ch in self.channels.items()]
+        requests = [ChargeRequest(name, self.event_for(name, values.get(name)), ch.unit)
+                    for name, ch in self.channels.items()]
+        if not any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
+            self._fixed_requests = requests
+        return requests
 
     def charge_only(self, round: int) -> None:
         """Charge a round in which Poisson sampling left this client out.
@@ -208,6 +221,19 @@ class ReleasePipeline:
             raise ReleaseMisuse("client sampling with DP-SGD-trained channels is not supported: the training's "
                                 "event is only known once the client has trained")
         self.ledger.charge_all(self.client_id, round, self._requests())
+
+    def _buffer(self, channel: Channel) -> np.ndarray | None:
+        """A float64 array of ``channel``'s shape to convert this round's float32 upload into: the one the last
+        release was made in when nothing outside holds it any more (no Release, view, tensor or sum of it is left:
+        its only references are this pipeline's dict, this frame and ``getrefcount``'s argument), else a new one,
+        kept for the next round. Reusing it saves the page faults of a new upload-sized array every round; the value
+        it held was released rounds ago and is overwritten whole."""
+        if not (isinstance(channel.clip, NormClip) and channel.shape):
+            return None
+        buf = self._buffers.get(channel.name)
+        if buf is None or sys.getrefcount(buf) != 3:
+            buf = self._buffers[channel.name] = np.empty(channel.shape)
+        return buf
 
     @staticmethod
     def _clip(channel: Channel, validated, raw):
@@ -236,11 +262,14 @@ class ReleasePipeline:
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
         # 1. validate, 2. clip — before anything is charged.
-        validated = {name: ch.validate(values[name], defer_finite=isinstance(ch.clip, NormClip))
+        validated = {name: ch.validate(values[name], defer_finite=isinstance(ch.clip, NormClip),
+                                       into=self._buffer(ch) if _is_float32(values[name]) else None)
                      for name, ch in self.channels.items()}
         clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
-        # 3. charge, atomically for the round.
-        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated))}
+        # 3. charge, atomically for the round (and, when no noise is left to draw here, marked released with it).
+        marked = mark and not self._noise_after_charge
+        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated),
+                                                                 release=marked)}
         releases = {}
         for name, ch in self.channels.items():
             mech = self.mechanisms[name]
@@ -254,7 +283,7 @@ class ReleasePipeline:
                     central_std = mech.noise_std
                 # distributed: integer noise shares are added after quantisation (privfl.secure)
             # 6. the row is marked released just before the value is handed over (never twice).
-            if mark:
+            if mark and not marked:
                 self.ledger.mark_released(charges[name])
             releases[name] = Release(self.client_id, round, name, value, float(weight), local_std, central_std,
                                      charges[name].release_id)
@@ -263,6 +292,10 @@ class ReleasePipeline:
     def mark_round_released(self, round: int) -> int:
         """Mark this client's charged rows of ``round`` released (:func:`mark_round_released`)."""
         return mark_round_released(self.ledger, self.client_id, round)
+
+
+def _is_float32(value) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == np.float32
 
 
 def mark_round_released(ledger: PrivacyLedger, client_id: str, round: int) -> int:

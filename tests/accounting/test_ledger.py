@@ -159,3 +159,51 @@ def test_run_metadata_is_stored_and_read_back(tmp_path):
     with pytest.raises(LedgerError, match="JSON"):
         ledger(tmp_path, run_id="other", meta={"bad": object()})
     assert PrivacyLedger.run_ids(tmp_path / "ledger.sqlite") == ["run"]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_charge_with_release_writes_released_rows_and_never_releases_twice(tmp_path, batched):
+    """``charge_all(release=True)``: the charge and its mark in one statement; a replayed unreleased row is marked;
+    a replayed released row is refused with nothing written (not even the request's new channel)."""
+    led = ledger(tmp_path)
+    with (led.transaction() if batched else _no_block()):
+        (c,) = led.charge_all("a", 0, [ChargeRequest("u", GaussianEvent(1.0, 2.0))], release=True)
+        assert c.released
+        led.charge("a", 1, "u", GaussianEvent(1.0, 2.0))  # charged, not released (a masked input)
+        (c1,) = led.charge_all("a", 1, [ChargeRequest("u", GaussianEvent(1.0, 2.0))], release=True)
+        assert c1.released
+        with pytest.raises(LedgerError, match="already released"):
+            led.charge_all("a", 1, [ChargeRequest("u", GaussianEvent(1.0, 2.0)),
+                                    ChargeRequest("v", GaussianEvent(1.0, 2.0))], release=True)
+        with pytest.raises(LedgerError, match="already released"):
+            led.mark_released(c)
+    rows = sqlite3.connect(tmp_path / "ledger.sqlite").execute(
+        "SELECT round, channel, released, released_at IS NOT NULL FROM charges ORDER BY round, channel").fetchall()
+    assert rows == [(0, "u", 1, 1), (1, "u", 1, 1)]  # channel v of the refused request was not written
+    assert led.audit()["clients"]["a"]["releases"] == 2
+    fresh = PrivacyLedger.open_existing(tmp_path / "ledger.sqlite", "run")
+    assert fresh.audit()["clients"]["a"]["releases"] == 2 and fresh.epsilon("a") == led.epsilon("a")
+
+
+def test_rounds_charged_out_of_order_compose_as_from_scratch(tmp_path):
+    """The budget check of a new last round steps down the cached tree without copying the client's state; an
+    earlier round filled in re-walks the path. Both give the epsilon of the rows composed from scratch."""
+    led = ledger(tmp_path)
+    for rnd in (0, 2, 5):
+        led.charge("a", rnd, "u", GaussianEvent(1.0, 3.0))
+    led.charge("a", 1, "u", GaussianEvent(1.0, 1.5))   # filled in
+    led.charge("a", 6, "u", GaussianEvent(1.0, 2.0))   # after every other
+    led.charge("a", 6, "v", GaussianEvent(1.0, 2.0))   # a second channel of the latest round
+    fresh = PrivacyLedger.open_existing(tmp_path / "ledger.sqlite", "run")
+    assert led.epsilon("a") == pytest.approx(fresh.epsilon("a"), rel=1e-12)
+    single = PrivacyLedger(tmp_path / "single.sqlite", "single", delta=1e-5)
+    single.charge("a", 0, "all", GaussianEvent(1.0, (3 * 3.0 ** -2 + 1.5 ** -2 + 2 * 2.0 ** -2) ** -0.5))
+    assert led.epsilon("a") == pytest.approx(single.epsilon("a"), rel=1e-9)
+
+
+class _no_block:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

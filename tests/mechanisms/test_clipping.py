@@ -99,3 +99,25 @@ def test_unknown_adjacency_is_refused():
         sum_sensitivity(1.0, "swap")
     with pytest.raises(InvalidRelease, match="2-D"):
         clip_rows(np.ones(3), 1.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 8192), (1, 8193), (1, 79510), (5, 20000), (256, 31), (3, 0)])
+def test_squared_norms_match_a_plain_sum_of_squares(shape):
+    """The chunked BLAS dots of the norm clip give each row's sum of squares (float64 tolerance), for rows shorter,
+    equal to and longer than a chunk, and for strided rows."""
+    from privfl.mechanisms.clipping import _squared_norms
+    rows = np.random.default_rng(0).standard_normal(shape)
+    expect = np.array([math.fsum(float(v) ** 2 for v in row) for row in rows])
+    assert np.allclose(_squared_norms(rows), expect, rtol=1e-12, atol=0)
+    wide = np.random.default_rng(1).standard_normal((shape[0], 2 * shape[1]))[:, ::2]  # non-contiguous rows
+    assert np.allclose(_squared_norms(wide), [math.fsum(float(v) ** 2 for v in r) for r in wide], rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_squared_norms_carry_a_non_finite_entry_in_any_chunk(bad):
+    from privfl.mechanisms.clipping import _squared_norms
+    for where in (0, 8191, 8192, 20000):
+        rows = np.ones((2, 20001))
+        rows[1, where] = bad
+        out = _squared_norms(rows)
+        assert out[0] == 20001.0 and not np.isfinite(out[1])

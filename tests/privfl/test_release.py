@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -289,3 +290,44 @@ def test_clipping_never_touches_the_algorithms_own_array(dtype, scale):
     np.testing.assert_allclose(np.linalg.norm(value), min(1.0, np.linalg.norm(before.astype(np.float64))),
                                rtol=1e-12)
     assert np.linalg.norm(value) <= 1.0 * (1 + 1e-12)
+
+
+def test_pipeline_reuses_its_buffer_only_when_no_release_holds_it(tmp_path):
+    """A float32 upload is converted into the float64 array of the pipeline's previous release only once nothing
+    outside holds that array: a release still held keeps its value whatever the pipeline releases next."""
+    led, pipe = make(tmp_path, placement="central", channels=[Channel("update", (4,), unit="client",
+                                                                      clip=NormClip(10.0))])
+    first = pipe.release(0, {"update": np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)})["update"]
+    kept = first.value.copy()
+    second = pipe.release(1, {"update": np.array([-5.0, 0.0, 5.0, 0.0], dtype=np.float32)})["update"]
+    assert np.array_equal(first.value, kept)  # held: not overwritten
+    assert not np.shares_memory(first.value, second.value)
+    view = second.value[:2]  # a view keeps the array held too
+    del second
+    third = pipe.release(2, {"update": np.array([0.0, 1.0, 0.0, 0.0], dtype=np.float32)})["update"]
+    assert np.array_equal(view, [-5.0, 0.0]) and not np.shares_memory(view, third.value)
+    del view
+    buffer_before = weakref.ref(third.value.base if third.value.base is not None else third.value)
+    del third
+    fourth = pipe.release(3, {"update": np.array([2.0, 0.0, 0.0, 0.0], dtype=np.float32)})["update"]
+    assert buffer_before() is not None and np.shares_memory(fourth.value, buffer_before())  # nothing held it: reused
+    assert np.array_equal(fourth.value, [2.0, 0.0, 0.0, 0.0])
+    assert [c.released for c in led.charges("7")] == [True] * 4
+
+
+@pytest.mark.parametrize("placement", ["local", "central"])
+def test_rows_are_released_once_whichever_way_they_are_marked(tmp_path, placement):
+    """Central (no noise left to draw on the client): the rows are written released with the charge; local: the
+    row is charged, the noise drawn, then the row marked. Either way each value leaves once."""
+    led, pipe = make(tmp_path, placement=placement)
+    pipe.release(0, {"update": np.array([0.3, 0.4, 0.0])})
+    (charge,) = led.charges("7")
+    assert charge.released and led.audit()["clients"]["7"]["releases"] == 1
+    with pytest.raises(Exception, match="released"):
+        pipe.release(0, {"update": np.array([0.3, 0.4, 0.0])})
+    assert len(led.charges("7")) == 1 and led.audit()["clients"]["7"]["releases"] == 1
+    # a round charged but not yet released (a masked input, mark=False) is released by a later marked release
+    pipe.release(1, {"update": np.array([0.3, 0.4, 0.0])}, mark=False)
+    assert not [c for c in led.charges("7") if c.round == 1][0].released
+    pipe.release(1, {"update": np.array([0.3, 0.4, 0.0])})
+    assert all(c.released for c in led.charges("7")) and led.audit()["clients"]["7"]["releases"] == 2
