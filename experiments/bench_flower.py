@@ -5,19 +5,58 @@ Workload (the same on both sides): 150 digits records per client (``--per-client
 SGD steps of batch 32 per client and round), no privacy. This is a light workload: in process a round takes 0.15 to
 0.25 s here, so the ratio below mostly measures Flower's per-round latency, not training.
 
-The deployment (one flower-superlink, ten flower-supernode OS processes) is started first and not timed, as a real
+The deployment (one flower-superlink, ten SuperNode OS processes) is started first and not timed, as a real
 federation's is long-lived. The SuperNodes run with ``--isolation process`` and one warm privfl worker each
 (``privfl.flower.warm``: one long-lived process per SuperNode serves every ClientApp message; it has imported
 privfl and torch before the run starts, as a real organisation's worker would have). The timed part is ``flwr run``
-until the ServerApp has written its result (shipping the app, starting the ServerApp process, the start-of-run
-identify query, every round's messages). ``flower_over_inprocess`` is that time over the in-process runtime's
-(default executor); ``worker_*`` say how much of it the workers spent on tasks (pull, load, ClientApp, push).
+from its start until it returns (shipping the app, starting the ServerApp process, the start-of-run identify query,
+every round's messages, the ServerApp writing its result, then its process ending and the log stream closing:
+``flower_after_result_seconds``). ``flower_over_inprocess`` is that time over the in-process runtime's (default
+executor); ``flower_rounds_over_inprocess`` is the rounds' time alone (as the ServerApp timed them) over it;
+``worker_*`` say how much of the time the workers spent on tasks (pull, load, ClientApp, push).
 
-``--subprocess`` also measures Flower's default isolation (a fresh ``flwr-clientapp`` process per message):
-``flower_over_inprocess_subprocess`` (slow: ~950 s for the default run on 2 cores). What is left per round is
-Flower's: a SuperNode waits 3 s between two pulls from the SuperLink when it has no message, and pulls a message's
-objects with a backoff of 1 s doubling (both fixed in flwr 1.41); the ServerApp polls for replies every 0.2 s
-(``privfl.flower.app.REPLY_POLL``; flwr's own ``Grid.send_and_receive`` waits 3 s).
+What ``flower_over_inprocess`` runs is Flower 1.41's own code with its fixed idle waits shortened and the SuperLink's
+state in memory (Flower's default), nothing else:
+
+- each SuperNode is ``privfl-flower-supernode --poll-interval P`` (``--supernode-poll``, default 0.25 s;
+  :mod:`privfl.flower.supernode`): Flower's ``flower-supernode`` entry point, same command line and code, after two
+  patches of ``flwr.supernode.start_client_internal`` in that process. (1) Its ``time`` global becomes a shim whose
+  ``sleep(s)`` sleeps ``min(s, P)``; the module sleeps in three places, all on every message's path: 3 s after a
+  pull from the SuperLink that brought no message (flwr 1.41.0 line 263: a round's message waited up to 3 s at the
+  SuperLink), 0.5 s between two looks for the ClientApp's reply (line 470) and 0.5 s between two looks for a reply
+  object's content (line 506). (2) Its ``pull_objects`` retries an object the SuperLink does not hold yet after
+  ``--object-backoff`` seconds (default 0.05) instead of flwr's 1 s, still doubling to flwr's 10 s cap: the SuperLink
+  hands a message out before the ServerApp has pushed its objects, so a SuperNode that looks often finds them
+  missing and, unpatched, waited a whole second. The launcher refuses to start (``--require-patch``) if the
+  installed flwr is not 1.41.x or the module does not hold exactly these waits;
+- the SuperLink runs with Flower's default ``--database :flwr-in-memory:`` (state and message objects in Python;
+  LocalDeployment otherwise gives it an SQLite file, whose object store cost the SuperLink ~0.8 of a core here);
+- Flower's own setting ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (``--superexec-poll``, default 0.1 s; Flower's 1 s):
+  how often the SuperLink's SuperExec looks for the run's ServerApp to start (once per run);
+- privfl's own polls: the ServerApp pulls replies every ``--reply-poll`` s (``PRIVFL_REPLY_POLL``, default 0.1;
+  ``privfl.flower.app.REPLY_POLL`` is 0.2; flwr's ``Grid.send_and_receive`` waits 3 s) and each warm worker claims
+  its SuperNode's next task every ``--worker-poll`` s (default 0.25; the worker's default is 0.2).
+
+Polling more often costs CPU, and on 2 cores that is what decides: the SuperLink serves every SuperNode's pulls and
+every object, and it is the busiest process of the run (0.7 to 0.9 of a core). With every poll at 0.05 s the run
+took 216 s (9.4 s a round: the SuperLink, swamped by 200 empty pulls a second, took ~2.3 s to hand each message's
+objects out); with 0.25 s SuperNode and worker polls and a 0.1 s reply poll, 138 s (6.1 s a round), hence the
+defaults; the same with the SuperLink's state in memory instead of SQLite, 60 s (2.6 s a round). What is not
+shortened: the ServerApp's pulls of reply objects (flwr's 1 s backoff, in the ServerApp process; but see
+``--server-object-backoff``), the ServerApp process's start (imports) and its 1 s log flush at exit
+(flwr/supercore/logger.py ``flush_logs``), the SuperLink's log stream to ``flwr run`` (every 0.5 s), and Flower's
+HTTP requests and serialisation work.
+
+``--stock`` also measures the same deployment with Flower's waits as they are (plain ``flower-supernode``, Flower's
+SuperExec poll, privfl's default 0.2 s reply and worker polls): ``flower_over_inprocess_stock`` (~240 s for the
+default run on 2 shared cores). ``--subprocess`` also measures Flower's default isolation (a fresh
+``flwr-clientapp`` process per message, stock waits): ``flower_over_inprocess_subprocess`` (slow: ~950 s).
+``--server-object-backoff S`` (a measurement of what is left, off by default) also patches the ServerApp process:
+the bench's app module rebinds ``flwr.superlink.grid.http_grid.pull_objects`` so that a reply whose objects the
+SuperLink does not hold yet is asked for again after S seconds instead of flwr's 1 s (the SuperLink hands a reply
+out as soon as its SuperNode has sent its metadata, before the objects). ``--logs DIR`` keeps each deployment's logs
+(SuperNodes' with timestamps) under ``DIR/<variant>``. ``--superlink-sqlite`` starts the SuperLinks with an
+SQLite state file (``--database FILE``, as LocalDeployment does by default) instead of Flower's default in-memory state.
 
 Then the Simulation Engine (a SuperLink with ``--simulation``, virtual SuperNodes on Ray) runs one FedAvg round of
 ``--engine-clients`` (default 1,000) organisations, each with 4 MNIST-5k images and its own ledger file, with a
@@ -27,7 +66,8 @@ start-up included) and ``engine_round_seconds`` (the round as the ServerApp time
 Needs flwr (``pip install 'privfl[flower]'``). Prints ``key=value`` lines.
 
     python experiments/bench_flower.py [--clients 10] [--rounds 20] [--hidden 1500] [--per-client 150]
-        [--local-epochs 1] [--subprocess] [--engine-clients 1000]
+        [--local-epochs 1] [--supernode-poll 0.25] [--object-backoff 0.05] [--worker-poll 0.25] [--reply-poll 0.1]
+        [--superexec-poll 0.1] [--stock] [--subprocess] [--logs DIR] [--engine-clients 1000]
 """
 
 from __future__ import annotations
@@ -36,6 +76,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import tempfile
 import time
 
@@ -45,7 +86,7 @@ import torch
 from privfl.algorithms import make_algorithm
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays, load_digits
-from privfl.flower.app import RunSpec, read_result, write_app
+from privfl.flower.app import APP_MODULE, RunSpec, read_result, write_app
 from privfl.flower.local import LocalDeployment
 from privfl.flower.warm import PRELOAD, preload
 from privfl.runtime import Simulation
@@ -59,8 +100,23 @@ def main() -> None:
     ap.add_argument("--per-client", type=int, default=150, help="records per client")
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the flwr run")
+    ap.add_argument("--supernode-poll", type=float, default=0.25,
+                    help="privfl-flower-supernode --poll-interval: cap on the SuperNodes' fixed waits (s)")
+    ap.add_argument("--object-backoff", type=float, default=None,
+                    help="privfl-flower-supernode --object-backoff: first retry of a missing object (s; 0.05)")
+    ap.add_argument("--worker-poll", type=float, default=0.25, help="seconds between a warm worker's claims")
+    ap.add_argument("--reply-poll", type=float, default=0.1, help="seconds between the ServerApp's reply pulls")
+    ap.add_argument("--superexec-poll", type=float, default=0.1, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
+    ap.add_argument("--stock", action="store_true",
+                    help="also measure the warm deployment with Flower's waits unpatched (slow: ~240 s)")
     ap.add_argument("--subprocess", action="store_true",
                     help="also measure Flower's default isolation (a ClientApp process per message; slow)")
+    ap.add_argument("--server-object-backoff", type=float, default=None,
+                    help="also patch the ServerApp's first retry of a reply object (s; default: flwr's 1 s)")
+    ap.add_argument("--superlink-sqlite", action="store_true",
+                    help="the SuperLink keeps its state and objects in an SQLite file, not in Python (Flower's "
+                         "default)")
+    ap.add_argument("--logs", default=None, help="keep each deployment's logs under this folder")
     ap.add_argument("--engine-clients", type=int, default=1000, help="virtual SuperNodes of the Simulation Engine run")
     args = ap.parse_args()
 
@@ -88,11 +144,28 @@ def main() -> None:
     print(f"inprocess_per_client_seconds={timings['per_client']:.2f}")
 
     spec = RunSpec.of("fedavg", data, fed, privacy, run_id="bench", node_wait=120, round_timeout=600)
-    variants = [("", dict(warm=True))]
+    backoff = 0.05 if args.object_backoff is None else args.object_backoff
+    fast = dict(warm=True, worker_poll_interval=args.worker_poll, supernode_poll=args.supernode_poll,
+                supernode_options=("--object-backoff", f"{backoff:g}", "--log-timestamps"),
+                superexec_poll=args.superexec_poll, reply_poll=args.reply_poll,
+                server_object_backoff=args.server_object_backoff,
+                superlink_database=None if args.superlink_sqlite else ":flwr-in-memory:")
+    print(f"supernode_poll={args.supernode_poll:g}")
+    print(f"object_backoff={backoff:g}")
+    print(f"worker_poll={args.worker_poll:g}")
+    print(f"reply_poll={args.reply_poll:g}")
+    print(f"superexec_poll={args.superexec_poll:g}")
+    if args.server_object_backoff is not None:
+        print(f"server_object_backoff={args.server_object_backoff:g}")
+    print(f"superlink_database={'sqlite' if args.superlink_sqlite else ':flwr-in-memory:'}")
+    variants = [("", fast)]
+    if args.stock:  # the same SuperLink, Flower's waits
+        variants.append(("_stock", dict(warm=True, superlink_database=fast["superlink_database"])))
     if args.subprocess:
         variants.append(("_subprocess", dict(warm=False)))
     for suffix, options in variants:
-        seconds, rounds, result, workers, phases = deployed_run(data, spec, args.timeout, **options)
+        logs = os.path.join(args.logs, suffix.lstrip("_") or "fast") if args.logs else None
+        seconds, rounds, result, workers, phases = deployed_run(data, spec, args.timeout, logs=logs, **options)
         print(f"flower{suffix}_seconds={seconds:.2f}")
         print(f"flower{suffix}_round_seconds={rounds:.2f}")
         for name, value in phases.items():
@@ -101,6 +174,7 @@ def main() -> None:
             same = np.array_equal(result["state"]["global_params"], expected)
             print(f"flower_equals_inprocess_per_client={same}")
             print(f"flower_over_inprocess_per_client={seconds / timings['per_client']:.2f}")
+        print(f"flower_rounds_over_inprocess{suffix}={rounds / timings['auto']:.2f}")
         if workers:
             print(f"worker{suffix}_task_seconds_max={max(w['task'] for w in workers):.2f}")
             print(f"worker{suffix}_clientapp_seconds_mean={np.mean([w['clientapp'] for w in workers]):.2f}")
@@ -110,8 +184,10 @@ def main() -> None:
         simulation_engine(args.engine_clients, args.timeout)
 
 
-def deployed_run(data, spec, timeout: float, *, warm: bool):
-    """``flwr run`` of ``spec`` on a fresh loopback deployment (started and waited for before the clock starts);
+def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | None = None, logs: str | None = None,
+                 server_object_backoff: float | None = None, **deployment):
+    """``flwr run`` of ``spec`` on a fresh loopback deployment (started and waited for before the clock starts;
+    ``deployment``: more of LocalDeployment's options, ``reply_poll``: the ServerApp's ``PRIVFL_REPLY_POLL``);
     returns (seconds, the rounds' seconds as the ServerApp timed them, its result, each worker's task totals)."""
     with tempfile.TemporaryDirectory(prefix="privfl-bench-flower-") as work:
         configs = []
@@ -121,10 +197,17 @@ def deployed_run(data, spec, timeout: float, *, warm: bool):
             configs.append({"partition-id": k, "data-path": path, "ledger-path": os.path.join(work, f"org{k}.sqlite")})
         result_path = os.path.join(work, "result.bin")
         app = write_app(os.path.join(work, "app"), spec, result_path=result_path)
-        with LocalDeployment(work, configs, warm=warm) as dep:
+        if server_object_backoff is not None:
+            patch_server_object_backoff(app, server_object_backoff)
+        env = {"PRIVFL_REPLY_POLL": f"{reply_poll:g}"} if reply_poll is not None else {}
+        with LocalDeployment(work, configs, warm=warm, env=env, **deployment) as dep:
             if warm:
                 dep.wait_workers(timeout=300)  # imports done (not timed: a worker is up before a run)
             time.sleep(5)  # let the SuperNodes register (not timed: a federation is up before a run)
+            for k, proc in enumerate(dep.procs[1:]):  # e.g. privfl-flower-supernode refusing an unknown flwr
+                if proc.poll() is not None:
+                    log = open(os.path.join(work, f"supernode{k}.log"), errors="replace").read()[-3000:]
+                    raise SystemExit(f"SuperNode {k} exited with {proc.returncode}:\n{log}")
             wall, start = time.time(), time.perf_counter()
             dep.run(app, timeout=timeout)
             seconds = time.perf_counter() - start
@@ -136,11 +219,28 @@ def deployed_run(data, spec, timeout: float, *, warm: bool):
             # `flwr run --stream` returns
             phases = {"after_result_seconds": wall + seconds - os.path.getmtime(result_path)}
             workers = [worker_totals(os.path.join(work, f"worker{k}.log")) for k in range(len(configs))] if warm else []
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            for name in os.listdir(work):
+                if name.endswith(".log"):
+                    shutil.copy(os.path.join(work, name), logs)
             if workers:
                 # from `flwr run` to the first ClientApp task: building and shipping the app, the SuperLink's
                 # SuperExec starting the ServerApp process (imports), the ServerApp's setup, node wait, the query
                 phases["until_first_task_seconds"] = min(w["first_start"] for w in workers) - wall
     return seconds, sum(h["seconds"] for h in result["history"]), result, workers, phases
+
+
+def patch_server_object_backoff(app: str, first: float) -> None:
+    """Make the app module rebind ``flwr.superlink.grid.http_grid.pull_objects`` (the ServerApp's pulls of reply
+    objects) to retry after ``first`` seconds (see the module docstring); flwr still finds the components."""
+    path = os.path.join(app, f"{APP_MODULE}.py")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write("import flwr.superlink.grid.http_grid as _http_grid\n"
+                "from privfl.flower.supernode import backing_off_from as _backing_off_from\n\n"
+                f"_http_grid.pull_objects = _backing_off_from({first!r}, _http_grid.pull_objects)\n" + text)
 
 
 def worker_totals(log: str) -> dict:

@@ -556,13 +556,32 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
 
 
 #: seconds between two pulls of replies (flwr's ``Grid.send_and_receive`` waits 3 s, a round trip's worth of
-#: latency in every message exchange of a round)
+#: latency in every message exchange of a round). The ServerApp's environment may set another with
+#: ``PRIVFL_REPLY_POLL`` (an operator's setting, as Flower's own ``FLWR_*`` polls are: the ServerApp process gets
+#: the SuperLink's environment); the run config and the spec do not carry it.
 REPLY_POLL = 0.2
+REPLY_POLL_ENV = "PRIVFL_REPLY_POLL"
+
+
+def reply_poll() -> float:
+    """:data:`REPLY_POLL`, or the seconds ``$PRIVFL_REPLY_POLL`` gives (0.01 to 60)."""
+    raw = os.environ.get(REPLY_POLL_ENV, "").strip()
+    if not raw:
+        return REPLY_POLL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.01 <= value <= 60:
+        raise DeploymentError(f"{REPLY_POLL_ENV}={raw!r}: give the seconds between two pulls of replies, from 0.01 "
+                              f"to 60, or unset it for {REPLY_POLL:g}")
+    return value
 
 
 def _send_and_receive(grid, messages, timeout: float) -> list:
     """``grid.send_and_receive`` with a short poll: push ``messages``, then pull the replies every
-    :data:`REPLY_POLL` seconds until each has one or ``timeout`` seconds have passed."""
+    :func:`reply_poll` seconds until each has one or ``timeout`` seconds have passed."""
+    poll = reply_poll()
     pending = set(grid.push_messages(messages))
     deadline = time.monotonic() + timeout
     replies: list = []
@@ -572,7 +591,7 @@ def _send_and_receive(grid, messages, timeout: float) -> list:
         pending.difference_update(msg.metadata.reply_to_message_id for msg in got)
         if not pending or time.monotonic() >= deadline:
             break
-        time.sleep(REPLY_POLL)
+        time.sleep(poll)
     return replies
 
 

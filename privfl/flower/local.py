@@ -20,6 +20,17 @@ of its SuperNode on the SuperNode's runtime API::
     flower-supernode --insecure --superlink 127.0.0.1:P --port Q_k --isolation process --node-config "..."
     python -m privfl.flower.warm --runtime-api-address 127.0.0.1:Q_k --insecure --parent-pid SUPERNODE_PID
 
+With ``supernode_poll=SECONDS`` each SuperNode runs under privfl's launcher (:mod:`privfl.flower.supernode`), which
+is Flower's ``flower-supernode`` with its fixed idle waits (3 s between empty pulls from the SuperLink, 0.5 s between
+looks for a reply) capped at ``SECONDS`` and its first retry of a message object not yet at the SuperLink after
+0.05 s instead of 1 s (the launcher's ``--object-backoff``); its command line is the same, with the launcher's
+options in front::
+
+    privfl-flower-supernode --poll-interval 0.05 --require-patch --insecure --superlink 127.0.0.1:P --port Q_k ...
+
+and ``superexec_poll=SECONDS`` sets Flower's own ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (default 1 s: how often the
+SuperLink's SuperExec looks for a ServerApp to start, once per run) for every process of the deployment.
+
 Every process is started in its own session and :meth:`LocalDeployment.close` ends each process group it started
 (SIGTERM, then SIGKILL), so no SuperExec, ClientApp or worker process outlives the deployment.
 """
@@ -67,17 +78,29 @@ class LocalDeployment:
     """A SuperLink and ``len(node_configs)`` SuperNodes under ``workdir`` (logs, state database, FLWR_HOME);
     ``env``: variables added to this process's environment for every process of the deployment; ``warm``: the
     SuperNodes run with ``--isolation process`` and one warm ClientApp worker each (``workers[k]``, its log
-    ``worker{k}.log``), instead of Flower's default of one fresh ClientApp process per message."""
+    ``worker{k}.log``), instead of Flower's default of one fresh ClientApp process per message;
+    ``worker_poll_interval``: seconds between a warm worker's claims while its SuperNode has no task;
+    ``supernode_poll``: None (default) runs Flower's ``flower-supernode`` as it is, a number of seconds runs each
+    SuperNode under ``privfl-flower-supernode --poll-interval SECONDS --require-patch`` (Flower's SuperNode with its
+    fixed waits shortened, :mod:`privfl.flower.supernode`; a flwr it cannot patch fails the SuperNode's start),
+    with ``supernode_options`` (more of the launcher's options, e.g. ``("--log-timestamps",)``) after it;
+    ``superexec_poll``: Flower's ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` for the deployment (None: Flower's 1 s);
+    ``superlink_database``: the SuperLink's ``--database`` (None: ``superlink-state.db`` in ``workdir``; Flower's
+    ``":flwr-in-memory:"`` keeps its state and message objects in Python, not in SQLite)."""
 
     def __init__(self, workdir: str, node_configs: list[dict], *, bin_dir: str | None = None,
                  start_timeout: float = 60.0, simulation: bool = False, env: dict[str, str] | None = None,
-                 warm: bool = False, worker_poll_interval: float = 0.2):
+                 warm: bool = False, worker_poll_interval: float = 0.2, supernode_poll: float | None = None,
+                 supernode_options: tuple[str, ...] = (), superexec_poll: float | None = None,
+                 superlink_database: str | None = None):
         self.workdir = os.path.abspath(workdir)
         self.bin_dir = bin_dir or os.path.dirname(sys.executable)
         self.home = os.path.join(self.workdir, "flwr-home")
         os.makedirs(self.home, exist_ok=True)
         self.env = dict(os.environ, **(env or {}), FLWR_HOME=self.home,
                         PATH=self.bin_dir + os.pathsep + os.environ.get("PATH", ""))
+        if superexec_poll is not None:
+            self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = f"{superexec_poll:g}"
         self.node_configs = node_configs
         self.start_timeout = start_timeout
         self.simulation = simulation  # the SuperLink runs the Simulation Engine (Ray); node_configs must be empty
@@ -87,6 +110,11 @@ class LocalDeployment:
         if warm and simulation:
             raise ValueError("warm workers serve SuperNodes; a simulation SuperLink has none")
         self.worker_poll_interval = worker_poll_interval
+        if supernode_poll is None and supernode_options:
+            raise ValueError("supernode_options are privfl-flower-supernode's: give supernode_poll too")
+        self.supernode_poll = supernode_poll
+        self.supernode_options = tuple(supernode_options)
+        self.superlink_database = superlink_database or os.path.join(self.workdir, "superlink-state.db")
         self.procs: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen | None] = []  # warm mode: the worker of SuperNode k
         self.port = 0
@@ -117,20 +145,31 @@ class LocalDeployment:
             self.workers.append(proc)
         return proc
 
+    def _supernode_command(self) -> list[str]:
+        """Flower's ``flower-supernode``, or privfl's launcher of it with the launcher's options (then Flower's)."""
+        if self.supernode_poll is None:
+            return ["flower-supernode"]
+        options = ["--poll-interval", f"{self.supernode_poll:g}", "--require-patch", *self.supernode_options]
+        if os.path.exists(os.path.join(self.bin_dir, "privfl-flower-supernode")):
+            return ["privfl-flower-supernode", *options]
+        # privfl not (re)installed in this environment: the launcher's module runs the same
+        python = "python" if os.path.exists(os.path.join(self.bin_dir, "python")) else sys.executable
+        return [python, "-m", "privfl.flower.supernode", *options]
+
     def start(self) -> "LocalDeployment":
         self.port, *node_ports = free_ports(1 + len(self.node_configs))
         with open(os.path.join(self.home, "config.toml"), "w") as f:
             f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                     f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
         link = self._start("superlink", ["flower-superlink", "--insecure", "--port", str(self.port), "--database",
-                                         os.path.join(self.workdir, "superlink-state.db"),
+                                         self.superlink_database,
                                          "--disable-runtime-dependency-installation",
                                          *(["--simulation"] if self.simulation else [])])
         _wait_port(self.port, self.start_timeout, link, os.path.join(self.workdir, "superlink.log"))
         for k, config in enumerate(self.node_configs):
             items = " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
                              for key, value in config.items())
-            args = ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+            args = [*self._supernode_command(), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
                     "--port", str(node_ports[k]), *(["--isolation", "process"] if self.warm else []),
                     "--node-config", items]
             self._node_args.append(args)

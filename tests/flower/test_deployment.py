@@ -8,7 +8,10 @@ SuperNode charges its own SQLite ledger, which must audit.
 
 Every deployment here runs each SuperNode with ``--isolation process`` and a warm privfl worker
 (``privfl.flower.warm``: one long-lived process serving every ClientApp message, a third of the time of Flower's
-default isolation, which starts a fresh ``flwr-clientapp`` process per message and runs the same ClientApp).
+default isolation, which starts a fresh ``flwr-clientapp`` process per message and runs the same ClientApp). The
+module's shared deployment starts its SuperNodes with ``privfl-flower-supernode --poll-interval 0.05``
+(privfl.flower.supernode: Flower's SuperNode with its fixed 3 s / 0.5 s / 1 s waits shortened), which takes seconds
+off every run; the kill-and-restart test keeps Flower's own ``flower-supernode`` binary, as test_warm.py does.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 def deployment(federation, tmp_path_factory, repro_env, write_orgs):
     work = tmp_path_factory.mktemp("flower")
     configs = write_orgs(federation, work)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True) as dep:  # warm workers (privfl.flower.warm)
+    # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (privfl.flower.supernode)
+    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_poll=0.05) as dep:
         yield dep
     assert all(p.poll() is not None for p in dep.procs)
 
@@ -302,7 +306,8 @@ def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(
     def log_text():
         return open(os.path.join(dep.workdir, "flwr-run.log"), errors="replace").read()
 
-    dep = LocalDeployment(str(tmp_path / "dep"), configs, warm=True)  # killing a node kills its worker too
+    # Flower's own flower-supernode (not privfl's launcher); killing a node kills its worker too
+    dep = LocalDeployment(str(tmp_path / "dep"), configs, warm=True)
     os.makedirs(dep.workdir, exist_ok=True)
     try:
         dep.start()
