@@ -54,8 +54,10 @@ from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg, dpsgd_schedule
 from privfl.algorithms.fola import FOLA
 from privfl.algorithms.hbfl import HBFL
 from privfl.config import FederationConfig, PrivacyConfig
-from privfl.data import federated_from_arrays, make_federated
+from privfl.data import make_federated
 from privfl.runtime import Simulation
+
+from run_record_level import validation_federation  # 15% of each client's records, pooled (this folder)
 
 CLIENTS, ALPHA, DELTA, CLIP = 10, 0.1, 1e-5, 1.0
 EPSILONS = (3.0, math.inf, 1.0, 8.0)  # run order: the acceptance epsilon first, so a partial run still answers it
@@ -199,21 +201,6 @@ def dpsgd_multipliers(alg, n_clients: int) -> list[float]:
 
 def federation(seed: int):
     return make_federated("mnist5k", CLIENTS, partition="dirichlet", alpha=ALPHA, seed=seed)
-
-
-def validation_federation(data):
-    """As experiments/run_record_level.py: the clients keep 85% of their records; the other 15% of every client,
-    pooled, is the validation set (the test set is not touched)."""
-    parts, val_x, val_y = [], [], []
-    for k, part in enumerate(data.train_parts):
-        order = np.random.default_rng([2026, k]).permutation(len(part))
-        cut = int(round(VAL_FRACTION * len(part)))
-        held, kept = part.subset(order[:cut]), part.subset(order[cut:])
-        parts.append((kept.x, kept.y))
-        val_x.append(held.x)
-        val_y.append(held.y)
-    return federated_from_arrays(parts, (np.concatenate(val_x), np.concatenate(val_y)), task="classification",
-                                 num_classes=data.num_classes, name="mnist5k-val")
 
 
 # -- one run --------------------------------------------------------------------------------------------------------
