@@ -44,7 +44,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from privfl.accounting.events import ZCDPEvent
+from ..accounting.events import ZCDPEvent
 
 __all__ = [
     "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "discrete_gaussian_pmf",

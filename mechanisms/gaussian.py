@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privfl.accounting.events import GaussianEvent
+from ..accounting.events import GaussianEvent
 from .clipping import check_finite
 from .errors import InvalidRelease
 from .noise import NoiseSource, as_noise_source
