@@ -164,6 +164,7 @@ class ReleasePipeline:
         # hand-over can fail, and a marked release writes its rows released (one statement per row, no mark after).
         self._noise_after_charge = placement == "local" and any(m is not None for m in self.mechanisms.values())
         self._buffers: dict[str, np.ndarray] = {}  # per channel: the float64 array the last release was made in
+        self._fixed_requests: list[ChargeRequest] | None = None  # see _requests
 
     def event_for(self, name: str, value: object = None) -> PrivacyEvent:
         """The event one release of channel ``name`` costs (the ledger charges exactly this)."""
@@ -197,9 +198,8 @@ class ReleasePipeline:
     def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
         """The round's charge requests, in channel order. Without a DP-SGD-trained channel they depend on the
         pipeline's fixed configuration only, so the list is built once and reused (the requests are frozen)."""
-        cached = self.__dict__.get("_fixed_requests")
-        if cached is not None:
-            return cached
+        if self._fixed_requests is not None:
+            return self._fixed_requests
         values = values or {}
         requests = [ChargeRequest(name, self.event_for(name, values.get(name)), ch.unit)
                     for name, ch in self.channels.items()]
