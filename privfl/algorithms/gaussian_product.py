@@ -111,6 +111,44 @@ def combine(natural_mean: np.ndarray, precision: np.ndarray, *, precision_floor:
     return GaussianProduct(mean, lam, int(np.count_nonzero(below)))
 
 
+def shrink_by_known_noise(observed: np.ndarray, noise_std: float | np.ndarray, groups: Sequence[tuple[int, int]], *,
+                          centre: str = "group_mean") -> tuple[np.ndarray, np.ndarray]:
+    """Empirical-Bayes estimates of noisy coordinates whose noise std is known (a DP release's), group by group.
+
+    Within a group (e.g. one parameter tensor of a network) the true values are modelled as draws from
+    N(c, v) and each observation as true value + N(0, s_i^2), s_i known. ``centre`` "group_mean": c is the group's
+    mean observation; "zero": c = 0. v is the method-of-moments estimate, the observations' spread about c less the
+    mean noise variance, floored at 0 (James and Stein's estimator with known variances). Returns the posterior mean
+    c + (x - c) v / (v + s^2) and the posterior variance v s^2 / (v + s^2) of every coordinate: with no noise the
+    observations themselves (variance 0); where the spread is all noise, c (the whole group pooled). ``groups``:
+    ``(start, stop)`` slices that cover the vector. Post-processing of released values: it costs no privacy.
+    """
+    x = np.asarray(observed, dtype=np.float64)
+    s2 = np.broadcast_to(np.asarray(noise_std, dtype=np.float64) ** 2, x.shape)
+    if centre not in ("group_mean", "zero"):
+        raise ConfigurationError(f"centre must be 'group_mean' or 'zero', got {centre!r}")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(s2))):
+        raise ConfigurationError("shrink_by_known_noise: observations and noise stds must be finite")
+    covered = np.zeros(x.shape, dtype=bool)
+    estimate, variance = np.empty_like(x), np.zeros_like(x)
+    for start, stop in groups:
+        if not 0 <= start < stop <= x.size or covered[start:stop].any():
+            raise ConfigurationError(f"groups must be disjoint, non-empty slices of the {x.size} coordinates; got "
+                                     f"({start}, {stop})")
+        covered[start:stop] = True
+        xs, ss = x[start:stop], s2[start:stop]
+        c = float(xs.mean()) if centre == "group_mean" else 0.0
+        v = max(float(np.mean((xs - c) ** 2) - ss.mean()), 0.0)
+        total = v + ss
+        quiet = total == 0  # no noise and no spread: the observation is the value
+        gain = np.where(quiet, 1.0, v / np.where(quiet, 1.0, total))
+        estimate[start:stop] = c + (xs - c) * gain
+        variance[start:stop] = np.where(quiet, 0.0, v * ss / np.where(quiet, 1.0, total))
+    if not covered.all():
+        raise ConfigurationError(f"groups must cover all {x.size} coordinates")
+    return estimate, variance
+
+
 def gaussian_product(natural_mean: Aggregate, precision: Aggregate, *, precision_floor: float | np.ndarray,
                      fold_noise: bool = False, reference_mean: np.ndarray | None = None) -> GaussianProduct:
     """Server step: the product of the clients' Gaussians from the two channels' weighted sums.
@@ -150,4 +188,5 @@ def product_of_gaussians(means: Sequence[np.ndarray], precisions: Sequence[np.nd
     return combine(eta, lam, precision_floor=precision_floor)
 
 
-__all__ = ["GaussianProduct", "combine", "gaussian_product", "natural_parameters", "product_of_gaussians"]
+__all__ = ["GaussianProduct", "combine", "gaussian_product", "natural_parameters", "product_of_gaussians",
+           "shrink_by_known_noise"]

@@ -109,12 +109,30 @@ def test_example_unit_server_matches_the_product_of_eq_24_posteriors():
     exact = server(0.0)
     np.testing.assert_allclose(exact.mean, expected.mean, rtol=1e-10)
     np.testing.assert_allclose(exact.precision, expected.precision, rtol=1e-10)
-    # known DP noise (the aggregates here carry none, only its declared std): the division is regularised towards
-    # the clients' average mean and the precision is folded down
+    # known DP noise far above the values' spread (the aggregates here carry none, only its declared std): the
+    # empirical-Bayes estimates pool everything, so the Fisher-weighted correction shrinks to 0 (the clients' average
+    # mean) and the precision is the pooled mean Fisher's (one parameter group: this server has no model)
     fedavg = sum(means) / 3
     noisy = server(1e6)
-    np.testing.assert_allclose(noisy.mean, fedavg, rtol=1e-3)
-    assert np.all(noisy.precision < expected.precision)
+    np.testing.assert_allclose(noisy.mean, fedavg, rtol=1e-12)
+    pooled = np.mean(sum(fishers) / (3 * n_k))
+    np.testing.assert_allclose(noisy.precision, pooled / r + (r - 1) / r * prior, rtol=1e-12)
+    # moderate noise: between the two, never further from the exact product than the average is
+    middle = server(50.0)
+    assert np.linalg.norm(middle.mean - expected.mean) <= np.linalg.norm(fedavg - expected.mean)
+
+
+def test_record_level_server_pools_its_estimates_per_layer_by_default(digits):
+    sizes = {"layer": [64 * 16 + 16, 16 * 10 + 10], "tensor": [64 * 16, 16, 16 * 10, 10], "all": [64 * 16 + 16 + 170]}
+    for groups, expected in sizes.items():
+        alg = FOLA(FED, EXAMPLE, **({} if groups == "layer" else {"shrink_groups": groups}))
+        alg.setup(digits, np.random.default_rng(0))
+        slices = alg._parameter_groups()
+        assert [b - a for a, b in slices] == expected
+        assert slices[0][0] == 0 and slices[-1][1] == alg.dim
+        assert all(a1 == b0 for (_, b0), (a1, _) in zip(slices, slices[1:]))
+    with pytest.raises(ConfigurationError, match="shrink_groups"):
+        FOLA(FED, EXAMPLE, shrink_groups="neuron")
 
 
 def frozen_example_client(digits, part):
