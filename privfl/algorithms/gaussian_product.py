@@ -21,6 +21,11 @@ Post-processing (after release, so it costs no privacy; see ARCHITECTURE.md):
   With ``fold_noise`` the noise in eta and Lambda is folded into the result's uncertainty: by the delta method the
   mean has error variance v = (s_eta^2 + mu^2 s_Lambda^2) / Lambda^2, and the returned precision is
   1 / (1/Lambda + v): the noisier the release, the less the next round's prior trusts the mean.
+- **empirical Bayes** (:func:`shrink_by_known_noise`): where a coordinate's released value is mostly noise, the
+  per-coordinate rules above still pass much of that noise on. Pooling a group of coordinates (a layer) gives a
+  method-of-moments estimate of how much of their spread is signal; each value is then shrunk towards the group's
+  centre by exactly that fraction (FOLA's record-level server uses it for its Fisher and its Fisher-weighted
+  correction).
 
 Usage (server step of HBFL or FOLA)::
 
@@ -30,6 +35,7 @@ Usage (server step of HBFL or FOLA)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -112,19 +118,25 @@ def combine(natural_mean: np.ndarray, precision: np.ndarray, *, precision_floor:
 
 
 def shrink_by_known_noise(observed: np.ndarray, noise_std: float | np.ndarray, groups: Sequence[tuple[int, int]], *,
-                          centre: str = "group_mean") -> tuple[np.ndarray, np.ndarray]:
+                          centre: str = "group_mean", margin: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Empirical-Bayes estimates of noisy coordinates whose noise std is known (a DP release's), group by group.
 
     Within a group (e.g. one parameter tensor of a network) the true values are modelled as draws from
     N(c, v) and each observation as true value + N(0, s_i^2), s_i known. ``centre`` "group_mean": c is the group's
-    mean observation; "zero": c = 0. v is the method-of-moments estimate, the observations' spread about c less the
-    mean noise variance, floored at 0 (James and Stein's estimator with known variances). Returns the posterior mean
+    mean observation; "zero": c = 0. v is the method-of-moments estimate, the observations' mean squared spread
+    about c less the mean noise variance, floored at 0 (James and Stein's estimator with known variances). On pure
+    noise that estimate keeps a fluctuation of order sqrt(2 / n) of the noise variance about half the time;
+    ``margin`` lowers it by that many standard errors of the difference under pure noise (sqrt(2 mean(s^4) / n)), so
+    that a group's spread counts as signal only where it stands clear of what noise alone produces (a guard for
+    groups that may hold no signal at all, at the price of shrinking weak signal away too). Returns the posterior mean
     c + (x - c) v / (v + s^2) and the posterior variance v s^2 / (v + s^2) of every coordinate: with no noise the
-    observations themselves (variance 0); where the spread is all noise, c (the whole group pooled). ``groups``:
+    observations themselves (variance 0); where the spread is noise, c (the whole group pooled). ``groups``:
     ``(start, stop)`` slices that cover the vector. Post-processing of released values: it costs no privacy.
     """
     x = np.asarray(observed, dtype=np.float64)
     s2 = np.broadcast_to(np.asarray(noise_std, dtype=np.float64) ** 2, x.shape)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0 or math.isinf(margin):
+        raise ConfigurationError(f"margin must be a finite number >= 0, got {margin!r}")
     if centre not in ("group_mean", "zero"):
         raise ConfigurationError(f"centre must be 'group_mean' or 'zero', got {centre!r}")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(s2))):
@@ -138,7 +150,8 @@ def shrink_by_known_noise(observed: np.ndarray, noise_std: float | np.ndarray, g
         covered[start:stop] = True
         xs, ss = x[start:stop], s2[start:stop]
         c = float(xs.mean()) if centre == "group_mean" else 0.0
-        v = max(float(np.mean((xs - c) ** 2) - ss.mean()), 0.0)
+        spread = float(np.mean((xs - c) ** 2) - ss.mean())
+        v = max(spread - margin * math.sqrt(2.0 * float(np.mean(ss ** 2)) / xs.size), 0.0)
         total = v + ss
         quiet = total == 0  # no noise and no spread: the observation is the value
         gain = np.where(quiet, 1.0, v / np.where(quiet, 1.0, total))

@@ -11,7 +11,7 @@ from privfl.aggregation import Aggregate
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
 from privfl.algorithms.fola import FOLA
-from privfl.algorithms.gaussian_product import product_of_gaussians
+from privfl.algorithms.gaussian_product import combine, product_of_gaussians
 from privfl.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import FederatedData, make_federated
@@ -122,6 +122,54 @@ def test_example_unit_server_matches_the_product_of_eq_24_posteriors():
     assert np.linalg.norm(middle.mean - expected.mean) <= np.linalg.norm(fedavg - expected.mean)
 
 
+def test_record_level_server_keeps_release_noise_out_of_the_mean():
+    """Fisher releases that are mostly noise (as at record level: a record adds at most C^2 over all coordinates),
+    the noise actually drawn: the posterior mean stays far nearer the clients' average than the per-coordinate
+    regularised division (combine with reference_mean) puts it, and with shrink_margin=2 it is the average; on a
+    strong Fisher it moves towards the exact product, further than that division does."""
+    rng = np.random.default_rng(5)
+    d, n_k, r = 4000, 160, 3
+    global_mean = rng.normal(size=d)
+    means = [global_mean + 0.05 * rng.normal(size=d) for _ in range(3)]
+    fedavg = sum(means) / 3
+    prior = np.full(d, 1e-3)
+
+    def server(scale, noise_std, **options):
+        draw = np.random.default_rng(int(scale * 1000 + noise_std))  # the same releases for every option
+        fishers = [scale * draw.uniform(0, 1, size=d) for _ in range(3)]
+        changes = [f * (m - global_mean) for f, m in zip(fishers, means)]
+        aggs = {"mean": aggregate("mean", means, [1.0] * 3),
+                "fisher_diag": aggregate("fisher_diag", fishers, [1.0] * 3, noise_std),
+                "fisher_natural_mean": aggregate("fisher_natural_mean", changes, [1.0] * 3, noise_std)}
+        for name in ("fisher_diag", "fisher_natural_mean"):  # the DP noise itself, of the declared std
+            a = aggs[name]
+            aggs[name] = Aggregate(name, a.total + noise_std * draw.normal(size=d), a.total_weight, 3, noise_std)
+        alg = FOLA(FED, EXAMPLE, **options)
+        alg.public = PublicFacts(n_clients=3, task="classification", num_classes=10, input_shape=(8,),
+                                 client_size=n_k)
+        alg.mean, alg.precision = global_mean.copy(), prior.copy()
+        alg.server_update(aggs, r - 1)
+        records = 3 * n_k
+        old = combine((aggs["fisher_diag"].total * global_mean + aggs["fisher_natural_mean"].total) / records / r
+                      + (r - 1) / r * prior * fedavg, aggs["fisher_diag"].total / records / r + (r - 1) / r * prior,
+                      precision_floor=1e-3, natural_noise_std=noise_std / records / r,
+                      precision_noise_std=noise_std / records / r, fold_noise=True, reference_mean=fedavg)
+        exact = product_of_gaussians(means, [f / n_k / r + (r - 1) / r * prior for f in fishers])
+        return alg.mean, old.mean, exact.mean
+
+    norm = np.linalg.norm
+    new, old, _ = server(scale=0.01, noise_std=20.0)  # pure noise
+    # the step stays in the public range the exact one lies in (|clip(change_k)| <= B = update_bound)
+    bound = FOLA(FED, EXAMPLE).update_bound
+    assert np.all(np.abs(new - fedavg) <= bound + np.abs(fedavg - global_mean) + 1e-12)
+    assert norm(new - fedavg) < 0.5 * norm(old - fedavg)
+    guarded, _, _ = server(scale=0.01, noise_std=20.0, shrink_margin=2.0)
+    np.testing.assert_array_equal(guarded, fedavg)
+    new, old, exact = server(scale=400.0, noise_std=5.0)  # a Fisher and a correction well above their noise
+    assert norm(new - exact) < 0.7 * norm(fedavg - exact)
+    assert norm(new - exact) < norm(old - exact)
+
+
 def test_record_level_server_pools_its_estimates_per_layer_by_default(digits):
     sizes = {"layer": [64 * 16 + 16, 16 * 10 + 10], "tensor": [64 * 16, 16, 16 * 10, 10], "all": [64 * 16 + 16 + 170]}
     for groups, expected in sizes.items():
@@ -133,6 +181,9 @@ def test_record_level_server_pools_its_estimates_per_layer_by_default(digits):
         assert all(a1 == b0 for (_, b0), (a1, _) in zip(slices, slices[1:]))
     with pytest.raises(ConfigurationError, match="shrink_groups"):
         FOLA(FED, EXAMPLE, shrink_groups="neuron")
+    for margin in (-1.0, float("inf"), True, "2"):
+        with pytest.raises(ConfigurationError, match="shrink_margin"):
+            FOLA(FED, EXAMPLE, shrink_margin=margin)
 
 
 def frozen_example_client(digits, part):
