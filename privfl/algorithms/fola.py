@@ -474,7 +474,8 @@ class FOLA(FederatedAlgorithm):
         clients' average, and a group whose Fisher varies mostly by noise gets one pooled precision; the estimates'
         remaining variance is folded into the precision (delta method), as :func:`combine` does, and the mean's step
         is projected onto the range the exact step lies in (public: B and the average change). Groups are layers
-        by default: estimating a group's spread from a bias's 10 or 32 coordinates alone lets noise through
+        by default: before the projection existed, estimating a bias's spread from its 10 or 32 coordinates alone
+        let noise through (validation, 6 seeds: per tensor 0.716, per layer 0.733); with it the two validate alike
         (experiments/results/bayesian_vs_dpsgd.md compares the groupings and ``shrink_margin`` on validation). On a
         layer whose releases carry no signal at all the plain estimate (margin 0) still passes a fluctuation of the
         noise about half the time; the projection bounds it, ``shrink_margin=2`` removes it in ~98% of rounds.
