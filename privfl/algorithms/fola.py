@@ -490,7 +490,7 @@ class FOLA(FederatedAlgorithm):
         fisher_std = f.noise_std / records
         correction_std = np.hypot(fd.noise_std / records, fisher_std * change)
         noisy = f.noise_std > 0 or fd.noise_std > 0
-        fisher_var = correction_var = np.zeros_like(fisher)
+        fisher_var = correction_var = 0.0  # the estimates' posterior variances (none without noise)
         if noisy:
             groups = self._parameter_groups()
             fisher, fisher_var = shrink_by_known_noise(fisher, fisher_std, groups, centre="group_mean",

@@ -121,7 +121,7 @@ def shrink_by_known_noise(observed: np.ndarray, noise_std: float | np.ndarray, g
                           centre: str = "group_mean", margin: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Empirical-Bayes estimates of noisy coordinates whose noise std is known (a DP release's), group by group.
 
-    Within a group (e.g. one parameter tensor of a network) the true values are modelled as draws from
+    Within a group (e.g. one layer of a network) the true values are modelled as draws from
     N(c, v) and each observation as true value + N(0, s_i^2), s_i known. ``centre`` "group_mean": c is the group's
     mean observation; "zero": c = 0. v is the method-of-moments estimate, the observations' mean squared spread
     about c less the mean noise variance, floored at 0 (James and Stein's estimator with known variances). On pure
@@ -152,11 +152,10 @@ def shrink_by_known_noise(observed: np.ndarray, noise_std: float | np.ndarray, g
         c = float(xs.mean()) if centre == "group_mean" else 0.0
         spread = float(np.mean((xs - c) ** 2) - ss.mean())
         v = max(spread - margin * math.sqrt(2.0 * float(np.mean(ss ** 2)) / xs.size), 0.0)
-        total = v + ss
-        quiet = total == 0  # no noise and no spread: the observation is the value
-        gain = np.where(quiet, 1.0, v / np.where(quiet, 1.0, total))
-        estimate[start:stop] = c + (xs - c) * gain
-        variance[start:stop] = np.where(quiet, 0.0, v * ss / np.where(quiet, 1.0, total))
+        quiet = (v + ss) == 0  # no noise and no spread: the observation is the value
+        total = np.where(quiet, 1.0, v + ss)
+        estimate[start:stop] = c + (xs - c) * np.where(quiet, 1.0, v / total)
+        variance[start:stop] = v * ss / total
     if not covered.all():
         raise ConfigurationError(f"groups must cover all {x.size} coordinates")
     return estimate, variance

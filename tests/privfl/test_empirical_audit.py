@@ -2,6 +2,7 @@
 
 import functools
 
+import numpy as np
 import pytest
 
 from privfl.empirical_audit import audit_gaussian_release
@@ -32,11 +33,23 @@ def test_bad_arguments():
 # -- DP-FedSGD: the algorithm's own client step, black box -----------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
+def _client_sums(sim, data, channel, trials: int, seed: int) -> list[np.ndarray]:
+    """``trials`` draws of the canary client's release on D (its one record) and on D' (no record), each draw with
+    its own generator: what the client half sends, as it sends it."""
+    half, broadcast, present = sim.client_half, sim.broadcast(0), data.train_parts[0]
+    sums = []
+    for dataset in (present, present.subset(np.arange(0))):
+        rngs = [np.random.default_rng([seed, i]) for i in range(trials)]
+        sums.append(np.stack([out.values[channel.name].value for _, out, _ in
+                              half.client_updates(range(trials), broadcast, [dataset] * trials, [None] * trials,
+                                                  rngs)]))
+    return sums
+
+
 def _dp_fedsgd_sums(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
     """``trials`` runs of DP-FedSGD's client step (Poisson coin at q = 1/2, per-example clip, box) on D = {an outlier
     record} and on its neighbour D' = {} (the worst case: nothing else in the sum), projected on the outlier's clipped
     gradient; the std of the plan's central noise; and the epsilon the ledger claims for that round."""
-    import numpy as np
 
     from privfl.accounting.accountants import make_accountant
     from privfl.algorithms.dp_fedsgd import DPFedSGD
@@ -54,13 +67,7 @@ def _dp_fedsgd_sums(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1
     sim.prepare()
     (channel,) = sim.channels
     assert channel.record_sampling_rate == 0.5
-    half, broadcast, present = sim.client_half, sim.broadcast(0), data.train_parts[0]
-    sums = []
-    for dataset in (present, present.subset(np.arange(0))):
-        rngs = [np.random.default_rng([5, i]) for i in range(trials)]
-        sums.append(np.stack([out.values[channel.name].value for _, out, _ in
-                              half.client_updates(range(trials), broadcast, [dataset] * trials, [None] * trials,
-                                                  rngs)]))
+    sums = _client_sums(sim, data, channel, trials, seed=5)
     drawn = np.linalg.norm(sums[0], axis=1)
     assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])  # the coin of q = 1/2; D' sends zeros
     direction = sums[0][drawn.argmax()] / drawn.max()  # the outlier's clipped gradient (norm C)
@@ -71,7 +78,6 @@ def _dp_fedsgd_sums(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1
 
 def _dp_fedsgd_scores(noise_scale: float):
     """The projected releases with ``noise_scale`` times the plan's noise, and the claimed epsilon."""
-    import numpy as np
 
     projected_in, projected_out, std, claimed = _dp_fedsgd_sums()
     rng = np.random.default_rng(int(noise_scale * 1000))
@@ -90,7 +96,6 @@ def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: fl
     clients none (the worst case: nothing else in the sum). ``trials`` runs of client 0's own step (Poisson coin at
     q = 1/2, per-example clip, box); the run's encodings (quantiser and discrete-Gaussian share, from public facts);
     the outlier's clipped direction; and the epsilon the ledger claims for the round (the plan's event, RDP)."""
-    import numpy as np
 
     from privfl.accounting.accountants import make_accountant
     from privfl.algorithms.dp_fedsgd import DPFedSGD
@@ -117,13 +122,7 @@ def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: fl
                                   local_stds=local_noise_stds(sim.channels, sim.plan.placement, sim.multipliers),
                                   weight_bound=public_weight_bound(privacy, sim.public), distributed=sim.plans)
     assert encodings[channel.name].noise_sigma > 0 and encodings[channel.name].min_inputs == clients
-    half, broadcast, present = sim.client_half, sim.broadcast(0), data.train_parts[0]
-    sums = []
-    for dataset in (present, present.subset(np.arange(0))):
-        rngs = [np.random.default_rng([6, i]) for i in range(trials)]
-        sums.append(np.stack([out.values[channel.name].value for _, out, _ in
-                              half.client_updates(range(trials), broadcast, [dataset] * trials, [None] * trials,
-                                                  rngs)]))
+    sums = _client_sums(sim, data, channel, trials, seed=6)
     drawn = np.linalg.norm(sums[0], axis=1)
     assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])
     direction = sums[0][drawn.argmax()] / drawn.max()
@@ -137,7 +136,6 @@ def _dp_fedsgd_distributed_scores(sigma_scale: float):
     outlier's direction; ``sigma_scale`` scales every share's std (a fault to catch when < 1)."""
     import dataclasses
 
-    import numpy as np
 
     from privfl.release import Release
     from privfl.secure import decode_secure_sum, encode_for_secure_sum
