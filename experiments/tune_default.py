@@ -63,9 +63,11 @@ PRIVATE_GRID = {
     "fola": [{**MLP, "lr": lr, **shares} for shares in ({}, {"budget_shares": FOLA_SHARES_95})
              for lr in (0.05, 0.1, 0.2, 0.4)],
     # HBFL costs ~40 CPU s a run: its meme's Adam step (meme_lr: the released model's lr; fed.lr trains only the
-    # clients' local models), and, at the paper's meme_lr, the local lr and fewer rounds
+    # clients' local models), and, at the paper's meme_lr, the local lr and fewer rounds; then the meme trained by
+    # plain SGD (meme_optimizer, the DP-SGD baselines' optimiser) at a few steps
     "hbfl": [{**MLP, "lr": lr} for lr in (0.05, 0.1)] + [{**MLP, "lr": 0.05, "rounds": 8}]
-    + [{**MLP, "lr": 0.05, "meme_lr": m} for m in (0.003, 0.01, 0.03, 0.1)],
+    + [{**MLP, "lr": 0.05, "meme_lr": m} for m in (0.003, 0.01, 0.03, 0.1)]
+    + [{**MLP, "lr": 0.05, "meme_optimizer": "sgd", "meme_lr": m} for m in (0.25, 0.5, 1.0)],
     # DP-FedSGD, central noise (a trusted aggregator): one DP-SGD step per round, ~30 expected epochs at lot 256
     "dp_fedsgd": [{"rounds": 410, "batch_size": 256, "lot_size": 256, "momentum": 0.9, "lr": lr, "placement": "central"}
                   for lr in (0.125, 0.25, 0.5)],

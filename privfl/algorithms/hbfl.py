@@ -21,7 +21,11 @@ Choices the paper leaves open (PAPERS.md), made here:
 - Initial variance: each round the meme's std is reset to sqrt(T / init_precision) (Algorithm 1, ClientUpdate line
   1: "initialize ... Sigma_k"); ``carry_precision=True`` starts it from the global precision instead.
 - Optimisers: Adam (``meme_lr``, the paper's 1e-3) for the meme model; SGD (``fed.lr``, ``fed.momentum``) for the
-  local model; no weight decay; fresh optimiser state each round. Teacher and student take a step on the same
+  local model; no weight decay; fresh optimiser state each round. ``meme_optimizer="sgd"`` trains the meme by plain
+  SGD at ``meme_lr`` instead (no momentum): under DP-SGD's noise, Adam's denominators are the noise's own scale
+  and a fresh state's first steps move every coordinate by about ``meme_lr`` whatever its signal, so SGD, the
+  optimiser of the DP-SGD FedAvg baseline, is the one to compare on equal terms (issue 16's comparison chose it on
+  validation). Teacher and student take a step on the same
   mini-batch, meme first (Algorithm 1 lines 6-8). The teacher's soft labels come from the meme's means ("q_meme from
   the local mu_k"), a plain softmax by default (``distill_temperature=1``; other values soften both sides and scale
   the KL by tau^2, Hinton et al.).
@@ -96,6 +100,8 @@ from privfl.models.errors import ModelConfigError
 from privfl.public import private_rng, release_weight
 from privfl.training import batches, predict_proba
 
+#: the meme model's optimisers (``meme_optimizer``): the paper's Adam, or plain SGD
+MEME_OPTIMIZERS = ("adam", "sgd")
 TEMPERATURE = 1e-4  # the paper's T (Sec. 5.1.1, after Ashukha et al. 2020)
 _NOISELESS_FLOOR = 1e-12  # without noise the product of positive precisions is positive: the floor only guards
 
@@ -134,7 +140,8 @@ class HBFL(FederatedAlgorithm):
         distill_weight: a of eq. 4.2. distill_temperature: softmax temperature of the distillation.
         init_precision: untempered precision T * Lambda every meme std starts from each round.
         carry_precision: start each round's meme std from the global precision instead.
-        meme_lr: Adam step size of the meme model.
+        meme_lr: step size of the meme model's optimiser.
+        meme_optimizer: ``"adam"`` (the paper's) or ``"sgd"`` (plain SGD, no momentum) for the meme model.
         precision_floor: noisy aggregated precisions are floored at this multiple of ``init_precision``.
         precision_clip: client-unit clip bound of the precision channel (default: ``privacy.clip``).
         budget_shares: (natural_mean, precision) shares of the client-unit budget.
@@ -157,8 +164,9 @@ class HBFL(FederatedAlgorithm):
 
     def __init__(self, fed, privacy, *, local_models: Sequence[str] | None = None, temperature: float = TEMPERATURE,
                  distill_weight: float = 0.5, distill_temperature: float = 1.0, init_precision: float = 1.0,
-                 carry_precision: bool = False, meme_lr: float = 1e-3, precision_floor: float = 1.0,
-                 precision_clip: float | None = None, budget_shares: tuple[float, float] = (0.7, 0.3), model=None):
+                 carry_precision: bool = False, meme_lr: float = 1e-3, meme_optimizer: str = "adam",
+                 precision_floor: float = 1.0, precision_clip: float | None = None,
+                 budget_shares: tuple[float, float] = (0.7, 0.3), model=None):
         super().__init__(fed, privacy)
         self.user_models = user_model_factories(model, self.name, many=True)
         if self.user_models is not None and local_models is not None:
@@ -173,6 +181,10 @@ class HBFL(FederatedAlgorithm):
         self.init_precision = _positive("init_precision", init_precision)
         self.carry_precision = bool(carry_precision)
         self.meme_lr = _positive("meme_lr", meme_lr)
+        if meme_optimizer not in MEME_OPTIMIZERS:
+            raise ConfigurationError(f"meme_optimizer must be one of {', '.join(MEME_OPTIMIZERS)}, got "
+                                     f"{meme_optimizer!r}")
+        self.meme_optimizer = meme_optimizer
         self.precision_floor = _positive("precision_floor", precision_floor)
         self.precision_clip = privacy.clip if precision_clip is None else _positive("precision_clip", precision_clip)
         if len(budget_shares) != 2:
@@ -311,7 +323,8 @@ class HBFL(FederatedAlgorithm):
         x, y = dataset.tensors()
         n = len(x)
         meme, local = self._fork_meme(), self.local_model(client)
-        meme_opt = torch.optim.Adam(meme.parameters(), lr=self.meme_lr)
+        meme_opt = (torch.optim.Adam(meme.parameters(), lr=self.meme_lr) if self.meme_optimizer == "adam"
+                    else torch.optim.SGD(meme.parameters(), lr=self.meme_lr))
         local_opt = torch.optim.SGD(local.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
         dp = self.accountant is not None
         if dp:  # Poisson-sampled batches: each record joins each step with probability q (a secret coin)
@@ -525,7 +538,7 @@ class VectorisedHBFL:
     each client's weight noise passed in: drawn from a generator holding the global torch state the per-client step
     would draw from (after the client's seed and its local model's first build), in the same shapes and order (one
     (batch, out) draw per layer per forward; under DP-SGD, vmap's ``randomness="different"`` draw of (batch, 1, out)).
-    Adam (:func:`privfl.executor.adam_step`) updates the memes; the local models, grouped by architecture, take
+    Adam (:func:`privfl.executor.adam_step`), or SGD (:func:`privfl.executor.sgd_step`), updates the memes; the local models, grouped by architecture, take
     masked SGD steps (:func:`privfl.executor.sgd_step`: a client whose Poisson batch is empty skips its step, as
     the per-client loop does) and are written back to their clients. DP-SGD's clipping, noise (from each client's
     own noise source) and scaling are those of :func:`dpsgd_gradients`.
@@ -698,7 +711,10 @@ class VectorisedHBFL:
                 noises = self._batch_noises(generators, width, outs)
                 grads, losses = self._meme_grad(params, xb, yb, noises, reg_size)
                 meme_loss = losses.tolist()
-            adam = adam_step(params, grads, adam, lr=alg.meme_lr)
+            if alg.meme_optimizer == "adam":
+                adam = adam_step(params, grads, adam, lr=alg.meme_lr)
+            else:
+                sgd_step(params, grads, None, lr=alg.meme_lr, momentum=0.0)
             if width == 0:
                 continue
             with torch.no_grad():

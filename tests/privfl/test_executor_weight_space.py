@@ -52,9 +52,11 @@ EXAMPLE_DECLARED = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0
 
 CASES = [("fola", NON_PRIVATE, {}), ("fola", CLIENT, {}), ("fola", EXAMPLE, {}), ("fola", EXAMPLE_DECLARED, {}),
          ("hbfl", NON_PRIVATE, {"meme_lr": 0.01}), ("hbfl", CLIENT, {"meme_lr": 0.01}),
-         ("hbfl", EXAMPLE, {"meme_lr": 0.01}), ("hbfl", EXAMPLE_DECLARED, {"meme_lr": 0.01})]
+         ("hbfl", EXAMPLE, {"meme_lr": 0.01}), ("hbfl", EXAMPLE_DECLARED, {"meme_lr": 0.01}),
+         ("hbfl", NON_PRIVATE, {"meme_lr": 0.3, "meme_optimizer": "sgd"}),
+         ("hbfl", EXAMPLE, {"meme_lr": 0.3, "meme_optimizer": "sgd"})]
 IDS = ["fola-none", "fola-client", "fola-example", "fola-example-declared", "hbfl-none", "hbfl-client",
-       "hbfl-example", "hbfl-example-declared"]
+       "hbfl-example", "hbfl-example-declared", "hbfl-sgd-none", "hbfl-sgd-example"]
 
 
 def _sim(name, privacy, kwargs, executor, data=None, fed=FED):

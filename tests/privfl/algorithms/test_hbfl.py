@@ -75,6 +75,7 @@ def test_channels_follow_the_privacy_unit(digits):
     dict(local_models=("resnet",)),
     dict(distill_weight=1.5),
     dict(temperature=0.0),
+    dict(meme_optimizer="adamw"),
 ])
 def test_bad_configuration_is_a_clear_error(bad):
     privacy = bad.pop("privacy", NONPRIVATE)
@@ -275,3 +276,34 @@ def test_carry_precision_starts_the_meme_from_the_global_precision(digits):
     outs = [alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(8)) for alg in (reset, carry)]
     started = [np.median(out.values["precision"] + 8.0) for out in outs]  # untempered T * Lambda_k
     assert started[0] == pytest.approx(reset.init_precision, rel=0.5) and started[1] == pytest.approx(8.0, rel=0.5)
+
+
+def _first_step_change(digits, **kw):
+    """The meme mean's change after one non-private step on one full batch (client 0, seeded)."""
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=10_000, lr=0.05, hidden=(16,), seed=0)
+    alg = _ready(digits, fed=fed, **kw)
+    out = alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(9))
+    precision = out.values["precision"] + alg.global_precision
+    return (out.values["natural_mean"] + alg.global_natural_mean) / precision - alg.global_mean
+
+
+def test_meme_optimizer_sgd_steps_along_the_gradient_and_adam_by_its_sign(digits):
+    """``meme_optimizer="sgd"``: the step is -lr * gradient, so it doubles with lr and its size follows the gradient's
+    per coordinate; Adam's first step moves every coordinate with a gradient by about lr (m / sqrt(v) = sign)."""
+    sgd = [_first_step_change(digits, meme_optimizer="sgd", meme_lr=lr) for lr in (1e-2, 2e-2)]
+    # float32 weights of O(0.1): each mean is rounded to about 1e-8
+    np.testing.assert_allclose(sgd[1], 2 * sgd[0], rtol=1e-3, atol=5e-8)
+    moved = np.abs(sgd[0])[np.abs(sgd[0]) > 1e-6]
+    assert moved.std() / moved.mean() > 0.5  # sizes spread with the gradient, not one size for all
+    adam = np.abs(_first_step_change(digits, meme_lr=1e-3))
+    adam = adam[adam > 1e-7]
+    np.testing.assert_allclose(adam, 1e-3, rtol=0.02)
+
+
+def test_meme_optimizer_is_an_option_of_the_cli(cli_run, capsys):
+    result = cli_run("hbfl", "--epsilon", "inf", "--option", "meme_optimizer=sgd", "--option", "meme_lr=0.3")
+    assert result["settings"]["algorithm_options"]["meme_optimizer"] == "sgd"
+    code = main(["run", "--algorithm", "hbfl", "--dataset", "digits", "--clients", "3", "--rounds", "1",
+                 "--hidden", "8", "--quiet", "--epsilon", "inf", "--option", "meme_optimizer=rmsprop"])
+    err = capsys.readouterr().err
+    assert code == 2 and "meme_optimizer" in err and "sgd" in err and "Traceback" not in err
