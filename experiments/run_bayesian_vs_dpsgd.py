@@ -22,8 +22,9 @@ initialisation) and is ranked by its mean validation accuracy. Grids at epsilon 
 - dpsgd_fedavg: client lr;
 - fola: client lr x the DP-SGD (``mean``) budget share s, the two Fisher channels splitting 1 - s equally
   (``budget_shares`` are shares of the round's zCDP budget: z_c = s0 / sqrt(share_c));
-- hbfl: ``meme_lr`` (the meme's Adam step, i.e. the lr of the released model; ``fed.lr`` only trains the clients'
-  local models, which are never released and do not touch the global model, so it stays at HBFL's default 0.05).
+- hbfl: the meme's optimiser (``meme_optimizer``: the paper's Adam, or plain SGD, the baseline's optimiser) x its
+  step ``meme_lr`` (the lr of the released model; ``fed.lr`` only trains the clients' local models, which are never
+  released and do not touch the global model, so it stays at HBFL's default 0.05).
 
 Diagnostics (instrumented subclasses of the library classes; no library code changed), recorded in every run and
 reported at epsilon 3 / inf, seed 0: FOLA's aggregated Fisher diagonal against its known noise std per round (and
@@ -89,7 +90,8 @@ BEST_DP_BASELINE = ("dp_fedsgd (central noise)", "experiments/results/record_lev
 GRIDS = {
     "dpsgd_fedavg": [{"lr": lr} for lr in (0.125, 0.25, 0.5, 1.0)],
     "fola": [{"lr": lr, "dpsgd_share": s} for s in (0.5, 0.8, 0.95) for lr in (0.125, 0.25, 0.5, 1.0)],
-    "hbfl": [{"lr": 0.05, "meme_lr": m} for m in (1e-3, 3e-3, 1e-2, 2e-2, 3e-2, 5e-2, 1e-1)],
+    "hbfl": [{"lr": 0.05, "meme_lr": m} for m in (1e-3, 3e-3, 1e-2, 2e-2, 3e-2, 5e-2, 1e-1)]
+    + [{"lr": 0.05, "meme_lr": m, "meme_optimizer": "sgd"} for m in (0.25, 0.5, 1.0, 2.0)],
 }
 
 
@@ -193,7 +195,7 @@ def build(algorithm: str, fed, privacy, hp: dict, records: int):
         return FOLARecorded(fed, privacy, budget_shares=shares if privacy.private else None, records=records,
                             shrink_groups=hp.get("shrink_groups", "layer"), shrink_margin=hp.get("shrink_margin", 0.0))
     if algorithm == "hbfl":
-        return HBFLRecorded(fed, privacy, meme_lr=hp["meme_lr"])
+        return HBFLRecorded(fed, privacy, meme_lr=hp["meme_lr"], meme_optimizer=hp.get("meme_optimizer", "adam"))
     raise ValueError(algorithm)
 
 
@@ -495,8 +497,9 @@ def markdown(report) -> str:
               "- fola: client lr x the DP-SGD (`mean`) channel's budget share s, the two Fisher channels splitting "
               "1 - s equally (`budget_shares` are shares of a round's zCDP budget, z_c ∝ 1/sqrt(share_c); FOLA's "
               "DP-SGD z is then calibrated to what the Fisher releases leave of ε).",
-              "- hbfl: `meme_lr` (Adam step of the meme, the released model); `fed.lr` = 0.05 only trains the "
-              "clients' local models, never released and never read by the global model.", "",
+              "- hbfl: the meme's optimiser (`meme_optimizer`: the paper's Adam, or plain SGD, the baseline's "
+              "optimiser; Adam when not named) x its step `meme_lr` (the meme is the released model); `fed.lr` = "
+              "0.05 only trains the clients' local models, never released and never read by the global model.", "",
               "| algorithm | chosen | validation accuracy |", "|---|---|---|"]
     table = validation_table(report)
     for a, hp in report.get("chosen", {}).items():
@@ -845,6 +848,9 @@ def readme_section(report) -> str:
                       f"1 or 2 standard errors {abl[_V('layer', 1)]:.3f} / {abl[_V('layer', 2)]:.3f}; DP-SGD FedAvg "
                       f"{abl['dpsgd_fedavg']:.3f}."
                       if {_V(g, m) for g, m in SHRINK_VARIANTS} | {"dpsgd_fedavg"} <= set(abl) else ""))
+    hb_how = _hbfl_how(report, summary) if met["hbfl"] else None
+    if hb_how:
+        how.append(hb_how)
     if how:
         lines += ["", "How, measured at ε = 3:"] + how
     why = []
@@ -873,9 +879,41 @@ def readme_section(report) -> str:
                    f"Gaussian product's mean is {pva:.2f} of a round's step away from the uniform average of the "
                    f"clients' DP-SGD-trained meme means ({pvb:.2f} without DP).")
     if why:
-        lines += ["", "Why not, measured at ε = 3 (seed 0):"] + why + _ece_caveat(report)
+        lines += ["", "Why not, measured at ε = 3 (seed 0):"] + why
+    caveat = _ece_caveat(report, long=True)
+    if caveat:
+        lines += ["", "Calibration:"] + caveat
     lines.append("")
     return "\n".join(lines)
+
+
+def _hbfl_how(report, summary) -> str | None:
+    """What HBFL's chosen setting is and what it beat on validation; where the choice made at epsilon 3 fails."""
+    chosen = (report.get("chosen") or {}).get("hbfl")
+    if not chosen:
+        return None
+    rows = [p for p in validation_table(report) if p["algorithm"] == "hbfl"
+            and p["hyper_parameters"]["batch_size"] == chosen["batch_size"]]
+    best = {}
+    for p in rows:
+        opt = p["hyper_parameters"].get("meme_optimizer", "adam")
+        if opt not in best or p["accuracy"] > best[opt]["accuracy"]:
+            best[opt] = p
+    optimiser = chosen.get("meme_optimizer", "adam")
+    text = (f"- HBFL: its meme, the model it releases, is trained by {'plain SGD' if optimiser == 'sgd' else 'Adam'} "
+            f"(`meme_optimizer`) at step {chosen['meme_lr']:g}, chosen on validation: "
+            + "; ".join(f"best {'Adam' if o == 'adam' else 'SGD'} point {p['accuracy']:.3f} (step "
+                        f"{p['hyper_parameters']['meme_lr']:g})" for o, p in sorted(best.items()))
+            + f" at batch {chosen['batch_size']}. Under DP-SGD's noise Adam's denominators are the noise's own scale, "
+            "so its steps carry no more signal than SGD's, and a fresh state's first steps move every coordinate by "
+            "about the step size.")
+    low = [(e, _row(summary, "hbfl", e), _row(summary, "dpsgd_fedavg", e)) for e in (1.0, 8.0)]
+    losses = [f"ε = {_fmt_eps(e)}: {h['accuracy']:.3f} vs {b['accuracy']:.3f}" for e, h, b in low
+              if h and b and h["accuracy"] < b["accuracy"]]
+    if losses:
+        text += (" The step is chosen once, at ε = 3, and used at every ε (as for every algorithm); where the noise is "
+                 f"larger it is too large: HBFL behind DP-SGD FedAvg at {', '.join(losses)}.")
+    return text
 
 
 if __name__ == "__main__":
