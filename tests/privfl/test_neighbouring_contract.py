@@ -136,6 +136,8 @@ def make(name, fed, privacy):
         return ALGORITHMS[name](fed, privacy, lot_size=10 ** 6)
     if name == "dp_fedsgd_sampled":  # q < 1: the sampled event and every public fact are compared
         return ALGORITHMS["dp_fedsgd"](fed, privacy)
+    if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
+        return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
 
 
@@ -297,6 +299,17 @@ def test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, pla
         check_relation_of_events(b, privacy)
         check_metadata_identical(a, b)
         check_sensitivity(a, b, privacy)
+
+
+#: HBFL with its meme trained by SGD: the same release path as Adam's, checked at record level and client level
+SGD_GRID = [("hbfl_sgd", unit, adjacency, "central", False, False)
+            for unit, adjacency in itertools.product(("example", "client"), ("add_remove", "replace_one"))]
+
+
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", SGD_GRID,
+                         ids=["-".join(map(str, g)) for g in SGD_GRID])
+def test_hbfl_with_an_sgd_meme_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
+    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
 def test_the_grid_runs_every_algorithm_privately_somewhere():
