@@ -67,7 +67,9 @@ PRIVATE_GRID = {
     # plain SGD (meme_optimizer, the DP-SGD baselines' optimiser) at a few steps
     "hbfl": [{**MLP, "lr": lr} for lr in (0.05, 0.1)] + [{**MLP, "lr": 0.05, "rounds": 8}]
     + [{**MLP, "lr": 0.05, "meme_lr": m} for m in (0.003, 0.01, 0.03, 0.1)]
-    + [{**MLP, "lr": 0.05, "meme_optimizer": "sgd", "meme_lr": m} for m in (0.25, 0.5, 1.0)],
+    + [{**MLP, "lr": 0.05, "meme_optimizer": "sgd", "meme_lr": m} for m in (0.25, 0.5, 1.0)]
+    # ... and at DP-SGD batch 64, where experiments/run_bayesian_vs_dpsgd.py's validation chose SGD
+    + [{**MLP, "lr": 0.05, "meme_optimizer": "sgd", "meme_lr": m, "batch_size": 64} for m in (0.5, 1.0)],
     # DP-FedSGD, central noise (a trusted aggregator): one DP-SGD step per round, ~30 expected epochs at lot 256
     "dp_fedsgd": [{"rounds": 410, "batch_size": 256, "lot_size": 256, "momentum": 0.9, "lr": lr, "placement": "central"}
                   for lr in (0.125, 0.25, 0.5)],
