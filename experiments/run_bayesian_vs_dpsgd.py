@@ -911,8 +911,8 @@ def _hbfl_how(report, summary) -> str | None:
     losses = [f"ε = {_fmt_eps(e)}: {h['accuracy']:.3f} vs {b['accuracy']:.3f}" for e, h, b in low
               if h and b and h["accuracy"] < b["accuracy"]]
     if losses:
-        text += (" The step is chosen once, at ε = 3, and used at every ε (as for every algorithm); where the noise is "
-                 f"larger it is too large: HBFL behind DP-SGD FedAvg at {', '.join(losses)}.")
+        text += (" The step is chosen once, at ε = 3, and used at every ε (as for every algorithm); where the "
+                 f"noise is larger it is too large: HBFL behind DP-SGD FedAvg at {', '.join(losses)}.")
     return text
 
 

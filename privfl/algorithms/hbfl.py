@@ -181,6 +181,7 @@ class HBFL(FederatedAlgorithm):
         self.init_precision = _positive("init_precision", init_precision)
         self.carry_precision = bool(carry_precision)
         self.meme_lr = _positive("meme_lr", meme_lr)
+        meme_optimizer = meme_optimizer.lower() if isinstance(meme_optimizer, str) else meme_optimizer
         if meme_optimizer not in MEME_OPTIMIZERS:
             raise ConfigurationError(f"meme_optimizer must be one of {', '.join(MEME_OPTIMIZERS)}, got "
                                      f"{meme_optimizer!r}")
@@ -538,10 +539,10 @@ class VectorisedHBFL:
     each client's weight noise passed in: drawn from a generator holding the global torch state the per-client step
     would draw from (after the client's seed and its local model's first build), in the same shapes and order (one
     (batch, out) draw per layer per forward; under DP-SGD, vmap's ``randomness="different"`` draw of (batch, 1, out)).
-    Adam (:func:`privfl.executor.adam_step`), or SGD (:func:`privfl.executor.sgd_step`), updates the memes; the local models, grouped by architecture, take
-    masked SGD steps (:func:`privfl.executor.sgd_step`: a client whose Poisson batch is empty skips its step, as
-    the per-client loop does) and are written back to their clients. DP-SGD's clipping, noise (from each client's
-    own noise source) and scaling are those of :func:`dpsgd_gradients`.
+    Adam (:func:`privfl.executor.adam_step`), or plain SGD (:func:`privfl.executor.sgd_step`), updates the memes;
+    the local models, grouped by architecture, take masked SGD steps (``sgd_step``: a client whose Poisson batch is
+    empty skips its step, as the per-client loop does) and are written back to their clients. DP-SGD's clipping,
+    noise (from each client's own noise source) and scaling are those of :func:`dpsgd_gradients`.
     """
 
     def __init__(self, alg: "HBFL"):

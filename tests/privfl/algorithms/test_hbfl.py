@@ -307,3 +307,7 @@ def test_meme_optimizer_is_an_option_of_the_cli(cli_run, capsys):
                  "--hidden", "8", "--quiet", "--epsilon", "inf", "--option", "meme_optimizer=rmsprop"])
     err = capsys.readouterr().err
     assert code == 2 and "meme_optimizer" in err and "sgd" in err and "Traceback" not in err
+
+
+def test_meme_optimizer_names_are_case_insensitive():
+    assert HBFL(FED, NONPRIVATE, meme_optimizer="SGD").meme_optimizer == "sgd"
