@@ -79,6 +79,9 @@ VAL_SEEDS = (0, 1)
 #: variants are compared on validation at FOLA's chosen point, with these seeds, beside DP-SGD FedAvg at its chosen
 #: point (the defaults, "layer" and 0, were picked on this comparison)
 ABLATION_SEEDS = tuple(range(6))
+#: when validation trains HBFL's meme by SGD, DP-SGD FedAvg is also run at HBFL's step, on validation with these
+#: seeds: how much of HBFL's lead over the baseline is the step each was chosen at, and how much the algorithm
+EQUAL_STEP_SEEDS = tuple(range(8))
 SHRINK_VARIANTS = (("layer", 0.0), ("tensor", 0.0), ("all", 0.0), ("layer", 1.0), ("layer", 2.0))
 HIDDEN, POOL = (32,), 2
 OUT = "experiments/results"
@@ -86,6 +89,9 @@ JSON_PATH = os.path.join(OUT, "bayesian_vs_dpsgd.json")
 MD_PATH = os.path.join(OUT, "bayesian_vs_dpsgd.md")
 README_DRAFT = os.path.join("experiments", "results", "bayesian_vs_dpsgd_readme.md")
 BEST_DP_BASELINE = ("dp_fedsgd (central noise)", "experiments/results/record_level.json")
+
+#: the report's buckets of runs, by phase
+BUCKETS = ("tuning", "final", "ablation", "extra", "equal_step")
 
 GRIDS = {
     "dpsgd_fedavg": [{"lr": lr} for lr in (0.125, 0.25, 0.5, 1.0)],
@@ -256,8 +262,9 @@ def load_report() -> dict:
 def _slim(report: dict) -> None:
     """Per-round diagnostics are kept for the seed-0 test runs only (the ones the md reports): the rest would make
     the JSON megabytes."""
-    for r in report.get("tuning", []) + report.get("ablation", []) + report.get("extra", []):
-        r.pop("diagnostics", None)
+    for b in ("tuning", "ablation", "extra", "equal_step"):
+        for r in report.get(b, []):
+            r.pop("diagnostics", None)
     for r in report.get("final", []):
         if r.get("seed") != 0:
             r.pop("diagnostics", None)
@@ -302,7 +309,7 @@ def main(argv=()) -> None:
     report.setdefault("final", [])
     report.setdefault("cpu_s", 0.0)
     report.setdefault("wall_s", 0.0)
-    done = {_key(*r["_key"]) for b in ("tuning", "final", "ablation", "extra") for r in report.get(b, [])}
+    done = {_key(*r["_key"]) for b in BUCKETS for r in report.get(b, [])}
     seeds = SEEDS[:1] if quick else SEEDS
     grids = {a: g[:2] for a, g in GRIDS.items()} if quick else GRIDS
     val_seeds = VAL_SEEDS[:1] if quick else VAL_SEEDS
@@ -341,7 +348,7 @@ def main(argv=()) -> None:
     # test runs of settings no longer chosen (a grid grew) are dropped, never mixed into the reported means
     for bucket in ("final", "extra"):
         report[bucket] = [r for r in report.get(bucket, []) if r["hyper_parameters"] == chosen.get(r["algorithm"])]
-    done = {_key(*r["_key"]) for b in ("tuning", "final", "ablation", "extra") for r in report.get(b, [])}
+    done = {_key(*r["_key"]) for b in BUCKETS for r in report.get(b, [])}
     save(report)
     report.setdefault("ablation", [])
     if "fola" in chosen and "dpsgd_fedavg" in chosen:
@@ -350,6 +357,13 @@ def main(argv=()) -> None:
             for groups, margin in SHRINK_VARIANTS:
                 do("ablation", "fola", val, 3.0, seed,
                    {**chosen["fola"], "shrink_groups": groups, "shrink_margin": margin}, report["ablation"])
+    report.setdefault("equal_step", [])
+    hb = chosen.get("hbfl")
+    if hb and hb.get("meme_optimizer") == "sgd" and "dpsgd_fedavg" in chosen:
+        same = {"lr": hb["meme_lr"], "batch_size": hb["batch_size"]}
+        for seed in (EQUAL_STEP_SEEDS[:2] if quick else EQUAL_STEP_SEEDS):
+            do("equal_step", "dpsgd_fedavg", val, 3.0, seed, same, report["equal_step"])
+            do("equal_step", "hbfl", val, 3.0, seed, hb, report["equal_step"])
     for eps in EPSILONS:
         for seed in seeds:
             if seed not in feds:
@@ -525,7 +539,7 @@ def markdown(report) -> str:
         if "error" in r:
             lines.append(f"| {r['algorithm']} | `{json.dumps(r['hyper_parameters'])}` | failed (seed {r['seed']}) "
                          "| | | | | |")
-    lines += ablation_lines(report) + extra_lines(report)
+    lines += ablation_lines(report) + equal_step_lines(report) + extra_lines(report)
     lines += ["", "## Diagnostics (ε = 3, seed 0, chosen settings, test-set runs)", ""]
     fola = _final_diag(report, "fola", 3.0)
     dps = _final_diag(report, "dpsgd_fedavg", 3.0)
@@ -649,6 +663,44 @@ def ablation_lines(report) -> list[str]:
 def _V(groups: str, margin: float) -> str:
     """An ablation row's name."""
     return f"fola, shrink_groups={groups}, shrink_margin={margin:g}"
+
+
+def equal_step(report) -> dict | None:
+    """HBFL (chosen) against DP-SGD FedAvg at HBFL's step, paired by validation seed: the per-seed accuracies and
+    the mean difference with its standard error."""
+    rows = [r for r in report.get("equal_step", []) if "error" not in r]
+    by = {a: {r["seed"]: r for r in rows if r["algorithm"] == a} for a in ("dpsgd_fedavg", "hbfl")}
+    seeds = sorted(set(by["dpsgd_fedavg"]) & set(by["hbfl"]))
+    if len(seeds) < 2:
+        return None
+    d = np.array([by["dpsgd_fedavg"][k]["accuracy"] for k in seeds])
+    h = np.array([by["hbfl"][k]["accuracy"] for k in seeds])
+    diff = h - d
+    return {"seeds": seeds, "dpsgd_fedavg": d, "hbfl": h, "lr": by["dpsgd_fedavg"][seeds[0]]["hyper_parameters"]["lr"],
+            "hbfl_hp": by["hbfl"][seeds[0]]["hyper_parameters"], "diff": float(diff.mean()),
+            "diff_se": float(diff.std(ddof=1) / math.sqrt(len(seeds))), "ahead": int((diff > 0).sum()),
+            "dpsgd_ece": float(np.mean([by["dpsgd_fedavg"][k]["ece"] for k in seeds])),
+            "hbfl_ece": float(np.mean([by["hbfl"][k]["ece"] for k in seeds]))}
+
+
+def equal_step_lines(report) -> list[str]:
+    e = equal_step(report)
+    if e is None:
+        return []
+    return ["", "### HBFL against DP-SGD FedAvg at the same step (validation, ε = 3)", "",
+            f"Validation chose SGD for HBFL's meme at step {e['lr']:g}, and lr "
+            f"{(report.get('chosen') or {}).get('dpsgd_fedavg', {}).get('lr', float('nan')):g} for DP-SGD FedAvg. "
+            f"Here DP-SGD FedAvg runs at HBFL's step {e['lr']:g} (same batch), paired by seed on the validation "
+            "federation: what is left of HBFL's lead is the algorithm, not the step.", "",
+            "| run | hyper-parameters | validation accuracy (mean ± std) | per seed | validation ECE (mean) |",
+            "|---|---|---|---|---|",
+            f"| dpsgd_fedavg | `{json.dumps({'lr': e['lr'], 'batch_size': e['hbfl_hp']['batch_size']})}` | "
+            f"{e['dpsgd_fedavg'].mean():.4f} ± {e['dpsgd_fedavg'].std(ddof=1):.4f} | "
+            f"{', '.join(f'{v:.3f}' for v in e['dpsgd_fedavg'])} | {e['dpsgd_ece']:.3f} |",
+            f"| hbfl | `{json.dumps(e['hbfl_hp'])}` | {e['hbfl'].mean():.4f} ± {e['hbfl'].std(ddof=1):.4f} | "
+            f"{', '.join(f'{v:.3f}' for v in e['hbfl'])} | {e['hbfl_ece']:.3f} |", "",
+            f"HBFL minus DP-SGD FedAvg, same seed: {e['diff']:+.4f} ± {e['diff_se']:.4f} (std err over "
+            f"{len(e['seeds'])} seeds), ahead on {e['ahead']} of {len(e['seeds'])}.", ""]
 
 
 def extra_seeds(report) -> dict[str, dict[int, dict]]:
@@ -907,6 +959,15 @@ def _hbfl_how(report, summary) -> str | None:
             + f" at batch {chosen['batch_size']}. Under DP-SGD's noise Adam's denominators are the noise's own scale, "
             "so its steps carry no more signal than SGD's, and a fresh state's first steps move every coordinate by "
             "about the step size.")
+    e = equal_step(report)
+    if e is not None:
+        close = abs(e["diff"]) < 2 * e["diff_se"]
+        text += (f" At the same step, on validation ({len(e['seeds'])} seeds), DP-SGD FedAvg at lr {e['lr']:g} scores "
+                 f"{e['dpsgd_fedavg'].mean():.3f} and HBFL {e['hbfl'].mean():.3f} (paired difference "
+                 f"{e['diff']:+.3f} ± {e['diff_se']:.3f}): "
+                 + ("within two standard errors of zero, so with these seeds what HBFL adds over DP-SGD FedAvg "
+                    "trained at the same step cannot be told from noise." if close else
+                    "more than two standard errors from zero, so HBFL's lead is not the step alone."))
     low = [(e, _row(summary, "hbfl", e), _row(summary, "dpsgd_fedavg", e)) for e in (1.0, 8.0)]
     losses = [f"ε = {_fmt_eps(e)}: {h['accuracy']:.3f} vs {b['accuracy']:.3f}" for e, h, b in low
               if h and b and h["accuracy"] < b["accuracy"]]
