@@ -166,7 +166,7 @@ def tiny_federation(n_clients: int, per_client: int = 8, seed: int = 0):
         idx = rng.choice(len(x), size=per_client, replace=False)
         parts.append((x[idx], y[idx]))
     return federated_from_arrays(parts, (base.test.x, base.test.y), task="classification",
-                                 num_classes=base.num_classes, name="mnist5k-tiny")
+                                 num_classes=base.num_classes, name="mnist5k-tiny", design_size=per_client)
 
 
 def main(repeats: int = 3) -> None:

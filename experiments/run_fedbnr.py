@@ -162,8 +162,9 @@ class FedAvgRegression(FederatedAlgorithm):
 
 def pooled(data: FederatedData) -> FederatedData:
     """The same training data held by one party (for centralised references through the same code path)."""
-    return FederatedData([data.pooled_train()], data.test, data.name, data.num_classes, data.input_shape,
-                         val=data.val, partition="pooled", seed=data.seed)
+    train = data.pooled_train()
+    return FederatedData([train], data.test, data.name, data.num_classes, data.input_shape,
+                         val=data.val, partition="pooled", seed=data.seed, design_size=len(train))
 
 
 def exact_gp(data: FederatedData, lengthscale: float, noise_std: float, prior_std: float) -> dict[str, float]:

@@ -326,7 +326,7 @@ def cmd_run(args) -> int:
                 setattr(args, key, value)
     built_in = {"dataset": "mnist5k", "clients": 10, "partition": "iid", "alpha": 0.1} if data is None else {}
     for key, value in {"clip": 1.0, "local_epochs": 1, "lr": 0.05, "pool": 1, "secagg_bits": 48, "dropout": 0.0,
-                       "model": "mlp", **built_in}.items():
+                       "corruption": 0.0, "model": "mlp", **built_in}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, adjacency=args.adjacency,
@@ -407,7 +407,8 @@ def cmd_run(args) -> int:
 
     from privfl.secure import SecureAggregation
 
-    secure = (SecureAggregation(bits=args.secagg_bits, dropout=args.dropout, min_survivors=args.min_survivors)
+    secure = (SecureAggregation(bits=args.secagg_bits, dropout=args.dropout, min_survivors=args.min_survivors,
+                                corruption=args.corruption)
               if args.secure_agg else None)
     if secure is not None:
         secure.check(args.clients)  # a threat model no degree and threshold meet is refused before any round
@@ -549,7 +550,8 @@ def _refuse_ignored_input(args) -> None:
                                  "centralised training, with nothing to aggregate); set --clients 2 or more")
     if not args.secure_agg:
         given = [flag for flag, value in (("--dropout", args.dropout), ("--min-survivors", args.min_survivors),
-                                          ("--secagg-bits", args.secagg_bits)) if value is not None]
+                                          ("--secagg-bits", args.secagg_bits), ("--corruption", args.corruption))
+                 if value is not None]
         if given:
             raise ConfigurationError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
                                      "secure aggregation; add --secure-agg or drop "
@@ -594,7 +596,8 @@ def _settings(args, fed, privacy, secure) -> dict:
     out = {"algorithm": args.algorithm, "algorithm_options": options, "federation": asdict(fed),
            "privacy": asdict(privacy), "data": data, "privfl_version": version(),
            "secure_aggregation": None if secure is None else {"bits": args.secagg_bits, "dropout": args.dropout,
-                                                               "min_survivors": args.min_survivors}}
+                                                               "min_survivors": args.min_survivors,
+                                                               "corruption": args.corruption}}
     out["algorithm_options"].update(_algorithm_flag_options(args))
     out["algorithm_options"].update(getattr(args, "text_options", None) or {})
     if getattr(args, "runtime", "inprocess") != "inprocess":  # its own ledgers: a run of its own
@@ -742,6 +745,9 @@ def _show_audit(args, report: dict, sampled: bool, meta: dict, epsilon_by_round)
         report["rho_note"] = RHO_SAMPLED_NOTE
     if meta.get("noise"):
         report["noise"] = meta["noise"]
+    # the trust assumption every charge of the run holds under (recorded by the runtime before the first charge);
+    # a ledger written before it was recorded says so
+    report["trust"] = meta.get("trust", "not recorded (a ledger written before privfl recorded trust assumptions)")
     if meta.get("warning"):
         report["warning"] = meta["warning"]
     if args.json:
@@ -755,6 +761,7 @@ def _show_audit(args, report: dict, sampled: bool, meta: dict, epsilon_by_round)
             rho = "n/a" if v["rho"] is None else f"{v['rho']:.6g}"
             print(f"{cid:>8} {v['epsilon']:>12.6g} {rho:>12} {v['releases']:>9d} {v['charges']:>8d}")
         print(f"max epsilon {report['max_epsilon']:.6g}")
+        print(f"trust: {report['trust']}")
         if sampled:
             print(f"rho*: {report['rho_note']}")
         if "warning" in report:
@@ -988,6 +995,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="secure aggregation: bits of the integer ring 2^k (default 48)")
     r.add_argument("--dropout", type=_float, default=None,
                    help="secure aggregation: simulated fraction of clients dropping per round (default 0)")
+    r.add_argument("--corruption", type=_float, default=None,
+                   help="secure aggregation: declared fraction of clients that may collude with the server; sets the "
+                        "graph's degree and threshold, and distributed noise is planned for the honest shares only "
+                        "(default 0)")
     r.add_argument("--model", default=None,
                    help=f"model architecture: one of {', '.join(MODEL_NAMES)} (default mlp, or the --entry "
                         "point's)")

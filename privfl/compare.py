@@ -88,6 +88,12 @@ class CompareConfig:
     classes: tuple | None = None
     task: str = "classification"
     public_data: str | None = None
+    # the public design size of a client's data set (DP-SGD's sampling rate and steps when record counts are private)
+    # and the public record cap; a private run on your own data must declare client_size (the clients' record counts
+    # are private and never set it); a built-in data set has its published size. [overrides.<algorithm>] may set
+    # either for one algorithm.
+    client_size: int | None = None
+    record_cap: int | None = None
     # reference rows, non-private, with FedAvg's settings: "centralised" (one model trained on the clients' pooled
     # data: the ceiling) and "local_only" (each client trains alone on its own data; the mean of their test metrics:
     # the floor every federation must beat; nothing leaves a client, so epsilon spent is 0)
@@ -106,6 +112,10 @@ class CompareConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
                 raise ConfigurationError(f"{key} must be a number in ({low:g}, {high:g}), got {value!r}")
+        for key in ("client_size", "record_cap"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{key} must be an integer >= 1, got {value!r}")
         value = self.val_fraction
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
             raise ConfigurationError(f"val_fraction must be a number in [0, 1), got {value!r}")
@@ -270,6 +280,9 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     fed_kw = {k: (tuple(v) if k == "hidden" and v is not None else v) for k, v in settings.items()
               if k in _FED_FIELDS}
     fed_kw.setdefault("rounds", config.rounds)  # [overrides.<algorithm>] rounds: that algorithm's own count
+    for key in ("client_size", "record_cap"):
+        if getattr(config, key) is not None:
+            fed_kw.setdefault(key, getattr(config, key))
     fed = FederationConfig(seed=spec.seed, **fed_kw)
     return fed, privacy
 

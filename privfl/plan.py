@@ -9,7 +9,8 @@ same public specification and checks it against the server's), so the noise a cl
 charges are what the plan says.
 
 Seeds: one ``SeedSequence(seed)`` spawns five streams, in this order: setup (the algorithm's initial state), sample
-(client sampling), server (the aggregator's noise), clients (stream ``k`` is client ``k``'s: its training generator
+(client sampling, only in a run seeded on purpose: a private run with secure noise samples from the CSPRNG,
+``privfl.public.client_sampler``), server (the aggregator's noise), clients (stream ``k`` is client ``k``'s: its training generator
 is that stream's first child, its noise source is drawn from the stream itself) and secure (secure aggregation: the
 stream itself simulates dropouts in process; its child ``k`` is client ``k``'s encoding generator).
 """
@@ -204,6 +205,29 @@ class RunPlan:
         """Whether client sampling amplifies this run (``privfl.release.amplifies``): every member's round is then
         charged, sampled or not."""
         return amplifies(self.sampling_rate, self.unit, self.placement)
+
+    @property
+    def trust(self) -> str:
+        """The trust assumption every charge of this run holds under, as the ledger records it (``meta["trust"]``)
+        and ``privfl audit`` shows it."""
+        if self.noise_multipliers is None:
+            return "none: a non-private run (every release is charged as non-private)"
+        private = [c for c in self.channels if c.private]
+        if self.placement == "distributed":
+            text = "; ".join(sorted({p.trust for p in (self.distributed or {}).values()}))
+        elif self.placement == "local" or all(isinstance(c.clip, TrainedPrivately) for c in private):
+            text = ("local: each client adds its noise (or trains by DP-SGD) before anything leaves it; holds against "
+                    "the server and every other client")
+        elif any(isinstance(c.clip, TrainedPrivately) for c in private):
+            text = ("central and local: DP-SGD-trained channels are noised in the client; the other channels' noise "
+                    "is added by the aggregator to the sum, which holds only if the aggregator is trusted")
+        else:
+            text = ("central: the aggregator adds the noise to the sum; holds only if the aggregator is trusted (it "
+                    "sees the clients' clipped releases)")
+        if self.amplified:
+            text += ("; amplified by client sampling, which holds only while the sample stays secret from the "
+                     "adversary (drawn from the CSPRNG)")
+        return text
 
     @property
     def distributed_events(self) -> dict[str, PrivacyEvent] | None:

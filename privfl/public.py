@@ -42,7 +42,18 @@ from privfl.errors import ConfigurationError
 
 #: What the ledger and the audit say of a run whose noise was drawn from a seed.
 SEEDED_NOISE_WARNING = ("noise was drawn from a seeded generator (--seeded-noise): the epsilon above holds only "
-                        "against parties who do not know the seed; anyone who knows it can regenerate the noise")
+                        "against parties who do not know the seed; anyone who knows it can regenerate the noise "
+                        "and the client sample")
+
+
+#: The error of a private run on data that declares no design size (the user's own data).
+UNDECLARED_SIZE = (
+    "the public design size of a client's data set is not declared. The clients' record counts are private, so "
+    "DP-SGD's sampling rate and steps, quantisation ranges and clips cannot be computed from them (one record more "
+    "would change every noise level the server sees). Declare a size fixed before looking at the data, e.g. the "
+    "size your organisations agreed on: client_size= (privfl.federate, FederationConfig, RunSpec), --client-size N "
+    "(privfl run), client_size = N (a compare TOML); or declare the sizes public at record level "
+    "(adjacency='replace_one', --adjacency replace_one)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,9 +113,12 @@ class PublicFacts:
         """The public facts of a simulated federation ``data`` (a :class:`privfl.data.FederatedData`).
 
         Declared sizes: the true n_k when the run declares them public (record level, replace-one), else None.
-        Design size: ``fed.client_size`` when given; otherwise the benchmark's training-set size over the number of
-        clients, a fact of the public benchmark and the run's configuration, fixed before the run (a deployment
-        declares it). Neighbouring-dataset tests build the facts once and use them for both datasets.
+        Design size, in this order: ``fed.client_size``; the data's declared ``design_size`` (a built-in
+        benchmark's published training size over the number of clients); the mean of the declared sizes (when the
+        sizes are public). A private run with none of these is refused (:data:`UNDECLARED_SIZE`, naming the
+        argument of every entry point): the design size is never computed from private record counts, which would
+        make DP-SGD's sampling rate, step count and noise, every quantiser range and every clip a function of them.
+        A non-private run (epsilon = inf) may take the clients' mean size.
         """
         if isinstance(data, PublicFacts):
             return data
@@ -113,6 +127,13 @@ class PublicFacts:
         sizes = tuple(len(p) for p in parts) if declared else None
         size = getattr(fed, "client_size", None) if fed is not None else None
         if size is None:
+            size = getattr(data, "design_size", None)
+        if size is None and sizes is not None:  # declared public: the mean of the declared sizes is public too
+            size = max(1, int(round(sum(sizes) / len(sizes))))
+        if size is None:
+            if privacy is not None and privacy.private:
+                raise ConfigurationError(UNDECLARED_SIZE)
+            # nothing is private (epsilon = inf): no release is charged, so the data may set the schedule
             size = max(1, int(round(sum(len(p) for p in parts) / len(parts))))
         cap = getattr(fed, "record_cap", None) if fed is not None else None
         return cls(n_clients=len(parts), task=data.task, num_classes=int(data.num_classes),
@@ -144,6 +165,18 @@ def private_rng(rng: np.random.Generator, secure: bool) -> np.random.Generator:
     return np.random.default_rng(rng.integers(0, 2 ** 63 - 1))
 
 
+def client_sampler(seq: np.random.SeedSequence, secure: bool) -> np.random.Generator:
+    """The generator that draws which clients take part in each round (Poisson client sampling).
+
+    Amplification by sampling holds only against an adversary who cannot predict the sample, so with secure noise
+    (the default of every private run) it is the OS CSPRNG, never the run seed: a seed is a public fact (it names
+    the run, it is in the spec a Flower ServerApp reads). ``seq``, the run plan's ``sample`` stream, is used only
+    when the run is seeded on purpose (``secure=False``), which the ledger and the audit then say."""
+    if secure:
+        return np.random.default_rng(secrets.randbits(128))
+    return np.random.default_rng(seq)
+
+
 def private_torch_generator(rng: np.random.Generator, secure: bool):
     """A ``torch.Generator`` for DP-SGD's noise and Poisson sampling; see :func:`private_rng`."""
     import torch
@@ -153,5 +186,5 @@ def private_torch_generator(rng: np.random.Generator, secure: bool):
     return g
 
 
-__all__ = ["PublicFacts", "SEEDED_NOISE_WARNING", "private_rng", "private_torch_generator", "release_weight",
+__all__ = ["PublicFacts", "SEEDED_NOISE_WARNING", "UNDECLARED_SIZE", "client_sampler", "private_rng", "private_torch_generator", "release_weight",
            "sizes_are_public"]

@@ -45,7 +45,7 @@ from privfl.plan import RunPlan, seed_stream
 from privfl.release import Release, mark_round_released
 from privfl.plan import noise_multipliers_for as plan_multipliers
 from privfl.errors import ConfigurationError
-from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
+from privfl.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 from privfl.secure import SecureAggregation, local_noise_stds, public_weight_bound, secure_weighted_sums
 from privfl.secure_agg import ProtocolAbort
 
@@ -168,6 +168,7 @@ class Simulation:
         setup_seq = seed_stream(fed.seed, "setup")
         alg.setup(self.public, np.random.default_rng(setup_seq))
         plan = self.plan = RunPlan.build(alg, privacy, fed, self.public, self.secure)
+        self.ledger.record_meta("trust", plan.trust)  # before the first charge: what every charge holds under
         # The client side: a separate instance that learns the server's state only from each round's broadcast
         # (privfl.algorithms.base); an algorithm that has not declared its broadcast runs both halves in one object.
         self.split = bool(alg.splittable and alg.broadcast_state)
@@ -182,7 +183,7 @@ class Simulation:
         self.pipelines = [plan.pipeline(k, self.ledger, self._noise(plan.client_stream(k)))
                           for k in range(n_clients)]
         self.server_noise = self._noise(plan.stream("server"))
-        self.sampler = np.random.default_rng(plan.stream("sample"))
+        self.sampler = client_sampler(plan.stream("sample"), self.privacy.secure_noise and self.privacy.private)
         self.channels, self.plans, self.multipliers = list(plan.channels), plan.distributed, plan.noise_multipliers
         self._prepared = True
 

@@ -130,6 +130,22 @@ class DistributedNoise:
     n_min: int
     n_max: int
     event: PrivacyEvent
+    #: the honest shares the noise is calibrated for: ``n_min`` less the ``floor(corruption * clients)`` shares that
+    #: colluding clients may subtract again (None: ``n_min``, no corruption declared)
+    n_honest: int | None = None
+    #: the declared fraction of clients that may collude with the server
+    corruption: float = 0.0
+
+    @property
+    def honest(self) -> int:
+        return self.n_min if self.n_honest is None else self.n_honest
+
+    @property
+    def trust(self) -> str:
+        """The trust assumption the plan's event holds under, as the ledger records it."""
+        return (f"secure aggregation: noise for >= {self.honest} honest shares (>= {self.n_min} survivors of at most "
+                f"{self.n_max}, <= {self.n_min - self.honest} colluding with the server, corruption "
+                f"{self.corruption:g})")
 
     def noise_std(self, n_summed: int) -> float:
         """Std of the summed noise per coordinate, in real units, for ``n_summed`` shares."""
@@ -138,7 +154,8 @@ class DistributedNoise:
 
 def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
                            bits: int, *, sensitivity: float | None = None, relation: str = "add_remove",
-                           record_level: bool = False) -> DistributedNoise:
+                           record_level: bool = False, n_honest: int | None = None,
+                           corruption: float = 0.0) -> DistributedNoise:
     """Quantiser and per-client noise share so that ``n_min`` shares carry noise of std ``noise_multiplier *
     sensitivity``; the event is the Kairouz-Liu-Steinke bound for the rounded sensitivity under ``relation``.
 
@@ -151,18 +168,45 @@ def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float
     channel's L2 sensitivity under its relation (default ``bound``: a norm clip under add/remove). The grid has L
     levels per client with n_max * L plus 10 standard deviations of the largest possible noise sum inside
     2^(bits-1), so no sum of at most ``n_max`` clients wraps (up to a 1e-22 tail per coordinate).
+
+    ``n_honest`` (default ``n_min``): the shares the noise is sized for, ``n_min`` less the clients that may collude
+    with the server (:func:`honest_shares`): a colluding client knows its own share and the server subtracts it, so
+    only honest shares guard the sum; the event is charged for any number of honest shares in [n_honest, n_max].
     """
     if not 1 <= n_min <= n_max:
         raise ConfigurationError(f"need 1 <= min survivors <= clients, got {n_min} and {n_max}")
     if relation not in ("add_remove", "replace_one"):
         raise ConfigurationError(f"relation must be add_remove or replace_one, got {relation!r}")
+    honest = _check_honest(n_honest, n_min)
     sensitivity = bound if sensitivity is None else float(sensitivity)
-    quantiser, share = _size_distributed_noise(bound, sensitivity, noise_multiplier, n_max, n_min, bits)
+    quantiser, share = _size_distributed_noise(bound, sensitivity, noise_multiplier, n_max, honest, bits)
     rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension,
                                                replace_one=record_level or relation == "replace_one")
-    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
+    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
                                                 dimension=dimension)
-    return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event)
+    return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event, honest, float(corruption))
+
+
+def _check_honest(n_honest: int | None, n_min: int) -> int:
+    if n_honest is None:
+        return n_min
+    if isinstance(n_honest, bool) or not isinstance(n_honest, int) or not 1 <= n_honest <= n_min:
+        raise ConfigurationError(f"need 1 <= honest shares <= min survivors ({n_min}), got {n_honest!r}")
+    return n_honest
+
+
+def honest_shares(config: "SecureAggregation", n_clients: int, n_min: int) -> int:
+    """The noise shares that still guard a round's sum when ``floor(corruption * n_clients)`` clients collude with
+    the server (each knows its own discrete-Gaussian share, so the server can subtract it): ``n_min`` survivors less
+    the colluders. Refused, naming what to change, when no honest share would remain."""
+    colluding = int(math.floor(config.corruption * n_clients))
+    honest = n_min - colluding
+    if honest < 1:
+        raise ConfigurationError(
+            f"distributed noise with corruption {config.corruption:g}: up to {colluding} of {n_clients} clients may "
+            f"collude with the server and subtract their noise shares, leaving no honest share of the {n_min} "
+            f"survivors a round needs; lower the corruption or raise --min-survivors")
+    return honest
 
 
 def _size_distributed_noise(bound: float, sensitivity: float, noise_multiplier: float, n_max: int, n_min: int,
@@ -185,7 +229,8 @@ def _size_distributed_noise(bound: float, sensitivity: float, noise_multiplier: 
 
 
 def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
-                                   bits: int, *, clip: float, sampling_rate: float) -> DistributedNoise:
+                                   bits: int, *, clip: float, sampling_rate: float, n_honest: int | None = None,
+                                   corruption: float = 0.0) -> DistributedNoise:
     """Distributed noise for a sum over a Poisson sample of records (record-level DP, add/remove, e.g. DP-FedSGD):
     each client releases sum_{i in S} clip_C(g_i), S a Poisson sample of its records at rate ``sampling_rate``,
     coordinate-clipped to the public range [-bound, bound], stochastically rounded, plus its discrete-Gaussian
@@ -208,12 +253,14 @@ def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplie
             raise ConfigurationError(f"{name} must be a finite number > 0, got {value!r}")
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float)) or not 0 < sampling_rate <= 1:
         raise ConfigurationError(f"the record sampling rate must lie in (0, 1], got {sampling_rate!r}")
-    quantiser, share = _size_distributed_noise(float(bound), float(clip), float(noise_multiplier), n_max, n_min, bits)
+    honest = _check_honest(n_honest, n_min)
+    quantiser, share = _size_distributed_noise(float(bound), float(clip), float(noise_multiplier), n_max, honest,
+                                               bits)
     rounded = quantiser.rounded_l2_sensitivity(float(clip), dimension, replace_one=True)
-    zcdp = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=n_min, n_max=n_max,
+    zcdp = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
                                                dimension=dimension)
     return DistributedNoise(quantiser, share, float(noise_multiplier), n_min, n_max,
-                            PoissonSampledEvent(float(sampling_rate), zcdp))
+                            PoissonSampledEvent(float(sampling_rate), zcdp), honest, float(corruption))
 
 
 def _survivor_floor(config: "SecureAggregation", n_clients: int) -> int:
@@ -247,11 +294,13 @@ def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sam
     epsilon, delta = check_target_epsilon(epsilon), check_delta(delta)
     rounds, sampling_rate = check_count("rounds", rounds), check_probability("sampling_rate", sampling_rate)
     n_min = _survivor_floor(config, n_clients)
+    honest = honest_shares(config, n_clients, n_min)
     guess = clt_noise_multiplier(gaussian_mu(epsilon, delta), sampling_rate, rounds)
 
     def plan(m: float) -> DistributedNoise:
         return plan_distributed_noise_sampled(bound, dimension, m, n_clients, n_min, config.bits, clip=clip,
-                                              sampling_rate=sampling_rate)
+                                              sampling_rate=sampling_rate, n_honest=honest,
+                                              corruption=config.corruption)
 
     def run_events(m: float) -> PrivacyEvent:
         return SelfComposedEvent(plan(m).event, rounds)
@@ -275,13 +324,15 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
         if c.coordinate_bound is None or len(c.shape) != 1:
             raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a norm clip")
     n_min = _survivor_floor(config, n_clients)
+    honest = honest_shares(config, n_clients, n_min)
     cal = calibrate(epsilon, delta, rounds, channels={c.name: c.budget_share for c in private}, accountant="zcdp")
     plans = {}
     for c in private:
         def plan(m: float, c=c) -> DistributedNoise:
             return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
                                           sensitivity=c.sensitivity, relation=c.adjacency,
-                                          record_level=c.unit == "example")
+                                          record_level=c.unit == "example", n_honest=honest,
+                                          corruption=config.corruption)
 
         others = tuple(GaussianEvent(1.0, cal.noise_multipliers[o.name]) for o in private if o is not c)
 

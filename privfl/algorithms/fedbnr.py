@@ -434,6 +434,10 @@ class FedBNR(FederatedAlgorithm):
         if kernel_clip is not None:
             options.setdefault("update_clip", kernel_clip)
         kfed = replace(kernel_fed or self.fed, rounds=kernel_rounds)
+        # the design size and record cap are facts of the federation, not of a phase: a kernel_fed that leaves them
+        # out takes the run's
+        kfed = replace(kfed, **{k: getattr(self.fed, k) for k in ("client_size", "record_cap")
+                                if getattr(kfed, k) is None and getattr(self.fed, k) is not None})
         if model is not None:
             if "hidden" in options or "latent_dim" in options or "model" in options:
                 raise ConfigurationError("fedbnr: model is the feature extractor phase 1 trains; leave hidden, "

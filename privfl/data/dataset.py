@@ -127,6 +127,11 @@ class FederatedData:
     partition: str = ""
     seed: int | None = None
     info: dict = field(default_factory=dict)
+    #: the public design size of a client's data set when the data declares one: a built-in benchmark's published
+    #: training size over its number of clients (``make_federated``), or the user's own declaration. None: nothing
+    #: declared it, and a private run must be given ``client_size`` (``privfl.public.PublicFacts.of``); it is never
+    #: computed from the clients' record counts.
+    design_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.train_parts:
@@ -137,6 +142,11 @@ class FederatedData:
             raise DatasetError(f"client parts and test, validation, alignment or public sets mix tasks "
                                f"{sorted(tasks)}")
         object.__setattr__(self, "input_shape", tuple(int(s) for s in self.input_shape))
+        if self.design_size is not None:
+            size = self.design_size
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise DatasetError(f"design_size must be an integer >= 1, got {size!r}")
+            object.__setattr__(self, "design_size", int(size))
         for part in [*self.train_parts, self.test, *extra]:
             if part.input_shape != self.input_shape:
                 raise DatasetError(f"part {part.name!r} has input shape {part.input_shape}, expected "

@@ -143,7 +143,7 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
                           standardize: StandardizeOption = None, public: ArraysLike | None = None,
                           val: ArraysLike | None = None, alignment: ArraysLike | None = None,
                           partition: str = "given", seed: int | None = None,
-                          info: dict | None = None) -> FederatedData:
+                          info: dict | None = None, design_size: int | None = None) -> FederatedData:
     """A ``FederatedData`` from the user's own raw data: one ``ArrayDataset`` or ``(x, y)`` pair per client, a test
     set, and optional validation, alignment and public sets, all preprocessed by one public per-record map.
 
@@ -153,6 +153,8 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
     - ``standardize``: ``None``/``False`` (the arrays as given), a ``Standardizer`` (public statistics the user
       supplies), or ``"public"``: fit on ``public``, data that no client holds; neighbouring client data sets then
       get the same map. ``public`` is recorded, preprocessed, as ``FederatedData.public``.
+    - ``design_size``: the public design size of a client's data set, if the data declares one (a benchmark's
+      published constant); None for the user's own data, whose private runs declare ``client_size`` instead.
     - ``info`` is copied into ``FederatedData.info``, with ``"standardize"`` (the option: ``"public"``, a
       ``Standardizer`` or None) and ``"standardizer"`` (the map applied, when there is one).
 
@@ -212,6 +214,7 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
         partition=partition,
         seed=seed,
         info=out_info,
+        design_size=design_size,
     )
 
 
@@ -340,7 +343,10 @@ def make_federated(dataset: str, n_clients: int, partition: str = "auto", alpha:
         public=full.subset(public_idx) if len(public_idx) else None,
         val=full.subset(val_idx) if len(val_idx) else None,
         alignment=full.subset(align_idx) if len(align_idx) else None,
-        partition=partition, seed=int(seed), info=info)
+        partition=partition, seed=int(seed), info=info,
+        # a published constant of the benchmark: its training split's size (fixed by the data set, test fraction and
+        # the carved splits' sizes, none of them a client's record count) over the number of clients
+        design_size=max(1, int(round(len(train) / n_clients))))
 
 
 __all__ = ["DATASETS", "MIN_PUBLIC_SIZE", "PUBLIC_FRACTION", "federated_from_arrays", "make_federated"]

@@ -69,7 +69,7 @@ import numpy as np
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
 from privfl.flower.records import MessageError, from_bytes, from_record, to_bytes, to_record
-from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
+from privfl.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 
 
 
@@ -517,10 +517,12 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
     server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
     history = []
     sampled = spec.privacy.sampling_rate < 1
-    if sampled:  # the run plan's sampling stream, drawn as the in-process runtime draws it
-        sampler = np.random.default_rng(seed_stream(spec.fed.seed, "sample"))
-        for _ in range(first_round):  # a resumed run draws its rounds' samples where the first run left off
-            sampler.random(spec.n_clients)
+    if sampled:  # the CSPRNG unless seeded on purpose: then the run plan's stream, as the in-process runtime draws it
+        secure = spec.privacy.secure_noise and spec.privacy.private  # a non-private run claims nothing: seeded
+        sampler = client_sampler(seed_stream(spec.fed.seed, "sample"), secure)
+        if not secure:
+            for _ in range(first_round):  # a resumed seeded run draws its rounds' samples where the first left off
+                sampler.random(spec.n_clients)
     exhausted: set[str] = set()  # clients whose budget is spent take no further part, charged or not
     for rnd in range(first_round, spec.fed.rounds):
         start = time.perf_counter()
@@ -930,7 +932,7 @@ def client_train(msg, context):
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
                               f"client computes {multipliers} from the same public spec; run one privfl version")
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
-    ledger = _ledger(spec, context, phased)
+    ledger = _ledger(spec, context, phased, plan)
     secure = spec.secure is not None
     state_key = _state_key(ALGORITHM_STATE, phased)
     try:
@@ -971,9 +973,10 @@ def _keep(context, key: str, envelope: bytes) -> None:
     context.state[key] = ConfigRecord({"envelope": envelope})
 
 
-def _ledger(spec: RunSpec, context, phased: PhaseOf | None = None):
+def _ledger(spec: RunSpec, context, phased: PhaseOf | None = None, plan=None):
     """This SuperNode's ledger, the run of ``spec`` (a phase's ledger run is opened first with the metadata that
-    ties it to its run: ``privfl.phase_ledgers.phase_ledger_meta``, as the in-process runtime opens it)."""
+    ties it to its run: ``privfl.phase_ledgers.phase_ledger_meta``, as the in-process runtime opens it), with the
+    trust assumption of ``plan`` recorded before any charge."""
     from privfl.accounting.ledger import PrivacyLedger
 
     privacy = spec.privacy
@@ -986,8 +989,15 @@ def _ledger(spec: RunSpec, context, phased: PhaseOf | None = None):
                 "noise": "secure" if privacy.secure_noise else "seeded"}
         if privacy.private and not privacy.secure_noise:
             meta["warning"] = SEEDED_NOISE_WARNING
-    return PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
-                         epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
+    ledger = PrivacyLedger(str(_node_value(context, LEDGER_KEY)), spec.run_id, delta=privacy.delta,
+                           epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta)
+    if plan is not None:
+        try:
+            ledger.record_meta("trust", plan.trust)
+        except BaseException:
+            ledger.close()
+            raise
+    return ledger
 
 
 def _composition(run_spec: RunSpec, phased: PhaseOf | None) -> dict | None:
@@ -1137,7 +1147,7 @@ def client_charge(msg, context):
     rnd = int(request["round"])
     spec, alg, phased = _party(run_spec, request.get("phase"))
     plan = _run_plan(alg, spec)
-    ledger = _ledger(spec, context, phased)
+    ledger = _ledger(spec, context, phased, plan)
     try:
         pipeline = plan.pipeline(client, ledger, _noise(spec.privacy, client_seed(spec.fed.seed, client)))
         try:

@@ -100,7 +100,8 @@ def federation():
     digits = load_digits(flatten=True)
     idx = np.random.default_rng(0).permutation(len(digits))
     parts = [digits.subset(idx[k * 120:(k + 1) * 120]) for k in range(3)]
-    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3")
+    return federated_from_arrays(parts, digits.subset(idx[1500:1700]), name="digits3",
+                                 design_size=round(sum(map(len, parts)) / len(parts)))
 
 
 @pytest.fixture(scope="session")

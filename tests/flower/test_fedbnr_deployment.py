@@ -73,7 +73,8 @@ def federation():
     diabetes = load_diabetes()
     idx = np.random.default_rng(0).permutation(len(diabetes))
     parts = [diabetes.subset(idx[k * 40:(k + 1) * 40]) for k in range(N_CLIENTS)]
-    return federated_from_arrays(parts, diabetes.subset(idx[300:360]), name="diabetes3")
+    return federated_from_arrays(parts, diabetes.subset(idx[300:360]), name="diabetes3",
+                                 design_size=round(sum(map(len, parts)) / len(parts)))
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ def setting(tmp_path, monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, 1)
     digits = load_digits(flatten=True)
     parts = [digits.subset(np.arange(k * 60, (k + 1) * 60)) for k in range(2)]
-    federation = federated_from_arrays(parts, digits.subset(np.arange(200, 260)), name="digits2")
+    federation = federated_from_arrays(parts, digits.subset(np.arange(200, 260)), name="digits2",
+                                       design_size=round(sum(map(len, parts)) / len(parts)))
     fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=4)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="resume-unit")

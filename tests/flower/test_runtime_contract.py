@@ -123,7 +123,8 @@ def digits_parts():
     digits = load_digits(flatten=True)
     idx = np.random.default_rng(1).permutation(len(digits))
     parts = [digits.subset(idx[k * 100:(k + 1) * 100]) for k in range(N_CLIENTS)]
-    return federated_from_arrays(parts, digits.subset(idx[1500:1600]), name="digits-contract")
+    return federated_from_arrays(parts, digits.subset(idx[1500:1600]), name="digits-contract",
+                                 design_size=round(sum(map(len, parts)) / len(parts)))
 
 
 def _spec(case: str, data) -> RunSpec:

@@ -28,7 +28,8 @@ def test_fedavg_on_the_simulation_engine_equals_in_process(tmp_path, in_process_
     digits = load_digits(flatten=True)
     idx = np.random.default_rng(1).permutation(len(digits))
     parts = [digits.subset(idx[k * 100:(k + 1) * 100]) for k in range(N_CLIENTS)]
-    data = federated_from_arrays(parts, digits.subset(idx[1500:1600]), name="digits-sim")
+    data = federated_from_arrays(parts, digits.subset(idx[1500:1600]), name="digits-sim",
+                                 design_size=round(sum(map(len, parts)) / len(parts)))
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(8,), seed=5)
     privacy = PrivacyConfig()
     for k, part in enumerate(data.train_parts):

@@ -184,11 +184,11 @@ def test_batchnorm_under_dpsgd_is_refused_with_module_validator_fix_suggested():
     clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigurationError) as excinfo:
-        federate(net, clients, epsilon=3.0, rounds=1)
+        federate(net, clients, epsilon=3.0, rounds=1, client_size=100)
     msg = _message(excinfo)
     assert "ModuleValidator.fix" in msg and "1 (BatchNorm1d)" in msg
     ln = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 2))  # a privacy-safe norm trains
-    assert federate(ln, clients, epsilon=3.0, rounds=1).epsilon <= 3.0 + 1e-9
+    assert federate(ln, clients, epsilon=3.0, rounds=1, client_size=100).epsilon <= 3.0 + 1e-9
 
 
 class Tied(nn.Module):
@@ -206,7 +206,7 @@ def test_a_model_opacus_cannot_do_per_example_gets_a_clear_message():
     x, y = _blobs()
     clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
     with pytest.raises(ConfigurationError, match="opacus cannot compute per-example gradients for this model.*tying"):
-        federate(Tied(), clients, epsilon=3.0, rounds=1, loss=nn.CrossEntropyLoss())
+        federate(Tied(), clients, epsilon=3.0, rounds=1, loss=nn.CrossEntropyLoss(), client_size=100)
 
 
 def test_dpsgd_needs_a_per_example_loss():
@@ -270,7 +270,7 @@ def test_regression_through_the_api_with_a_user_model(algorithm):
     clients = {f"site{i}": (x[i::4], y[i::4]) for i in range(4)}
     private = algorithm in ("dp_fedavg", "dpsgd_fedavg")
     result = federate(nn.Linear(3, 1), clients, algorithm=algorithm, epsilon=8.0 if private else None, rounds=5,
-                      lr=0.1, clip=2.0 if algorithm == "dpsgd_fedavg" else 0.5)
+                      lr=0.1, clip=2.0 if algorithm == "dpsgd_fedavg" else 0.5, client_size=80)
     assert {"rmse", "mae", "r2"} <= set(result.final)
     assert result.model(torch.zeros(1, 3)).shape == (1, 1)
     if algorithm != "dp_fedavg":  # client-level noise over 4 clients swamps a 4-weight model

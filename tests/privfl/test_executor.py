@@ -33,7 +33,8 @@ def _federation(sizes=(12, 12, 12, 7, 7, 12), dim=10, classes=3, seed=0):
         x = rng.normal(size=(n, dim)).astype(np.float32)
         parts.append((x, rng.integers(0, classes, size=n).astype(np.int64)))
     test = (rng.normal(size=(20, dim)).astype(np.float32), rng.integers(0, classes, size=20).astype(np.int64))
-    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy")
+    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 FED = FederationConfig(rounds=2, local_epochs=2, batch_size=5, lr=0.1, momentum=0.9, hidden=(6,), seed=3)

@@ -51,7 +51,8 @@ def _diabetes(n_clients=4):
 
 def _data(n_clients=4):
     clients, test = _diabetes(n_clients)
-    return federated_from_arrays(list(clients.values()), test, task="regression", name="diabetes")
+    return federated_from_arrays(list(clients.values()), test, task="regression", name="diabetes",
+                                 design_size=round(sum(len(y) for _, y in clients.values()) / len(clients)))
 
 
 def _extractor(seed=0) -> nn.Module:
@@ -213,7 +214,8 @@ def test_federate_private_fedbnr_audits_every_client_within_target():
     net = _extractor()
     snap = _snapshot(net)
     result = privfl.federate(net, clients, algorithm="fedbnr", epsilon=3.0, test=test, rounds=1, num_samples=M,
-                             secure_noise=False, kernel_rounds=2, kernel_fed=KERNEL_FED, kernel_clip=0.1)
+                             secure_noise=False, kernel_rounds=2, kernel_fed=KERNEL_FED, kernel_clip=0.1,
+                             client_size=round(sum(len(y) for _, y in clients.values()) / len(clients)))
     assert set(result.audit) == set(clients)
     assert all(0 < row["epsilon"] <= 3.0 + 1e-9 for row in result.audit.values())
     assert result.epsilon <= 3.0 + 1e-9

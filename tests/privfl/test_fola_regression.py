@@ -47,7 +47,7 @@ def diabetes():
     """Features and targets standardised by the public slice's mean and std (``standardize="public"``)."""
     parts, test, public = _diabetes_arrays()
     return federated_from_arrays(parts, test, task="regression", standardize="public", public=public,
-                                 name="diabetes")
+                                 name="diabetes", design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 def _mean_predictor_rmse(data) -> float:

@@ -104,10 +104,14 @@ def neighbours(parts, task: str, relation: str, unit: str):
 
 
 def federation(parts, test, public, task):
+    # the declared design size (the facts are built once, from D, and used for every D'); the entry-point contract
+    # (tests/contracts/test_entry_points.py) checks the entry points that build facts from a user's declaration
+    design = round(sum(len(y) for _, y in parts) / len(parts))
     if task == "classification":
-        return federated_from_arrays(parts, test, task=task, num_classes=10, alignment=public, name="digits")
+        return federated_from_arrays(parts, test, task=task, num_classes=10, alignment=public, name="digits",
+                                     design_size=design)
     return federated_from_arrays(parts, test, task=task, standardize="public", public=public, alignment=public,
-                                 name="diabetes")
+                                 name="diabetes", design_size=design)
 
 
 # ------------------------------------------------------------------------------------------------------ runs

@@ -34,7 +34,7 @@ def test_run_on_csv_files_per_client(hospitals, tmp_path, capsys):
     code = main(["run", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--data", str(hospitals / "clients/*.csv"),
                  "--target", "y", "--test-data", str(hospitals / "test.csv"), "--public-data",
                  str(hospitals / "public.csv"), "--rounds", "3", "--hidden", "", "--ledger", str(ledger),
-                 "--json", str(out), "--quiet"])
+                 "--client-size", "90", "--json", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert code == 0, err
     result = json.loads(out.read_text())
@@ -116,7 +116,7 @@ def test_compare_toml_entry_returning_a_module_trains_it_and_is_refused_where_it
     _module_entry(tmp_path, monkeypatch, "compare_module_entry")
     cfg = tmp_path / "own.toml"
     cfg.write_text('entry = "compare_module_entry:federation"\nclasses = ["0", "1"]\nepsilons = [3.0]\nseeds = [0]\n'
-                   f'rounds = 1\nalgorithms = ["fedavg", "dp_fedavg"]\nout_dir = "{tmp_path / "out"}"\n')
+                   f'rounds = 1\nclient_size = 10\nalgorithms = ["fedavg", "dp_fedavg"]\nout_dir = "{tmp_path / "out"}"\n')
     code = main(["compare", str(cfg), "--quiet", "--json", str(tmp_path / "r.json")])
     assert code == 0, capsys.readouterr().err
     import torch
@@ -144,7 +144,7 @@ def test_compare_toml_with_an_entry_point(hospitals, tmp_path, monkeypatch, caps
     (tmp_path / "public.csv").write_text((hospitals / "public.csv").read_text())
     cfg = tmp_path / "own.toml"
     cfg.write_text('entry = "hospital_fed:federation"\ntarget = "y"\npublic_data = "public.csv"\nepsilons = [3.0]\n'
-                   'seeds = [0]\nrounds = 3\nalgorithms = ["fedavg", "dpsgd_fedavg"]\n'
+                   'seeds = [0]\nrounds = 3\nclient_size = 90\nalgorithms = ["fedavg", "dpsgd_fedavg"]\n'
                    f'out_dir = "{tmp_path / "out"}"\n')
     code = main(["compare", str(cfg), "--quiet", "--json", str(tmp_path / "r.json")])
     assert code == 0, capsys.readouterr().err

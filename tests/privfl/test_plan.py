@@ -22,7 +22,8 @@ def _federation(sizes=(10, 10, 8, 10, 9), dim=6, classes=3, seed=1):
     parts = [(rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, classes, size=n).astype(np.int64))
              for n in sizes]
     test = (rng.normal(size=(15, dim)).astype(np.float32), rng.integers(0, classes, size=15).astype(np.int64))
-    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy")
+    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 FED = FederationConfig(rounds=3, local_epochs=1, batch_size=4, lr=0.1, hidden=(4,), seed=5)

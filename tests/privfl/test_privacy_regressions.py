@@ -33,7 +33,8 @@ def _digits(sizes):
     for n in sizes:
         parts.append((x[start:start + n], y[start:start + n]))
         start += n
-    return federated_from_arrays(parts, (x[1500:1600], y[1500:1600]), task="classification", num_classes=10)
+    return federated_from_arrays(parts, (x[1500:1600], y[1500:1600]), task="classification", num_classes=10,
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 # ---------------------------------------------------------------------------------------------- bug 1: n_k
@@ -138,7 +139,8 @@ def test_same_seed_on_other_data_does_not_reveal_the_noise_by_default():
     noise away, and its ledger and audit say so."""
     real = _digits([40, 40])
     dummy = federated_from_arrays([(np.zeros((40, 64), np.float32), np.zeros(40, np.int64))] * 2,
-                                  (real.test.x, real.test.y), task="classification", num_classes=10)
+                                  (real.test.x, real.test.y), task="classification", num_classes=10,
+                                  design_size=40)
     for secure in (True, False):
         sim_real, r_real = _dp_fedavg_run(real, secure)
         sim_dummy, r_dummy = _dp_fedavg_run(dummy, secure)

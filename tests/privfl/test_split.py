@@ -27,7 +27,8 @@ def _federation(sizes=(12, 12, 9, 12), dim=8, classes=3, seed=0):
     parts = [(rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, classes, size=n).astype(np.int64))
              for n in sizes]
     test = (rng.normal(size=(20, dim)).astype(np.float32), rng.integers(0, classes, size=20).astype(np.int64))
-    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy")
+    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, hidden=(5,), seed=7)

@@ -84,7 +84,7 @@ def test_fola_trains_the_users_model(unit, epsilon, build, options, floor):
     clients, test = _breast_cancer()
     result = privfl.federate(net, clients, algorithm="fola", epsilon=epsilon,
                              unit=None if unit == "nonprivate" else unit, test=test, rounds=2, secure_noise=False,
-                             seed=0, **options)
+                             seed=0, **options, client_size=_declared(clients))
     _assert_unchanged(net, before)
     assert result.history[-1]["metrics"]["balanced_accuracy"] >= floor
     _assert_audited(result, epsilon)
@@ -152,7 +152,7 @@ def test_hbfl_trains_the_users_local_models(models, unit, epsilon, floor):
     clients, test = _breast_cancer()
     result = privfl.federate(nets, clients, algorithm="hbfl", epsilon=epsilon,
                              unit=None if unit == "nonprivate" else unit, test=test, rounds=2, secure_noise=False,
-                             seed=0)
+                             seed=0, client_size=_declared(clients))
     for net, snap in zip(nets if isinstance(nets, list) else [nets], before):
         _assert_unchanged(net, snap)
     metrics = result.history[-1]["metrics"]
@@ -162,7 +162,8 @@ def test_hbfl_trains_the_users_local_models(models, unit, epsilon, floor):
 
 def test_hbfl_local_models_are_the_users_architectures_cycled_over_clients():
     clients, test = _breast_cancer()
-    data = federated_from_arrays(list(clients.values()), test, task="classification", num_classes=2)
+    data = federated_from_arrays(list(clients.values()), test, task="classification", num_classes=2,
+                                 design_size=_declared(clients))
     fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.05, hidden=(8,), seed=1)
     privacy = PrivacyConfig(epsilon=math.inf)
     alg = make_algorithm("hbfl", fed, privacy, model=[_mlp(), _deep()], meme_lr=0.01)
@@ -195,7 +196,7 @@ def test_fedbnn_trains_the_users_per_client_nets(unit, epsilon, floor):
     clients, test = _breast_cancer()
     result = privfl.federate(nets, clients, algorithm="fedbnn", epsilon=epsilon,
                              unit=None if unit == "nonprivate" else unit, test=test, rounds=2, secure_noise=False,
-                             seed=0, **FEDBNN_OPTIONS)
+                             seed=0, **FEDBNN_OPTIONS, client_size=_declared(clients))
     for net, snap in zip(nets, before):
         _assert_unchanged(net, snap)
     assert result.history[-1]["metrics"]["balanced_accuracy"] >= floor
@@ -241,12 +242,18 @@ def test_federate_gives_fedbnr_the_model_and_says_why_it_refuses_a_classificatio
 
 # -- the halves apart -----------------------------------------------------------------------------------------------
 
+def _declared(clients) -> int:
+    """The design size these tests declare: the clients' mean size (a test's choice, fixed with the data)."""
+    return round(sum(len(y) for _, y in clients.values()) / len(clients))
+
+
 def _toy(sizes=(12, 12, 9, 12), dim=8, classes=3, seed=0):
     rng = np.random.default_rng(seed)
     parts = [(rng.normal(size=(n, dim)).astype(np.float32), rng.integers(0, classes, size=n).astype(np.int64))
              for n in sizes]
     test = (rng.normal(size=(20, dim)).astype(np.float32), rng.integers(0, classes, size=20).astype(np.int64))
-    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy")
+    return federated_from_arrays(parts, test, task="classification", num_classes=classes, name="toy",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=4, lr=0.1, hidden=(5,), seed=7)
@@ -340,7 +347,8 @@ def _images(sizes=(12, 12, 9, 12), seed=0):
     parts = [(rng.normal(size=(n, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, size=n).astype(np.int64))
              for n in sizes]
     test = (rng.normal(size=(20, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, size=20).astype(np.int64))
-    return federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy-images")
+    return federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy-images",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 def _conv():

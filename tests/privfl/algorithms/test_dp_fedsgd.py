@@ -40,7 +40,8 @@ def federation(sizes=(N,) * K, seed=0):
         parts.append((x, np.argmax(x @ w + rng.normal(size=(n, CLASSES)), 1).astype(np.int64)))
     x = rng.normal(size=(60, DIM)).astype(np.float32)
     return federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
-                                 num_classes=CLASSES, name="toy")
+                                 num_classes=CLASSES, name="toy",
+                                 design_size=round(sum(len(y) for _, y in parts) / len(parts)))
 
 
 def privacy(**kw):

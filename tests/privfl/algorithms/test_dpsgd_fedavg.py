@@ -32,7 +32,7 @@ def digits():
     """Three clients of 160 digits each: one DP-SGD schedule, so one calibration."""
     d = make_federated("digits", 3, partition="iid", seed=0)
     return FederatedData([p.subset(np.arange(160)) for p in d.train_parts], d.test.subset(np.arange(200)), d.name,
-                         d.num_classes, d.input_shape)
+                         d.num_classes, d.input_shape, design_size=160)
 
 
 def small_net():

@@ -41,7 +41,7 @@ def digits():
     """Three clients holding 5 of the 10 digit classes each, 120 examples each; a public alignment set of 40."""
     d = make_federated("digits", 3, partition="disjoint_class", classes_per_client=5, seed=0, alignment_size=40)
     return FederatedData([p.subset(np.arange(120)) for p in d.train_parts], d.test.subset(np.arange(150)), d.name,
-                         d.num_classes, d.input_shape, alignment=d.alignment)
+                         d.num_classes, d.input_shape, alignment=d.alignment, design_size=120)
 
 
 def ready(data, privacy=NONPRIVATE, fed=FED, **kw) -> FedBNN:

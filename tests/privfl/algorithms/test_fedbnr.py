@@ -233,7 +233,7 @@ def _paired_fedbnr(privacy, kernel=None, client_rows=100, num_samples=M, target_
     part = ArrayDataset(x, np.zeros(4, np.float32), "regression", 1)
     alg = FedBNR(ONE_ROUND, privacy, kernel=kernel, num_samples=num_samples, lengthscale=1.3,
                  target_clip=target_clip, client_rows=client_rows)
-    alg.setup(FederatedData([part], part, "adversarial", 1, (IN,)), np.random.default_rng(0))
+    alg.setup(FederatedData([part], part, "adversarial", 1, (IN,), design_size=4), np.random.default_rng(0))
     return alg
 
 
