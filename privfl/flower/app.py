@@ -612,7 +612,8 @@ def _replies(grid, spec, messages, rnd, kind, node_client, audits, *, what: str,
         if msg.has_error():
             if dropouts:
                 continue
-            raise DeploymentError(f"{where}: SuperNode {node} failed to {what}: {msg.error.reason}")
+            raise DeploymentError(f"{where}: SuperNode {node} failed to {what}: {msg.error.reason} (code "
+                                  f"{msg.error.code})")
         reply = from_record(msg.content, kind)
         cid = _reply_client(reply, rnd, node, seen, node_client)
         if reply.get("audit") is not None:
@@ -1163,16 +1164,70 @@ def client_charge(msg, context):
     return Message(to_record(reply, CHARGE), reply_to=msg)
 
 
+#: The error codes a ClientApp replies with (``Error.code``): the server learns which kind of failure, and of which
+#: partition, never the text, which may quote the organisation's data (a file path, a label out of range).
+CLIENT_ERROR_CODES = {"configuration": 4100, "data": 4101, "deployment": 4102, "protocol": 4103, "internal": 4199}
+
+
+def _client_error_kind(exc: BaseException) -> str:
+    from privfl.data.errors import DatasetError
+    from privfl.secure_agg.errors import ProtocolAbort
+
+    if isinstance(exc, DatasetError):
+        return "data"
+    if isinstance(exc, ConfigurationError):
+        return "configuration"
+    if isinstance(exc, DeploymentError):
+        return "deployment"
+    if isinstance(exc, (ProtocolAbort, MessageError)):
+        return "protocol"
+    return "internal"
+
+
+def client_error_reply(msg, context, exc: BaseException):
+    """The reply of a ClientApp whose handler raised ``exc``: the full text and traceback go to this SuperNode's own
+    log (``logging``, logger ``privfl.flower``); the server gets an error code and the partition id only."""
+    import logging
+    import traceback
+
+    from flwr.app import Error, Message
+
+    kind = _client_error_kind(exc)
+    try:
+        partition = str(int(context.node_config[PARTITION_KEY]))
+    except Exception:  # noqa: BLE001 - a node without a partition id still answers
+        partition = "unknown"
+    logging.getLogger("privfl.flower").error("privfl ClientApp (partition %s) failed [%s]:\n%s", partition, kind,
+                                             "".join(traceback.format_exception(exc)))
+    reason = (f"privfl-client-error kind={kind} partition={partition}: the reason is in that organisation's "
+              f"SuperNode log")
+    return Message(error=Error(code=CLIENT_ERROR_CODES[kind], reason=reason), reply_to=msg)
+
+
+def _guarded(handler):
+    """``handler`` with every exception turned into :func:`client_error_reply` (nothing data-derived crosses)."""
+    import functools
+
+    @functools.wraps(handler)
+    def guarded(msg, context):
+        try:
+            return handler(msg, context)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, its text stays on the SuperNode
+            return client_error_reply(msg, context, exc)
+
+    return guarded
+
+
 def _apps():
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
     server, client = ServerApp(), ClientApp()
     server.main()(server_main)
-    client.train()(client_train)
-    client.train(SECAGG.split(".", 1)[1])(client_secagg)
-    client.train(CHARGE_TYPE.split(".", 1)[1])(client_charge)
-    client.query()(client_identify)
+    client.train()(_guarded(client_train))
+    client.train(SECAGG.split(".", 1)[1])(_guarded(client_secagg))
+    client.train(CHARGE_TYPE.split(".", 1)[1])(_guarded(client_charge))
+    client.query()(_guarded(client_identify))
     return server, client
 
 
@@ -1220,5 +1275,5 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     return directory
 
 
-__all__ = ["DeploymentError", "RunSpec", "client_seed", "client_train", "read_result",
-           "runs_on_flower", "server_main", "write_app"]
+__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "RunSpec", "client_error_reply", "client_seed", "client_train",
+           "read_result", "runs_on_flower", "server_main", "write_app"]
