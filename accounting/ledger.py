@@ -33,6 +33,17 @@ Transactions. Each charge commits (``synchronous=FULL``) before it returns, unle
 one durable commit at the end of the block, each charge still atomic (a savepoint) and budget-checked. A runtime
 that uses it hands nothing to the server before the block has committed, so "no release without its row" still
 holds: a crash inside the block loses the round's rows and its releases together.
+
+Concurrent writers. Several processes may charge one ledger file (in WAL mode readers never wait; one writer at a
+time). Every write is one ``BEGIN IMMEDIATE`` transaction (taking the write lock before reading what the budget check
+needs, so no two writers check against the same stale state), SQLite's busy timeout waits for the lock, and an
+operation that still meets a busy or locked database (SQLite answers some of those at once, without waiting: a race
+to create the file, a recovery) is rolled back and retried, with short randomised pauses, until ``lock_timeout``
+seconds (default 60) have passed since it began. Past that bound it raises :class:`LedgerBusy` (a
+:class:`LedgerError`) naming the file, having written nothing; no ``sqlite3`` error escapes for a busy file. A
+charge that several writers make at once lands exactly once (the others are replays), and a budget holds across
+writers. Inside a :meth:`PrivacyLedger.transaction` block the lock is held for the whole block, so the block's
+charges never wait; its start and its commit do.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import functools
 import json
 import math
 import os
+import random
 import sqlite3
 import time
 from collections import OrderedDict
@@ -87,6 +99,50 @@ CREATE TABLE IF NOT EXISTS charges (
 
 # Relative slack when comparing a recomputed epsilon with the budget: accountants sum floats in different orders.
 _BUDGET_RTOL = 1e-9
+
+#: How long (seconds) one ledger operation waits for another writer's lock before raising :class:`LedgerBusy`.
+DEFAULT_LOCK_TIMEOUT = 60.0
+_FIRST_PAUSE, _MAX_PAUSE = 0.002, 0.05  # randomised back-off between retries of an operation that met a busy file
+
+
+class LedgerBusy(LedgerError):
+    """Another connection held the ledger file locked past the ledger's ``lock_timeout``; nothing was written by the
+    operation that raised it (retry it later)."""
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is SQLite's SQLITE_BUSY or SQLITE_LOCKED (any extended code): another connection's lock."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    text = str(exc).lower()
+    return "database is locked" in text or "database table is locked" in text or "busy" in text
+
+
+def _check_lock_timeout(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidLedgerArgument(f"lock_timeout must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _retried(what: str):
+    """Run a method of :class:`PrivacyLedger` that is one atomic operation (it rolls back what it began), retrying it
+    while the file is busy, up to the ledger's ``lock_timeout``; then :class:`LedgerBusy`. Inside a
+    :meth:`PrivacyLedger.transaction` block the write lock is held and nothing is retried (a busy error there, which
+    WAL does not produce, becomes :class:`LedgerBusy` at once)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            if self._batch_depth:
+                try:
+                    return method(self, *args, **kwargs)
+                except sqlite3.OperationalError as exc:
+                    if _is_busy(exc):
+                        raise self._busy(what) from None
+                    raise
+            return self._retry(lambda: method(self, *args, **kwargs), what)
+        return run
+    return decorate
 
 
 @dataclass(frozen=True)
@@ -143,15 +199,20 @@ class PrivacyLedger:
         delta: the delta at which budgets are checked and audits reported.
         epsilon_budget: each client's epsilon budget at ``delta`` (``math.inf`` for none).
         accountant: name of the accountant that composes each client's events (``exact``, ``pld``, ``rdp``, ``zcdp``).
+        lock_timeout: seconds one operation waits for another writer's lock on the file (waiting and retrying)
+            before it raises :class:`LedgerBusy`, having written nothing.
     """
 
     def __init__(self, path: str | os.PathLike, run_id: str = "default", *, delta: float = 1e-5,
-                 epsilon_budget: float = math.inf, accountant: str = "exact", meta: dict | None = None):
+                 epsilon_budget: float = math.inf, accountant: str = "exact", meta: dict | None = None,
+                 lock_timeout: float = DEFAULT_LOCK_TIMEOUT):
         check_name("run_id", run_id)
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise InvalidLedgerArgument(f"path must be a file path (or ':memory:'), got {path!r}")
         self.path = str(path)
         self.run_id = run_id
+        self.lock_timeout = _check_lock_timeout(lock_timeout)
+        self._batch_depth = 0
         delta = check_delta(delta)
         epsilon_budget = check_epsilon(epsilon_budget, allow_inf=True)
         make_accountant(accountant)  # validates the name before anything is written
@@ -163,18 +224,40 @@ class PrivacyLedger:
             raise InvalidLedgerArgument(f"meta must hold JSON values only (strings, finite numbers, lists, dicts): "
                                         f"{exc}") from None
         try:
-            self._conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-            self._conn.execute("PRAGMA journal_mode=WAL" if self.path != ":memory:" else "PRAGMA journal_mode=MEMORY")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.executescript(_SCHEMA)
-            row = self._conn.execute("SELECT delta, epsilon_budget, accountant FROM runs WHERE run_id=?",
-                                     (run_id,)).fetchone()
+            self._conn = sqlite3.connect(self.path, timeout=self.lock_timeout, isolation_level=None)
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open a ledger at {self.path}: {exc}; pass a writable file path") from None
-        if row is None:
-            self._conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
-                               (run_id, delta, epsilon_budget, accountant, time.time(), meta_json))
-        else:
+
+        def open_run():
+            conn = self._conn
+            conn.execute("PRAGMA journal_mode=WAL" if self.path != ":memory:" else "PRAGMA journal_mode=MEMORY")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.executescript(_SCHEMA)
+            select = "SELECT delta, epsilon_budget, accountant FROM runs WHERE run_id=?"
+            found = conn.execute(select, (run_id,)).fetchone()
+            if found is not None:
+                return found
+            conn.execute("BEGIN IMMEDIATE")  # another process may be creating the same run: one of them inserts it
+            try:
+                found = conn.execute(select, (run_id,)).fetchone()
+                if found is None:
+                    conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
+                                 (run_id, delta, epsilon_budget, accountant, time.time(), meta_json))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return found
+
+        try:
+            row = self._retry(open_run, "opened")
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise LedgerError(f"cannot open a ledger at {self.path}: {exc}; pass a writable file path") from None
+        except BaseException:
+            self._conn.close()
+            raise
+        if row is not None:
             stored = (row[0], row[1], row[2])
             if not (math.isclose(stored[0], delta) and (stored[1] == epsilon_budget
                                                         or math.isclose(stored[1], epsilon_budget))
@@ -185,25 +268,29 @@ class PrivacyLedger:
         self.delta = delta
         self.epsilon_budget = epsilon_budget
         self.accountant = accountant
-        self._batch_depth = 0
         self._reset_cache()
 
     # -- reading -------------------------------------------------------------------------------------------------
 
     @classmethod
-    def open_existing(cls, path: str | os.PathLike, run_id: str | None = None) -> "PrivacyLedger":
+    def open_existing(cls, path: str | os.PathLike, run_id: str | None = None, *,
+                      lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> "PrivacyLedger":
         """Reopen a ledger with the parameters stored in it (the only run, or ``run_id``)."""
         if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
             raise LedgerError(f"no ledger at {path!r}; pass the path written by `privfl run --ledger`")
         if run_id is not None:
             check_name("run_id", run_id)
+        lock_timeout = _check_lock_timeout(lock_timeout)
         try:
-            conn = sqlite3.connect(str(path))
+            conn = sqlite3.connect(str(path), timeout=lock_timeout)
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open {path}: {exc}") from None
         try:
             rows = conn.execute("SELECT run_id, delta, epsilon_budget, accountant FROM runs").fetchall()
         except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+                raise LedgerBusy(f"the ledger {path} stayed locked by another connection for {lock_timeout:g} s; "
+                                 "retry when it is done, or pass a larger lock_timeout") from None
             raise LedgerError(f"{path} is not a privfl ledger: {exc}") from None
         finally:
             conn.close()
@@ -213,9 +300,10 @@ class PrivacyLedger:
             names = ", ".join(r[0] for r in rows) or "none"
             raise LedgerError(f"{path} holds runs [{names}]; pass run_id to choose one")
         rid, delta, budget, accountant = rows[0]
-        return cls(path, rid, delta=delta, epsilon_budget=budget, accountant=accountant)
+        return cls(path, rid, delta=delta, epsilon_budget=budget, accountant=accountant, lock_timeout=lock_timeout)
 
     @property
+    @_retried("read")
     def meta(self) -> dict:
         """The run's metadata, as stored when the run was first opened (a fresh copy)."""
         row = self._conn.execute("SELECT meta FROM runs WHERE run_id=?", (self.run_id,)).fetchone()
@@ -224,9 +312,46 @@ class PrivacyLedger:
         except (TypeError, ValueError):
             raise LedgerError(f"run {self.run_id!r} in {self.path} has corrupt metadata: {row[0]!r}") from None
 
+    def record_meta(self, key: str, value) -> None:
+        """Store ``key`` in the run's metadata, before its first charge (e.g. the trust assumption every charge of the
+        run holds under). A key already stored must keep its value: a run resumed under another assumption is
+        refused (:class:`LedgerError`), since its earlier charges were made under the stored one. One write
+        transaction (read, compare, update), retried while another writer holds the file."""
+        check_name("meta key", key)
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidLedgerArgument(f"meta {key!r} must be a JSON value: {exc}") from None
+        self._record_meta(key, value)
+
+    @_retried("recorded")
+    def _record_meta(self, key: str, value) -> None:
+        conn = self._conn
+        batched = self._batch_depth > 0
+        if not batched:
+            conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = conn.execute("SELECT meta FROM runs WHERE run_id=?", (self.run_id,)).fetchone()
+            try:
+                meta = json.loads(row[0]) if row else {}
+            except (TypeError, ValueError):
+                raise LedgerError(f"run {self.run_id!r} in {self.path} has corrupt metadata: {row[0]!r}") from None
+            if key in meta and meta[key] != value:
+                raise LedgerError(f"run {self.run_id!r} in {self.path} was charged under {key} {meta[key]!r}, not "
+                                  f"{value!r}; resume it with the same settings or use a new run_id")
+            if key not in meta:
+                meta[key] = value
+                conn.execute("UPDATE runs SET meta=? WHERE run_id=?", (json.dumps(meta), self.run_id))
+            if not batched:
+                conn.execute("COMMIT")
+        except BaseException:
+            if not batched and conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
     @staticmethod
     def run_ids(path: str | os.PathLike) -> list[str]:
-        conn = sqlite3.connect(str(path))
+        conn = sqlite3.connect(str(path), timeout=DEFAULT_LOCK_TIMEOUT)
         try:
             return [r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY created_at")]
         finally:
@@ -243,14 +368,17 @@ class PrivacyLedger:
         return [Charge(self.run_id, c, r, ch, _parse_event(ev), unit, t, bool(rel))
                 for c, r, ch, ev, unit, t, rel in conn.execute(sql, args)]
 
+    @_retried("read")
     def charges(self, client_id: str | None = None) -> list[Charge]:
         """All committed charges of this run (of one client if given), in round order."""
         return self._rows(None if client_id is None else check_client_id(client_id))
 
+    @_retried("read")
     def clients(self) -> list[str]:
         return [r[0] for r in self._conn.execute(
             "SELECT DISTINCT client_id FROM charges WHERE run_id=? ORDER BY client_id", (self.run_id,))]
 
+    @_retried("read")
     def epsilon(self, client_id: str, delta: float | None = None) -> float:
         """The epsilon a client has spent so far at ``delta`` (default: the ledger's delta), from the cached state."""
         client_id = check_client_id(client_id)
@@ -269,6 +397,7 @@ class PrivacyLedger:
         """Charge one release; see :meth:`charge_all`."""
         return self.charge_all(client_id, round, [ChargeRequest(channel, event, unit)])[0]
 
+    @_retried("charged")
     def charge_all(self, client_id: str, round: int, requests: list[ChargeRequest], *,
                    release: bool = False) -> list[Charge]:
         """Charge a round's releases of one client together: all are committed, or none is.
@@ -356,6 +485,15 @@ class PrivacyLedger:
                                     (now, self.run_id, client_id, round, r.channel)).rowcount != 1:
                         raise LedgerError(f"release {self.run_id}/{client_id}/{round}/{r.channel} was already "
                                           f"released; releasing a value twice would need a second charge")
+            if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
+                result = [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, release)
+                          for r in requests]
+            else:  # read inside the transaction, so that nothing after the commit can fail (and be retried)
+                rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
+                        for ch, ev, unit, t, rel in conn.execute(
+                            "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND "
+                            "client_id=? AND round=?", (self.run_id, client_id, round))}
+                result = [rows[r.channel] for r in requests]
             if savepoint:
                 conn.execute("RELEASE charge")
             elif not batched:
@@ -383,14 +521,7 @@ class PrivacyLedger:
             self._released[client_id] = self._released.get(client_id, 0) + len(requests)
         if not batched:
             self._data_version = synced
-        if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
-            return [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, release)
-                    for r in requests]
-        rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
-                for ch, ev, unit, t, rel in conn.execute(
-                    "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND client_id=? "
-                    "AND round=?", (self.run_id, client_id, round))}
-        return [rows[r.channel] for r in requests]
+        return result
 
     @contextlib.contextmanager
     def transaction(self):
@@ -408,7 +539,7 @@ class PrivacyLedger:
                 self._batch_depth -= 1
             return
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        self._retry(lambda: conn.execute("BEGIN IMMEDIATE"), "charged (the transaction block could not begin)")
         self._batch_depth = 1
         try:
             self._sync()
@@ -421,7 +552,8 @@ class PrivacyLedger:
             raise
         self._batch_depth = 0
         try:
-            self._commit()
+            # a COMMIT that meets a busy file leaves the transaction open, and may be retried
+            self._retry(self._commit, "committed (the transaction block was rolled back)")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -434,6 +566,39 @@ class PrivacyLedger:
     def _commit(self) -> None:
         """The durable commit that closes a :meth:`transaction` block."""
         self._conn.execute("COMMIT")
+
+    def _retry(self, operation, what: str):
+        """``operation()``, retried while SQLite reports the file busy or locked (``operation`` must leave nothing
+        half done when it raises), until ``lock_timeout`` seconds have passed; then :class:`LedgerBusy`. SQLite's
+        busy timeout does the waiting where it can; the pauses here cover the busy answers it gives at once."""
+        deadline = time.monotonic() + self.lock_timeout
+        pause = _FIRST_PAUSE
+        shortened = False
+        try:
+            while True:
+                try:
+                    return operation()
+                except sqlite3.OperationalError as exc:
+                    if not _is_busy(exc):
+                        raise
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._busy(what) from None
+                    time.sleep(min(remaining, pause * (0.5 + random.random())))
+                    pause = min(2 * pause, _MAX_PAUSE)
+                    remaining = max(deadline - time.monotonic(), 0.001)
+                    self._conn.execute(f"PRAGMA busy_timeout={max(1, int(remaining * 1000))}")  # the rest only
+                    shortened = True
+        finally:
+            if shortened:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute(f"PRAGMA busy_timeout={int(self.lock_timeout * 1000)}")
+
+    def _busy(self, what: str) -> LedgerBusy:
+        return LedgerBusy(
+            f"the ledger {self.path} stayed locked by another writer for {self.lock_timeout:g} s (run "
+            f"{self.run_id!r}): nothing was {what}. Another process holds a long transaction on this file: retry "
+            f"when it is done, pass a larger lock_timeout, or give each concurrent run its own ledger file")
 
     def _reset_cache(self) -> None:
         self._tree = _CompositionTree(self.accountant)
@@ -484,23 +649,37 @@ class PrivacyLedger:
         self._row_count += len(rows)
         return True
 
+    @_retried("marked released")
     def mark_released(self, charge: Charge) -> None:
         """Record that ``charge``'s value has been revealed; refuses a second release of the same row."""
         if not isinstance(charge, Charge):
             raise InvalidLedgerArgument(f"mark_released takes the Charge returned by charge(), got {charge!r}")
-        if not self._batch_depth:
-            self._sync()  # the released counts must be the file's before this mark is added to them
-        cur = self._conn.execute(
-            "UPDATE charges SET released=1, released_at=? WHERE run_id=? AND client_id=? AND round=? AND channel=? "
-            "AND released=0", (time.time(), charge.run_id, charge.client_id, charge.round, charge.channel))
-        if cur.rowcount != 1:
-            raise LedgerError(f"release {charge.release_id} is not charged or was already released; releasing a "
-                              f"value twice would need a second charge")
+        conn = self._conn
+        batched = self._batch_depth > 0
+        if not batched:
+            conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not batched:
+                self._sync()  # the released counts must be the file's before this mark is added to them
+            cur = conn.execute(
+                "UPDATE charges SET released=1, released_at=? WHERE run_id=? AND client_id=? AND round=? AND "
+                "channel=? AND released=0", (time.time(), charge.run_id, charge.client_id, charge.round,
+                                             charge.channel))
+            if cur.rowcount != 1:
+                raise LedgerError(f"release {charge.release_id} is not charged or was already released; releasing a "
+                                  f"value twice would need a second charge")
+            if not batched:
+                conn.execute("COMMIT")
+        except BaseException:
+            if not batched and conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
         if self._released is not None:
             self._released[charge.client_id] = self._released.get(charge.client_id, 0) + 1
 
     # -- auditing ------------------------------------------------------------------------------------------------
 
+    @_retried("read")
     def audit(self, delta: float | None = None) -> dict:
         """``{"delta", "max_epsilon", "clients": {id: {"epsilon", "rho", "releases"}}}`` for this run.
 
@@ -522,6 +701,7 @@ class PrivacyLedger:
         return {"delta": delta, "max_epsilon": max_eps, "run_id": self.run_id, "accountant": self.accountant,
                 "epsilon_budget": self.epsilon_budget, "clients": clients}
 
+    @_retried("read")
     def epsilon_by_round(self, delta: float | None = None) -> dict[str, list[tuple[int, float]]]:
         """Each client's cumulative epsilon after each round it was charged in."""
         delta = self.delta if delta is None else check_delta(delta)

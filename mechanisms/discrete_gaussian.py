@@ -4,13 +4,20 @@
   sampler of Canonne, Kamath and Steinke (NeurIPS 2020, Alg. 3): draw Y from the discrete Laplace with scale
   t = floor(sigma) + 1 and accept it with probability exp(-(|Y| - sigma^2/t)^2 / (2 sigma^2)).
 
-  ``sample_discrete_gaussian`` is the fast, vectorised version: uniforms come from a passed-in numpy Generator or,
+  ``sample_discrete_gaussian`` is the fast, vectorised version: randomness comes from a passed-in numpy Generator or,
   with ``secure=True``, from the operating system's CSPRNG (``os.urandom``); the discrete Laplace is a difference of
-  two geometric variables drawn by inverse transform, and the acceptance test compares a uniform double with a
-  float64 probability. Floating-point caveat: those probabilities carry a relative error of about 2^-52 and the
-  geometric tails are cut near 37 t (mass below 1e-16 of the Laplace, far less after acceptance), so the output law
-  is within about 1e-15 in total variation of N_Z(0, sigma^2), not exactly it; outputs are integers, so the low-bit
-  attack on floating-point noise (Mironov 2012) does not apply. ``sample_discrete_gaussian_exact`` implements
+  two geometric variables. With ``secure=True`` (every private run) each geometric is floor(t E) and the acceptance
+  test is E' > (|Y| - sigma^2/t)^2 / (2 sigma^2), with E, E' standard exponentials -ln U drawn at full resolution
+  (``mechanisms.noise``: no upper bound, relative error below 2^-51): P[floor(t E) >= k] = exp(-k/t) and
+  P[E' > gamma] = exp(-gamma), so no tail is cut and every integer keeps its probability up to a relative error of
+  about (|x|/t + x^2/sigma^2) 2^-50 (a multiplicative error, below 1e-12 out to 1000 sigma; beyond that the mass is
+  below e^-500000). A uniform double (53 bits) would cut the geometric at 36.7 t and make the acceptance of
+  |Y| - sigma^2/t beyond 8.6 sigma a coin of probability 2^-53 or 0: a share's support would end near 37 t, which
+  breaks delta for a sum of few shares at small noise multipliers, as it did for the continuous sampler. With a
+  seeded Generator (reproducible experiments) the inverse transform and the float acceptance on 53-bit uniforms are
+  kept, so seeded streams are unchanged: their law is within about 1e-15 in total variation of N_Z(0, sigma^2), with
+  the tails cut near 37 t. Outputs are integers, so the low-bit attack on floating-point noise (Mironov 2012) does
+  not apply. ``sample_discrete_gaussian_exact`` implements
   CKS20 Algorithms 1-3 in exact rational arithmetic (``fractions``) with ``secrets``-grade randomness, for when an
   exact guarantee matters; it is pure Python and slow (about 10^4 samples per second).
 
@@ -45,6 +52,7 @@ from fractions import Fraction
 import numpy as np
 
 from ..accounting.events import ZCDPEvent
+from .noise import _exponential
 
 __all__ = [
     "sample_discrete_gaussian", "sample_discrete_gaussian_exact", "discrete_gaussian_pmf",
@@ -71,11 +79,15 @@ def _check_size(size) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------------------------------------- fast sampler
 class _OsUniform:
-    """Uniform doubles in [0, 1) with 53 random bits each, from os.urandom (a CSPRNG)."""
+    """Randomness from os.urandom (a CSPRNG): uniform doubles in [0, 1) with 53 random bits each, and standard
+    exponentials -ln U at full resolution, without an upper bound (``mechanisms.noise._exponential``)."""
 
     def random(self, n: int) -> np.ndarray:
         words = np.frombuffer(os.urandom(8 * n), dtype="<u8")
         return (words >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+    def exponential(self, n: int) -> np.ndarray:
+        return _exponential(n, os.urandom)
 
 
 class _GeneratorUniform:
@@ -98,18 +110,29 @@ def _uniform_source(rng, secure: bool):
 
 def _discrete_laplace(source, t: int, n: int) -> np.ndarray:
     """n draws with P[Y = y] proportional to exp(-|y| / t): a difference of two geometric variables on {0, 1, ...}."""
+    if hasattr(source, "exponential"):  # full-resolution exponentials: the geometric's tail is not cut
+        g = np.floor(source.exponential(2 * n) * t).astype(np.int64)  # P[g >= k] = P[E >= k/t] = exp(-k/t)
+        return g[:n] - g[n:]
     log_q = -1.0 / t
     u = source.random(2 * n)
     g = np.floor(np.log1p(-u) / log_q).astype(np.int64)  # P[g >= k] = exp(-k/t)
     return g[:n] - g[n:]
 
 
+def _accept(source, y: np.ndarray, centre: float, two_var: float) -> np.ndarray:
+    """Which draws of ``y`` pass CKS20's test, each with probability exp(-(|y| - centre)^2 / two_var)."""
+    gamma = np.square(np.abs(y) - centre) / two_var
+    if hasattr(source, "exponential"):
+        return source.exponential(y.size) > gamma  # P[E > gamma] = exp(-gamma), however small
+    return source.random(y.size) < np.exp(-gamma)
+
+
 def sample_discrete_gaussian(sigma: float, size, *, rng: np.random.Generator | None = None,
                              secure: bool = False) -> np.ndarray:
-    """``size`` i.i.d. draws of N_Z(0, sigma^2) as int64 (vectorised CKS20 rejection sampler, float acceptance).
+    """``size`` i.i.d. draws of N_Z(0, sigma^2) as int64 (vectorised CKS20 rejection sampler).
 
-    Randomness from ``rng`` (reproducible) or, with ``secure=True``, from os.urandom. See the module docstring for
-    the floating-point caveat and ``sample_discrete_gaussian_exact`` for exact sampling.
+    Randomness from ``rng`` (reproducible) or, with ``secure=True``, from os.urandom (then no tail is cut). See the
+    module docstring for the floating-point caveats and ``sample_discrete_gaussian_exact`` for exact sampling.
     """
     sigma = _check_sigma(sigma)
     shape = _check_size(size)
@@ -123,8 +146,7 @@ def sample_discrete_gaussian(sigma: float, size, *, rng: np.random.Generator | N
     while filled < total:
         batch = max(64, int(1.6 * (total - filled)) + 16)
         y = _discrete_laplace(source, t, batch)
-        accept_p = np.exp(-np.square(np.abs(y) - centre) / two_var)
-        keep = y[source.random(batch) < accept_p]
+        keep = y[_accept(source, y, centre, two_var)]
         take = min(keep.size, total - filled)
         out[filled:filled + take] = keep[:take]
         filled += take

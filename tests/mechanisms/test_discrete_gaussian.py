@@ -8,9 +8,10 @@ import pytest
 from scipy import stats
 
 from privfl.accounting.events import ZCDPEvent
-from privfl.mechanisms.discrete_gaussian import (discrete_gaussian_pmf, discrete_gaussian_variance,
-                                          distributed_discrete_gaussian_event, distributed_noise_rho, kls_tau,
-                                          local_sigma, sample_discrete_gaussian, sample_discrete_gaussian_exact)
+from privfl.mechanisms.discrete_gaussian import (_accept, _discrete_laplace, discrete_gaussian_pmf,
+                                          discrete_gaussian_variance, distributed_discrete_gaussian_event,
+                                          distributed_noise_rho, kls_tau, local_sigma, sample_discrete_gaussian,
+                                          sample_discrete_gaussian_exact)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,6 +44,52 @@ def test_fast_sampler_matches_the_true_pmf(sigma):
     support = int(np.unique(samples).size)
     assert kl < 3 * support / (2 * samples.size) + 1e-4
     assert pvalue > 1e-4
+
+
+@pytest.mark.parametrize("sigma", [0.6, 3.0, 17.5])
+def test_secure_sampler_matches_the_true_pmf(sigma):
+    samples = sample_discrete_gaussian(sigma, 200_000, secure=True)  # unseeded: thresholds for a 1e-6 false alarm
+    kl, pvalue = _kl_and_g_test(samples, sigma)
+    support = int(np.unique(samples).size)
+    assert kl < 3 * support / (2 * samples.size) + 1e-4
+    assert pvalue > 1e-6
+
+
+class _Exponentials:
+    """A source that hands out given standard-exponential draws, in order."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def exponential(self, n):
+        out, self.values = np.array(self.values[:n], dtype=np.float64), self.values[n:]
+        return out
+
+
+@pytest.mark.parametrize("sigma", [0.6, 4.0, 50.0])
+@pytest.mark.parametrize("multiple", [10, 37, 40, 100, 1000])
+def test_secure_sampler_reaches_every_multiple_of_sigma_at_its_probability(sigma, multiple):
+    # The secure path draws floor(t E) and accepts on E' > gamma, E and E' full-resolution exponentials without a
+    # bound: a share of `multiple` sigmas is drawn (P[floor(t E) >= k] = exp(-k/t) > 0) and accepted exactly when
+    # E' > gamma (P = exp(-gamma) > 0). 53-bit uniforms cut the geometric at 36.7 t and accepted nothing past
+    # |y| - sigma^2/t = 38.6 sigma (exp(-gamma) underflows at gamma ~ 745).
+    t = math.floor(sigma) + 1
+    y_wanted = math.ceil(multiple * sigma)
+    e = (y_wanted + 0.5) / t  # floor(t e) = y_wanted
+    y = _discrete_laplace(_Exponentials([e, 0.0]), t, 1)
+    assert y.tolist() == [y_wanted]
+    assert _discrete_laplace(_Exponentials([0.0, e]), t, 1).tolist() == [-y_wanted]
+    centre, two_var = sigma * sigma / t, 2 * sigma * sigma
+    gamma = (y_wanted - centre) ** 2 / two_var
+    assert gamma > 0
+    assert _accept(_Exponentials([gamma * (1 + 1e-12)]), y, centre, two_var).tolist() == [True]
+    assert _accept(_Exponentials([gamma * (1 - 1e-12)]), y, centre, two_var).tolist() == [False]
+
+
+def test_the_secure_path_is_fast():
+    start = time.perf_counter()
+    sample_discrete_gaussian(50.0, 100_000, secure=True)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_exact_sampler_matches_the_true_pmf():

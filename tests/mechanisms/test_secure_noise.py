@@ -1,4 +1,5 @@
-"""SecureNoise: full-resolution uniforms, tails past the old 53-bit limit of 8.57 sigma, and a Gaussian output.
+"""SecureNoise: full-resolution uniforms, tails without a bound (past the old 53-bit limit of 8.57 sigma and the old
+run cap of 37.64 sigma), covering the smallest noise multiplier calibration returns, and a Gaussian output.
 
 Statistical tests draw fresh bits from os.urandom (SecureNoise cannot be seeded); each threshold is set so that a
 correct sampler fails with probability below 1e-6.
@@ -11,13 +12,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from privfl.accounting.calibration import calibrate
+from privfl.accounting.validation import MAX_TARGET_EPSILON, MIN_DELTA
 from privfl.mechanisms import ReleaseMisuse, SecureNoise
-from privfl.mechanisms.noise import _half_uniform, _radius
+from privfl.mechanisms.noise import _exponential, _half_uniform, _half_uniform_parts, _radius
 
 P_FAIL = 1e-6
 Z_FAIL = stats.norm.isf(P_FAIL / 2)       # two-sided normal threshold, about 4.9
 OLD_LIMIT = math.sqrt(-2 * math.log(2.0 ** -53))   # 8.57: the largest radius of 53-bit Box-Muller
-CAP_RADIUS = math.sqrt(2 * 1022 * math.log(2))     # 37.64: the run cap, V = 2^-1022
+OLD_CAP = math.sqrt(2 * 1022 * math.log(2))        # 37.64: the old run cap, V = 2^-1022
 ALL_ONES = (1 << 64) - 1
 
 
@@ -73,11 +76,23 @@ def stream_for(upper, run, mantissa):
 
 
 def expected_v(run, mantissa):
-    return math.ldexp(1 + mantissa * 2.0 ** -52, -(min(run, 1020) + 2))
+    return math.ldexp(1 + mantissa * 2.0 ** -52, -(run + 2))
+
+
+def threshold_stream(r):
+    """The words whose U1 is exp(-r^2 / 2) rounded down to 53 significant bits (below 1/2): the draw at which the
+    radius passes r. The sampler's radius exceeds r exactly on the U1 below it, an event of probability
+    exp(-r^2 / 2) (to 2^-52 relative)."""
+    log2_v = -r * r / (2 * math.log(2))
+    run = math.ceil(-log2_v) - 2                      # V in [2^-(run + 2), 2^-(run + 1))
+    f = 2.0 ** (log2_v + run + 2)                     # in [1, 2)
+    head, fresh = stream_for(False, run, int((f - 1) * 2 ** 52))
+    return head + fresh
 
 
 @pytest.mark.parametrize("upper", [False, True])
-@pytest.mark.parametrize("run", [0, 1, 9, 10, 11, 12, 40, 51, 52, 53, 61, 62, 63, 64, 65, 127, 128, 500, 1019])
+@pytest.mark.parametrize("run", [0, 1, 9, 10, 11, 12, 40, 51, 52, 53, 61, 62, 63, 64, 65, 127, 128, 500, 1019, 1020,
+                                 1021, 1100])
 def test_crafted_stream_gives_exactly_its_uniform(upper, run):
     mantissa = random_word() >> 12
     head, fresh = stream_for(upper, run, mantissa)
@@ -118,13 +133,48 @@ def test_a_word_of_ones_gives_a_tiny_radius():
     assert 0 < r[0] < math.sqrt(2 * 2.0 ** -64) * 1.0001
 
 
-def test_the_run_is_capped_at_the_smallest_normal():
-    stream = Stream([0] * 16 + [0])               # 63 + 15 * 64 >= 1020 zeros, then a zero mantissa
-    v, up = _half_uniform(1, stream)
+@pytest.mark.parametrize("run", [1020, 1021, 1100, 5000, 100_000])
+def test_runs_past_the_normal_floats_are_counted_to_their_end(run):
+    # No cap: the run is counted across as many words as it takes, and E = -ln U1 is computed without forming V.
+    mantissa = random_word() >> 12
+    head, fresh = stream_for(False, run, mantissa)
+    stream = Stream(head + fresh)
+    got_run, f, up = _half_uniform_parts(1, stream)
     assert stream.exhausted and not up[0]
-    assert v[0] == 2.0 ** -1022
-    r = _radius(1, Then([0] * 40))
-    assert np.isfinite(r[0]) and CAP_RADIUS * (1 - 1e-12) < r[0] <= CAP_RADIUS * (1 + 1e-15)
+    assert got_run[0] == run and f[0] == 1 + mantissa * 2.0 ** -52
+    e = _exponential(1, Stream(head + fresh))
+    assert e[0] == pytest.approx((run + 2) * math.log(2) - math.log(f[0]), rel=1e-15)
+    r = _radius(1, Stream(head + fresh))
+    assert r[0] == pytest.approx(math.sqrt(2 * e[0]), rel=1e-15)
+    if run > 1020:
+        assert r[0] > OLD_CAP
+    # Above 1/2 the same run gives U1 within 2^-(run + 1) of 1: a tiny radius (V subnormal or 0 past the floats).
+    head, fresh = stream_for(True, run, mantissa)
+    e = _exponential(1, Stream(head + fresh))
+    assert 0.0 <= e[0] <= max(2.0 ** -(run + 1), 2.0 ** -1074) and np.isfinite(_radius(1, Stream(head + fresh))).all()
+
+
+@pytest.mark.parametrize("r", [OLD_LIMIT, 10.0, 20.0, OLD_CAP, 37.7, 40.0, 60.0, 100.0, 300.0, 1000.0])
+def test_every_multiple_of_sigma_is_passed_at_its_gaussian_probability(r):
+    # The radius is decreasing in U1 and equals r at U1 = exp(-r^2/2) (rounded down to 53 bits): it passes r exactly
+    # on {U1 < exp(-r^2/2)}, of probability exp(-r^2/2) (2.2e-308 at the old cap, 3.4e-2172 at 100 sigma), never 0.
+    words = threshold_stream(r)
+    assert _radius(1, Stream(words))[0] == pytest.approx(r, rel=1e-9)
+
+
+def test_the_smallest_noise_multiplier_calibration_returns_is_covered():
+    # Calibration's smallest noise: one unsampled round at the largest target epsilon it accepts (1000). A unit
+    # release's neighbours are then 1/z sigmas apart; the coupling bound (module docstring) needs the sampler exact
+    # out to B = sqrt(2 (epsilon + ln ceil(d/2) + 800)) sigmas beyond that, here for d = 1e12.
+    eps, d = MAX_TARGET_EPSILON, 10 ** 12
+    reach_needed = math.sqrt(2 * (eps + math.log(math.ceil(d / 2)) + 800))
+    for delta in (MIN_DELTA, 1e-5, 0.999):
+        z = calibrate(eps, delta, rounds=1).noise_multiplier
+        assert 0.02 < z < 0.04
+        reach = 1.0 / z + reach_needed                 # 88 to 109 sigmas
+        assert _radius(1, Stream(threshold_stream(reach)))[0] == pytest.approx(reach, rel=1e-9)
+        # The old cap at 37.64 sigmas lost more than delta: outputs beyond it under one neighbour, none under the other.
+        assert stats.norm.sf(OLD_CAP - 1.0 / z) > delta
 
 
 def test_random_bytes_must_deliver_what_was_asked():
