@@ -4,28 +4,36 @@ Imports nothing of the rest of the project; see ``accounting.events``, ``account
 ``accounting.calibration``. The limits every entry point enforces are listed in ``accounting.validation``.
 """
 
-from .errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
-                               PrivacyError, UnsupportedEventError)
-from .events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
-                               PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
-                               event_from_dict, flatten, rho_of)
-from .accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
-from .calibration import Calibration, calibrate, epsilon_for, round_event
+if __name__ != "privfl.accounting":
+    # a top-level ``accounting`` (the checkout on sys.path) is privfl.accounting itself, never a second copy
+    import importlib as _importlib
 
+    try:
+        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.accounting")
+    except ImportError as _exc:
+        raise ImportError(f"{__name__!r} is imported as privfl.accounting; install privfl (pip install -e .) ({_exc})"
+                          ) from None
+else:
+    from .errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
+                                   PrivacyError, UnsupportedEventError)
+    from .events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
+                                   PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
+                                   event_from_dict, flatten, rho_of)
+    from .accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
+    from .calibration import Calibration, calibrate, epsilon_for, round_event
 
+    def __getattr__(name: str):  # the dp-accounting backends load on first use (privfl.accounting.accountants)
+        if name in ("PLDAccountant", "RDPAccountant"):
+            from . import accountants
 
-def __getattr__(name: str):  # the dp-accounting backends load on first use (privfl.accounting.accountants)
-    if name in ("PLDAccountant", "RDPAccountant"):
-        from . import accountants
+            return getattr(accountants, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return getattr(accountants, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",
-    "InvalidLedgerArgument", "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
-    "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
-    "Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
-    "make_accountant", "Calibration", "calibrate", "epsilon_for", "round_event",
-]
+    __all__ = [
+        "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",
+        "InvalidLedgerArgument", "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent",
+        "SelfComposedEvent", "ComposedEvent",
+        "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
+        "Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
+        "make_accountant", "Calibration", "calibrate", "epsilon_for", "round_event",
+    ]

@@ -3,14 +3,24 @@
 Works on numpy arrays and privacy events only; knows nothing of models or federations.
 """
 
-from .clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
-                                 cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)
-from .errors import InvalidRelease, ReleaseMisuse
-from .gaussian import GaussianMechanism, gaussian_noise
-from .noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
+if __name__ != "privfl.mechanisms":
+    # a top-level ``mechanisms`` (the checkout on sys.path) is privfl.mechanisms itself, never a second copy
+    import importlib as _importlib
 
-__all__ = [
-    "ADJACENCIES", "ClipResult", "clip_per_client", "clip_per_example", "clip_rows", "clip_values",
-    "cross_sensitivity", "squared_sum_sensitivity", "sum_sensitivity", "InvalidRelease", "ReleaseMisuse",
-    "GaussianMechanism", "gaussian_noise", "NoiseSource", "SecureNoise", "SeededNoise", "as_noise_source",
-]
+    try:
+        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.mechanisms")
+    except ImportError as _exc:
+        raise ImportError(f"{__name__!r} is imported as privfl.mechanisms; install privfl (pip install -e .) ({_exc})"
+                          ) from None
+else:
+    from .clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
+                                     cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)
+    from .errors import InvalidRelease, ReleaseMisuse
+    from .gaussian import GaussianMechanism, gaussian_noise
+    from .noise import NoiseSource, SecureNoise, SeededNoise, as_noise_source
+
+    __all__ = [
+        "ADJACENCIES", "ClipResult", "clip_per_client", "clip_per_example", "clip_rows", "clip_values",
+        "cross_sensitivity", "squared_sum_sensitivity", "sum_sensitivity", "InvalidRelease", "ReleaseMisuse",
+        "GaussianMechanism", "gaussian_noise", "NoiseSource", "SecureNoise", "SeededNoise", "as_noise_source",
+    ]

@@ -28,9 +28,12 @@ with ``advertise_keys``, ``share_keys``, ``masked_input`` and ``unmask`` (or ``h
 frozen dataclass with ``to_dict``/``from_dict`` and ``to_bytes``/``from_bytes``.
 
 Malicious-server variant: ``SessionConfig.create(..., malicious=True)``; each client gets its long-term Ed25519
-``identity_key`` and every party the deployment's ``IdentityRegistry`` (client id -> public key, registered out of
-band); the server closes one more stage, ``consistency_proof``, between ``unmask_request`` and ``finalize``, and clients
-answer ``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True)``.
+``identity_key``, every party the deployment's ``IdentityRegistry`` (client id -> public key, registered out of
+band), and each client its own declared ``ThreatModel(dropout=..., corruption=..., min_inputs=...)`` (from facts fixed
+before the run, never from the server): ``ClientSession(config, client_id, words, identity_key=key, registry=registry,
+threat_model=model)`` derives the degree, threshold and survivor floor itself and refuses a configuration that differs.
+The server closes one more stage, ``consistency_proof``, between ``unmask_request`` and ``finalize``, and clients answer
+``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True, dropout=...)``.
 
 A transport whose client runs each stage in a fresh process (a Flower ClientApp) keeps the client's session between
 stages with ``ClientSession.to_state()`` (bytes, secrets included: store them where only that client can read them)
@@ -47,35 +50,55 @@ Security model (what holds, and what it needs):
   clients (Bonawitz et al. Thm. 6.3 on the complete graph; Bell et al. on the sparse graph with the declared
   parameters). Clients and the honest server refuse a survivor set that splits the neighbour graph into a part
   smaller than that, so no sub-sum of a small group is ever unmasked.
-- Active server (``malicious=True``): key bundles and masked inputs are signed under the registered identity keys
-  (no key substitution, no forged input enters the sum); every survivor signs the survivor set it is shown and
-  unmasks only if ``threshold`` holders of each peer it helps signed the same set (no inconsistent alive/dropped
-  lists; Bonawitz Thm. 6.4: ``threshold > (holders + corrupt) / 2``); clients refuse fewer than ``min_inputs``
-  survivors (the floor distributed noise was charged for) and cut graphs. With corrupt clients the complete graph is
-  required (``derive_parameters`` says so): a sparse graph can be cut unseen next to corrupt clients.
+- Active server (``malicious=True``), colluding with fewer clients than the declared ``corruption`` allows: it learns
+  nothing beyond the sum of one part of the graph restricted to a survivor set, at least ``max(threshold,
+  min_inputs)`` clients (less the corrupt ones), whatever it sends, drops, trims, reorders or replays, within or across
+  sessions. Key bundles are signed (no key substitution); every later signature covers the session's transcript hash,
+  built from every client's fresh keys (no replay from another session, whatever its id); each client signs its
+  masked input with the exact peers it masked with, and the survivor set it checked; before revealing anything a
+  client verifies that every survivor within two hops of it took part in this session with the peers the set implies
+  and that ``threshold`` holders of each signed the same set (Bonawitz Thm. 6.4: ``threshold > (holders + corrupt) /
+  2``). ``client`` states the argument, the README's threat model names the test of each step. With corrupt clients
+  the complete graph is required (``derive_parameters`` says so).
 - Integrity: a reconstructed mask key is checked against its public key and a self-mask seed against its owner's
   commitment, so a corrupted share aborts the round (``ProtocolAbort``) instead of giving a wrong sum, even with
   exactly ``threshold`` holders answering.
 - Not covered: the server can always abort a round or drop clients (availability), and in the semi-honest variant the
-  transport must authenticate the clients (messages carry no signatures there). A client must check that a
-  ``SessionConfig`` it receives carries the ``min_inputs`` it was charged for (``ClientSession(min_inputs=...)``).
+  transport must authenticate the clients (messages carry no signatures there). A client must be given its declared
+  threat model (``ClientSession(threat_model=...)``) or at least the floor it was charged for (``min_inputs=...``).
+- Aborted rounds: a round that aborts after some survivors revealed their shares may still give the server the sum
+  over the survivor set (never anything smaller): count it as released.
+
+This package is imported as ``privfl.secure_agg``; importing the repository folder as a top-level ``secure_agg`` gives
+the very same module objects (or fails, saying so, where privfl is not installed).
 """
 
-from .client import ClientSession
-from .errors import ProtocolAbort, QuantisationRangeError
-from .graph import default_degree, neighbour_graph
-from .identity import IdentityRegistry, generate_identity, identity_public_bytes
-from .messages import message_from_dict
-from .params import ParameterError, Parameters, check_parameters, derive_parameters
-from .protocol import STAGES, SessionConfig, default_threshold
-from .quantize import Quantiser, noise_headroom
-from .runtime import RoundResult, run_round
-from .server import AggregateResult, ServerSession
+if __name__ != "privfl.secure_agg":
+    # a top-level ``secure_agg`` (the checkout on sys.path) is privfl.secure_agg itself, never a second copy whose
+    # classes (ProtocolAbort, SessionConfig) would differ from privfl's
+    import importlib as _importlib
 
-__all__ = [
-    "run_round", "RoundResult", "Quantiser", "noise_headroom", "ProtocolAbort", "QuantisationRangeError",
-    "SessionConfig", "ClientSession", "ServerSession", "AggregateResult", "STAGES", "message_from_dict",
-    "default_degree", "default_threshold", "neighbour_graph",
-    "IdentityRegistry", "generate_identity", "identity_public_bytes",
-    "ParameterError", "Parameters", "check_parameters", "derive_parameters",
-]
+    try:
+        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.secure_agg")
+    except ImportError as _exc:
+        raise ImportError(f"{__name__!r} is imported as privfl.secure_agg; install privfl (pip install -e .) ({_exc})"
+                          ) from None
+else:
+    from .client import ClientSession
+    from .errors import MessageFormatError, ProtocolAbort, QuantisationRangeError
+    from .graph import default_degree, neighbour_graph
+    from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+    from .messages import message_from_dict
+    from .params import ParameterError, Parameters, ThreatModel, check_parameters, derive_parameters
+    from .protocol import STAGES, SessionConfig, default_threshold
+    from .quantize import Quantiser, noise_headroom
+    from .runtime import RoundResult, run_round
+    from .server import AggregateResult, ServerSession
+
+    __all__ = [
+        "run_round", "RoundResult", "Quantiser", "noise_headroom", "ProtocolAbort", "QuantisationRangeError",
+        "MessageFormatError", "SessionConfig", "ClientSession", "ServerSession", "AggregateResult", "STAGES",
+        "message_from_dict", "default_degree", "default_threshold", "neighbour_graph",
+        "IdentityRegistry", "generate_identity", "identity_public_bytes",
+        "ParameterError", "Parameters", "ThreatModel", "check_parameters", "derive_parameters",
+    ]

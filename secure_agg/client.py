@@ -10,10 +10,38 @@ ciphertext that fails authentication. It reveals, per peer, the self-seed share 
 the neighbour graph into a part smaller than that (``protocol.survivor_set_problem``).
 
 Malicious-server variant (``config.malicious``; needs the client's long-term Ed25519 ``identity_key`` and the
-deployment's ``IdentityRegistry``): the client signs its advertised keys and its masked input, aborts on a peer key
-bundle whose signature does not verify under the registry (key substitution), signs the survivor set the server
-announces in the consistency round, and unmasks only if, for every peer whose share it reveals, at least
-``threshold`` of that peer's share holders signed the very same set.
+deployment's ``IdentityRegistry``, and, to check the server's configuration, the client's declared
+``params.ThreatModel``). The client
+
+1. refuses a configuration other than the one it derives from its threat model (degree, threshold, survivor floor,
+   variant; ``protocol.threat_model_problem``), and a semi-honest one whenever it holds an identity key (no downgrade);
+2. signs its fresh key bundle, and aborts on a peer bundle whose signature does not verify (key substitution);
+3. checks the session's transcript (the digest of every advertised bundle) holds its own bundle and its neighbours',
+   and hashes it: every later signature covers this transcript hash, so no signature verifies outside the one session
+   in which it was made (a session id reused by the server does not help: the bundles are fresh);
+4. signs its masked input with the transcript hash and the exact set R(u) of peers it masked with (its attestation);
+5. in the consistency round checks the survivor set U and dropped set D (``_check_survivors``: R(u) = N(u) & (U | D),
+   at least ``required_inputs`` survivors, its part of the graph restricted to U at least that large) and signs
+   (transcript hash, U, D);
+6. before revealing anything (``_check_proof``), for every survivor b within two hops of it in the graph restricted to
+   U (b in {a} | N(a) & U for a = itself or an alive peer whose self-seed share it reveals): b proves it took part in
+   this very session with R(b) = N(b) & (U | D), by its signature of (transcript, U, D) or by its input attestation;
+   and ``threshold`` of b's share holders signed (transcript, U, D). The same count is required for every dropped peer
+   whose mask-key share it reveals.
+
+Why this suffices (an active server colluding with at most C clients, C below ``2 threshold - degree - 1`` holders of
+any client, which ``params.derive_parameters`` guarantees; C = 0 on a sparse graph): the server learns a linear
+combination sum_u c_u x_u of honest inputs only if every unknown mask cancels. Let a be honest with c_a != 0. Then a's
+self-seed was reconstructed, so an honest holder w revealed it after check 6 on some (E, U, D) with a proven under
+transcript E; a made signatures under one transcript only, and every client id stands for one bundle in E, so all
+signatures counted under E come from one running session per client, each signing one (U, D). For every survivor b
+that w checked, ``threshold`` of b's holders signed (E, U, D); were b's mask key revealed, ``threshold`` holders would
+have signed a set with b dropped, and two such groups share more than C holders, one of them honest and signing twice:
+impossible. So for honest b in N(a) & U the pairwise mask of a and b is unknown, both masked with it (R(a), R(b) are
+proven), and c_b = c_a: b is in the sum, and b's own revealers checked b's neighbours in turn. The sum therefore holds
+the whole part of the graph restricted to U that contains a, which every honest revealer checked holds at least
+``required_inputs`` clients (less the C corrupt ones; on the complete graph, all of U). The README's threat model
+names the test of each step.
 """
 
 from __future__ import annotations
@@ -29,8 +57,9 @@ from . import shamir
 from .errors import ProtocolAbort
 from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
                                  MaskedInput, RevealedShare, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
+from .params import ThreatModel
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
-                                 SessionConfig, survivor_set_problem)
+                                 SessionConfig, survivor_set_problem, threat_model_problem)
 
 __all__ = ["ClientSession", "check_input_vector"]
 
@@ -73,19 +102,35 @@ class ClientSession:
     ``value`` is the client's (already quantised, possibly noised) vector in Z_{2^bits}^dimension. In the malicious
     variant pass the client's ``identity_key`` (Ed25519 private key) and the deployment's ``registry``. ``min_inputs``:
     the survivor floor this client's (distributed) noise was charged for; a session configured below it is refused.
+    ``threat_model``: the client's declared ``params.ThreatModel`` (dropout, corruption, min_inputs, variant); the
+    configuration must then be exactly the one derived from it (``protocol.threat_model_problem``). Without it the
+    client accepts any degree and threshold that form a strict majority: against an active server that is safe only
+    if no client colludes with it (the privacy argument then rests on the checks of the last stage alone).
     """
 
     def __init__(self, config: SessionConfig, client_id: int, value: np.ndarray, *, identity_key=None,
-                 registry: I.IdentityRegistry | None = None, min_inputs: int | None = None):
+                 registry: I.IdentityRegistry | None = None, min_inputs: int | None = None,
+                 threat_model: ThreatModel | None = None):
         if not isinstance(config, SessionConfig):
             raise TypeError("config must be a SessionConfig")
         if client_id not in config.client_ids:
             raise ValueError(f"client {client_id!r} is not in the session's roster")
+        if threat_model is not None and not isinstance(threat_model, ThreatModel):
+            raise TypeError("threat_model must be a params.ThreatModel")
         if min_inputs is not None and config.required_inputs < min_inputs:
             # the configuration comes from the server: a client holds it to the floor its own noise was charged for
             raise ProtocolAbort(f"the session requires only {config.required_inputs} inputs, fewer than the "
                                 f"{min_inputs} our noise share was charged for; refusing to take part",
                                 party=client_id, stage=ADVERTISE_KEYS)
+        if threat_model is not None:
+            problem = threat_model_problem(config, threat_model)
+            if problem is not None:
+                raise ProtocolAbort(f"refusing the server's session configuration: {problem}", party=client_id,
+                                    stage=ADVERTISE_KEYS)
+        if not config.malicious and (identity_key is not None or registry is not None):
+            raise ProtocolAbort("the server proposes the semi-honest variant (no signatures, no consistency round) "
+                                "to a client that holds an identity key: refusing the downgrade", party=client_id,
+                                stage=ADVERTISE_KEYS)
         if config.malicious:
             if not isinstance(registry, I.IdentityRegistry) or identity_key is None:
                 raise ValueError("the malicious-server variant needs the client's identity_key and the deployment's "
@@ -99,6 +144,7 @@ class ClientSession:
         self._identity = identity_key
         self._registry = registry
         self._survivors: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (alive, dropped) we signed
+        self._transcript = b""  # the session's transcript hash (malicious variant), fixed at share_keys
         self.config = config
         self.client_id = client_id
         self._value = check_input_vector(value, config.bits, config.dimension)
@@ -132,14 +178,16 @@ class ClientSession:
             "received": {str(c): ct.hex() for c, ct in self._received.items()},
             "revealed": {str(c): kind for c, kind in self._revealed.items()},
             "survivors": None if self._survivors is None else [list(self._survivors[0]), list(self._survivors[1])],
+            "transcript": self._transcript.hex(),
         }
         return json.dumps(state, sort_keys=True).encode("ascii")
 
     @classmethod
     def from_state(cls, config: SessionConfig, state: bytes, *, identity_key=None,
-                   registry: I.IdentityRegistry | None = None, min_inputs: int | None = None) -> "ClientSession":
+                   registry: I.IdentityRegistry | None = None, min_inputs: int | None = None,
+                   threat_model: ThreatModel | None = None) -> "ClientSession":
         """The session :meth:`to_state` saved, under the same public ``config`` (checked: the session id must
-        match); the identity key and registry are given again (malicious variant)."""
+        match); the identity key, registry and threat model are given again (malicious variant)."""
         try:
             d = json.loads(bytes(state).decode("ascii"))
             if bytes.fromhex(d["session_id"]) != config.session_id:
@@ -147,7 +195,7 @@ class ClientSession:
             value = (np.zeros(config.dimension, dtype=P.word_dtype(config.bits)) if d["value"] is None else
                      np.frombuffer(bytes.fromhex(d["value"]), dtype=P.word_dtype(config.bits)))
             session = cls(config, int(d["client_id"]), value, identity_key=identity_key, registry=registry,
-                          min_inputs=min_inputs)
+                          min_inputs=min_inputs, threat_model=threat_model)
             if d["value"] is None:
                 session._value = None
             session._next = int(d["next"])
@@ -164,8 +212,11 @@ class ClientSession:
             session._revealed = {int(c): str(kind) for c, kind in d["revealed"].items()}
             session._survivors = (None if d["survivors"] is None
                                   else (tuple(d["survivors"][0]), tuple(d["survivors"][1])))
+            session._transcript = bytes.fromhex(d.get("transcript", ""))
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
             raise ProtocolAbort(f"the saved client session cannot be restored: {exc}") from None
+        except RecursionError:
+            raise ProtocolAbort("the saved client session cannot be restored: nested too deeply") from None
         return session
 
     # ------------------------------------------------------------------ state machine plumbing
@@ -259,6 +310,8 @@ class ClientSession:
                 self._abort(f"the keys of peer {c} are not signed by its registered identity key (key substitution?)")
         if len(seen) + 1 < self.config.threshold:
             self._abort(f"only {len(seen) + 1} live share holders, fewer than the threshold {self.config.threshold}")
+        if self.config.malicious:
+            self._transcript = self._check_transcript(directory)
         try:
             self._peer_keys = {e.client_id: (P.load_public_key(e.encryption_key), P.load_public_key(e.mask_key))
                                for e in directory.keys}
@@ -277,6 +330,31 @@ class ClientSession:
                 key, plaintext, session_id=self.config.session_id, sender=self.client_id, recipient=peer)))
         self._next += 1
         return ShareKeys(session_id=self.config.session_id, sender=self.client_id, shares=tuple(out))
+
+    def _check_transcript(self, directory: KeyDirectory) -> bytes:
+        """The session's transcript hash, after checking the transcript lists our own fresh bundle and exactly the
+        bundles we were given for our neighbours (malicious variant)."""
+        sid, roster = self.config.session_id, set(self.config.client_ids)
+        table: dict[int, bytes] = {}
+        for entry in directory.transcript:
+            if entry.client_id in table:
+                self._abort(f"client {entry.client_id} listed twice in the session transcript")
+            if entry.client_id not in roster:
+                self._abort(f"unknown client id {entry.client_id} in the session transcript")
+            table[entry.client_id] = entry.digest
+        own = I.bundle_digest(sid, self.client_id, P.public_bytes(self._enc_key), P.public_bytes(self._mask_key),
+                              P.seed_commitment(self._self_seed, sid, self.client_id))
+        if table.get(self.client_id) != own:
+            self._abort("the session transcript does not hold the key bundle we advertised (a replayed or other "
+                        "session?)")
+        for e in directory.keys:
+            if table.get(e.client_id) != I.bundle_digest(sid, e.client_id, e.encryption_key, e.mask_key,
+                                                         e.seed_commitment):
+                self._abort(f"the key bundle of peer {e.client_id} is not the one in the session transcript")
+        hidden = sorted((self._neighbours & table.keys()) - {e.client_id for e in directory.keys})
+        if hidden:
+            self._abort(f"the session transcript lists neighbour(s) {hidden[:5]} whose keys we were not given")
+        return I.transcript_hash(sid, table.items())
 
     def _share_key(self, peer: int) -> bytes:
         try:
@@ -321,8 +399,8 @@ class ClientSession:
         self._value = None  # the plain input is no longer needed
         self._next += 1 if self.config.malicious else 2  # the consistency round is the malicious variant's
         payload = masked.tobytes()
-        signature = (I.sign(self._identity, I.INPUT_PURPOSE, self.config.session_id, self.client_id,
-                            I.digest(payload)) if self.config.malicious else b"")
+        signature = (I.sign(self._identity, I.INPUT_PURPOSE, self.config.session_id, self.client_id, self._transcript,
+                            I.digest(payload), I.encode_ids(received)) if self.config.malicious else b"")
         return MaskedInput(session_id=self.config.session_id, sender=self.client_id, masked=payload,
                            signature=signature)
 
@@ -337,7 +415,7 @@ class ClientSession:
         self._survivors = (tuple(sorted(alive)), tuple(sorted(dropped)))
         self._next += 1
         signature = I.sign(self._identity, I.SURVIVORS_PURPOSE, self.config.session_id, self.client_id,
-                           I.encode_ids(alive))
+                           self._transcript, I.encode_ids(alive), I.encode_ids(dropped))
         return ConsistencySignature(session_id=self.config.session_id, sender=self.client_id, signature=signature)
 
     def _check_survivors(self, listed_alive, listed_dropped) -> tuple[set[int], set[int]]:
@@ -373,33 +451,70 @@ class ClientSession:
             self._abort(problem)
         return alive, dropped
 
-    def _check_consistency(self, proof: ConsistencyProof) -> None:
-        """At least ``threshold`` holders of every peer whose share we reveal signed the survivor set we signed."""
-        alive, dropped = self._survivors
-        if tuple(sorted(proof.alive)) != alive or tuple(sorted(proof.dropped)) != dropped:
+    def _check_proof(self, proof: ConsistencyProof) -> None:
+        """Check 6 of the module docstring: before revealing anything, every survivor within two hops took part in this
+        session with the peers the survivor set implies, and ``threshold`` share holders of each of them (and of each
+        dropped peer we reveal for) signed the very survivor set we signed."""
+        alive_t, dropped_t = self._survivors
+        if tuple(sorted(proof.alive)) != alive_t or tuple(sorted(proof.dropped)) != dropped_t:
             self._abort("the survivor set in the consistency proof differs from the one we signed")
-        content = I.encode_ids(alive)
+        cfg, sid, transcript = self.config, self.config.session_id, self._transcript
+        alive, listed = set(alive_t), set(alive_t) | set(dropped_t)
+        alive_ids, dropped_ids = I.encode_ids(alive_t), I.encode_ids(dropped_t)
         offered: dict[int, bytes] = {}
         for entry in proof.signatures:
-            if entry.client_id in alive:
+            if entry.client_id in alive and entry.client_id != self.client_id:
                 offered.setdefault(entry.client_id, entry.signature)  # one per signer: the first
-        valid: dict[int, bool] = {}  # signer -> verified; each signer checked at most once, and only if needed
+        attested = {}
+        for entry in proof.inputs:
+            if entry.client_id in alive:
+                attested.setdefault(entry.client_id, entry)
+        valid: dict[int, bool] = {self.client_id: True}  # signer -> verified (we know we signed)
 
         def signed(c: int) -> bool:
             if c not in valid:
-                valid[c] = self._registry.verify(offered[c], I.SURVIVORS_PURPOSE, self.config.session_id, c, content)
+                valid[c] = c in offered and self._registry.verify(offered[c], I.SURVIVORS_PURPOSE, sid, c, transcript,
+                                                                  alive_ids, dropped_ids)
             return valid[c]
 
-        t = self.config.threshold
-        for peer in sorted(set(self._received) | {self.client_id}):
+        def proven(b: int) -> bool:
+            if signed(b):
+                return True
+            entry = attested.get(b)
+            return entry is not None and self._registry.verify(
+                entry.signature, I.INPUT_PURPOSE, sid, b, transcript, entry.digest,
+                I.encode_ids(cfg.neighbours(b) & listed))
+
+        t = cfg.threshold
+
+        def signers(peer: int) -> int:
             count = 0
-            for holder in sorted(self.config.holders(peer) & offered.keys(), key=lambda c: c not in valid):
+            for holder in sorted(cfg.holders(peer) & (offered.keys() | {self.client_id}),
+                                 key=lambda c: c not in valid):
                 count += signed(holder)
                 if count >= t:
                     break
+            return count
+
+        senders = set(self._received)
+        revealed_seeds = {self.client_id} | (senders & alive)
+        checked: set[int] = set()
+        for a in revealed_seeds:
+            checked |= {a} | (cfg.neighbours(a) & alive)
+        for b in sorted(checked):
+            count = signers(b)
             if count < t:
-                self._abort(f"only {count} of peer {peer}'s share holders signed this survivor set (threshold {t}): "
-                            f"the server may be showing clients different sets")
+                self._abort(f"only {count} of peer {b}'s share holders signed this survivor set (threshold {t}): the "
+                            f"server may be showing clients different sets")
+            if not proven(b):
+                self._abort(f"survivor {b} shows neither its signature of this survivor set nor an attestation that "
+                            f"it masked, in this session, with exactly the peers the set implies: its part of the sum "
+                            f"cannot be verified")
+        for p in sorted(senders - alive):
+            count = signers(p)
+            if count < t:
+                self._abort(f"only {count} of peer {p}'s share holders signed this survivor set (threshold {t}): the "
+                            f"server may be showing clients different sets")
 
     # ------------------------------------------------------------------ unmasking (the last stage)
     def unmask(self, request: UnmaskRequest | ConsistencyProof) -> UnmaskShares:
@@ -411,7 +526,7 @@ class ClientSession:
             self._abort(f"expected a {expected.__name__}, got {type(request).__name__}")
         self._check_session(request)
         if self.config.malicious:
-            self._check_consistency(request)
+            self._check_proof(request)
             alive = set(self._survivors[0])
         else:
             alive, _ = self._check_survivors(request.alive, request.dropped)

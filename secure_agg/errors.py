@@ -31,3 +31,8 @@ class QuantisationRangeError(ValueError):
 
     Widen the range, clip the values first, or fix the upstream computation; values are never wrapped silently.
     """
+
+
+class MessageFormatError(ValueError):
+    """Bytes or a dict that are not a well-formed protocol message (bad JSON, too deeply nested, a missing, extra or
+    mistyped field). Subclasses ``ValueError``, so ``except ValueError`` still catches it."""

@@ -8,6 +8,14 @@ different survivor sets (each client signs the one it saw, and checks the others
 
 Every signature covers a domain-separated transcript: the protocol label, the purpose, the session id, the signer and
 the signed content, each length-prefixed, so a signature never verifies for another purpose, session or signer.
+
+The session id is the server's choice, so it does not make a session unique: a server can run several sessions under
+one id. What does is the session's fresh key material. After the keys are advertised, the server sends every client
+the digest of every advertised key bundle (``bundle_digest``); each client checks that the list holds its own bundle
+and the bundles it was given, and hashes the list into the session's **transcript hash** (``transcript_hash``). Every
+later signature (masked input, survivor set) covers it. A client's bundle is drawn fresh for each session it takes part
+in, so a signature made in one session never verifies in another, whatever their ids, and within one transcript each
+client id stands for exactly one running session of that client.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .primitives import PROTOCOL_LABEL, encode_id
 
 __all__ = ["IdentityRegistry", "generate_identity", "identity_public_bytes", "sign", "SIGNATURE_BYTES",
-           "KEYS_PURPOSE", "INPUT_PURPOSE", "SURVIVORS_PURPOSE", "digest", "encode_ids"]
+           "KEYS_PURPOSE", "INPUT_PURPOSE", "SURVIVORS_PURPOSE", "digest", "encode_ids", "bundle_digest",
+           "transcript_hash"]
 
 SIGNATURE_BYTES = 64
 KEYS_PURPOSE = b"advertise-keys"
@@ -45,6 +54,24 @@ def digest(data: bytes) -> bytes:
 
 def encode_ids(ids: Iterable[int]) -> bytes:
     return b"".join(encode_id(c) for c in sorted(ids))
+
+
+def _framed(*parts: bytes) -> bytes:
+    return b"".join(len(part).to_bytes(4, "big") + part for part in parts)
+
+
+def bundle_digest(session_id: bytes, client_id: int, encryption_key: bytes, mask_key: bytes,
+                  seed_commitment: bytes) -> bytes:
+    """SHA-256 of one advertised key bundle (what the transcript lists for its client)."""
+    return hashlib.sha256(PROTOCOL_LABEL + b"/bundle" + _framed(session_id, encode_id(client_id), encryption_key,
+                                                               mask_key, seed_commitment)).digest()
+
+
+def transcript_hash(session_id: bytes, entries: Iterable[tuple[int, bytes]]) -> bytes:
+    """The session's transcript hash: SHA-256 over the session id and every (client id, bundle digest) the server
+    announced, in client-id order. Signatures made after the keys are advertised cover it."""
+    body = b"".join(encode_id(c) + d for c, d in sorted(entries))
+    return hashlib.sha256(PROTOCOL_LABEL + b"/transcript" + _framed(session_id, body)).digest()
 
 
 def _transcript(purpose: bytes, session_id: bytes, signer: int, parts: tuple[bytes, ...]) -> bytes:

@@ -4,7 +4,8 @@ Every message names its session; client-to-server messages name their ``sender``
 ``recipient``. ``to_dict``/``from_dict`` give JSON-compatible dicts and ``to_bytes``/``from_bytes`` JSON bytes, so any
 transport (the in-process runtime, Flower, gRPC, a queue) can carry them. ``message_from_dict`` dispatches on the
 ``"type"`` key. Construction checks shapes (32-byte keys, positive ids); protocol rules are checked by the parties.
-``signature`` fields (Ed25519, 64 bytes) are empty outside the malicious-server variant.
+``signature`` fields (Ed25519, 64 bytes) are empty outside the malicious-server variant, and so are the fields that
+carry the session's transcript (``KeyDirectory.transcript``, ``ConsistencyProof.inputs``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import codec
+from .errors import MessageFormatError
 from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
 from .shamir import PRIME
 
-__all__ = ["AdvertiseKeys", "PublicKeys", "KeyDirectory", "EncryptedShare", "ShareKeys", "ShareDelivery",
+__all__ = ["AdvertiseKeys", "PublicKeys", "BundleDigest", "KeyDirectory", "InputAttestation", "EncryptedShare",
+           "ShareKeys", "ShareDelivery",
            "MaskedInput", "UnmaskRequest", "ConsistencySignature", "SignedBy", "ConsistencyProof", "RevealedShare",
            "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
 
@@ -102,12 +105,28 @@ class PublicKeys:
 
 
 @dataclass(frozen=True)
+class BundleDigest:
+    """One entry of the session's transcript: the SHA-256 digest of the key bundle ``client_id`` advertised
+    (``identity.bundle_digest``)."""
+
+    client_id: int
+    digest: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("digest", self.digest, 32)
+
+
+@dataclass(frozen=True)
 class KeyDirectory(_Message):
-    """Server -> client after stage 1: the public keys of the recipient's neighbours that advertised keys."""
+    """Server -> client after stage 1: the public keys of the recipient's neighbours that advertised keys, and
+    (malicious variant) the transcript: the digest of every key bundle in the session, which later signatures
+    cover."""
 
     session_id: bytes
     recipient: int
     keys: tuple[PublicKeys, ...]
+    transcript: tuple[BundleDigest, ...] = ()
     stage = ADVERTISE_KEYS
 
     def __post_init__(self):
@@ -115,7 +134,10 @@ class KeyDirectory(_Message):
         _check_id("recipient", self.recipient)
         if not all(isinstance(k, PublicKeys) for k in self.keys):
             raise ValueError("keys must be PublicKeys entries")
+        if not all(isinstance(e, BundleDigest) for e in self.transcript):
+            raise ValueError("transcript must be BundleDigest entries")
         object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "transcript", tuple(self.transcript))
 
 
 @dataclass(frozen=True)
@@ -173,7 +195,9 @@ class MaskedInput(_Message):
     session_id: bytes
     sender: int
     masked: bytes
-    signature: bytes = b""  # malicious variant: the sender's signature of (session, sender, SHA-256 of masked)
+    # malicious variant: the sender's signature of (session, sender, transcript hash, SHA-256 of masked, the peers it
+    # masked with): its attestation that it masked with exactly those peers in this session
+    signature: bytes = b""
     stage = MASKED_INPUT
 
     def __post_init__(self):
@@ -228,13 +252,31 @@ class SignedBy:
 
 
 @dataclass(frozen=True)
+class InputAttestation:
+    """A survivor's masked-input signature, forwarded in the consistency proof for a survivor that did not sign the
+    survivor set: ``digest`` is the SHA-256 of its masked input; the signature also covers the transcript hash and the
+    peers it masked with, which the verifier recomputes from the survivor set."""
+
+    client_id: int
+    digest: bytes
+    signature: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("digest", self.digest, 32)
+        _check_bytes("signature", self.signature, 64)
+
+
+@dataclass(frozen=True)
 class ConsistencyProof(_Message):
-    """Server -> clients after the consistency round: the survivor set and the survivors' signatures of it."""
+    """Server -> clients after the consistency round: the survivor set, the survivors' signatures of it, and the input
+    attestations of the survivors that did not sign it."""
 
     session_id: bytes
     alive: tuple[int, ...]
     dropped: tuple[int, ...]
     signatures: tuple[SignedBy, ...]
+    inputs: tuple[InputAttestation, ...] = ()
     stage = CONSISTENCY
 
     def __post_init__(self):
@@ -243,9 +285,12 @@ class ConsistencyProof(_Message):
             _check_id("listed id", c)
         if not all(isinstance(s, SignedBy) for s in self.signatures):
             raise ValueError("signatures must be SignedBy entries")
+        if not all(isinstance(a, InputAttestation) for a in self.inputs):
+            raise ValueError("inputs must be InputAttestation entries")
         object.__setattr__(self, "alive", tuple(self.alive))
         object.__setattr__(self, "dropped", tuple(self.dropped))
         object.__setattr__(self, "signatures", tuple(self.signatures))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
 
 
 @dataclass(frozen=True)
@@ -296,5 +341,5 @@ def message_from_dict(data: dict):
     """Rebuild any protocol message from ``to_dict`` output (dispatch on ``"type"``)."""
     if not isinstance(data, dict) or data.get("type") not in MESSAGE_TYPES:
         kind = data.get("type") if isinstance(data, dict) else None
-        raise ValueError(f"not a secure-aggregation message: type={kind!r}")
+        raise MessageFormatError(f"not a secure-aggregation message: type={kind!r}")
     return MESSAGE_TYPES[data["type"]].from_dict(data)

@@ -31,12 +31,13 @@ of the graph themselves (``protocol.survivor_set_problem``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Parameters", "derive_parameters", "check_parameters", "threshold_for", "default_min_inputs",
-           "ParameterError"]
+__all__ = ["Parameters", "ThreatModel", "derive_parameters", "check_parameters", "threshold_for",
+           "default_min_inputs", "ParameterError"]
 
 DEFAULT_SIGMA = 40
 DEFAULT_ETA = 30
@@ -66,6 +67,42 @@ class Parameters:
     def min_honest(self) -> int:
         """The fewest honest clients any sum the server can unmask contains (0: no guarantee; raise min_inputs)."""
         return max(0, self.required_inputs - self.max_corrupt)
+
+
+@dataclass(frozen=True)
+class ThreatModel:
+    """What a client declares for itself, from facts fixed before the run (never from the server's messages): the
+    fraction of the roster that may drop (``dropout``) or collude with the server (``corruption``), the floor of
+    inputs its noise was charged for (``min_inputs``), the variant it runs (``malicious``: an active server) and,
+    optionally, the roster size it expects (``n_clients``; otherwise the size of the roster the server sends, which
+    then bounds the corrupt clients by ``floor(corruption * roster)``).
+
+    ``ClientSession(..., threat_model=...)`` derives the degree, threshold and survivor floor from it with
+    ``derive_parameters`` and refuses a ``SessionConfig`` that differs (``protocol.threat_model_problem``), so a server
+    cannot hand clients a weaker configuration than the one their guarantee was computed for.
+    """
+
+    dropout: float = 0.0
+    corruption: float = 0.0
+    min_inputs: int | None = None
+    malicious: bool = True
+    n_clients: int | None = None
+    sigma: int = DEFAULT_SIGMA
+    eta: int = DEFAULT_ETA
+
+    def __post_init__(self):
+        _counts(2, self.dropout, self.corruption)  # validates both fractions
+        for name in ("min_inputs", "n_clients"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ParameterError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.malicious, bool):
+            raise ParameterError(f"malicious must be True or False, got {self.malicious!r}")
+
+    def parameters(self, n: int) -> Parameters:
+        """The parameters every party derives for a roster of ``n`` clients (``ParameterError`` if none exist)."""
+        return derive_parameters(n, dropout=self.dropout, corruption=self.corruption, malicious=self.malicious,
+                                 min_inputs=self.min_inputs, sigma=self.sigma, eta=self.eta)
 
 
 def _hyper_tail(population: int, marked: int, draws: int, at_least: int) -> Fraction:
@@ -154,6 +191,7 @@ def check_parameters(n: int, degree: int, threshold: int, *, dropout: float = 0.
                              f"(or pass check=False, for tests only)")
 
 
+@functools.lru_cache(maxsize=256)  # pure; every client of an in-process round derives the same parameters
 def derive_parameters(n: int, *, dropout: float = 0.0, corruption: float = 0.0, malicious: bool = False,
                       min_inputs: int | None = None, sigma: int = DEFAULT_SIGMA, eta: int = DEFAULT_ETA) -> Parameters:
     """The smallest degree (then threshold) that carries the guarantee for the declared threat model."""
@@ -172,6 +210,7 @@ def derive_parameters(n: int, *, dropout: float = 0.0, corruption: float = 0.0, 
                          f"corruption, or add clients")
 
 
+@functools.lru_cache(maxsize=1024)
 def threshold_for(n: int, degree: int, *, dropout: float = 0.0, corruption: float = 0.0, malicious: bool = False,
                   sigma: int = DEFAULT_SIGMA, eta: int = DEFAULT_ETA) -> int | None:
     """The smallest threshold that carries the guarantee with this degree, or None if none does."""

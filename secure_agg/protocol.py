@@ -2,21 +2,29 @@
 
 Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their order and names:
 
-1. ``advertise_keys``  each client sends two X25519 public keys (one for share encryption, one for masks);
+1. ``advertise_keys``  each client sends two X25519 public keys (one for share encryption, one for masks) and a
+                       commitment to its self-mask seed, all fresh for this session (signed in the malicious variant);
 2. ``share_keys``      each client Shamir-shares its mask private key and a fresh self-mask seed among its
-                       neighbours (Bell et al. CCS 2020) and sends each share encrypted to its holder;
-3. ``masked_input``    each client sends y = x + PRG(self seed) + sum_v +-PRG(pairwise key with v)  mod 2^k;
+                       neighbours (Bell et al. CCS 2020) and sends each share encrypted to its holder. In the malicious
+                       variant the server also sends every client the session's transcript (the digest of every key
+                       bundle); the client checks its own bundle and its neighbours' are in it and hashes it: the
+                       transcript hash every later signature covers (``identity.transcript_hash``);
+3. ``masked_input``    each client sends y = x + PRG(self seed) + sum_v +-PRG(pairwise key with v)  mod 2^k, signed
+                       (malicious variant) together with the transcript hash and the set of peers it masked with;
 4. ``consistency_check`` (malicious-server variant only, ``SessionConfig.malicious``) each survivor checks the
-                       survivor set U3 the server announces (large enough, its own part of the graph large enough) and
-                       signs it with its long-term identity key; the server forwards all the signatures;
+                       survivor set U3 and dropped set the server announces (large enough, its own part of the graph
+                       large enough, exactly its masking peers listed) and signs them with the transcript hash;
 5. ``unmask``          survivors reveal, for every neighbour, the self-seed share if it is alive or the mask-key share
                        if it dropped - never both - and the server removes all masks. In the malicious variant a
-                       client first checks that, for every peer whose share it reveals, at least ``threshold`` of that
-                       peer's share holders signed the very same U3; honest clients sign one set per session, so two
-                       different sets can never both collect a majority of one peer's holders (Bonawitz Sec. 6.2).
+                       client first verifies that every survivor within two hops of it took part in this very session
+                       with the neighbours the survivor set implies (its signature of the set, or its input
+                       attestation), and that ``threshold`` share holders of each of them, and of each dropped peer,
+                       signed the very same set (``client.ClientSession`` states the argument).
 
 ``SessionConfig`` is everything public that all parties must agree on before the round: session id, roster, k, d,
-threshold and the neighbour graph (derived from a public seed).
+threshold and the neighbour graph (derived from a public seed). Against an active server a client does not take it on
+trust: given its declared ``params.ThreatModel`` it derives the degree, threshold and survivor floor itself and
+refuses a configuration that differs (``threat_model_problem``).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from .graph import default_degree, neighbour_graph
 from .primitives import random_seed, word_dtype
 
 __all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK", "DONE", "SessionConfig",
-           "default_threshold", "survivor_set_problem", "component_of"]
+           "default_threshold", "survivor_set_problem", "component_of", "threat_model_problem"]
 
 ADVERTISE_KEYS = "advertise_keys"
 SHARE_KEYS = "share_keys"
@@ -215,4 +223,32 @@ def survivor_set_problem(config: SessionConfig, client_id: int, alive) -> str | 
         if len(part) < need:
             return (f"the survivor set cuts the neighbour graph: our part of it has {len(part)} clients, fewer than "
                     f"the minimum {need}, so its sum could be unmasked on its own")
+    return None
+
+
+def threat_model_problem(config: SessionConfig, threat_model: params.ThreatModel) -> str | None:
+    """Why a client that declared ``threat_model`` must refuse ``config`` (the server's), or None.
+
+    The client derives the degree, threshold and survivor floor itself (``params.derive_parameters``) and accepts only
+    exactly that degree and threshold, at least that floor, the variant it declared and, if declared, its roster size.
+    The graph follows from the degree and the public seed, and every party recomputes it (``neighbour_graph``).
+    """
+    n = config.n_clients
+    if threat_model.n_clients is not None and n != threat_model.n_clients:
+        return f"the session's roster has {n} clients, the deployment declared {threat_model.n_clients}"
+    if config.malicious != threat_model.malicious:
+        name = {True: "malicious-server", False: "semi-honest"}
+        return (f"the session runs the {name[config.malicious]} variant, we declared the "
+                f"{name[threat_model.malicious]} one")
+    try:
+        derived = threat_model.parameters(n)
+    except params.ParameterError as exc:
+        return f"our declared threat model has no safe parameters for {n} clients: {exc}"
+    if (config.degree, config.threshold) != (derived.degree, derived.threshold):
+        return (f"the session's degree {config.degree} and threshold {config.threshold} differ from the degree "
+                f"{derived.degree} and threshold {derived.threshold} derived from our declared threat model (n={n}, "
+                f"dropout={threat_model.dropout:g}, corruption={threat_model.corruption:g})")
+    if config.required_inputs < derived.required_inputs:
+        return (f"the session requires only {config.required_inputs} inputs, fewer than the {derived.required_inputs} "
+                f"derived from our declared threat model (min_inputs)")
     return None

@@ -15,6 +15,7 @@ import numpy as np
 from .client import ClientSession
 from .errors import ProtocolAbort
 from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+from .params import ThreatModel
 from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
 from .server import ServerSession
 
@@ -61,7 +62,9 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     ``malicious=True`` runs the malicious-server variant, with the consistency round; ``identities`` maps each client
     key to its Ed25519 identity key (fresh ones are drawn, and registered, when it is not given: a simulation).
     ``dropout``/``corruption`` declare the threat model the degree and threshold are derived from, or checked against
-    (``SessionConfig.create``; ``check=False`` is for tests only).
+    (``SessionConfig.create``; ``check=False`` is for tests only). With a declared threat model and no explicit degree
+    or threshold, every client also derives them itself and refuses a configuration that differs
+    (``ClientSession(threat_model=...)``), as a deployment's clients must.
     """
     if not isinstance(values, Mapping) or len(values) < 2:
         raise ValueError("values must map at least 2 client keys to vectors")
@@ -87,13 +90,18 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     config = SessionConfig.create(sorted(ids.values()), bits=bits, dimension=dimension, threshold=threshold,
                                   degree=degree, min_inputs=min_inputs, malicious=malicious, dropout=dropout,
                                   corruption=corruption, check=check)
+    declared = dropout is not None or bool(corruption)
+    threat_model = (ThreatModel(dropout=dropout or 0.0, corruption=corruption, min_inputs=min_inputs,
+                                malicious=malicious, n_clients=len(keys))
+                    if declared and degree is None and threshold is None and check else None)
     secret_keys, registry = {}, None
     if malicious:
         secret_keys = {ids[k]: (identities[k] if identities is not None else generate_identity()) for k in keys}
         registry = IdentityRegistry({c: identity_public_bytes(key) for c, key in secret_keys.items()})
     server = ServerSession(config, registry=registry)
     clients = {ids[k]: ClientSession(config, ids[k], values[k], identity_key=secret_keys.get(ids[k]),
-                                     registry=registry) for k in keys}
+                                     registry=registry, min_inputs=min_inputs, threat_model=threat_model)
+               for k in keys}
     gone: set[int] = set()
     aborts: dict[int, ProtocolAbort] = {}
 

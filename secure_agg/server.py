@@ -14,9 +14,12 @@ its advertised public key, a self-mask seed against its owner's commitment, so a
 ``threshold`` holders answering, where interpolation cannot notice) aborts instead of giving a wrong sum.
 
 Malicious-server variant (``config.malicious``, with the deployment's ``IdentityRegistry``): advertised keys and masked
-inputs whose signature does not verify are ignored (so a forged masked input never enters the sum), and the
-consistency round (``consistency_proof``) collects the survivors' signatures of U3 between ``unmask_request`` and
-``finalize``.
+inputs whose signature does not verify are ignored (so a forged masked input never enters the sum); the key directories
+carry the session's transcript (the digest of every advertised bundle, ``transcript_hash``), which every later
+signature covers; the consistency round (``consistency_proof``) collects the survivors' signatures of (transcript, U3,
+dropped set) between ``unmask_request`` and ``finalize`` and forwards them with the input attestations of the survivors
+that did not sign, aborting first if some client's holders could not reach ``threshold`` signatures (the clients would
+refuse).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from . import identity as I
 from . import primitives as P
 from . import shamir
 from .errors import ProtocolAbort
-from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory, MaskedInput,
-                                 PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest, UnmaskShares)
+from .messages import (AdvertiseKeys, BundleDigest, ConsistencyProof, ConsistencySignature, InputAttestation,
+                       KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest,
+                       UnmaskShares)
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
                                  component_of)
 
@@ -58,6 +62,9 @@ class ServerSession:
         self.config = config
         self._registry = registry
         self._survivor_signatures: dict[int, bytes] = {}
+        self._attestations: dict[int, InputAttestation] = {}  # masked-input signatures (malicious variant)
+        self._delivered: dict[int, tuple[int, ...]] = {}  # client -> the peers whose shares we forwarded to it
+        self.transcript_hash = b""  # fixed when the key directories go out (malicious variant)
         self.u4: frozenset[int] = frozenset()  # signed the survivor set (malicious variant)
         self._stage = 0
         self._roster = set(config.client_ids)
@@ -163,10 +170,13 @@ class ServerSession:
         words = np.frombuffer(message.masked, dtype=self._sum.dtype)
         if self.config.bits < 8 * self._sum.itemsize and int(words.max()) >> self.config.bits:
             return self._ignore(message, f"entries not reduced mod 2^{self.config.bits}")
-        if self.config.malicious and not self._registry.verify(message.signature, I.INPUT_PURPOSE,
-                                                               self.config.session_id, message.sender,
-                                                               I.digest(message.masked)):
-            return self._ignore(message, "masked input not signed by the sender's registered identity key (forged?)")
+        if self.config.malicious:
+            digest = I.digest(message.masked)
+            if not self._registry.verify(message.signature, I.INPUT_PURPOSE, self.config.session_id, message.sender,
+                                         self.transcript_hash, digest, I.encode_ids(self._delivered[message.sender])):
+                return self._ignore(message, "masked input not signed by the sender's registered identity key, with "
+                                             "this session's transcript and the peers we forwarded to it (forged?)")
+            self._attestations[message.sender] = InputAttestation(message.sender, digest, message.signature)
         np.add(self._sum, words, out=self._sum)
         self._inputs.add(message.sender)
         return True
@@ -175,7 +185,7 @@ class ServerSession:
         if message.sender in self._survivor_signatures:
             return self._ignore(message, "duplicate")
         if not self._registry.verify(message.signature, I.SURVIVORS_PURPOSE, self.config.session_id, message.sender,
-                                     I.encode_ids(self.u3)):
+                                     self.transcript_hash, I.encode_ids(self.u3), I.encode_ids(self.u2 - self.u3)):
             return self._ignore(message, "signature of the survivor set does not verify")
         self._survivor_signatures[message.sender] = message.signature
         return True
@@ -210,13 +220,20 @@ class ServerSession:
         self._close(ADVERTISE_KEYS)
         self.u1 = self._prune(set(self._keys))
         self._require(self.u1, "advertised keys")
+        transcript = ()
+        if self.config.malicious:
+            sid = self.config.session_id
+            transcript = tuple(BundleDigest(c, I.bundle_digest(sid, c, self._keys[c].encryption_key,
+                                                               self._keys[c].mask_key, self._keys[c].seed_commitment))
+                               for c in sorted(self.u1))
+            self.transcript_hash = I.transcript_hash(sid, ((e.client_id, e.digest) for e in transcript))
         out = {}
         for c in sorted(self.u1):
             entries = tuple(PublicKeys(client_id=v, encryption_key=self._keys[v].encryption_key,
                                        mask_key=self._keys[v].mask_key, seed_commitment=self._keys[v].seed_commitment,
                                        signature=self._keys[v].signature)
                             for v in sorted(self.config.neighbours(c) & self.u1))
-            out[c] = KeyDirectory(session_id=self.config.session_id, recipient=c, keys=entries)
+            out[c] = KeyDirectory(session_id=self.config.session_id, recipient=c, keys=entries, transcript=transcript)
         return out
 
     def share_deliveries(self) -> dict[int, ShareDelivery]:
@@ -229,6 +246,7 @@ class ServerSession:
             for share in self._share_msgs[sender].shares:
                 if share.recipient in inbox:
                     inbox[share.recipient].append(share)
+        self._delivered = {c: tuple(sorted(s.sender for s in inbox[c])) for c in inbox}
         return {c: ShareDelivery(session_id=self.config.session_id, recipient=c, shares=tuple(inbox[c]))
                 for c in sorted(self.u2)}
 
@@ -260,13 +278,22 @@ class ServerSession:
                              dropped=tuple(sorted(self.u2 - self.u3)))
 
     def consistency_proof(self) -> ConsistencyProof:
-        """Close the consistency round (malicious variant): forward the survivors' signatures of U3 to every signer."""
+        """Close the consistency round (malicious variant): forward the survivors' signatures of U3 to every signer,
+        with the input attestations of the survivors that did not sign."""
         self._close(CONSISTENCY)
         self.u4 = frozenset(self._survivor_signatures)
         self._require(self.u4, "signed the survivor set")
+        t = self.config.threshold
+        dropped = self.u2 - self.u3
+        for c in sorted(self.u3 | {d for d in dropped if self.config.neighbours(d) & self.u3}):
+            signed = len(self.config.holders(c) & self.u4)
+            if signed < t:
+                self._abort(f"only {signed} share holders of client {c} signed the survivor set (threshold {t}): the "
+                            f"clients would refuse to unmask")
         return ConsistencyProof(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
-                                dropped=tuple(sorted(self.u2 - self.u3)),
-                                signatures=tuple(SignedBy(c, self._survivor_signatures[c]) for c in sorted(self.u4)))
+                                dropped=tuple(sorted(dropped)),
+                                signatures=tuple(SignedBy(c, self._survivor_signatures[c]) for c in sorted(self.u4)),
+                                inputs=tuple(self._attestations[c] for c in sorted(self.u3 - self.u4)))
 
     def finalize(self) -> AggregateResult:
         """Close stage 4: reconstruct the secrets, remove all masks, return the sum of the alive clients' inputs."""

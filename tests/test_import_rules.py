@@ -2,6 +2,11 @@
 
 import ast
 import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALLOWED = {
@@ -72,19 +77,88 @@ def test_the_rule_checker_sees_a_violation(tmp_path):
     assert {root for _, root in imported_roots(bad)} == {"privfl", "mechanisms", "accounting", "secure_agg"}
 
 
+#: folders of the checkout that are not the project's own files
+_NOT_OURS = {".venv", ".git", "build", "dist", "runs", "__pycache__", ".pytest_cache"}
+
+#: an import of a layout folder by its bare name inside code held in a string (``python -c``, a subprocess probe)
+_BARE_IN_TEXT = re.compile(r"(?:^|[;\n]|\bpython3?\s+-c\s+['\"])\s*(?:import|from)\s+"
+                           r"(accounting|mechanisms|secure_agg)\b|\s-m\s+(accounting|mechanisms|secure_agg)\b")
+
+
+def project_python_files(root: pathlib.Path = ROOT):
+    """Every Python file of the project, wherever it sits (packages, tests, experiments, scripts at the top)."""
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts[:-1])
+        if not parts & _NOT_OURS and not any(p.endswith(".egg-info") for p in parts):
+            yield path
+
+
+def bare_layout_imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    """Where ``path`` loads a layout folder (accounting, mechanisms, secure_agg) under its bare top-level name: an
+    import statement at any depth, ``importlib.import_module``/``__import__`` of a literal name, or code in a string
+    literal (``python -c "import accounting"``, ``-m secure_agg``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(root)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__", "find_spec", "run_module"):
+                names = [node.args[0].value]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for match in _BARE_IN_TEXT.finditer(node.value):
+                found.append(f"{where}:{node.lineno} loads {match.group(1) or match.group(2)} in a string")
+        found += [f"{where}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in MAPPED]
+    return found
+
+
 def test_layout_folders_are_not_imported_as_top_level_modules():
     """The distribution has one import name: the layout's folders are privfl.accounting and the like, never a
-    top-level ``accounting`` that would collide with other packages."""
-    offenders = []
-    for package in list(ALLOWED) + ["tests"]:
-        for path in (ROOT / package).rglob("*.py"):
-            tree = ast.parse(path.read_text(), filename=str(path))
-            for node in ast.walk(tree):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
-                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
-                              if n.split(".")[0] in MAPPED]
+    top-level ``accounting`` (a second copy of the same modules, whose exception classes are not privfl's, and a
+    name that would collide with other packages). Every Python file of the checkout is read."""
+    offenders = [hit for path in project_python_files() if path.name != "test_import_rules.py"
+                 for hit in bare_layout_imports(path)]
     assert not offenders, "import these as privfl.<package>:\n" + "\n".join(offenders)
+
+
+def test_the_bare_import_checker_sees_every_form(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import secure_agg.client\nfrom accounting import ledger\nimport importlib\n"
+                   "def f():\n    import mechanisms\n    importlib.import_module('secure_agg.server')\n"
+                   "CODE = 'import sys; import accounting'\nARGS = ['python', '-m', 'x', ' -m secure_agg']\n"
+                   "fine = 'privfl.secure_agg'\nfrom privfl.secure_agg import run_round\n")
+    hits = bare_layout_imports(bad, tmp_path)
+    assert len(hits) == 6, hits
+    assert not bare_layout_imports(ROOT / "tests" / "test_packaging.py")  # find_spec(name) of a variable is fine
+
+
+@pytest.mark.parametrize("package", ["secure_agg", "accounting", "mechanisms"])
+def test_a_layout_folder_imported_from_the_checkout_is_the_privfl_package(package):
+    """With the repository root on sys.path (``python`` started there, a script that inserts the working directory),
+    ``import secure_agg`` finds the folder itself. It must hand out privfl's very modules, never a second copy."""
+    probe = (
+        "import sys, importlib, pkgutil\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"bare = importlib.import_module({package!r})\n"
+        f"real = importlib.import_module('privfl.{package}')\n"
+        "assert bare is real, (bare.__name__, real.__name__)\n"
+        "for info in pkgutil.iter_modules(real.__path__):\n"
+        f"    a = importlib.import_module({package!r} + '.' + info.name)\n"
+        f"    b = importlib.import_module('privfl.{package}.' + info.name)\n"
+        "    assert a is b, info.name\n"
+        "copies = sorted(n for n, m in sys.modules.items() if m is not None\n"
+        f"                and getattr(m, '__name__', n).startswith({package!r}))\n"
+        "assert not copies, copies\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _privfl_modules_imported(path: pathlib.Path, root: pathlib.Path = ROOT):

@@ -131,3 +131,141 @@ def test_the_server_ignores_survivor_signatures_of_another_set(harness):
     other = dataclasses.replace(request, alive=request.alive[:-1], dropped=request.alive[-1:])
     message = h.clients[1].consistency_check(other)
     assert h.server.receive(message) is False and "does not verify" in h.server.ignored[-1][2]
+
+
+# ---------------------------------------------------------------------------------------------- the session transcript
+def _directories(harness):
+    h = harness(n=6, d=8, bits=16, malicious=True)
+    h.advertise()
+    h.directories = h.server.key_directories()
+    return h
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing_self", "does not hold the key bundle we advertised"),
+    ("other_self", "does not hold the key bundle we advertised"),
+    ("peer_digest", "is not the one in the session transcript"),
+    ("hidden_neighbour", "whose keys we were not given"),
+    ("twice", "listed twice in the session transcript"),
+    ("unknown", "unknown client id 99"),
+])
+def test_a_transcript_that_does_not_match_what_we_hold_aborts(harness, case, match):
+    h = _directories(harness)
+    d = h.directories[1]
+    entries = list(d.transcript)
+    keys = list(d.keys)
+    if case == "missing_self":
+        entries = [e for e in entries if e.client_id != 1]
+    elif case == "other_self":  # our id, with the bundle of another session of ours
+        entries = [M.BundleDigest(1, bytes(32)) if e.client_id == 1 else e for e in entries]
+    elif case == "peer_digest":
+        entries = [M.BundleDigest(2, bytes(32)) if e.client_id == 2 else e for e in entries]
+    elif case == "hidden_neighbour":
+        keys = [k for k in keys if k.client_id != 2]
+    elif case == "twice":
+        entries = entries + entries[:1]
+    else:
+        entries = entries + [M.BundleDigest(99, bytes(32))]
+    with pytest.raises(ProtocolAbort, match=match):
+        h.clients[1].share_keys(dataclasses.replace(d, keys=tuple(keys), transcript=tuple(entries)))
+
+
+def test_every_signature_after_the_keys_covers_the_transcript_hash():
+    """The same roster, session id and survivor set in two sessions: the survivor-set signatures and the input
+    attestations of one do not verify in the other, because each session's bundles are fresh."""
+    from privfl.secure_agg import identity as I
+
+    config = SessionConfig.create(range(1, 6), bits=16, dimension=4, malicious=True)
+    keys = {c: generate_identity() for c in config.client_ids}
+    registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
+    runs = []
+    for _ in range(2):  # the server runs the session twice under the same id
+        server = ServerSession(config, registry=registry)
+        clients = {c: ClientSession(config, c, np.zeros(4, dtype=np.uint64), identity_key=keys[c],
+                                    registry=registry) for c in config.client_ids}
+        for c in clients:
+            server.receive(clients[c].advertise_keys())
+        directories = server.key_directories()
+        for c in clients:
+            server.receive(clients[c].share_keys(directories[c]))
+        deliveries = server.share_deliveries()
+        inputs = {c: clients[c].masked_input(deliveries[c]) for c in clients}
+        for m in inputs.values():
+            assert server.receive(m)
+        request = server.unmask_request()
+        signatures = {c: clients[c].consistency_check(request) for c in request.alive}
+        runs.append((server.transcript_hash, request, inputs, signatures, deliveries))
+    (ta, request, inputs_a, sig_a, deliveries), (tb, _, _, sig_b, _) = runs
+    assert ta != tb
+    ids = (I.encode_ids(request.alive), I.encode_ids(request.dropped))
+    sid = config.session_id
+    for c in config.client_ids:
+        assert registry.verify(sig_a[c].signature, I.SURVIVORS_PURPOSE, sid, c, ta, *ids)
+        assert not registry.verify(sig_b[c].signature, I.SURVIVORS_PURPOSE, sid, c, ta, *ids)
+        senders = I.encode_ids(s.sender for s in deliveries[c].shares)
+        assert registry.verify(inputs_a[c].signature, I.INPUT_PURPOSE, sid, c, ta, I.digest(inputs_a[c].masked),
+                               senders)
+        assert not registry.verify(inputs_a[c].signature, I.INPUT_PURPOSE, sid, c, tb,
+                                   I.digest(inputs_a[c].masked), senders)
+
+
+def test_the_server_aborts_when_too_few_holders_of_a_survivor_sign():
+    """Survivors that drop before the consistency round stay in the sum (their input attestations are forwarded), but
+    each survivor needs ``threshold`` signing holders, or the clients would refuse: the server says so first."""
+    config = SessionConfig.create(range(1, 21), bits=16, dimension=4, degree=4, threshold=3, malicious=True)
+    keys = {c: generate_identity() for c in config.client_ids}
+    registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
+    server = ServerSession(config, registry=registry)
+    clients = {c: ClientSession(config, c, np.zeros(4, dtype=np.uint64), identity_key=keys[c], registry=registry)
+               for c in config.client_ids}
+    for c in clients:
+        server.receive(clients[c].advertise_keys())
+    directories = server.key_directories()
+    for c in clients:
+        server.receive(clients[c].share_keys(directories[c]))
+    deliveries = server.share_deliveries()
+    for c in clients:
+        server.receive(clients[c].masked_input(deliveries[c]))
+    request = server.unmask_request()
+    silent = set(sorted(config.neighbours(1))[:3])  # three of client 1's five holders do not sign
+    for c in request.alive:
+        if c not in silent:
+            server.receive(clients[c].consistency_check(request))
+    with pytest.raises(ProtocolAbort, match="share holders of client 1 signed the survivor set"):
+        server.consistency_proof()
+
+
+def test_run_round_clients_check_the_configuration_against_the_declared_threat_model(monkeypatch):
+    from privfl.secure_agg import ThreatModel
+    from privfl.secure_agg import runtime
+
+    seen = []
+    real = runtime.ClientSession
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("threat_model"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "ClientSession", spy)
+    values = {i: np.full(4, i, dtype=np.uint64) for i in range(12)}
+    result = run_round(values, bits=16, malicious=True, dropout=0.1, min_inputs=8)
+    assert np.array_equal(result.sum, np.full(4, sum(range(12)), dtype=np.uint64))
+    assert seen and all(m == ThreatModel(dropout=0.1, min_inputs=8, malicious=True, n_clients=12) for m in seen)
+
+
+# ---------------------------------------------------------------------------------------------- malformed bytes
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"a":' * 100_000, b"\xff\xfe", b'{"type": "KeyDirectory"}', b"[]"])
+def test_the_codec_raises_its_own_error_on_any_bytes(raw):
+    from privfl.secure_agg import MessageFormatError
+
+    for cls in (M.KeyDirectory, M.ConsistencyProof, M.UnmaskShares):
+        with pytest.raises(MessageFormatError):
+            cls.from_bytes(raw)
+    with pytest.raises(MessageFormatError):
+        M.message_from_dict({"type": "Nope"})
+
+
+def test_a_deeply_nested_saved_state_is_refused_cleanly():
+    config = SessionConfig.create((1, 2, 3), bits=8, dimension=2)
+    with pytest.raises(ProtocolAbort, match="cannot be restored"):
+        ClientSession.from_state(config, b"[" * 100_000)
