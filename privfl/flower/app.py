@@ -30,14 +30,18 @@ seeded noise releases exactly what the in-process runtime with ``executor="per_c
 Placements: ``local`` (each client noises its own release) and ``central`` (the ServerApp adds the noise to the sum,
 a trusted aggregator, as in the simulation), and, under secure aggregation, ``distributed``.
 
-Secure aggregation (``RunSpec.secure``, a :class:`privfl.secure.SecureAggregation` with ``malicious=False``): each
-round runs privfl's own protocol (``secure_agg``) as Flower message rounds (:func:`_secure_round`): the training
+Secure aggregation (``RunSpec.secure``, a :class:`privfl.secure.SecureAggregation`): each round runs privfl's own protocol (``secure_agg``) as Flower message rounds (:func:`_secure_round`): the training
 message carries the round's public session configuration and the client answers with its advertised keys and its
 release headers (never a value); then share keys, masked input and unmask are ``train.secagg`` messages. The
 client's step is the in-process runtime's (``privfl.secure.encode_for_secure_sum``, with the client's own generator
 kept in its Context.state, as are its session's secrets between stages); the server unmasks only the sum. A SuperNode
 that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
-ledger rows are charged at training and marked released just before its masked input leaves.
+ledger rows are charged at training and marked released just before its masked input leaves. Against an active
+server (``malicious=True``, the default of ``SecureAggregation``), each SuperNode signs with its own identity key and
+trusts only its federation file, both in its node config (``privfl.flower.identity``): the registry of the
+organisations' keys and the threat model it derives degree, threshold and floor from; the consistency round runs
+between masked input and unmask. ``malicious=False`` trusts the server to follow the protocol (and Flower's node
+authentication to authenticate the clients); a SuperNode that holds an identity key refuses it.
 
 Multi-phase algorithms (FedBNR with ``kernel_rounds > 0``: kernel learning, then Bayesian linear regression;
 ``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.phases.PhasedSimulation` runs them, with
@@ -50,8 +54,7 @@ released), from which the ClientApp rebuilds the phase exactly as the server bui
 and serves its client half. A multi-phase run is not resumed (the earlier phases' server halves are not
 checkpointed): a run id with released rounds is refused.
 
-Not yet here (issue 13): client sampling under secure aggregation, the malicious-server variant of secure
-aggregation (an identity registry of the SuperNodes' keys), FedBNR-KD (its server-held labelled distillation set is
+Not yet here (issue 13): client sampling under secure aggregation, FedBNR-KD (its server-held labelled distillation set is
 not in the spec), and a checkpoint of the server's state for resumed runs.
 """
 
@@ -162,6 +165,10 @@ class RunSpec:
     #: in when the spec is built, so that a SuperNode holding another file refuses the run
     alignment_path: str | None = None
     alignment_digest: str = ""
+    #: the organisations' identity public keys, (partition id, hex) pairs, for the malicious-server variant of
+    #: secure aggregation (``privfl.flower.identity``): the ServerApp checks the signatures it forwards with them.
+    #: Clients never read them from here: each trusts its own federation file, agreed out of band.
+    identities: tuple = ()
 
     def __post_init__(self):
         from privfl.algorithms import ALGORITHMS, algorithm_options
@@ -178,6 +185,13 @@ class RunSpec:
             raise ConfigurationError(f"options must be a mapping of option names to JSON values, got "
                                      f"{self.options!r}") from None
         object.__setattr__(self, "options", options)
+        try:
+            identities = tuple(sorted((int(p), str(k)) for p, k in (self.identities.items() if isinstance(
+                self.identities, dict) else self.identities)))
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"identities must be (partition id, public key hex) pairs, got "
+                                     f"{self.identities!r}") from None
+        object.__setattr__(self, "identities", identities)
         bad = sorted({k for k, _ in options} - set(algorithm_options(self.algorithm)))
         if bad or len({k for k, _ in options}) != len(options):
             raise ConfigurationError(f"{self.algorithm} takes no option {bad} (or an option twice); its options are "
@@ -255,6 +269,7 @@ class RunSpec:
             if d.get("client_sizes") is not None:
                 d["client_sizes"] = tuple(d["client_sizes"])
             d["options"] = tuple((k, v) for k, v in d.get("options", ()))
+            d["identities"] = tuple((p, k) for p, k in d.get("identities", ()))
             if d.get("secure") is not None:
                 from privfl.secure import SecureAggregation
 
@@ -273,11 +288,12 @@ def _check_secure(spec: "RunSpec") -> None:
     sec = spec.secure
     if not isinstance(sec, SecureAggregation):
         raise ConfigurationError(f"secure must be a privfl.secure.SecureAggregation or None, got {sec!r}")
-    if sec.malicious:
-        raise ConfigurationError("the Flower runtime runs the semi-honest variant of secure aggregation: the "
-                                 "malicious-server variant needs every SuperNode's Ed25519 identity key registered "
-                                 "out of band, which it does not carry yet; use SecureAggregation(malicious=False) "
-                                 "(and Flower's node authentication so that the transport authenticates clients)")
+    if sec.malicious and [p for p, _ in spec.identities] != list(range(spec.n_clients)):
+        raise ConfigurationError("the malicious-server variant of secure aggregation needs every organisation's "
+                                 "identity public key: give RunSpec(identities=...) (privfl.flower.identity."
+                                 "make_identities, or each organisation's write_identity), and start each SuperNode "
+                                 "with identity-key and federation in its node config; or use "
+                                 "SecureAggregation(malicious=False), which trusts the server to be honest")
     if not spec.privacy.private:
         raise ConfigurationError("secure aggregation on Flower needs a private run: a non-private run's ranges (and "
                                  "weights, its record counts) are not public facts; set an epsilon or turn secure "
@@ -733,11 +749,15 @@ def _session_id(cid: str) -> int:
     return int(cid) + 1
 
 
-def _stage_messages():
-    from privfl.secure_agg.messages import (AdvertiseKeys, KeyDirectory, MaskedInput, ShareDelivery, ShareKeys,
-                                            UnmaskRequest, UnmaskShares)
+def _stage_messages(malicious: bool = False):
+    from privfl.secure_agg.messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, KeyDirectory,
+                                            MaskedInput, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
 
-    # stage -> (what the server sends, what the client answers)
+    # stage -> (what the server sends, what the client answers), in protocol order
+    if malicious:
+        return {"share_keys": (KeyDirectory, ShareKeys), "masked_input": (ShareDelivery, MaskedInput),
+                "consistency_check": (UnmaskRequest, ConsistencySignature),
+                "unmask": (ConsistencyProof, UnmaskShares)}, AdvertiseKeys
     return {"share_keys": (KeyDirectory, ShareKeys), "masked_input": (ShareDelivery, MaskedInput),
             "unmask": (UnmaskRequest, UnmaskShares)}, AdvertiseKeys
 
@@ -764,17 +784,18 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
     from privfl.secure_agg.params import ParameterError
     from privfl.release import ReleaseHeader
 
-    stages, advertise_type = _stage_messages()
+    malicious = bool(spec.secure.malicious)
+    stages, advertise_type = _stage_messages(malicious)
     encodings = _encodings(plan, spec)
     dimension = sum(e.size for e in encodings.values())
     try:
         config = SessionConfig.create([_session_id(str(k)) for k in range(spec.n_clients)], bits=spec.secure.bits,
-                                      dimension=dimension, min_inputs=round_min_inputs(encodings), malicious=False,
+                                      dimension=dimension, min_inputs=round_min_inputs(encodings), malicious=malicious,
                                       dropout=spec.secure.dropout, corruption=spec.secure.corruption)
     except (ParameterError, ValueError) as exc:
         raise DeploymentError(f"round {rnd}: no secure-aggregation session for {spec.n_clients} clients: {exc}"
                               ) from exc
-    server = ServerSession(config)
+    server = ServerSession(config, registry=_spec_registry(spec) if malicious else None)
     messages = [Message(to_record({**broadcast, "secagg": config.to_dict()}, BROADCAST), dst_node_id=node,
                         message_type=TRAIN, group_id=str(rnd)) for node in nodes]
     headers, sat_out = {}, []
@@ -806,7 +827,7 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
     phase = (broadcast.get("phase") or {}).get("name")
     try:
         outgoing = server.key_directories()
-        for stage in ("share_keys", "masked_input", "unmask"):
+        for stage in stages:
             for answer in _exchange(grid, spec, rnd, stage, outgoing, node_of, stages[stage][1], audits, phase):
                 server.receive(answer)
             if stage == "share_keys":
@@ -814,6 +835,9 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
             elif stage == "masked_input":
                 request = server.unmask_request()
                 outgoing = {c: request for c in request.alive}
+            elif stage == "consistency_check":
+                proof = server.consistency_proof()
+                outgoing = {s.client_id: proof for s in proof.signatures}
         result = server.finalize()
     except ProtocolAbort:
         return 0, sat_out, True  # nothing of the round is revealed; the global state stays
@@ -932,9 +956,11 @@ def client_train(msg, context):
     if multipliers != broadcast["noise_multipliers"]:
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
                               f"client computes {multipliers} from the same public spec; run one privfl version")
+    secure = spec.secure is not None
+    if secure:  # refuse a run this SuperNode's federation file did not agree to, before anything is charged
+        _client_identity(context, spec, None)
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
     ledger = _ledger(spec, context, phased, plan)
-    secure = spec.secure is not None
     state_key = _state_key(ALGORITHM_STATE, phased)
     try:
         if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
@@ -1033,6 +1059,54 @@ def _audit(context, ledger, client: int, composition: dict | None) -> dict | Non
     return audit["clients"].get(str(client))
 
 
+def _spec_registry(spec: RunSpec):
+    """The ServerApp's registry of the organisations' identity keys (``RunSpec.identities``), by protocol id."""
+    from privfl.secure_agg import IdentityRegistry
+
+    try:
+        return IdentityRegistry({_session_id(str(p)): bytes.fromhex(k) for p, k in spec.identities})
+    except ValueError as exc:
+        raise ConfigurationError(f"RunSpec identities: {exc}") from None
+
+
+def _client_identity(context, spec: RunSpec | None, floor: int | None, malicious: bool | None = None) -> dict:
+    """The ``ClientSession`` keywords of this SuperNode. Under the malicious variant: its identity key, the registry
+    and the threat model of its federation file, all read from its node config (out of band, never from the run
+    config, which the server's side writes); a run whose secure-aggregation settings differ from the federation
+    file's is refused. Under the semi-honest variant: none, and a SuperNode that holds an identity key refuses it
+    (no downgrade)."""
+    from privfl.flower.identity import AGREED, FEDERATION_KEY, IDENTITY_KEY, load_identity, read_federation
+    from privfl.secure_agg import IdentityRegistry, ThreatModel, identity_public_bytes
+
+    if malicious is None:
+        malicious = bool(spec.secure.malicious)
+    key_path, federation = context.node_config.get(IDENTITY_KEY), context.node_config.get(FEDERATION_KEY)
+    if not malicious:
+        if key_path:
+            raise DeploymentError(f"this SuperNode holds an identity key ({IDENTITY_KEY} in its node config), so it "
+                                  "runs secure aggregation against an active server only; the run asks for the "
+                                  "semi-honest variant, refused")
+        return {}
+    if not key_path or not federation:
+        raise ConfigurationError(f"secure aggregation against an active server needs this SuperNode's {IDENTITY_KEY} "
+                                 f"and {FEDERATION_KEY} in its node config (privfl.flower.identity)")
+    key = load_identity(str(key_path))
+    identities, agreed = read_federation(str(federation))
+    partition = int(_node_value(context, PARTITION_KEY))
+    if identities.get(partition) != identity_public_bytes(key):
+        raise ConfigurationError(f"the federation file registers another key for partition {partition} than this "
+                                 f"SuperNode's {IDENTITY_KEY}")
+    if spec is not None:
+        asked = {k: getattr(spec.secure, k) for k in AGREED}
+        if asked != agreed or spec.n_clients != len(identities):
+            raise DeploymentError(f"the run asks for secure aggregation {asked} over {spec.n_clients} clients; this "
+                                  f"SuperNode's federation file agreed {agreed} over {len(identities)}: refused")
+    registry = IdentityRegistry({_session_id(str(p)): raw for p, raw in identities.items()})
+    model = ThreatModel(dropout=float(agreed["dropout"]), corruption=float(agreed["corruption"]), min_inputs=floor,
+                        malicious=True, n_clients=len(identities))
+    return {"identity_key": key, "registry": registry, "threat_model": model}
+
+
 def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context, phased=None,
                       composition=None) -> dict:
     """The client's first stage under secure aggregation: encode its (charged, noised) releases with its own
@@ -1047,11 +1121,14 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     encodings = _encodings(plan, spec)
     config = SessionConfig.from_dict(broadcast["secagg"])
     words = encode_for_secure_sum(released, encodings, secure_rng, secure_noise=spec.privacy.secure_noise)
-    if config.bits != spec.secure.bits or config.dimension != words.size or config.malicious:
-        raise DeploymentError(f"the server's session ({config.bits} bits, dimension {config.dimension}) does not "
-                              f"match the run's encodings ({spec.secure.bits} bits, dimension {words.size})")
+    if (config.bits != spec.secure.bits or config.dimension != words.size
+            or config.malicious != bool(spec.secure.malicious)):
+        raise DeploymentError(f"the server's session ({config.bits} bits, dimension {config.dimension}, "
+                              f"{'malicious' if config.malicious else 'semi-honest'} variant) does not match the "
+                              f"run's encodings ({spec.secure.bits} bits, dimension {words.size})")
     floor = round_min_inputs(encodings)
-    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor)
+    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor,
+                            **_client_identity(context, spec, floor))
     advert = session.advertise_keys()
     state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor,
              "run_id": spec.run_id, "phase": None if phased is None else phased.name, "composition": composition}
@@ -1073,15 +1150,18 @@ def client_secagg(msg, context):
     client = int(_node_value(context, PARTITION_KEY))
     request = from_record(msg.content, SECAGG_REQUEST)
     rnd, stage, phase = int(request["round"]), str(request["stage"]), request.get("phase")
-    stages, _ = _stage_messages()
-    if stage not in stages or SECAGG_STATE not in context.state:
+    if SECAGG_STATE not in context.state:
         raise DeploymentError(f"round {rnd}: no secure-aggregation session for stage {stage!r} on this SuperNode")
     saved = from_bytes(context.state[SECAGG_STATE]["envelope"], SECAGG_STATE)
     if saved["round"] != rnd or saved.get("phase") != phase:
         raise DeploymentError(f"round {rnd} (phase {phase}): this SuperNode's session is for round {saved['round']} "
                               f"(phase {saved.get('phase')})")
-    session = ClientSession.from_state(SessionConfig.from_dict(saved["config"]), saved["session"],
-                                       min_inputs=saved["floor"])
+    config = SessionConfig.from_dict(saved["config"])
+    stages, _ = _stage_messages(config.malicious)
+    if stage not in stages:
+        raise DeploymentError(f"round {rnd}: no stage {stage!r} in this SuperNode's secure-aggregation session")
+    session = ClientSession.from_state(config, saved["session"], min_inputs=saved["floor"],
+                                       **_client_identity(context, None, saved["floor"], config.malicious))
     try:
         answer = session.handle(stages[stage][0].from_bytes(request["message"]))
     finally:

@@ -218,7 +218,7 @@ def test_a_secure_spec_round_trips_and_unsafe_settings_are_refused_up_front(fede
     spec = RunSpec.of("dp_fedavg", federation, fed, private, secure=SecureAggregation(bits=40, malicious=False,
                                                                                       min_survivors=2))
     assert RunSpec.from_json(spec.to_json()) == spec
-    with pytest.raises(ConfigurationError, match="identity key"):
+    with pytest.raises(ConfigurationError, match="identity public key"):
         RunSpec.of("dp_fedavg", federation, fed, private, secure=SecureAggregation(malicious=True))
     with pytest.raises(ConfigurationError, match="private run"):
         RunSpec.of("fedavg", federation, fed, PrivacyConfig(), secure=SecureAggregation(malicious=False))

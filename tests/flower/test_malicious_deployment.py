@@ -1,0 +1,191 @@
+"""Secure aggregation against an active server on a real Flower deployment (issue 26): a flower-superlink and three
+flower-supernode OS processes on loopback, each SuperNode holding its own Ed25519 identity key and the federation
+file (the organisations' public keys and the agreed threat model), both in its node config, out of band.
+
+- With dropouts: a SuperNode killed after sharing its keys is recovered from the survivors' signed shares; the
+  survivors' ledgers mark exactly what they sent.
+- An active ServerApp (its own code altered: it substitutes the X25519 keys of one organisation in the key
+  directories it forwards, the attack that recovers any input from the semi-honest variant) learns nothing: every
+  other organisation refuses the forged bundle, no masked input leaves any SuperNode (no ledger row is marked
+  released), and the round aborts with the global model unchanged.
+- A run config that asks for a weaker threat model than the federation file, or for the semi-honest variant from
+  SuperNodes that hold keys, is refused by every SuperNode before anything is charged.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
+from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
+from privfl.flower.local import LocalDeployment  # noqa: E402
+from privfl.secure import SecureAggregation  # noqa: E402
+
+N_CLIENTS = 3
+RUN_TIMEOUT = 240
+SECURE = SecureAggregation(bits=48, malicious=True, dropout=0.34)
+
+#: The adversary's ServerApp: privfl's own, with one change in its process: every key directory it forwards carries
+#: fresh X25519 keys of the server's in place of organisation 0's (protocol id 1), under organisation 0's signature.
+ACTIVE_SERVER_APP = '''"""An active server: privfl's ServerApp substituting organisation 0's keys (a test of issue 26)."""
+
+import dataclasses
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from privfl.flower import app as _privfl
+from privfl.secure_agg import server as _server
+
+_honest = _server.ServerSession.key_directories
+
+
+def _fresh():
+    return X25519PrivateKey.generate().public_key().public_bytes(serialization.Encoding.Raw,
+                                                                 serialization.PublicFormat.Raw)
+
+
+def _substituted(self):
+    out = {}
+    for client, directory in _honest(self).items():
+        keys = tuple(dataclasses.replace(k, encryption_key=_fresh(), mask_key=_fresh()) if k.client_id == 1 else k
+                     for k in directory.keys)
+        out[client] = dataclasses.replace(directory, keys=keys)
+    return out
+
+
+_server.ServerSession.key_directories = _substituted
+server_app = _privfl.server_app
+client_app = _privfl.client_app
+'''
+
+
+def _rows(path, run_id):
+    """(round, channel, released) of every charge of ``run_id`` in a SuperNode's ledger ([] if it holds none)."""
+    if not os.path.exists(path):
+        return []
+    with sqlite3.connect(path) as conn:
+        if not conn.execute("SELECT name FROM sqlite_master WHERE name='charges'").fetchone():
+            return []
+        return sorted(conn.execute("SELECT round, channel, released FROM charges WHERE run_id=?", (run_id,)))
+
+
+def _logs(folder) -> str:
+    """Every log the deployment's processes wrote under ``folder``."""
+    return "".join(p.read_text(errors="replace") for p in sorted(folder.glob("*.log")))
+
+
+def _configs(federation, tmp_path, write_orgs, secure=SECURE):
+    configs = write_orgs(federation, tmp_path)
+    keys, federation_file, public = make_identities(str(tmp_path / "identities"), N_CLIENTS, secure)
+    for config, key in zip(configs, keys):
+        config.update({IDENTITY_KEY: key, FEDERATION_KEY: federation_file})
+    return configs, public
+
+
+def _spec(federation, public, run_id, secure=SECURE, placement="local"):
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=5)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement=placement,
+                            secure_noise=False)
+    return RunSpec.of("dp_fedavg", federation, fed, privacy, run_id=run_id, node_wait=60, round_timeout=60,
+                      secure=secure, identities=public)
+
+
+def _shared_keys(log) -> bool:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    at = text.find("ROUND 0.share_keys]")
+    sending = text.find("Sending: train.secagg", at) if at >= 0 else -1
+    return sending >= 0 and "Sent successfully" in text[sending:]
+
+
+@pytest.mark.timeout(400)
+def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(federation, tmp_path, repro_env,
+                                                                               write_orgs):
+    configs, public = _configs(federation, tmp_path, write_orgs)
+    spec = _spec(federation, public, "malicious-kill")
+    result_path = str(tmp_path / "result.bin")
+    victim = 2
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
+        with open(tmp_path / "flwr-run.log", "wb") as log:
+            run = subprocess.Popen([os.path.join(dep.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],
+                                   stdout=log, stderr=subprocess.STDOUT, env=dep.env, cwd=dep.workdir,
+                                   start_new_session=True)
+        dep.procs.append(run)
+        log = tmp_path / f"supernode{victim}.log"
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not _shared_keys(log):
+            time.sleep(0.05)
+        assert _shared_keys(log), "SuperNode 2 never answered the share-keys stage"
+        dep.kill_node(victim)
+        run.wait(timeout=RUN_TIMEOUT)
+    if not os.path.exists(result_path):
+        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
+                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+    result = read_result(result_path)
+    (round0,) = result["history"]
+    assert (round0["participants"], round0["aborted"]) == (N_CLIENTS - 1, False)
+    assert np.all(np.isfinite(result["state"]["global_params"]))
+    assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]  # charged, never sent
+    for k in range(N_CLIENTS):
+        if k != victim:
+            assert _rows(configs[k]["ledger-path"], spec.run_id) == [(0, "update", 1)]
+
+
+@pytest.mark.timeout(400)
+def test_an_active_server_substituting_keys_learns_nothing(federation, tmp_path, repro_env, write_orgs, deploy):
+    configs, public = _configs(federation, tmp_path, write_orgs)
+    spec = _spec(federation, public, "malicious-substitution")
+    result_path = str(tmp_path / "result.bin")
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
+        with open(os.path.join(app, "privfl_flower_app.py"), "w") as f:
+            f.write(ACTIVE_SERVER_APP)
+        dep.run(app, timeout=RUN_TIMEOUT)
+    logs = _logs(tmp_path)
+    assert os.path.exists(result_path), open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:]
+    result = read_result(result_path)
+    (round0,) = result["history"]
+    assert round0["aborted"] and round0["participants"] == 0
+    # no masked input left any organisation: every charge is unmarked
+    for config in configs:
+        assert _rows(config["ledger-path"], spec.run_id) == [(0, "update", 0)]
+    # every organisation shown the forged bundle refused it (its reason in its own log; the server got a code)
+    assert logs.count("failed [protocol]") >= N_CLIENTS - 1 and "key substitution" in logs, logs[-3000:]
+    from privfl.flower import app as flower_app
+
+    initial = flower_app._setup(spec).broadcast(0).values["global_params"]
+    np.testing.assert_array_equal(result["state"]["global_params"], initial)  # the aborted round changed nothing
+
+
+@pytest.mark.timeout(300)
+def test_supernodes_refuse_a_weaker_or_semi_honest_run_than_their_federation_file(federation, tmp_path, repro_env,
+                                                                                  write_orgs, deploy):
+    configs, public = _configs(federation, tmp_path, write_orgs)
+    weaker = _spec(federation, public, "weaker", secure=SecureAggregation(bits=48, malicious=True, dropout=0.0))
+    semi_honest = _spec(federation, public, "semi", secure=SecureAggregation(bits=48, malicious=False))
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        for spec in (weaker, semi_honest):
+            app = write_app(str(tmp_path / f"app-{spec.run_id}"), spec,
+                            result_path=str(tmp_path / f"{spec.run_id}.bin"))
+            dep.run(app, timeout=RUN_TIMEOUT)
+            out = tmp_path / f"{spec.run_id}.bin"
+            if out.exists():  # every SuperNode refused: each round aborted with nobody in it
+                assert [(h["participants"], h["aborted"]) for h in read_result(str(out))["history"]] == [(0, True)]
+            for config in configs:  # refused before anything was charged
+                assert _rows(config["ledger-path"], spec.run_id) == []
+    logs = _logs(tmp_path)  # each SuperNode refused each run, saying why in its own log
+    assert logs.count("failed [deployment]") >= 2 * N_CLIENTS, logs[-3000:]
+    assert "federation file agreed" in logs and "refused" in logs
