@@ -352,6 +352,16 @@ def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
     return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
 
 
+def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
+    """N(0, std^2) noise of ``shape`` drawn by ``mechanisms.SecureNoise`` (OS CSPRNG, full-resolution Box-Muller:
+    no tail cut, unlike torch's float32 ``normal``, whose single draws stop at 5.77 sigma), then cast to ``dtype``
+    (float32 holds any such draw)."""
+    from privfl.mechanisms import SecureNoise
+
+    draws = SecureNoise().standard_normal(tuple(int(s) for s in shape))
+    return torch.from_numpy(np.asarray(draws, dtype=np.float64) * float(std)).to(dtype)
+
+
 class VectorisedDPSGD:
     """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
     of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
@@ -361,7 +371,8 @@ class VectorisedDPSGD:
     zero-weight rows; ``vmap`` over clients of ``vmap`` over examples gives every example's gradient; each is clipped
     to ``clip`` with opacus's factor ``min(1, clip / (norm + 1e-6))``; the clipped sum gets the client's Gaussian noise
     of std ``noise_multiplier * clip``, drawn from its own noise generator parameter by parameter as opacus draws it
-    (``secure_mode``: four draws halved, after one discarded), and is divided by the public expected batch; then
+    (with secure noise: ``mechanisms.SecureNoise``, see :func:`secure_gaussian`), and is divided by the public
+    expected batch; then
     torch's SGD step (with momentum). An empty batch is still a step (noise only). Seeded identically, it gives the
     per-client loop's model to float tolerance.
 
@@ -369,7 +380,8 @@ class VectorisedDPSGD:
         model: the architecture (only its structure is used, through ``functional_call``).
         schedule: the clients' common :class:`~privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`.
         noise_multiplier, clip, lr, momentum: as in ``dpsgd_train``.
-        secure_noise: opacus's ``secure_mode`` noise (and generators seeded from OS entropy by the caller).
+        secure_noise: the noise from ``mechanisms.SecureNoise`` (and Poisson generators seeded from OS entropy by the
+            caller); False: torch's generator, reproducible from the seed.
         memory_budget: bytes of per-client state (per-example gradients of one batch) one chunk may hold.
     """
 
@@ -404,12 +416,8 @@ class VectorisedDPSGD:
         std = self.z * self.clip
         if std == 0:
             return torch.zeros(shape)
-        if self.secure_noise:  # opacus's secure_mode: discard one draw, then the mean of two sums of two
-            torch.normal(0.0, std, size=(1, 1), generator=generator)
-            total = torch.zeros(shape)
-            for _ in range(4):
-                total += torch.normal(0.0, std, size=shape, generator=generator)
-            return total / 2
+        if self.secure_noise:  # the OS CSPRNG through mechanisms.SecureNoise: a tail without a cut (float64 draws)
+            return secure_gaussian(shape, std)
         return torch.normal(0.0, std, size=shape, generator=generator)
 
     def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],

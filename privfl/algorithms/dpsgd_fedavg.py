@@ -264,12 +264,28 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
         raise _unsupported_layer(exc, algorithm) from None
     params = [p for p in gsm.parameters() if p.requires_grad]
     inner = UserTraining(optimizer=optimizer).make_optimizer(params, lr, momentum)
+    # With secure noise, opacus adds none and the step hook adds N(0, (z C)^2) / B drawn by mechanisms.SecureNoise
+    # (opacus's secure_mode draws torch float32 normals, whose tails are cut): the same gradient, summed clipped
+    # gradients plus noise over the expected batch, with an exact tail. Seeded noise stays opacus's (reproducible).
+    from privfl.executor import secure_gaussian
+
+    own_noise = bool(secure_noise) and noise_multiplier > 0
+    expected_batch = schedule.expected_batch if schedule.size else schedule.sample_rate * n
     optimizer = DPOptimizerFastGradientClipping(
-        inner, noise_multiplier=noise_multiplier, max_grad_norm=clip,
-        expected_batch_size=schedule.expected_batch if schedule.size else schedule.sample_rate * n,
-        loss_reduction="mean", generator=private_torch_generator(rng, secure_noise), secure_mode=secure_noise)
-    if extra_gradient is not None:
-        optimizer.attach_step_hook(lambda _opt: extra_gradient())
+        inner, noise_multiplier=0.0 if own_noise else noise_multiplier, max_grad_norm=clip,
+        expected_batch_size=expected_batch, loss_reduction="mean",
+        generator=private_torch_generator(rng, secure_noise), secure_mode=False if own_noise else secure_noise)
+
+    def step_hook(opt) -> None:  # runs after opacus's clip, noise and 1/B scaling, before the inner step
+        if own_noise:
+            scale = noise_multiplier * clip / (opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1))
+            for p in opt.params:
+                p.grad.add_(secure_gaussian(p.grad.shape, scale, p.grad.dtype))
+        if extra_gradient is not None:
+            extra_gradient()
+
+    if own_noise or extra_gradient is not None:
+        optimizer.attach_step_hook(step_hook)
     criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
     sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
                                             generator=private_torch_generator(rng, secure_noise),
