@@ -142,7 +142,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
              local_epochs: int | None = None, batch_size: int = 32, lr: float | None = None, momentum: float = 0.0,
              clip: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
              secure_noise: bool = True, ledger: str = ":memory:", run_id: str | None = None,
-             **options) -> FederatedResult:
+             sampling_rate: float = 1.0, **options) -> FederatedResult:
     """Train ``model`` over ``clients`` with ``algorithm`` under (``epsilon``, ``delta``) per client.
 
     - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
@@ -165,9 +165,11 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       public label set in the order of the model's outputs (needed for non-integer labels).
     - ``rounds``, ``local_epochs``, ``batch_size``, ``lr``, ``momentum``, ``clip``: as in ``FederationConfig`` and
       ``PrivacyConfig`` (left out: the algorithm's defaults). ``client_size``: the public design size of a client's
-      data (DP-SGD's sampling rate; default the clients' mean size, as ``privfl run`` does). ``secure_noise``: draw
-      the noise from the OS CSPRNG (False: reproducible from ``seed``, and the audit says so). ``ledger``: a SQLite
-      path to keep the ledger. ``options``: the algorithm's own options (e.g. FedProx's ``mu``).
+      data (DP-SGD's sampling rate and steps), required for a private run: the clients' record counts are private
+      and never set it. ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
+      reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
+      (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
+      the algorithm's own options (e.g. FedProx's ``mu``).
     """
     from privfl.algorithms import ALGORITHMS, algorithm_options, default_unit, make_algorithm
     from privfl.config import FederationConfig, PrivacyConfig
@@ -240,7 +242,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                            lr=defaults.get("lr", 0.05) if lr is None else lr, momentum=momentum, seed=seed,
                            client_size=client_size)
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=unit or default_unit(algorithm),
-                            clip=defaults.get("clip", 1.0) if clip is None else clip, secure_noise=secure_noise)
+                            clip=defaults.get("clip", 1.0) if clip is None else clip, secure_noise=secure_noise,
+                            sampling_rate=sampling_rate)
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
     sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id)

@@ -125,3 +125,23 @@ def test_a_run_resumed_under_another_trust_assumption_is_refused(tmp_path):
     ledger.record_meta("trust", "local: a")  # the same: fine
     with pytest.raises(LedgerError, match="charged under trust"):
         ledger.record_meta("trust", "central: b")
+
+
+def test_federate_samples_clients_from_the_csprng_and_stays_within_budget():
+    import torch
+    from torch import nn
+
+    import privfl
+
+    rng = np.random.default_rng(0)
+    clients = {f"org{k}": (rng.normal(size=(20, 3)).astype(np.float32), rng.integers(0, 2, 20)) for k in range(8)}
+    test = (rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, 10))
+    torch.manual_seed(0)
+    runs = [privfl.federate(nn.Linear(3, 2), clients, algorithm="dp_fedavg", epsilon=2.0, unit="client",
+                            rounds=10, client_size=20, test=test, seed=3, sampling_rate=0.5) for _ in range(2)]
+    for run in runs:
+        assert run.epsilon <= 2.0 * (1 + 1e-9)
+        assert all(0 <= h["participants"] <= 8 for h in run.history)
+    # one seed, two runs: the samples differ (the per-round counts of 8 fair coins agree with probability 0.196,
+    # all 10 rounds' with about 1e-7)
+    assert [h["participants"] for h in runs[0].history] != [h["participants"] for h in runs[1].history]
