@@ -570,7 +570,23 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
         history.append({"round": rnd, "participants": participants, "aborted": aborted,
                         "sat_out": sorted(sat_out, key=int), "metrics": metrics,
                         "seconds": time.perf_counter() - start})
+        _log_round(spec, history[-1], audits, phase)
     return history, multipliers
+
+
+def _log_round(spec: RunSpec, record: dict, audits: dict, phase=None) -> None:
+    """One line per round in Flower's log stream (what ``flwr run --stream`` and ``flwr log`` show): round,
+    participants, who sat out, whether secure aggregation aborted it, the largest epsilon the organisations report
+    having spent, and the round's seconds."""
+    from flwr.common.logger import log
+    import logging
+
+    spent = [float(a["epsilon"]) for a in audits.values() if a and a.get("epsilon") is not None]
+    name = f" phase {phase['name']}" if isinstance(phase, dict) and phase.get("name") else ""
+    log(logging.INFO, "privfl %s%s round %d/%d: %d participants, sat out %s%s, epsilon spent max %s (target %g), "
+        "%.2f s", spec.run_id, name, record["round"] + 1, spec.fed.rounds, record["participants"],
+        record["sat_out"] or "none", ", ABORTED (nothing revealed)" if record["aborted"] else "",
+        f"{max(spent):.4g}" if spent else "n/a", spec.privacy.epsilon, record["seconds"])
 
 
 #: seconds between two pulls of replies (flwr's ``Grid.send_and_receive`` waits 3 s, a round trip's worth of

@@ -125,7 +125,8 @@ class LocalDeployment:
         log = open(os.path.join(self.workdir, f"{name}.log"), mode)
         try:
             proc = subprocess.Popen([os.path.join(self.bin_dir, args[0]), *args[1:]], stdout=log,
-                                    stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         finally:
             log.close()
         if keep:
@@ -244,6 +245,20 @@ class LocalDeployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: ask Linux to send it SIGTERM when the process that started it ends, however it
+    ends (SIGTERM, SIGINT, SIGKILL, a crash), so a deployment never outlives the test or benchmark that started it.
+    Elsewhere a no-op (``close()`` and the context manager still stop everything on a normal exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:

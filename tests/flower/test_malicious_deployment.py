@@ -138,6 +138,8 @@ def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(f
     (round0,) = result["history"]
     assert (round0["participants"], round0["aborted"]) == (N_CLIENTS - 1, False)
     assert np.all(np.isfinite(result["state"]["global_params"]))
+    # the ServerApp logs each round to Flower's log stream, which flwr run --stream shows
+    assert "privfl malicious-kill round 1/1: 2 participants" in (tmp_path / "flwr-run.log").read_text(errors="replace")
     assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]  # charged, never sent
     for k in range(N_CLIENTS):
         if k != victim:
