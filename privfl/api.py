@@ -39,7 +39,11 @@ _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are comp
 class FederatedResult:
     """What :func:`federate` returns.
 
-    ``model``: the trained global model (a copy; the module you passed is left untouched). ``history``: per round,
+    ``model``: the trained global model (a copy; the module you passed is left untouched): an ``nn.Module`` for the
+    FedAvg family, FOLA and HBFL; for FedBNR its posterior predictive, a
+    :class:`privfl.algorithms.fedbnr.BLRPredictor` (``model(x)``: the predictive mean, shape ``(n, 1)``;
+    ``model.predict(x)``: mean and predictive variance as arrays, in the targets' units); None where there is no
+    one global model (FedBNN's models are the clients' own). ``history``: per round,
     the test metrics (balanced accuracy, AUROC, accuracy, NLL, ECE for classification; RMSE, MAE, R^2 in the
     targets' units for regression; and your ``metrics``), the participants and the largest epsilon so far.
     ``audit``: client name -> ``{"epsilon", "releases", ...}`` from the ledger. ``audit_rows``: one row per client per
@@ -129,6 +133,33 @@ def _labels(y: np.ndarray, what: str, classes: Sequence | None, width: int) -> n
     return y.astype(np.int64)
 
 
+def _trained_model(sim, alg, test):
+    """What ``FederatedResult.model`` holds: a copy of the global ``nn.Module`` (the FedAvg family, ...), FedBNR's
+    posterior predictive (:class:`privfl.algorithms.fedbnr.BLRPredictor`, in the targets' units), else None."""
+    if hasattr(alg, "global_model"):
+        return copy.deepcopy(alg.global_model())
+    phases = getattr(sim, "phase_runs", None)
+    final = phases[-1].algorithm if phases else alg  # a multi-phase run's model is its last phase's
+    if callable(getattr(final, "predictor", None)):
+        return final.predictor(float(test.target_offset), float(test.target_scale))
+    return None
+
+
+def _check_width_fits_labels(width: int, ys: Sequence[np.ndarray]) -> None:
+    """Refuse a model with more outputs than the integer labels use: a 3-output model for 0/1 labels trains a class
+    that no record has. The labels are read here only to raise this error to the user, who holds every client's data
+    in this process; nothing of them enters the run (its label set stays the model's outputs)."""
+    values = [y.reshape(-1) for y in ys if y.size and y.dtype.kind in "biu"]
+    if not values or len(values) != sum(1 for y in ys if y.size):
+        return  # non-integer labels are refused by _labels with the pointer to classes=
+    top = int(max(v.max() for v in values))
+    if top + 1 < width:
+        raise ConfigurationError(f"the model outputs {width} values per example (one per class), but the labels of "
+                                 f"every client and the test data lie in 0..{top} ({top + 1} classes): make its last "
+                                 f"layer output {top + 1} values, or, if the other classes exist but no client holds "
+                                 f"them, pass classes=[...] listing all {width} in the order of the model's outputs")
+
+
 def _regression_targets(y: np.ndarray, what: str) -> np.ndarray:
     if y.dtype.kind not in "biuf":
         raise ConfigurationError(f"{what}: regression targets of dtype {y.dtype} must be numbers")
@@ -147,13 +178,19 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
 
     - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
       and fedbnn also a list of them, one per client, cycled). Its output width is the number of classes (or of
-      regression targets).
+      regression targets): a classifier with more outputs than its integer labels use (e.g. 3 outputs for 0/1
+      labels) is refused, unless ``classes`` lists every class in output order.
     - ``clients``: client name -> its data: a torch ``Dataset`` or ``DataLoader`` of (x, y) pairs (privfl draws its
       own batches: DP-SGD samples them), an ``(X, y)`` pair of numpy arrays or tensors, or a pandas DataFrame with
       its ``target`` column. ``test``: held-out data in the same form; without it each client holds out
       ``test_fraction`` of its records (a permutation drawn from (seed, client index) only).
     - ``algorithm``: one that trains a user's model (:func:`own_model_algorithms`: the FedAvg family
-      ``OWN_MODEL_ALGORITHMS``); the others build their own models and are refused with the reason.
+      ``OWN_MODEL_ALGORITHMS``, dp_fedsgd, fola, hbfl, fedbnn and fedbnr); the others build their own models and
+      are refused with the reason. ``fedbnr`` (regression) takes ``model`` as its feature extractor (None: random
+      Fourier features of the inputs) and returns as ``result.model`` its posterior predictive: ``result.model(x)``
+      is the predictive mean (a tensor of shape ``(n, 1)``) and ``result.model.predict(x)`` gives ``(mean,
+      variance)`` numpy arrays, the variance being the posterior predictive's (noise plus weight uncertainty), both
+      in the targets' units.
       ``epsilon``: the per-client budget (required by private algorithms; ``math.inf`` or None for
       fedavg/fedprox). ``unit``: ``"example"`` (record-level) or ``"client"``; default the algorithm's.
     - ``loss``: ``criterion(outputs, targets)``; default cross-entropy (classification) or MSE (regression). Under
@@ -170,6 +207,14 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
       (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
       the algorithm's own options (e.g. FedProx's ``mu``).
+
+    Refused before anything is charged (:class:`ConfigurationError`): besides bad arguments, a client too small for
+    its DP-SGD schedule (fewer than ``ceil(client_size / batch_size)`` training records: less than one record per
+    step on average; :func:`privfl.runtime.check_schedules_fit`). A run whose training diverges stops with an error
+    naming the likely causes (features not standardised, too large a learning rate): a non-finite upload is refused
+    before release (:class:`privfl.errors.InvalidRelease`); non-finite global parameters or predictions, or a
+    regression whose test RMSE exceeds 100 standard deviations of the test targets, raise
+    :class:`privfl.errors.TrainingDiverged` naming the round. The rounds run before stay charged.
     """
     from privfl.algorithms import ALGORITHMS, algorithm_options, default_unit, make_algorithm
     from privfl.config import FederationConfig, PrivacyConfig
@@ -226,6 +271,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     input_shape = tuple(test_pair[0].shape[1:])
     if task == "classification":
         width = len(classes) if classes is not None else _output_width(user.model, input_shape)
+        if classes is None:
+            _check_width_fits_labels(width, [y for _, y in pairs] + [test_pair[1]])
         pairs = [(x, _labels(y, f"client {n!r}", classes, width)) for n, (x, y) in zip(names, pairs)]
         test_pair = (test_pair[0], _labels(test_pair[1], "the test data", classes, width))
         num_classes = width
@@ -260,7 +307,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     history = [{"round": r.round, "metrics": dict(r.metrics), "participants": r.participants,
                 "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds}
                for r in run.history]
-    trained = copy.deepcopy(alg.global_model()) if hasattr(alg, "global_model") else None
+    trained = _trained_model(sim, alg, data.test)
     return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
                            epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),
                            delta=delta, algorithm=algorithm, clients=names, run=run)

@@ -24,7 +24,7 @@ import numpy as np
 
 from privfl.mechanisms import InvalidRelease, squared_sum_sensitivity, sum_sensitivity
 from privfl.mechanisms.clipping import check_adjacency, check_bound, clip_per_client
-from privfl.errors import ConfigurationError
+from privfl.errors import DIVERGENCE_CAUSES, ConfigurationError
 
 UNITS = ("example", "client")
 
@@ -265,8 +265,8 @@ class Channel:
                                  f"released")
         # float32 values are checked before conversion (half the bytes; the conversion keeps finiteness exactly)
         if not (defer_finite and is32 and arr is not raw) and not _all_finite(raw if is32 else arr):
-            raise InvalidRelease(f"channel {self.name}: value has NaN or Inf entries; nothing was released "
-                                 f"(check the local training, e.g. lower the learning rate)")
+            raise InvalidRelease(f"channel {self.name}: value has NaN or Inf entries; nothing was released: the "
+                                 f"local training diverged; {DIVERGENCE_CAUSES}")
         if isinstance(value, ClippedValue):
             return ClippedValue(arr, value.bound, value.statistic)
         if isinstance(value, PrivatizedValue):

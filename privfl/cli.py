@@ -187,22 +187,16 @@ def _algorithm_flag_options(args) -> dict:
 
 
 def _entry_model_option(args) -> dict:
-    """``{"model": ...}`` when the ``--entry`` point returned the user's own model (an ``nn.Module`` or a factory) and
-    the algorithm trains one (its constructor takes ``model``); a clear refusal for an algorithm that does not."""
-    module = getattr(args, "entry_model", None)
-    if module is None:
-        return {}
-    from privfl.algorithms import ALGORITHMS, algorithm_options
-    from privfl.errors import ConfigurationError
+    """The user's own training objects the ``--entry`` point returned (its model, an ``nn.Module`` or a factory; its
+    loss, optimizer and metrics), as keyword arguments of the algorithm; a clear refusal for an algorithm that takes
+    none of them (it builds its own models) or not all of them."""
+    from privfl.algorithms import user_training_options
 
-    if "model" in algorithm_options(args.algorithm):
-        return {"model": module}
-    able = sorted(a for a in ALGORITHMS if "model" in algorithm_options(a))
-    kind = getattr(module, "__name__", type(module).__name__)
-    raise ConfigurationError(f"--entry {args.entry} returned your own model ({kind}), and {args.algorithm} builds its "
-                             f"own models from a built-in architecture: train your model with --algorithm one of "
-                             f"{', '.join(able)}, or have the entry return a built-in model's name or settings "
-                             "(e.g. {'model': 'mlp', 'hidden': [16]})")
+    given = dict(getattr(args, "entry_training", None) or {})
+    if not given:
+        return {}
+    return user_training_options(given, args.algorithm, f"--entry {args.entry}",
+                                 "train them with --algorithm one of {}")
 
 
 def _text_options(args) -> dict:
@@ -262,11 +256,12 @@ def _check_flower_sim_run(args, algorithm) -> None:
     from privfl.flower.sim import require_one_phase
 
     require_one_phase(algorithm)
-    if getattr(args, "entry_model", None) is not None:
-        raise ConfigurationError(f"--entry {args.entry} returned your own model, a Python object that "
+    if getattr(args, "entry_training", None):
+        what = " and ".join(sorted(args.entry_training))
+        raise ConfigurationError(f"--entry {args.entry} returned your own {what}, Python objects that "
                                  "--runtime flower-sim cannot ship to the ClientApps (they build the model from the "
                                  "run's public spec): use --runtime inprocess, or have the entry return a built-in "
-                                 "model's name or settings")
+                                 "model's name or settings and no loss or optimizer")
     if args.save_model and getattr(algorithm, "client_state", ()):
         raise ConfigurationError(f"--save-model with --runtime flower-sim: {args.algorithm}'s trained models are "
                                  "the clients' own and stay on their SuperNodes; drop --save-model or use "
@@ -301,8 +296,17 @@ def _flower_sim_paths(args, n_clients: int) -> tuple[str, str]:
     return flower_dir, ledger_dir
 
 
+def _image_input(args, data) -> bool:
+    """Whether the run's inputs are images (C, H, W): the own data's shape, or the built-in data set's kind."""
+    if data is not None:
+        return len(data.input_shape) == 3
+    from privfl.data.federated import is_image_dataset
+
+    return is_image_dataset(args.dataset or "mnist5k")
+
+
 def cmd_run(args) -> int:
-    from privfl.algorithms import ALGORITHMS, default_unit, make_algorithm
+    from privfl.algorithms import ALGORITHMS, algorithm_defaults, default_unit, make_algorithm
     from privfl.algorithms.base import is_phased
     from privfl.config import FederationConfig, PrivacyConfig
     from privfl.data import make_federated
@@ -321,7 +325,7 @@ def cmd_run(args) -> int:
             print(f"privfl run: privacy unit {args.unit!r} (the default for {args.algorithm}; pass --unit to choose)",
                   file=sys.stderr)
     if args.algorithm in ALGORITHMS:
-        for key, value in ALGORITHMS[args.algorithm].defaults.items():
+        for key, value in algorithm_defaults(args.algorithm, image=_image_input(args, data)).items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
     built_in = {"dataset": "mnist5k", "clients": 10, "partition": "iid", "alpha": 0.1} if data is None else {}
@@ -445,6 +449,7 @@ def cmd_run(args) -> int:
         "balanced_accuracy": result.final.get("balanced_accuracy"), "auroc": result.final.get("auroc"),
         "noise_applied": applied_noise(charges), "privfl_version": version(),
         "settings": _settings(args, fed, privacy, secure), "runtime": args.runtime,
+        "model": trained_model_description(diagnostic(), fed, getattr(args, "entry_model", None)),
     }
     if flower:  # each client's own ledger (``privfl audit`` reads the folder, result.ledger, as one run)
         out.update(ledgers=run.ledger_paths, flower_dir=flower_dir)
@@ -483,6 +488,8 @@ def _own_data(args):
     from privfl.data.own import client_tables, federated_from_tables, load_entry, read_table
     from privfl.errors import ConfigurationError
 
+    if isinstance(args.data, list):  # the shell's expansion of clients/*.csv, or one path or quoted glob
+        args.data = args.data[0] if len(args.data) == 1 else list(args.data)
     if args.data is None and args.entry is None:
         given = [flag for flag, key in _OWN_DATA_FLAGS if getattr(args, key) is not None]
         if given:
@@ -523,6 +530,7 @@ def _own_data(args):
                                      "clients already")
         entry = load_entry(args.entry)
         args.entry_model = entry.module
+        args.entry_training = entry.training
         for key, value in entry.model.items():
             if getattr(args, key) is None:
                 setattr(args, key, tuple(value) if key == "hidden" else value)
@@ -600,9 +608,79 @@ def _settings(args, fed, privacy, secure) -> dict:
                                                                "corruption": args.corruption}}
     out["algorithm_options"].update(_algorithm_flag_options(args))
     out["algorithm_options"].update(getattr(args, "text_options", None) or {})
+    user = getattr(args, "entry_model", None)
+    if user is not None:  # the user's own module ran, not the built-in architecture the federation names
+        role = USER_MODEL_ROLES.get(args.algorithm, "the trained model")
+        out["user_model"] = {**user_model_description(user), "source": f"--entry {args.entry}", "role": role}
+        if args.algorithm not in USER_MODEL_ROLES:
+            out["federation"].update(model="own (see user_model)", hidden=None, pool=None)
+    for key in ("loss", "optimizer", "metrics"):
+        given = (getattr(args, "entry_training", None) or {}).get(key)
+        if given is not None:  # the entry's own loss, optimizer or metrics: named, as a run's settings
+            out.setdefault("user_training", {})[key] = (sorted(given) if key == "metrics"
+                                                        else getattr(given, "__qualname__", type(given).__name__))
     if getattr(args, "runtime", "inprocess") != "inprocess":  # its own ledgers: a run of its own
         out["runtime"] = args.runtime
     return out
+
+
+#: what the user's own module is in algorithms where it is not the whole trained model (elsewhere: the trained model,
+#: in place of the built-in architecture)
+USER_MODEL_ROLES = {"hbfl": "the clients' local models (the released meme is privfl's: model, hidden)",
+                    "fedbnr": "the feature extractor under the random Fourier features"}
+
+
+def module_description(net) -> dict:
+    """A torch module as the run JSON describes it: its class, the module that defines it, its parameter count."""
+    return {"class": type(net).__name__, "module": type(net).__module__,
+            "parameters": int(sum(p.numel() for p in net.parameters()))}
+
+
+def user_model_description(model) -> dict:
+    """The user's own model (an ``nn.Module``, or a zero-argument factory: built once, with torch's random state
+    left as it was) as :func:`module_description` describes it, with the factory's name when it is one."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return module_description(model)
+    with torch.random.fork_rng(devices=[]):  # describing the model must not move the run's generator
+        out = {**module_description(model()), "factory": getattr(model, "__qualname__", type(model).__name__)}
+    return out
+
+
+def trained_model_description(algorithm, fed, user_model=None) -> dict | None:
+    """The model a run trained, for its JSON (``"model"``): the global model's class, defining module and parameter
+    count, and ``"own": true`` with the user's module or the built-in architecture's name, hidden widths and pooling;
+    FedBNR's Bayesian linear regression (features and the size of its posterior mean); FedBNN's per-client models
+    (the first one's description and their number); None where the algorithm holds none of these."""
+    try:
+        return _trained_model_description(algorithm, fed, user_model)
+    except (AttributeError, TypeError, RuntimeError):  # a state a runtime did not keep: the run stands without it
+        return None
+
+
+def _trained_model_description(algorithm, fed, user_model) -> dict | None:
+    import numpy as np
+    import torch
+
+    built_in = {"own": False, "name": fed.model, "hidden": fed.hidden, "pool": fed.pool}
+    own = {"own": True} if user_model is not None and algorithm.name not in USER_MODEL_ROLES else built_in
+    net = algorithm.global_model() if callable(getattr(algorithm, "global_model", None)) else None
+    if isinstance(net, torch.nn.Module):
+        return {**module_description(net), **own}
+    posterior = getattr(algorithm, "posterior", None)
+    if posterior is not None and hasattr(posterior, "mean"):
+        out = {"class": "BLRPredictor", "module": "privfl.algorithms.fedbnr",
+               "parameters": int(np.size(posterior.mean)), "posterior": "Bayesian linear regression on "
+               f"{int(np.size(posterior.mean))} kernel features"}
+        if user_model is not None:
+            out["extractor"] = user_model_description(user_model)
+        return out
+    models = getattr(algorithm, "models", None)
+    if isinstance(models, dict) and models:
+        first = models[min(models)]
+        return {**module_description(first), **own, "per_client": len(models)}
+    return None
 
 
 def trained_state(algorithm) -> dict:
@@ -836,12 +914,18 @@ def cmd_compare(args) -> int:
     # a row's own unit where it is not the grid's (dp_fedavg is client-level by construction)
     other_units = sorted({(r["algorithm"], r["unit"]) for r in rows if r.get("unit") not in (None, config.unit)})
     units = f"unit={config.unit}" + (f" ({', '.join(f'{a}: {u}' for a, u in other_units)})" if other_units else "")
-    t = Table(title=f"privfl compare: {source}, {config.rounds} rounds, {units}, delta={config.delta:g}")
-    for col in ("algorithm", "ε target", "seeds", "accuracy", "balanced acc.", "AUROC", "NLL", "ECE", "ε spent max",
-                "ε spent mean"):
+    # the rounds each row ran ([overrides.<algorithm>] rounds may differ from the grid's): in the title only when
+    # every row ran the same number, else in a column of their own
+    ran = {str(r["rounds"]) for r in table}
+    rounds = f"{ran.pop()} rounds, " if len(ran) == 1 else ""
+    t = Table(title=f"privfl compare: {source}, {rounds}{units}, delta={config.delta:g}")
+    columns = ("algorithm", "ε target", "seeds", *(("rounds",) if not rounds else ()), "accuracy", "balanced acc.",
+               "AUROC", "NLL", "ECE", "ε spent max", "ε spent mean")
+    for col in columns:
         t.add_column(col, justify="left" if col == "algorithm" else "right")
     for r in table:
         t.add_row(r["algorithm"], f"{r['epsilon_target']:g}", str(r["seeds"]),
+                  *((str(r["rounds"]),) if not rounds else ()),
                   f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}", f"{r['balanced_accuracy']:.4f}",
                   f"{r['auroc']:.4f}", f"{r['nll']:.3f}", f"{r['ece']:.3f}",
                   f"{r['epsilon_spent_max']:.3f}", f"{r['epsilon_spent_mean']:.3f}")
@@ -909,19 +993,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "default mnist5k)")
     r.add_argument("--clients", type=int, default=None,
                    help="number of clients, at least 2 (default 10; with --data or --entry: the clients found)")
-    r.add_argument("--data", default=None, metavar="FILES",
-                   help="your own data instead of --dataset: CSV or Parquet files, one per client (a quoted glob such "
-                        "as 'clients/*.csv'; a file's name is its client's), or one file with --client-column "
-                        "(default: none, a built-in --dataset)")
+    r.add_argument("--data", default=None, nargs="+", metavar="FILE",
+                   help="your own data instead of --dataset: CSV or Parquet files, one per client (clients/*.csv as "
+                        "the shell expands it, a list of files, or a quoted glob such as 'clients/*.csv'; a file's "
+                        "name is its client's), or one file with --client-column (default: none, a built-in "
+                        "--dataset)")
     r.add_argument("--target", default=None, metavar="COLUMN",
                    help="with --data: the label (or target) column (no default: required with --data)")
     r.add_argument("--client-column", default=None, metavar="COLUMN",
                    help="with --data FILE: the column saying whose record each row is (default: none, one file per "
                         "client)")
     r.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
-                   help="your own data from Python: a function returning (model, clients) or (model, clients, "
-                        "test); model: a built-in model name, {'model', 'hidden', 'pool'} settings or None; clients: "
-                        "name -> (x, y) arrays/tensors or a DataFrame with the --target column (default: none)")
+                   help="your own data from Python: a function returning (model, clients), (model, clients, "
+                        "test) or a dict with the keys clients (required), model, test, loss, optimizer, metrics; "
+                        "model: a built-in model name, {'model', 'hidden', 'pool'} settings, None, or your own "
+                        "torch.nn.Module (or a factory of one); clients: name -> (x, y) arrays/tensors or a DataFrame "
+                        "with the --target column; loss, optimizer, metrics: as privfl.federate takes them (e.g. "
+                        "'optimizer': lambda p: torch.optim.Adam(p, lr=1e-3)) (default: none)")
     r.add_argument("--test-data", default=None, metavar="FILE",
                    help="with --data/--entry: held-out test set (CSV/Parquet, no client's data); its labels are the "
                         "label set unless --classes is given (default: none, see --test-fraction)")
@@ -1005,7 +1093,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hidden", type=_widths, default=None,
                    help="MLP hidden widths, comma-separated ('' for logistic regression); default: the model's")
     r.add_argument("--pool", type=int, default=None,
-                   help="average-pool image inputs by this factor (MLP only) (default 1: none)")
+                   help="average-pool image inputs by this factor (MLP only) (default: the algorithm's on image "
+                        "inputs, 2 for dp_fedavg and dp_fedsgd; 1, none, otherwise and on tabular data)")
     r.add_argument("--local-epochs", type=int, default=None, help="local epochs per round (default: the algorithm's)")
     r.add_argument("--batch-size", type=int, default=32, help="local batch size")
     r.add_argument("--lr", type=_float, default=None, help="client learning rate (default: the algorithm's)")

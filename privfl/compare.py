@@ -28,14 +28,16 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import tomllib
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from privfl.algorithms import ALGORITHMS, algorithm_options, make_algorithm
+from privfl.algorithms import ALGORITHMS, algorithm_defaults, algorithm_options, make_algorithm
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
@@ -43,6 +45,12 @@ from privfl.metrics.classification import reliability_bins
 from privfl.metrics.report import applied_noise, strict_json
 from privfl.options import option_value
 from privfl.runtime import Simulation
+
+
+class CompareNote(UserWarning):
+    """Something a comparison accepts but does not use, said once (e.g. ``[overrides.<algorithm>]`` for an
+    algorithm outside the grid)."""
+
 
 _FED_FIELDS = {f.name for f in fields(FederationConfig)}
 _PRIV_FIELDS = {f.name for f in fields(PrivacyConfig)}
@@ -173,10 +181,9 @@ class CompareConfig:
             raise ConfigurationError(f"clients = {self.clients}: a federation needs at least 2 clients")
         if self.overrides == _default_overrides():  # the built-in sizes: only those of the grid's algorithms apply
             object.__setattr__(self, "overrides", {k: v for k, v in self.overrides.items() if k in self.algorithms})
-        stray = sorted(set(self.overrides) - set(self.algorithms))
-        if stray:
-            raise ConfigurationError(f"[overrides.{stray[0]}] is for an algorithm not in the grid (algorithms = "
-                                     f"{list(self.algorithms)}); add it to algorithms or delete the section")
+        unknown = sorted(set(self.overrides) - set(ALGORITHMS))
+        if unknown:
+            raise ConfigurationError(f"[overrides.{unknown[0]}] names no algorithm; choose from {sorted(ALGORITHMS)}")
         for name, over in self.overrides.items():
             rounds = over.get("rounds", 1)
             if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -185,6 +192,12 @@ class CompareConfig:
             if bad:
                 raise ConfigurationError(f"[overrides.{name}] has unknown keys {sorted(bad)}; it takes federation and "
                                          f"privacy settings and {name}'s options {list(algorithm_options(name))}")
+        stray = sorted(set(self.overrides) - set(self.algorithms))
+        if stray:  # a TOML kept for a larger grid: its other sections wait for their algorithms
+            warnings.warn(CompareNote(
+                f"{', '.join(f'[overrides.{a}]' for a in stray)} {'is' if len(stray) == 1 else 'are'} for "
+                f"{'an algorithm' if len(stray) == 1 else 'algorithms'} not in the grid (algorithms = "
+                f"{list(self.algorithms)}): not used by this comparison (checked all the same)"), stacklevel=3)
 
     @classmethod
     def from_toml(cls, path: str) -> "CompareConfig":
@@ -264,12 +277,13 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     if spec.algorithm in REFERENCES:  # FedAvg's model and local training, without DP
         spec = RunSpec("fedavg", math.inf, spec.seed)
     cls = ALGORITHMS[spec.algorithm]
+    defaults = algorithm_defaults(spec.algorithm, image=_image_input(config))
     entry_model = _entry(config.entry).model if config.entry is not None else {}
     over = config.overrides.get(spec.algorithm, {})
     if over == _default_overrides().get(spec.algorithm):  # the built-in sizes give way to the entry point's model
-        settings = {**cls.defaults, **over, **entry_model}
+        settings = {**defaults, **over, **entry_model}
     else:
-        settings = {**cls.defaults, **entry_model, **over}
+        settings = {**defaults, **entry_model, **over}
     units = getattr(cls, "units", None)  # an algorithm built for fewer units (DP-FedAvg: client level) uses its own
     unit = units[0] if units and config.unit not in units else config.unit
     priv_kw = {k: v for k, v in settings.items() if k in _PRIV_FIELDS}
@@ -287,6 +301,14 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     return fed, privacy
 
 
+def _image_input(config: CompareConfig) -> bool:
+    """Whether the grid's inputs are images (C, H, W): a built-in image data set; own data comes as tables (rows of
+    features), never images."""
+    from privfl.data.federated import is_image_dataset
+
+    return not config.own_data and is_image_dataset(config.dataset)
+
+
 def run_rounds(config: CompareConfig, spec: RunSpec) -> int:
     """The rounds ``spec`` runs: the grid's ``rounds``, or its algorithm's ``rounds`` override."""
     return _configs(config, spec)[0].rounds
@@ -302,18 +324,16 @@ def _options(config: CompareConfig, algorithm: str) -> dict[str, Any]:
 
 
 def _entry_model(config: CompareConfig, algorithm: str) -> dict[str, Any]:
-    """``{"model": ...}`` when the ``entry`` point returned the user's own model (an ``nn.Module`` or a factory) and
-    ``algorithm`` trains one (its constructor takes ``model``); a clear refusal for one that does not."""
-    module = _entry(config.entry).module if config.entry is not None else None
-    if module is None:
+    """The user's own training objects the ``entry`` point returned (its model, an ``nn.Module`` or a factory, and
+    its loss, optimizer and metrics), as keyword arguments of ``algorithm``; a clear refusal for an algorithm that
+    does not take them (it builds its own models, or trains with its own loss)."""
+    from privfl.algorithms import user_training_options
+
+    given = _entry(config.entry).training if config.entry is not None else {}
+    if not given:
         return {}
-    if "model" in algorithm_options(algorithm):
-        return {"model": module}
-    able = sorted(a for a in ALGORITHMS if "model" in algorithm_options(a))
-    kind = getattr(module, "__name__", type(module).__name__)
-    raise ConfigurationError(f"entry = {config.entry!r} returned your own model ({kind}), and {algorithm} builds its "
-                             f"own models from a built-in architecture: list only algorithms that train your model "
-                             f"({', '.join(able)}), or have the entry return a built-in model's name or settings")
+    return user_training_options(given, algorithm, f"entry = {config.entry!r}",
+                                 "list only algorithms that train them ({})")
 
 
 def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
@@ -321,7 +341,8 @@ def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
     row carries as ``settings``, and what its resume hash covers."""
     fed, privacy = _configs(config, spec)
     base = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
-    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**ALGORITHMS[base].defaults,
+    defaults = algorithm_defaults(base, image=_image_input(config))
+    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**defaults,
                                                                            **config.overrides.get(base, {})},
                         "federation": asdict(fed), "privacy": asdict(privacy),
                         "data": _data_settings(config)})
@@ -386,7 +407,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     """One run of the grid: its row (metrics, privacy spent, settings, noise applied), its ledger, and its trained model
     in ``models/<key>.pt``. ``progress`` is called with each round's record."""
     from privfl import __version__
-    from privfl.cli import save_model
+    from privfl.cli import save_model, trained_model_description
 
     if spec.algorithm in REFERENCES:
         return run_reference(config, spec, data, progress)
@@ -424,6 +445,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
                           else applied_noise(sim.ledger.charges())),
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
         "model_path": save_model(diagnostic, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
+        "model": trained_model_description(diagnostic, fed, _entry_model(config, spec.algorithm).get("model")),
     }
     if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
         row["reliability"] = reliability_bins(*calibration)
@@ -570,12 +592,17 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     rows = []
     bar = None
     if progress and pending:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        total = sum(run_rounds(config, s) for s in pending)
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
-                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+            bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                           TextColumn("{task.completed}/{task.total} rounds"), TimeElapsedColumn(), TextColumn("ETA"),
+                           TimeRemainingColumn())
+        else:  # a log file, CI: a live bar would print nothing until the end
+            bar = LineProgress()
         bar.start()
-        task = bar.add_task("compare", total=sum(run_rounds(config, s) for s in pending))
+        task = bar.add_task("compare", total=total)
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:
@@ -601,6 +628,63 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
             bar.stop()
     write_outputs(config, rows)
     return rows
+
+
+#: seconds between two of :class:`LineProgress`'s round lines within one run (a run's start is always reported)
+PROGRESS_INTERVAL = 30.0
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class LineProgress:
+    """The comparison's progress as plain lines on stdout, for output that is not a terminal (a log file, CI), where
+    a live bar shows nothing until the end: a line when each run starts, then one at most every
+    :data:`PROGRESS_INTERVAL` seconds while it runs, and one at the end; each with the rounds done of the total, the
+    time elapsed and an ETA. It offers the calls :func:`compare` makes of rich's ``Progress``."""
+
+    def __init__(self, stream=None, interval: float | None = None):
+        self.stream = stream
+        self.interval = PROGRESS_INTERVAL if interval is None else float(interval)
+        self.total, self.done, self.description = 0, 0, "compare"
+        self._start = self._last = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        self._last = -math.inf
+
+    def add_task(self, description: str, total: int) -> int:
+        self.description, self.total = description, int(total)
+        return 0
+
+    def update(self, task: int, description: str) -> None:
+        self.description = description
+        self._line(force=True)
+
+    def advance(self, task: int) -> None:
+        self.done += 1
+        self._line()
+
+    def stop(self) -> None:
+        elapsed = time.perf_counter() - self._start
+        self._print(f"compare: {self.done}/{self.total} rounds done in {_duration(elapsed)}")
+
+    def _line(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        elapsed = now - self._start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else math.nan
+        self._print(f"compare: {self.description}: {self.done}/{self.total} rounds, elapsed {_duration(elapsed)}, "
+                    f"ETA {_duration(eta)}")
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream if self.stream is not None else sys.stdout, flush=True)
 
 
 def _write_config(config: CompareConfig, toml_path: str | None) -> None:
@@ -648,7 +732,9 @@ def summary_table(rows: list[dict]) -> list[dict]:
     out = []
     for (alg, eps), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         acc = np.array([r["accuracy"] for r in rs], dtype=float)
+        rounds = sorted({int(r["rounds"]) for r in rs if isinstance(r.get("rounds"), (int, float))})
         out.append({"algorithm": alg, "epsilon_target": eps, "seeds": len(rs), "accuracy": float(acc.mean()),
+                    "rounds": rounds[0] if len(rounds) == 1 else rounds,
                     "accuracy_std": float(acc.std()), "nll": float(np.mean([r["nll"] for r in rs])),
                     "balanced_accuracy": _mean(rs, "balanced_accuracy"), "auroc": _mean(rs, "auroc"),
                     "ece": float(np.mean([r["ece"] for r in rs])),

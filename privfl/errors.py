@@ -10,6 +10,18 @@ class ConfigurationError(ValueError):
     """A configuration value is invalid; the message names the field and what to change."""
 
 
+#: the usual causes of a run whose training diverges, and what to change (the end of every divergence error)
+DIVERGENCE_CAUSES = ("the usual causes are features (or regression targets) in large or very different units, e.g. "
+                     "not standardised (standardise them with public statistics: privfl run --public-data FILE, "
+                     "--standardize public; in Python scale them with a public reference sample before "
+                     "privfl.federate), or too large a learning rate (lower --lr / lr=)")
+
+
+class TrainingDiverged(ConfigurationError):
+    """A run's training diverged (a non-finite or exploding loss, predictions or global state); the message names the
+    round, what diverged and the likely causes (:data:`DIVERGENCE_CAUSES`). Rounds before it stay charged."""
+
+
 class MessageError(ValueError):
     """A privfl message could not be encoded or decoded; the message says what to change."""
 
@@ -22,5 +34,6 @@ class UnsupportedValue(MessageError):
     """A value cannot be carried exactly (object arrays, non-string keys, ...); nothing was encoded."""
 
 
-__all__ = ["ConfigurationError", "CorruptMessage", "MessageError", "UnsupportedValue", "InvalidPrivacyParameter", "InvalidRelease", "LedgerError", "PrivacyBudgetExceeded",
-           "PrivacyError", "ReleaseMisuse"]
+__all__ = ["ConfigurationError", "CorruptMessage", "DIVERGENCE_CAUSES", "InvalidPrivacyParameter", "InvalidRelease",
+           "LedgerError", "MessageError", "PrivacyBudgetExceeded", "PrivacyError", "ReleaseMisuse", "TrainingDiverged",
+           "UnsupportedValue"]

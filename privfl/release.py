@@ -33,6 +33,7 @@ from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
 from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately
+from privfl.errors import DIVERGENCE_CAUSES
 
 PLACEMENTS = ("local", "central", "distributed")
 
@@ -246,7 +247,10 @@ class ReleasePipeline:
             try:
                 return channel.clip.apply(validated, owned=True)
             except InvalidRelease as exc:
-                raise InvalidRelease(f"channel {channel.name}: {exc}") from None
+                text = str(exc)
+                if "non-finite" in text:  # the clip's finiteness check of an upload: local training diverged
+                    text += f"; the local training diverged: {DIVERGENCE_CAUSES}"
+                raise InvalidRelease(f"channel {channel.name}: {text}") from None
         return channel.clip.apply(validated)
 
     def release(self, round: int, values: Mapping[str, object], weight: float = 1.0, *,

@@ -44,7 +44,7 @@ from privfl.config import FederationConfig, PrivacyConfig
 from privfl.plan import RunPlan, seed_stream
 from privfl.release import Release, mark_round_released
 from privfl.plan import noise_multipliers_for as plan_multipliers
-from privfl.errors import ConfigurationError
+from privfl.errors import DIVERGENCE_CAUSES, ConfigurationError, TrainingDiverged
 from privfl.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 from privfl.secure import SecureAggregation, local_noise_stds, public_weight_bound, secure_weighted_sums
 from privfl.secure_agg import ProtocolAbort
@@ -99,6 +99,85 @@ def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig,
 
 
 EXECUTORS = ("auto", "vectorised", "per_client")
+
+#: a regression run whose test RMSE exceeds this many standard deviations of the test targets has diverged (its
+#: predictions are worse than predicting the test mean by a factor of this squared in mean squared error)
+EXPLODED_RMSE = 100.0
+
+
+def _client_names(data, n_clients: int) -> list[str]:
+    """The clients' names where the data records them (own data, ``privfl.federate``), else their indices."""
+    names = (getattr(data, "info", None) or {}).get("clients")
+    if isinstance(names, (list, tuple)) and len(names) == n_clients:
+        return [str(n) for n in names]
+    return [str(k) for k in range(n_clients)]
+
+
+def check_schedules_fit(algorithm: FederatedAlgorithm, data) -> None:
+    """Refuse a client too small for its public DP-SGD schedule, before anything is charged.
+
+    "Too small": under the schedule each local step samples each record with probability q (batch_size over the
+    public size the schedule is planned for: the design size ``client_size``, or the client's declared count), and
+    the noise of a step is sized for the schedule's expected batch. A client of n records with q * n < 1, fewer
+    than one record per step on average, sees no record at all in a share (1 - q)^n of its steps: its updates are
+    almost pure noise that still spend its budget and are averaged in with the others. Such a client
+    needs at least ceil(1 / q) records (ceil(client_size / batch_size) at the design size).
+
+    The check reads the clients' record counts, which are private: it runs where the user holds every client (the
+    in-process runtime behind ``privfl.federate``, ``privfl run`` and ``privfl compare``), and its error goes to
+    that user only. With declared public counts (replace-one) q * n = min(n, batch_size), so it never fires.
+    """
+    parts = data.train_parts
+    names = None
+    for k, part in enumerate(parts):
+        schedule = algorithm.local_dpsgd_schedule(k)
+        if schedule is None:
+            continue
+        n, q = len(part), float(schedule.sample_rate)
+        if q * n >= 1:
+            continue
+        names = names or _client_names(data, len(parts))
+        need = math.ceil(1.0 / q - 1e-9)
+        raise ConfigurationError(
+            f"client {names[k]!r} holds {n} training record{'s' if n != 1 else ''}, too few for {algorithm.name}'s "
+            f"DP-SGD schedule: each local step samples each record with probability q = {q:.3g} (batch_size "
+            f"{algorithm.fed.batch_size} / the public client size {schedule.size}), so it would see {q * n:.2g} "
+            f"records per step on average (none at all in {100 * (1 - q) ** n:.0f}% of its steps): its updates would "
+            f"be almost pure noise that still spends its budget. Under this schedule a client needs at least {need} "
+            f"records (ceil(client_size / batch_size)). Declare a smaller design size (client_size=, --client-size) "
+            f"close to your smallest client's, raise batch_size (--batch-size), declare the record counts public (--adjacency replace_one, "
+            f"PrivacyConfig(adjacency='replace_one')), or leave this client out; nothing was charged")
+
+
+def divergence(algorithm: FederatedAlgorithm, metrics: dict, test, spread: float | None = None) -> str | None:
+    """What shows that a run diverged after a round, or None: the global model's parameters are not finite; a
+    classifier's test predictions are not finite (its NLL is NaN); or a regression's test RMSE is not finite or
+    exceeds :data:`EXPLODED_RMSE` standard deviations of the test targets (``spread``, in the targets' own units;
+    computed from ``test`` when None)."""
+    params = getattr(algorithm, "global_params", None)
+    if isinstance(params, np.ndarray) and params.size and not np.all(np.isfinite(params)):
+        return "the global model's parameters are not finite (NaN or Inf)"
+    if test is None or not len(test):
+        return None
+    if "rmse" in metrics:
+        rmse = float(metrics["rmse"])
+        if not math.isfinite(rmse):
+            return f"the global model's test RMSE is {rmse} (its predictions are not finite)"
+        if spread is None:
+            spread = target_spread(test)
+        if spread > 0 and rmse > EXPLODED_RMSE * spread:
+            return (f"the global model's test RMSE {rmse:.3g} is {rmse / spread:.3g} times the standard deviation "
+                    f"of the test targets ({spread:.3g}): its predictions exploded")
+    elif "nll" in metrics and math.isnan(float(metrics["nll"])):
+        return "the global model's test predictions are not finite (NaN)"
+    return None
+
+
+def target_spread(test) -> float:
+    """The standard deviation of a regression test set's targets in their own units (0 for classification)."""
+    if getattr(test, "task", None) != "regression" or not len(test):
+        return 0.0
+    return float(np.std(test.to_original_units(test.y)))
 
 
 def _blas_limit(threads: int | None):
@@ -185,6 +264,8 @@ class Simulation:
         self.server_noise = self._noise(plan.stream("server"))
         self.sampler = client_sampler(plan.stream("sample"), self.privacy.secure_noise and self.privacy.private)
         self.channels, self.plans, self.multipliers = list(plan.channels), plan.distributed, plan.noise_multipliers
+        check_schedules_fit(alg, self.data)  # before anything is charged: every client can fill its schedule
+        self._spread = target_spread(self.data.test)
         self._prepared = True
 
     def client_step(self, k: int, rnd: int) -> dict[str, Release]:
@@ -338,6 +419,11 @@ class Simulation:
                 except ProtocolAbort:
                     aborted = True  # the round could not be aggregated safely: nothing is revealed, the global state stays
             metrics = {**alg.evaluate(self.data.test), **self.local_metrics(self.data.test)}
+            diverged = divergence(alg, metrics, self.data.test, self._spread)
+            if diverged is not None:
+                raise TrainingDiverged(f"{alg.name} diverged in round {rnd + 1} of {fed.rounds}: {diverged}; "
+                                       f"{DIVERGENCE_CAUSES}. The run stopped there: the rounds it ran, this one "
+                                       "included, stay charged in the ledger")
             if privacy.private:
                 audit = self.ledger.audit()
                 eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]

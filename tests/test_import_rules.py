@@ -205,7 +205,9 @@ def test_the_cli_knows_no_single_algorithm():
     ALGORITHMS), never by importing one algorithm's module."""
     allowed = {"privfl.algorithms", "privfl.algorithms.base"}
     registry = {f"privfl.algorithms.{name}" for name in ("ALGORITHMS", "make_algorithm", "algorithm_options",
-                                                           "default_unit", "ClientOutput", "FederatedAlgorithm")}
+                                                           "algorithm_defaults", "default_unit",
+                                                           "user_training_options", "ClientOutput",
+                                                           "FederatedAlgorithm")}
     violations = []
     for name in ("cli.py", "compare.py"):
         path = ROOT / "privfl" / name

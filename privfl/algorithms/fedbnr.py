@@ -227,6 +227,36 @@ class BLRPosterior:
         return phi @ self.mean, var
 
 
+class BLRPredictor(torch.nn.Module):
+    """FedBNR's trained model as a module: the posterior predictive of the Bayesian linear regression on the kernel
+    network's features (eq. 13), in the targets' own units.
+
+    ``model(x)`` (a tensor or array of inputs, shape ``(n, *input_shape)``) is the predictive mean as a float32 tensor
+    of shape ``(n, 1)``, like a regression network's output; ``model.predict(x)`` returns ``(mean, variance)`` as
+    float64 numpy arrays of shape ``(n,)``, the variance being sigma^2 + phi^T A^-1 phi (plus the release noise's
+    share when the server folded it in). It holds no trainable parameter: the posterior is the run's result, used
+    for prediction only (post-processing of what was released)."""
+
+    def __init__(self, feature_map: Callable[[np.ndarray], np.ndarray], posterior: BLRPosterior,
+                 target_offset: float = 0.0, target_scale: float = 1.0):
+        super().__init__()
+        self.feature_map = feature_map
+        self.posterior = posterior
+        self.target_offset, self.target_scale = float(target_offset), float(target_scale)
+
+    def predict(self, x) -> tuple[np.ndarray, np.ndarray]:
+        """Predictive mean and variance at ``x`` (a tensor, an array or a data set), in the targets' units."""
+        x = getattr(x, "x", x)
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().numpy()
+        mean, var = self.posterior.predict(self.feature_map(np.asarray(x, dtype=np.float32)))
+        return mean * self.target_scale + self.target_offset, var * self.target_scale ** 2
+
+    def forward(self, x) -> torch.Tensor:
+        mean, _ = self.predict(x)
+        return torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1)
+
+
 def prior_posterior(dim: int, noise_std: float, prior_std: float) -> BLRPosterior:
     """The prior N(0, lambda^2 I) as a posterior with no data."""
     return BLRPosterior(np.zeros(dim), np.eye(dim) / prior_std ** 2, float(noise_std))
@@ -621,6 +651,15 @@ class FedBNR(FederatedAlgorithm):
         x = getattr(x, "x", x)
         return self.posterior.predict(self.feature_map(x))
 
+    def predictor(self, target_offset: float = 0.0, target_scale: float = 1.0) -> BLRPredictor:
+        """The trained model as a :class:`BLRPredictor` (predictive mean and variance; a copy of the feature map and
+        posterior, independent of this object), predicting ``y * target_scale + target_offset`` units (the data's
+        own, when its targets were standardised)."""
+        if self.posterior is None or self.feature_map is None:
+            raise ConfigurationError(f"{self.name}: setup() and a round must run before its model can predict")
+        return BLRPredictor(copy.deepcopy(self.feature_map), copy.deepcopy(self.posterior), target_offset,
+                            target_scale)
+
     def evaluate(self, dataset):
         """RMSE, Gaussian NLL and interval calibration (ECE, MCE, Brier) in the data set's original units."""
         mean, var = self.predict(dataset)
@@ -961,6 +1000,6 @@ def phase_budgets(epsilon: float, delta: float, kernel_rounds: int, regression_r
     return split(s)
 
 
-__all__ = ["BLRPosterior", "FedBNR", "FedBNRClippingWarning", "FedBNRKernel", "PairedScatter", "blr_from_statistics",
-           "centralised_blr", "distill_kernel", "distillation_loss", "phase_budgets", "prior_posterior",
-           "repair_scatter"]
+__all__ = ["BLRPosterior", "BLRPredictor", "FedBNR", "FedBNRClippingWarning", "FedBNRKernel", "PairedScatter",
+           "blr_from_statistics", "centralised_blr", "distill_kernel", "distillation_loss", "phase_budgets",
+           "prior_posterior", "repair_scatter"]

@@ -76,6 +76,13 @@ for _name in UCI_DATASETS:
 DATASETS = tuple(_SOURCES)
 
 
+def is_image_dataset(name: str) -> bool:
+    """Whether the built-in data set ``name`` has image inputs (C, H, W) (the sets whose loader can flatten them);
+    False for the tabular ones and for a name that is not built in."""
+    source = _SOURCES.get(name)
+    return source is not None and "flatten" in source.options
+
+
 def _check_fraction(name: str, value: float, *, allow_zero: bool) -> float:
     ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool) and np.isfinite(value)
     if not ok or not ((0.0 <= value if allow_zero else 0.0 < value) and value < 1.0):
@@ -349,4 +356,5 @@ def make_federated(dataset: str, n_clients: int, partition: str = "auto", alpha:
         design_size=max(1, int(round(len(train) / n_clients))))
 
 
-__all__ = ["DATASETS", "MIN_PUBLIC_SIZE", "PUBLIC_FRACTION", "federated_from_arrays", "make_federated"]
+__all__ = ["DATASETS", "MIN_PUBLIC_SIZE", "PUBLIC_FRACTION", "federated_from_arrays", "is_image_dataset",
+           "make_federated"]

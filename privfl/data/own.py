@@ -18,11 +18,15 @@ records, chosen by a permutation drawn from ``(seed, client index)`` only, so on
 its own records and public facts; the held-out records of all clients, pooled, are the test set (evaluation is a
 simulation diagnostic: nothing of the test set is released).
 
-An entry point ``module:function`` is called with no arguments and returns ``(model, clients)`` or
-``(model, clients, test)``: ``model`` is a built-in model name (``"mlp"``), a mapping of ``FederationConfig`` model
-settings (``{"model": "mlp", "hidden": [16]}``), None, or the user's own model: a ``torch.nn.Module`` or a
-zero-argument factory of one (``EntryPoint.module``, for the algorithms that train a user's model); ``clients`` maps client names to ``(x, y)`` arrays or
-tensors, or to a pandas DataFrame with the ``target`` column; ``test`` is one such value.
+An entry point ``module:function`` is called with no arguments and returns ``(model, clients)``,
+``(model, clients, test)``, or a mapping with the keys ``"clients"`` (required), ``"model"``, ``"test"``, ``"loss"``,
+``"optimizer"`` and ``"metrics"``: ``model`` is a built-in model name (``"mlp"``), a mapping of ``FederationConfig``
+model settings (``{"model": "mlp", "hidden": [16]}``), None, or the user's own model: a ``torch.nn.Module`` or a
+zero-argument factory of one (``EntryPoint.module``, for the algorithms that train a user's model); ``clients`` maps
+client names to ``(x, y)`` arrays or tensors, or to a pandas DataFrame with the ``target`` column; ``test`` is one
+such value; ``loss``, ``optimizer`` and ``metrics`` are what ``privfl.federate`` takes under those names (a loss
+``criterion(outputs, targets)``, a factory of parameters such as ``lambda p: torch.optim.Adam(p, lr=1e-3)``, and
+name -> ``fn(y_true, scores)``), for the algorithms that train a user's model with them.
 """
 
 from __future__ import annotations
@@ -234,6 +238,10 @@ def _sort_key(v):
     return (0, v, "") if isinstance(v, (int, float, np.number)) else (1, 0, str(v))
 
 
+#: the keys of a mapping an entry point may return
+ENTRY_KEYS = ("model", "clients", "test", "loss", "optimizer", "metrics")
+
+
 @dataclass(frozen=True)
 class EntryPoint:
     """What a ``module:function`` entry point returned: model settings (``FederationConfig`` fields) and data."""
@@ -243,6 +251,18 @@ class EntryPoint:
     test: Any = None
     #: the user's own model the entry returned (an ``nn.Module`` or a zero-argument factory of one), else None
     module: Any = None
+    #: the user's loss, optimizer factory and extra test metrics (a mapping entry's ``loss``, ``optimizer`` and
+    #: ``metrics``), else None
+    loss: Any = None
+    optimizer: Any = None
+    metrics: Any = None
+
+    @property
+    def training(self) -> dict:
+        """The user's own training objects the entry returned: ``model`` (its module), ``loss``, ``optimizer``,
+        ``metrics``, those that are not None (keyword arguments of the algorithms that take them)."""
+        given = {"model": self.module, "loss": self.loss, "optimizer": self.optimizer, "metrics": self.metrics}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
@@ -263,11 +283,30 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
     if not callable(fn):
         raise DatasetError(f"{flag} {spec!r}: {module_name} has no function {function!r}")
     out = fn()
-    if not isinstance(out, tuple) or len(out) not in (2, 3):
-        raise DatasetError(f"{flag} {spec!r} must return (model, clients) or (model, clients, test), got "
-                           f"{type(out).__name__}")
-    model, clients = out[0], out[1]
-    test = out[2] if len(out) == 3 else None
+    training: dict = {}
+    if isinstance(out, Mapping):
+        unknown = sorted(str(k) for k in set(out) - set(ENTRY_KEYS))
+        if unknown or "clients" not in out:
+            raise DatasetError(f"{flag} {spec!r} returned a mapping with "
+                               + (f"unknown keys {unknown}" if unknown else "no 'clients'")
+                               + f"; its keys are {', '.join(ENTRY_KEYS)} ('clients' required)")
+        model, clients, test = out.get("model"), out["clients"], out.get("test")
+        training = {k: out[k] for k in ("loss", "optimizer", "metrics") if out.get(k) is not None}
+    elif not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise DatasetError(f"{flag} {spec!r} must return (model, clients), (model, clients, test) or a mapping with "
+                           f"the keys {', '.join(ENTRY_KEYS)}, got {type(out).__name__}")
+    else:
+        model, clients = out[0], out[1]
+        test = out[2] if len(out) == 3 else None
+    if "loss" in training and not callable(training["loss"]):
+        raise DatasetError(f"{flag} {spec!r}: loss must be callable as loss(outputs, targets), e.g. "
+                           f"torch.nn.CrossEntropyLoss(); got {type(training['loss']).__name__}")
+    if "optimizer" in training and not callable(training["optimizer"]):
+        raise DatasetError(f"{flag} {spec!r}: optimizer must be a factory of parameters, e.g. lambda p: "
+                           f"torch.optim.Adam(p, lr=1e-3); got {type(training['optimizer']).__name__}")
+    if "metrics" in training and not isinstance(training["metrics"], Mapping):
+        raise DatasetError(f"{flag} {spec!r}: metrics must map names to functions fn(y_true, scores); got "
+                           f"{type(training['metrics']).__name__}")
     module = None
     if model is None:
         settings: dict = {}
@@ -287,8 +326,8 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
     if not isinstance(clients, Mapping):
         raise DatasetError(f"{flag} {spec!r}: clients must be a mapping of client name to data, got "
                            f"{type(clients).__name__}")
-    return EntryPoint(settings, clients, test, module)
+    return EntryPoint(settings, clients, test, module, **training)
 
 
-__all__ = ["EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_split", "load_entry",
-           "read_table"]
+__all__ = ["ENTRY_KEYS", "EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_split",
+           "load_entry", "read_table"]

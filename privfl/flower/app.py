@@ -281,6 +281,28 @@ class RunSpec:
             raise ConfigurationError(f"the run config's {SPEC_KEY!r} is not a privfl run spec: {exc}") from None
 
 
+#: run-config keys a coordinator may override with ``flwr run ... --run-config "rounds=5 epsilon=3.0 run-id='b'"``
+#: (their app defaults, 0 and "", mean "as the spec says"); the server and every client apply the same overrides
+OVERRIDE_KEYS = ("rounds", "epsilon", "run-id")
+
+
+def read_run_spec(run_config) -> "RunSpec":
+    """The run's spec from a Flower run config: the ``privfl-spec`` JSON with the overrides of :data:`OVERRIDE_KEYS`
+    applied (``--run-config``), validated again. A new epsilon or round count with the same run id is refused by the
+    ledgers that already hold the run: give it a new ``run-id`` too."""
+    spec = RunSpec.from_json(str(run_config[SPEC_KEY]))
+    rounds, epsilon, run_id = (run_config.get(k) for k in OVERRIDE_KEYS)
+    try:
+        fed = spec.fed if rounds in (None, 0, "") else dataclasses.replace(spec.fed, rounds=int(rounds))
+        privacy = (spec.privacy if epsilon in (None, 0, 0.0, "") else
+                   dataclasses.replace(spec.privacy, epsilon=float(epsilon)))
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"--run-config: {exc}") from None
+    if fed is spec.fed and privacy is spec.privacy and not run_id:
+        return spec
+    return dataclasses.replace(spec, fed=fed, privacy=privacy, run_id=str(run_id) if run_id else spec.run_id)
+
+
 def _check_secure(spec: "RunSpec") -> None:
     """Refuse up front a secure-aggregation setting the deployment cannot run safely."""
     from privfl.secure import SecureAggregation
@@ -475,7 +497,7 @@ def server_main(grid, context) -> None:
     algorithm runs phase after phase (:func:`privfl.phases.run_phases`), each phase such a run of its own."""
     from privfl.algorithms.base import is_phased
 
-    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    spec = read_run_spec(context.run_config)
     test_path = str(context.run_config.get(TEST_KEY, "") or "")
     test = load_dataset(test_path, spec) if test_path else None
     top = _algorithm(spec)
@@ -939,7 +961,7 @@ def _generators(spec: RunSpec, client: int, context, phased: PhaseOf | None = No
 
 def _client_spec(context) -> tuple[RunSpec, int]:
     """The run's spec (from the run config) and this SuperNode's partition id, torch's threads set as it says."""
-    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    spec = read_run_spec(context.run_config)
     if spec.torch_threads is not None:
         import torch
 
@@ -1210,7 +1232,7 @@ def client_identify(msg, context):
     from privfl.algorithms.base import is_phased
     from privfl.phase_ledgers import phase_run_id
 
-    spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    spec = read_run_spec(context.run_config)
     client = int(_node_value(context, PARTITION_KEY))
     path = str(_node_value(context, LEDGER_KEY))
     top = _algorithm(spec)
@@ -1238,7 +1260,7 @@ def client_charge(msg, context):
 
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
-    run_spec = RunSpec.from_json(str(context.run_config[SPEC_KEY]))
+    run_spec = read_run_spec(context.run_config)
     client = int(_node_value(context, PARTITION_KEY))
     request = from_record(msg.content, CHARGE)
     rnd = int(request["round"])
@@ -1350,7 +1372,8 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     os.makedirs(directory, exist_ok=True)
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
     config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path,
-              TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template}
+              TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
+              "rounds": 0, "epsilon": 0.0, "run-id": ""}  # OVERRIDE_KEYS: 0 and "" keep the spec's
     lines = [
         "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
         "[project]", 'name = "privfl-run"', 'version = "1.0.0"', 'description = "A privfl run on Flower"',
@@ -1371,5 +1394,5 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     return directory
 
 
-__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "RunSpec", "client_error_reply", "client_seed", "client_train",
-           "read_result", "runs_on_flower", "server_main", "write_app"]
+__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "OVERRIDE_KEYS", "RunSpec", "client_error_reply", "client_seed",
+           "client_train", "read_result", "read_run_spec", "runs_on_flower", "server_main", "write_app"]

@@ -196,11 +196,13 @@ class LocalDeployment:
                                        f"see {log}")
                 time.sleep(0.2)
 
-    def run(self, app_dir: str, *, timeout: float, federation_config: str | None = None
-            ) -> subprocess.CompletedProcess:
+    def run(self, app_dir: str, *, timeout: float, federation_config: str | None = None,
+            run_config: str | None = None) -> subprocess.CompletedProcess:
         """``flwr run APP_DIR CONNECTION --stream``, bounded by ``timeout`` seconds (the stream ends with the run);
-        ``federation_config``: the Simulation Engine's settings, e.g. ``"num-supernodes=3"``."""
+        ``federation_config``: the Simulation Engine's settings, e.g. ``"num-supernodes=3"``; ``run_config``: Flower's
+        ``--run-config`` overrides, e.g. ``"rounds=1 run-id='short'"`` (``privfl.flower.app.OVERRIDE_KEYS``)."""
         extra = ["--federation-config", federation_config] if federation_config else []
+        extra += ["--run-config", run_config] if run_config else []
         with open(os.path.join(self.workdir, "flwr-run.log"), "ab") as log:
             proc = subprocess.Popen([os.path.join(self.bin_dir, "flwr"), "run", app_dir, CONNECTION, "--stream",
                                      *extra],

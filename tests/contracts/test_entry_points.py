@@ -249,28 +249,42 @@ def test_federate_without_a_declared_size_charges_nothing(tmp_path):
 COMPARE_ALGORITHMS = sorted(set(PRIVATE) - REGRESSION - {"fedbnn"})  # FedBNN needs a built-in alignment set
 
 
-@pytest.mark.parametrize("unit", ["example", "client"])
-def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, unit):
+@pytest.mark.parametrize("unit, adjacency", list(itertools.product(["example", "client"],
+                                                                    ["add_remove", "replace_one"])))
+def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, unit,
+                                                                                adjacency):
+    """A compare TOML with ``data =``: every algorithm x placement (compare has no secure aggregation, so local and
+    central) under the unit and relation of the case, set the way a user sets them ([overrides.<algorithm>])."""
     parts, test = _arrays("classification")
-    for label, world in (("D", parts), ("D2", _neighbour(parts, unit, "add_remove"))):
+    for label, world in (("D", parts), ("D2", _neighbour(parts, unit, adjacency))):
         _write_csvs(tmp_path / label, world, test, "classification")
     outcomes = {}
-    for name in COMPARE_ALGORITHMS:
+    # compare runs an algorithm built for fewer units at its own unit: the neighbours here are the unit's own
+    cells = [(name, placement) for name, placement in itertools.product(COMPARE_ALGORITHMS, ("local", "central"))
+             if unit in (getattr(ALGORITHMS[name], "units", None) or (unit,))]
+    for name, placement in cells:
         for label in ("D", "D2"):
             for size_line in ("client_size = 40\n", ""):
-                cfg = tmp_path / f"{label}-{name}-{bool(size_line)}.toml"
+                cfg = tmp_path / f"{label}-{name}-{placement}-{bool(size_line)}.toml"
                 cfg.write_text(f'data = "{label}/*.csv"\ntarget = "y"\ntest_data = "{label}-test.csv"\n'
                                f'algorithms = ["{name}"]\nepsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
-                               f'unit = "{unit}"\n{size_line}out_dir = "{tmp_path / "out" / label}"\n')
+                               f'unit = "{unit}"\n{size_line}out_dir = "{tmp_path / "out" / label}"\n'
+                               f'[overrides.{name}]\nplacement = "{placement}"\nadjacency = "{adjacency}"\n'
+                               f'pool = 1\n')
                 got = _outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture)
-                outcomes[(name, label, bool(size_line))] = (got, capsys.readouterr().err)
-    for name in COMPARE_ALGORITHMS:
+                outcomes[(name, placement, label, bool(size_line))] = (got, capsys.readouterr().err)
+    for name, placement in cells:
         for declared in (True, False):
-            assert outcomes[(name, "D", declared)] == outcomes[(name, "D2", declared)], (name, declared)
-        (refused, code, _), err = outcomes[(name, "D", False)]
+            assert outcomes[(name, placement, "D", declared)] == outcomes[(name, placement, "D2", declared)], (
+                name, placement, declared)
+        undeclared, err = outcomes[(name, placement, "D", False)]
+        if isinstance(undeclared, dict):  # record counts declared public (replace-one at record level): no size needed
+            assert undeclared["facts"]["client_sizes"] is not None, name
+            continue
+        refused, code, _ = undeclared
         assert refused == "exit" and code == 2 and "Traceback" not in err, name
-        assert "client_size" in err or not isinstance(outcomes[(name, "D", True)][0], dict), name
-    assert sum(isinstance(outcomes[(n, "D", True)][0], dict) for n in COMPARE_ALGORITHMS) >= 2
+        assert "client_size" in err or not isinstance(outcomes[(name, placement, "D", True)][0], dict), name
+    assert sum(isinstance(outcomes[(n, p, "D", True)][0], dict) for n, p in cells) >= 2
 
 
 @pytest.mark.parametrize("unit", ["example", "client"])

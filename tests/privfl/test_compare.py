@@ -93,8 +93,10 @@ def test_bad_configs(tmp_path):
 
 
 def test_bad_grids_are_refused(tmp_path):
-    with pytest.raises(ConfigurationError, match=r"overrides.fola.*not in the grid"):
-        small(tmp_path, overrides={"fola": {"hidden": [8]}})
+    with pytest.raises(ConfigurationError, match=r"overrides.folla\] names no algorithm"):
+        small(tmp_path, overrides={"folla": {"hidden": [8]}})
+    with pytest.raises(ConfigurationError, match=r"overrides.fola\] has unknown keys"):  # checked all the same
+        small(tmp_path, overrides={"fola": {"hiden": [8]}})
     with pytest.raises(ConfigurationError, match="at least 2 clients"):
         small(tmp_path, clients=1)
     # the built-in sizes cover every algorithm; a grid of a few of them keeps only theirs
@@ -103,8 +105,8 @@ def test_bad_grids_are_refused(tmp_path):
 
 @pytest.mark.parametrize("content, needle", [(None, "does not exist"), (b"rounds = = 2\n", "not valid TOML"),
                                              (b"\xff\xfe\x00", "TOML"), ("dir", "directory"),
-                                             (b'algorithms = ["fedavg"]\n[overrides.fola]\nhidden = [8]\n',
-                                              "not in the grid"),
+                                             (b'algorithms = ["fedavg"]\n[overrides.fola]\nhiden = [8]\n',
+                                              "[overrides.fola] has unknown keys"),
                                              (b'rounds = "x"\n', "rounds must be an integer >= 1, got 'x'"),
                                              (b"delta = 2\n", "delta must be a number in (0, 1)"),
                                              (b"epsilons = 3\n", "epsilons must be a list"),
