@@ -4,15 +4,8 @@ Imports nothing of the rest of the project; see ``accounting.events``, ``account
 ``accounting.calibration``. The limits every entry point enforces are listed in ``accounting.validation``.
 """
 
-if __name__ != "privfl.accounting":
-    # a top-level ``accounting`` (the checkout on sys.path) is privfl.accounting itself, never a second copy
-    import importlib as _importlib
-
-    try:
-        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.accounting")
-    except ImportError as _exc:
-        raise ImportError(f"{__name__!r} is imported as privfl.accounting; install privfl (pip install -e .) ({_exc})"
-                          ) from None
+if __name__ != "privfl.accounting":  # the checkout on sys.path: hand out privfl.accounting itself, never a copy
+    __import__("importlib").import_module("privfl._one_name").hand_over(__name__, "privfl.accounting")
 else:
     from .errors import (InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded,
                                    PrivacyError, UnsupportedEventError)

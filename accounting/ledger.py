@@ -326,11 +326,7 @@ class PrivacyLedger:
 
     @_retried("recorded")
     def _record_meta(self, key: str, value) -> None:
-        conn = self._conn
-        batched = self._batch_depth > 0
-        if not batched:
-            conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._write() as (conn, _):
             row = conn.execute("SELECT meta FROM runs WHERE run_id=?", (self.run_id,)).fetchone()
             try:
                 meta = json.loads(row[0]) if row else {}
@@ -342,6 +338,17 @@ class PrivacyLedger:
             if key not in meta:
                 meta[key] = value
                 conn.execute("UPDATE runs SET meta=? WHERE run_id=?", (json.dumps(meta), self.run_id))
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One write: its own ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on any error), or, inside a
+        :meth:`transaction` block, part of that block. Yields (connection, whether inside a block)."""
+        conn = self._conn
+        batched = self._batch_depth > 0
+        if not batched:
+            conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn, batched
             if not batched:
                 conn.execute("COMMIT")
         except BaseException:
@@ -654,11 +661,7 @@ class PrivacyLedger:
         """Record that ``charge``'s value has been revealed; refuses a second release of the same row."""
         if not isinstance(charge, Charge):
             raise InvalidLedgerArgument(f"mark_released takes the Charge returned by charge(), got {charge!r}")
-        conn = self._conn
-        batched = self._batch_depth > 0
-        if not batched:
-            conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._write() as (conn, batched):
             if not batched:
                 self._sync()  # the released counts must be the file's before this mark is added to them
             cur = conn.execute(
@@ -668,12 +671,6 @@ class PrivacyLedger:
             if cur.rowcount != 1:
                 raise LedgerError(f"release {charge.release_id} is not charged or was already released; releasing a "
                                   f"value twice would need a second charge")
-            if not batched:
-                conn.execute("COMMIT")
-        except BaseException:
-            if not batched and conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
         if self._released is not None:
             self._released[charge.client_id] = self._released.get(charge.client_id, 0) + 1
 

@@ -3,15 +3,8 @@
 Works on numpy arrays and privacy events only; knows nothing of models or federations.
 """
 
-if __name__ != "privfl.mechanisms":
-    # a top-level ``mechanisms`` (the checkout on sys.path) is privfl.mechanisms itself, never a second copy
-    import importlib as _importlib
-
-    try:
-        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.mechanisms")
-    except ImportError as _exc:
-        raise ImportError(f"{__name__!r} is imported as privfl.mechanisms; install privfl (pip install -e .) ({_exc})"
-                          ) from None
+if __name__ != "privfl.mechanisms":  # the checkout on sys.path: hand out privfl.mechanisms itself, never a copy
+    __import__("importlib").import_module("privfl._one_name").hand_over(__name__, "privfl.mechanisms")
 else:
     from .clipping import (ADJACENCIES, ClipResult, clip_per_client, clip_per_example, clip_rows, clip_values,
                                      cross_sensitivity, squared_sum_sensitivity, sum_sensitivity)

@@ -70,19 +70,11 @@ Security model (what holds, and what it needs):
   over the survivor set (never anything smaller): count it as released.
 
 This package is imported as ``privfl.secure_agg``; importing the repository folder as a top-level ``secure_agg`` gives
-the very same module objects (or fails, saying so, where privfl is not installed).
+the very same module objects (or fails with "No module named 'privfl'" where privfl is not installed).
 """
 
-if __name__ != "privfl.secure_agg":
-    # a top-level ``secure_agg`` (the checkout on sys.path) is privfl.secure_agg itself, never a second copy whose
-    # classes (ProtocolAbort, SessionConfig) would differ from privfl's
-    import importlib as _importlib
-
-    try:
-        _importlib.import_module("privfl._one_name").hand_over(__name__, "privfl.secure_agg")
-    except ImportError as _exc:
-        raise ImportError(f"{__name__!r} is imported as privfl.secure_agg; install privfl (pip install -e .) ({_exc})"
-                          ) from None
+if __name__ != "privfl.secure_agg":  # the checkout on sys.path: hand out privfl.secure_agg itself, never a copy
+    __import__("importlib").import_module("privfl._one_name").hand_over(__name__, "privfl.secure_agg")
 else:
     from .client import ClientSession
     from .errors import MessageFormatError, ProtocolAbort, QuantisationRangeError

@@ -121,3 +121,45 @@ def deploy():
         return read_result(result_path)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def run_killing_after_share_keys():
+    """``run(deployment, spec, work, victim, timeout) -> result path``: ``flwr run`` the spec's app and kill SuperNode
+    ``victim`` as soon as its log shows its share-keys answer sent (it is then charged, not released); the run goes
+    on with the survivors. Fails the test if the victim never gets there."""
+    import subprocess
+    import time
+
+    from privfl.flower.app import write_app
+
+    def shared_keys(log) -> bool:
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            return False
+        at = text.find("ROUND 0.share_keys]")
+        sending = text.find("Sending: train.secagg", at) if at >= 0 else -1
+        return sending >= 0 and "Sent successfully" in text[sending:]
+
+    def run(deployment, spec, work, victim, timeout):
+        result_path = str(work / "result.bin")
+        app = write_app(str(work / "app"), spec, result_path=result_path)
+        with open(work / "flwr-run.log", "wb") as log:
+            proc = subprocess.Popen([os.path.join(deployment.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],
+                                    stdout=log, stderr=subprocess.STDOUT, env=deployment.env, cwd=deployment.workdir,
+                                    start_new_session=True)
+        deployment.procs.append(proc)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not shared_keys(work / f"supernode{victim}.log"):
+            time.sleep(0.05)
+        if not shared_keys(work / f"supernode{victim}.log"):
+            pytest.fail(f"SuperNode {victim} never answered the share-keys stage")
+        deployment.kill_node(victim)
+        proc.wait(timeout=timeout)
+        if not os.path.exists(result_path):
+            pytest.fail("the ServerApp wrote no result; flwr run log:\n"
+                        + open(work / "flwr-run.log", errors="replace").read()[-4000:])
+        return result_path
+
+    return run

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -100,40 +98,14 @@ def _spec(federation, public, run_id, secure=SECURE, placement="local"):
                       secure=secure, identities=public)
 
 
-def _shared_keys(log) -> bool:
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return False
-    at = text.find("ROUND 0.share_keys]")
-    sending = text.find("Sending: train.secagg", at) if at >= 0 else -1
-    return sending >= 0 and "Sent successfully" in text[sending:]
-
-
 @pytest.mark.timeout(400)
 def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(federation, tmp_path, repro_env,
-                                                                               write_orgs):
+                                                                               write_orgs, run_killing_after_share_keys):
     configs, public = _configs(federation, tmp_path, write_orgs)
     spec = _spec(federation, public, "malicious-kill")
-    result_path = str(tmp_path / "result.bin")
     victim = 2
     with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
-        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
-        with open(tmp_path / "flwr-run.log", "wb") as log:
-            run = subprocess.Popen([os.path.join(dep.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],
-                                   stdout=log, stderr=subprocess.STDOUT, env=dep.env, cwd=dep.workdir,
-                                   start_new_session=True)
-        dep.procs.append(run)
-        log = tmp_path / f"supernode{victim}.log"
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and not _shared_keys(log):
-            time.sleep(0.05)
-        assert _shared_keys(log), "SuperNode 2 never answered the share-keys stage"
-        dep.kill_node(victim)
-        run.wait(timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
-                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+        result_path = run_killing_after_share_keys(dep, spec, tmp_path, victim, RUN_TIMEOUT)
     result = read_result(result_path)
     (round0,) = result["history"]
     assert (round0["participants"], round0["aborted"]) == (N_CLIENTS - 1, False)

@@ -16,7 +16,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
-from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
+from privfl.flower.app import RunSpec, read_result  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
 from privfl.secure import SecureAggregation  # noqa: E402
@@ -150,7 +149,7 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
 
 @pytest.mark.timeout(400)
 def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env,
-                                                                              write_orgs):
+                                                                              write_orgs, run_killing_after_share_keys):
     """SuperNode 2 is killed as soon as it has answered the share-keys stage (charged, not released): the round
     completes from the two survivors, whose shares of its mask key remove its masks. Its ledger keeps the charge,
     never marked released; the survivors' ledgers mark exactly what they sent."""
@@ -161,29 +160,9 @@ def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(f
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg-kill", node_wait=60,
                       round_timeout=90, secure=secure)
     configs = write_orgs(federation, tmp_path)
-    result_path = str(tmp_path / "result.bin")
     victim = 2
     with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
-        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
-        with open(tmp_path / "flwr-run.log", "wb") as log:
-            run = subprocess.Popen([os.path.join(dep.bin_dir, "flwr"), "run", app, "privfl-local", "--stream"],
-                                   stdout=log, stderr=subprocess.STDOUT, env=dep.env, cwd=dep.workdir,
-                                   start_new_session=True)
-        dep.procs.append(run)
-        log = tmp_path / f"supernode{victim}.log"
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            if _shared_keys(log):
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("SuperNode 2 never answered the share-keys stage")
-        assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]  # charged, not released
-        dep.kill_node(victim)
-        run.wait(timeout=RUN_TIMEOUT)
-    if not os.path.exists(result_path):
-        pytest.fail("the ServerApp wrote no result; flwr run log:\n"
-                    + open(tmp_path / "flwr-run.log", errors="replace").read()[-4000:])
+        result_path = run_killing_after_share_keys(dep, spec, tmp_path, victim, RUN_TIMEOUT)
     (round0,) = read_result(result_path)["history"]
     # the victim's row: charged, never marked released (its masked input never left)
     assert _rows(configs[victim]["ledger-path"], spec.run_id) == [(0, "update", 0)]
@@ -196,17 +175,6 @@ def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(f
         assert _rows(configs[k]["ledger-path"], spec.run_id) == [(0, "update", 1)], "sent, charged and marked"
         assert _audit(configs[k]["ledger-path"], spec.run_id, k)["epsilon"] <= privacy.epsilon * (1 + 1e-9)
         assert result["audits"][str(k)]["releases"] == 1
-
-
-def _shared_keys(log) -> bool:
-    """Whether the SuperNode's log shows its share-keys answer sent (Flower logs each reply it pushes)."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return False
-    at = text.find("ROUND 0.share_keys]")
-    sending = text.find("Sending: train.secagg", at) if at >= 0 else -1
-    return sending >= 0 and "Sent successfully" in text[sending:]
 
 
 def test_a_secure_spec_round_trips_and_unsafe_settings_are_refused_up_front(federation):

@@ -557,32 +557,31 @@ def test_without_replay_divergent_views_abort(graph):
     assert_nothing_below_the_floor(adv)
 
 
+def _replayed(graph: str):
+    """The replay attack on a sparse or a complete graph: (server, victim, the views it shows, the instances)."""
+    adv = _sparse_server() if graph == "sparse" else _complete_server()
+    trim = None
+    if graph == "sparse":
+        victim, views = divergent_views(adv.config)
+    else:
+        victim, views, trim = complete_views(adv.config)
+    return adv, victim, views, replay_attack(adv, victim, views, trim)
+
+
 @pytest.mark.parametrize("graph", ["sparse", "complete"])
 def test_replayed_signatures_recover_an_input_when_signatures_do_not_bind_the_fresh_keys(monkeypatch, graph):
     """The old signatures covered (purpose, session id, signer, set): a session id reused for preparation sessions
     lets the server collect honest signatures on the sets it needs. Our proof check stays on: only the transcript
     hash is made constant, so this test shows that binding the fresh keys is what stops the replay."""
     undefended(monkeypatch, checks=False, transcript=True)
-    adv = _sparse_server() if graph == "sparse" else _complete_server()
-    trim = None
-    if graph == "sparse":
-        victim, views = divergent_views(adv.config)
-    else:
-        victim, views, trim = complete_views(adv.config)
-    insts = replay_attack(adv, victim, views, trim)
+    adv, victim, views, insts = _replayed(graph)
     learned = knowledge(adv.instances)
     assert any(g.honest == {victim} and g.members == {insts[victim]} for g in learned)  # the victim's own input
 
 
 @pytest.mark.parametrize("graph", ["sparse", "complete"])
 def test_replayed_signatures_do_not_verify_in_another_session(graph):
-    adv = _sparse_server() if graph == "sparse" else _complete_server()
-    trim = None
-    if graph == "sparse":
-        victim, views = divergent_views(adv.config)
-    else:
-        victim, views, trim = complete_views(adv.config)
-    insts = replay_attack(adv, victim, views, trim)
+    adv, victim, views, insts = _replayed(graph)
     askers = [insts[c] for c in views if insts[c].survivor_signature is not None]
     assert askers and all(i.abort is not None and i.revealed is None for i in askers)
     assert not assert_nothing_below_the_floor(adv)

@@ -170,6 +170,23 @@ def test_a_transcript_that_does_not_match_what_we_hold_aborts(harness, case, mat
         h.clients[1].share_keys(dataclasses.replace(d, keys=tuple(keys), transcript=tuple(entries)))
 
 
+def _to_unmask_request(config, keys, registry):
+    """An honest session of zero inputs up to the server's unmask request: (server, clients, deliveries, inputs)."""
+    server = ServerSession(config, registry=registry)
+    clients = {c: ClientSession(config, c, np.zeros(4, dtype=np.uint64), identity_key=keys[c], registry=registry)
+               for c in config.client_ids}
+    for c in clients:
+        server.receive(clients[c].advertise_keys())
+    directories = server.key_directories()
+    for c in clients:
+        server.receive(clients[c].share_keys(directories[c]))
+    deliveries = server.share_deliveries()
+    inputs = {c: clients[c].masked_input(deliveries[c]) for c in clients}
+    for m in inputs.values():
+        assert server.receive(m)
+    return server, clients, deliveries, inputs
+
+
 def test_every_signature_after_the_keys_covers_the_transcript_hash():
     """The same roster, session id and survivor set in two sessions: the survivor-set signatures and the input
     attestations of one do not verify in the other, because each session's bundles are fresh."""
@@ -180,18 +197,7 @@ def test_every_signature_after_the_keys_covers_the_transcript_hash():
     registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
     runs = []
     for _ in range(2):  # the server runs the session twice under the same id
-        server = ServerSession(config, registry=registry)
-        clients = {c: ClientSession(config, c, np.zeros(4, dtype=np.uint64), identity_key=keys[c],
-                                    registry=registry) for c in config.client_ids}
-        for c in clients:
-            server.receive(clients[c].advertise_keys())
-        directories = server.key_directories()
-        for c in clients:
-            server.receive(clients[c].share_keys(directories[c]))
-        deliveries = server.share_deliveries()
-        inputs = {c: clients[c].masked_input(deliveries[c]) for c in clients}
-        for m in inputs.values():
-            assert server.receive(m)
+        server, clients, deliveries, inputs = _to_unmask_request(config, keys, registry)
         request = server.unmask_request()
         signatures = {c: clients[c].consistency_check(request) for c in request.alive}
         runs.append((server.transcript_hash, request, inputs, signatures, deliveries))
@@ -215,17 +221,7 @@ def test_the_server_aborts_when_too_few_holders_of_a_survivor_sign():
     config = SessionConfig.create(range(1, 21), bits=16, dimension=4, degree=4, threshold=3, malicious=True)
     keys = {c: generate_identity() for c in config.client_ids}
     registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
-    server = ServerSession(config, registry=registry)
-    clients = {c: ClientSession(config, c, np.zeros(4, dtype=np.uint64), identity_key=keys[c], registry=registry)
-               for c in config.client_ids}
-    for c in clients:
-        server.receive(clients[c].advertise_keys())
-    directories = server.key_directories()
-    for c in clients:
-        server.receive(clients[c].share_keys(directories[c]))
-    deliveries = server.share_deliveries()
-    for c in clients:
-        server.receive(clients[c].masked_input(deliveries[c]))
+    server, clients, _, _ = _to_unmask_request(config, keys, registry)
     request = server.unmask_request()
     silent = set(sorted(config.neighbours(1))[:3])  # three of client 1's five holders do not sign
     for c in request.alive:
