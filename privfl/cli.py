@@ -1067,7 +1067,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "against anyone who knows the seed, and the ledger and audit say so)")
     r.add_argument("--client-size", type=int, default=None, metavar="N",
                    help="public design size of a client's data (DP-SGD's sampling rate and steps when record counts "
-                        "are private; default: the data set's training size over --clients)")
+                        "are private): required for a private run on your own data (--data, --entry), never computed "
+                        "from the clients' records; a built-in data set's default is its training size over --clients")
     r.add_argument("--record-cap", type=int, default=None, metavar="N",
                    help="public cap on a client's records for quantisation ranges, and fedbnr's client-level clip "
                         "(--unit client: each client's sums are clipped as if it held N records) (default 4 x the "

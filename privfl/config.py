@@ -97,7 +97,8 @@ class FederationConfig:
     ``hidden``: hidden-layer widths of an MLP (``()`` is multinomial logistic regression; None: the model's default).
     ``pool``: average-pool image inputs by this factor before the MLP (fewer weights, less total DP noise).
     ``client_size``: the public design size of a client's data (DP-SGD's sampling rate and step count when record
-    counts are private; default: the benchmark's training size over the number of clients). ``record_cap``: a public
+    counts are private; default: a built-in benchmark's training size over the number of clients; required for a
+    private run on the user's own data, never computed from the clients' records). ``record_cap``: a public
     bound on a client's records that sizes quantisation ranges of sums over records (default 4 x client_size, or
     the largest declared size). See ``privfl.public``.
     """
