@@ -634,11 +634,16 @@ def reply_poll() -> float:
     return value
 
 
-def _send_and_receive(grid, messages, timeout: float) -> list:
+def _send_and_receive(grid, messages, timeout: float, dest: dict | None = None) -> list:
     """``grid.send_and_receive`` with a short poll: push ``messages``, then pull the replies every
-    :func:`reply_poll` seconds until each has one or ``timeout`` seconds have passed."""
+    :func:`reply_poll` seconds until each has one or ``timeout`` seconds have passed. ``dest`` (if given) is filled
+    with message id -> the SuperNode it was sent to (an error reply the SuperLink makes for an unreachable node does
+    not come from that node)."""
     poll = reply_poll()
-    pending = set(grid.push_messages(messages))
+    ids = list(grid.push_messages(messages))
+    if dest is not None:
+        dest.update(zip(ids, (m.metadata.dst_node_id for m in messages)))
+    pending = set(ids)
     deadline = time.monotonic() + timeout
     replies: list = []
     while pending:
@@ -658,25 +663,36 @@ def _replies(grid, spec, messages, rnd, kind, node_client, audits, *, what: str,
     kept in ``audits``. A SuperNode that fails or does not reply within the round timeout is a DeploymentError
     saying it did not ``what``; with ``dropouts`` it is left out (secure aggregation's dropout)."""
     where = where or f"round {rnd}"
-    replies = _send_and_receive(grid, messages, spec.round_timeout) if messages else []
+    dest: dict = {}
+    replies = _send_and_receive(grid, messages, spec.round_timeout, dest) if messages else []
     seen: set[str] = set()
     out = []
     for msg in replies:
         node = msg.metadata.src_node_id
         if msg.has_error():
+            node = dest.get(msg.metadata.reply_to_message_id, node)
             if dropouts:
                 continue
-            raise DeploymentError(f"{where}: SuperNode {node} failed to {what}: {msg.error.reason} (code "
-                                  f"{msg.error.code})")
+            raise DeploymentError(f"{where}: SuperNode {node} ({_organisation(node, node_client)}) failed to "
+                                  f"{what}: {msg.error.reason} (code {msg.error.code})")
         reply = from_record(msg.content, kind)
         cid = _reply_client(reply, rnd, node, seen, node_client)
         if reply.get("audit") is not None:
             audits[cid] = reply["audit"]
         out.append((cid, node, reply))
     if not dropouts and len(seen) != len(messages):
+        answered = {node for _, node, _ in out}
+        silent = [f"SuperNode {m.metadata.dst_node_id} ({_organisation(m.metadata.dst_node_id, node_client)})"
+                  for m in messages if m.metadata.dst_node_id not in answered]
         raise DeploymentError(f"{where}: {len(messages) - len(seen)} of {len(messages)} SuperNodes did not {what} "
-                              f"within {spec.round_timeout:g} s")
+                              f"within {spec.round_timeout:g} s: {', '.join(silent)}")
     return out
+
+
+def _organisation(node: int, node_client: dict) -> str:
+    """How an error names a SuperNode's organisation: its partition id, once the node has said it."""
+    cid = node_client.get(node)
+    return f"partition {cid}" if cid is not None else "partition not known yet"
 
 
 def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:

@@ -324,6 +324,7 @@ def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(
         assert not os.path.exists(result_path), "an aborted run must not publish a model"
         log = log_text()
         assert "DeploymentError" in log and ("did not reply" in log or "failed" in log), log[-3000:]
+        assert "(partition 2)" in log, "the error names the organisation that failed"
         assert released_rounds(configs[2]["ledger-path"]) == killed_after and max(killed_after) <= 1
         first = {}
         for config in configs:
