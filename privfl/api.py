@@ -307,6 +307,11 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     history = [{"round": r.round, "metrics": dict(r.metrics), "participants": r.participants,
                 "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds}
                for r in run.history]
+    from privfl.metrics.report import one_class_warning
+
+    one_class = one_class_warning(run.final)
+    if one_class:
+        warnings.warn(one_class, RuntimeWarning, stacklevel=2)
     trained = _trained_model(sim, alg, data.test)
     return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
                            epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),

@@ -469,6 +469,11 @@ def cmd_run(args) -> int:
     if "warning" in result.audit:
         print(f"warning: {result.audit['warning']}", file=sys.stderr)
     _warn_aborted(aborted, len(result.history))
+    from privfl.metrics.report import one_class_warning
+
+    one_class = one_class_warning(result.final)
+    if one_class:
+        print(f"warning: {one_class}", file=sys.stderr)
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
     spent = f"max epsilon spent over its {len(phase_runs)} phases" if phased else "max epsilon spent"

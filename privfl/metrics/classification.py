@@ -1,4 +1,6 @@
-"""Classification metrics: accuracy, balanced accuracy, AUROC, NLL and calibration (expected calibration error).
+"""Classification metrics: accuracy, balanced accuracy, AUROC, NLL, calibration (expected calibration error),
+selective accuracy, the share of the most predicted class, and for two classes the predicted-positive rate, recall
+and average precision.
 
 Accuracy misleads on imbalanced data (a majority-class predictor scores the majority's share), so every
 classification run also reports balanced accuracy (the mean recall over the classes present in the labels) and the
@@ -67,8 +69,51 @@ def classification_metrics(proba: np.ndarray, y: np.ndarray, bins: int = 15) -> 
         in_bin = (conf > lo) & (conf <= hi)
         if in_bin.any():
             ece += in_bin.mean() * abs(correct[in_bin].mean() - conf[in_bin].mean())
-    return {"accuracy": float(correct.mean()), "balanced_accuracy": balanced_accuracy(proba, y),
-            "auroc": auroc(proba, y), "nll": float(-np.log(p_true).mean()), "ece": float(ece)}
+    out = {"accuracy": float(correct.mean()), "balanced_accuracy": balanced_accuracy(proba, y),
+           "auroc": auroc(proba, y), "nll": float(-np.log(p_true).mean()), "ece": float(ece),
+           "selective_accuracy": selective_accuracy(proba, y),
+           "majority_prediction_share": float(np.bincount(pred).max() / len(pred)) if len(pred) else float("nan")}
+    if proba.shape[1] == 2:
+        out.update(binary_metrics(proba, y))
+    return out
+
+
+def selective_accuracy(proba: np.ndarray, y: np.ndarray, coverage: float = 0.8) -> float:
+    """Accuracy on the ``coverage`` share of the points the model is most confident about (its largest class
+    probability): what a model whose uncertainty is worth something gains by abstaining on the rest."""
+    proba, y = np.asarray(proba), np.asarray(y)
+    if not len(y):
+        return float("nan")
+    keep = max(1, int(round(coverage * len(y))))
+    order = np.argsort(-proba.max(axis=1), kind="stable")[:keep]
+    return float((proba[order].argmax(axis=1) == y[order]).mean())
+
+
+def binary_metrics(proba: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """For two classes (class 1 the positive): the predicted-positive rate and the recall of the 0.5 rule, and the
+    average precision of the positive scores (scikit-learn's definition: the precision at each positive, averaged).
+    A rare-class model that ranks well (high AUROC) but never predicts the positive shows recall 0 here."""
+    y = np.asarray(y)
+    score = np.asarray(proba, dtype=np.float64)[:, 1]
+    pred = score > 0.5
+    positive = y == 1
+    n_pos = int(positive.sum())
+    recall = float(pred[positive].mean()) if n_pos else float("nan")
+    if n_pos:
+        order = np.argsort(-score, kind="stable")
+        hits = positive[order]
+        # ties share a threshold: the precision at a score counts every point scored at least as high
+        ranked = score[order]
+        last_of_tie = np.r_[ranked[1:] != ranked[:-1], True]
+        tp = np.cumsum(hits)
+        # one threshold per distinct score (the last point of each tie): sum over thresholds of (R_k - R_{k-1}) P_k
+        idx = np.flatnonzero(last_of_tie)
+        precision, recall_at = tp[idx] / (idx + 1), tp[idx] / n_pos
+        average_precision = float(np.sum(np.diff(np.r_[0.0, recall_at]) * precision))
+    else:
+        average_precision = float("nan")
+    return {"positive_rate": float(pred.mean()) if len(pred) else float("nan"), "recall": recall,
+            "average_precision": average_precision}
 
 
 def reliability_bins(proba: np.ndarray, y: np.ndarray, bins: int = 10) -> dict[str, list[float]]:

@@ -70,4 +70,18 @@ def applied_noise(charges) -> dict[str, list[dict[str, float]]]:
                  for z, s, c, n, q in sorted(v)] for ch, v in sorted(out.items())}
 
 
-__all__ = ["applied_noise", "from_strict_number", "strict_json"]
+__all__ = ["applied_noise", "from_strict_number", "one_class_warning", "strict_json"]
+
+
+def one_class_warning(metrics) -> str | None:
+    """The warning a classification run gets when its final model predicts one class for every test point (the
+    ``majority_prediction_share`` metric is 1): on rare classes under DP the 0.5 rule may never fire although the
+    model ranks well (see AUROC and average precision). None otherwise."""
+    share = (metrics or {}).get("majority_prediction_share")
+    if share is None or not share >= 1.0:
+        return None
+    return ("the final model predicts one class for every test point (balanced accuracy "
+            f"{metrics.get('balanced_accuracy', float('nan')):.3f}, AUROC {metrics.get('auroc', float('nan')):.3f}): "
+            "a rare class may never win the argmax under DP noise; look at recall and average precision, and "
+            "consider a decision threshold chosen on public data")
+

@@ -285,3 +285,15 @@ def test_import_privfl_stays_lazy():
 
     code = "import sys, privfl; privfl.federate; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_federate_warns_when_the_model_predicts_one_class_only():
+    x, y = _blobs()
+    clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
+    net = nn.Linear(4, 2)
+    with torch.no_grad():
+        net.weight.zero_()
+        net.bias.copy_(torch.tensor([50.0, 0.0]))  # class 0 everywhere, and a step of 1e-9 cannot change it
+    with pytest.warns(RuntimeWarning, match="predicts one class"):
+        result = federate(net, clients, algorithm="fedavg", rounds=1, lr=1e-9)
+    assert result.final["majority_prediction_share"] == 1.0

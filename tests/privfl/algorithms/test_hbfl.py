@@ -205,7 +205,8 @@ def test_dpsgd_noise_has_the_declared_std():
 def test_evaluate_reports_global_and_local_under_their_own_names(digits):
     alg = _ready(digits)
     before = alg.evaluate(digits.test)
-    assert set(before) == {"accuracy", "accuracy_global", "balanced_accuracy", "auroc", "nll", "ece"}
+    assert set(before) == {"accuracy", "accuracy_global", "balanced_accuracy", "auroc", "nll", "ece",
+                           "selective_accuracy", "majority_prediction_share"}
     assert alg.local_metrics(digits.test) == {}  # no client has a local model yet
     alg.client_update(0, digits.train_parts[0], 0, np.random.default_rng(6))
     after = alg.evaluate(digits.test)

@@ -17,7 +17,10 @@ def test_majority_predictor_on_imbalanced_data_is_exposed():
     assert m["accuracy"] == pytest.approx(0.97)
     assert m["balanced_accuracy"] == pytest.approx(0.5)
     assert m["auroc"] == pytest.approx(0.5)  # constant scores: ties everywhere
-    assert {"accuracy", "balanced_accuracy", "auroc", "nll", "ece"} == set(m)
+    assert {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "selective_accuracy", "majority_prediction_share",
+            "positive_rate", "recall", "average_precision"} == set(m)
+    # the 0.5 rule never fires: one class predicted, no positive found, although nothing else is wrong
+    assert (m["majority_prediction_share"], m["positive_rate"], m["recall"]) == (1.0, 0.0, 0.0)
 
 
 def test_binary_auroc_by_hand():
@@ -76,3 +79,38 @@ def test_numpy_metrics_equal_scikit_learns_with_ties(classes):
             assert balanced_accuracy(p, y) == pytest.approx(balanced_accuracy_score(y, p.argmax(1)), abs=1e-12)
         checked += 1
     assert checked >= 20
+
+
+
+def test_binary_metrics_equal_scikit_learn_with_ties():
+    from sklearn.metrics import average_precision_score, recall_score
+
+    from privfl.metrics.classification import binary_metrics
+
+    rng = np.random.default_rng(0)
+    for trial in range(100):
+        y = rng.integers(0, 2, 40)
+        scores = np.round(rng.random(40), 1) if trial % 2 else rng.random(40)  # ties on odd trials
+        m = binary_metrics(np.stack([1 - scores, scores], axis=1), y)
+        assert m["average_precision"] == pytest.approx(average_precision_score(y, scores), abs=1e-12)
+        assert m["recall"] == pytest.approx(recall_score(y, (scores > 0.5).astype(int)), abs=1e-12)
+        assert m["positive_rate"] == pytest.approx(np.mean(scores > 0.5))
+
+
+def test_selective_accuracy_keeps_the_most_confident_points():
+    from privfl.metrics.classification import selective_accuracy
+
+    y = np.array([0, 0, 1, 1, 1])
+    proba = np.array([[0.99, 0.01], [0.9, 0.1], [0.2, 0.8], [0.45, 0.55], [0.51, 0.49]])  # the last one is wrong
+    assert selective_accuracy(proba, y, coverage=0.8) == 1.0  # its least confident point is left out
+    assert selective_accuracy(proba, y, coverage=1.0) == pytest.approx(0.8)
+
+
+def test_a_one_class_model_is_warned_about():
+    from privfl.metrics.report import one_class_warning
+
+    y = np.array([0] * 97 + [1] * 3)
+    assert "predicts one class" in one_class_warning(classification_metrics(np.tile([0.9, 0.1], (100, 1)), y))
+    proba = np.tile([0.9, 0.1], (100, 1))
+    proba[-1] = [0.2, 0.8]
+    assert one_class_warning(classification_metrics(proba, y)) is None
