@@ -1,0 +1,69 @@
+"""``privfl-flower-run`` exits non-zero when a Flower run fails (issue 31: ``flwr run`` exits 0 although the
+ServerApp raised)."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from privfl.flower import launch
+
+
+def _fake_flwr(tmp_path, text: str, status: int = 0) -> str:
+    path = tmp_path / "flwr"
+    path.write_text(f"#!/bin/sh\nprintf '%s\\n' {text!r}\nexit {status}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, status, expected", [
+    ("INFO : round 1/2\nExit Code: 201\nAn unhandled exception occurred in the ServerApp.", 0, 201),
+    ("INFO : round 1/2\nINFO : round 2/2", 0, 0),
+    ("Exit Code: 0", 0, 0),  # Flower's success codes are below 100
+    ("usage error", 2, 2),
+])
+def test_the_launcher_turns_a_failure_in_the_stream_into_its_exit_status(tmp_path, monkeypatch, text, status,
+                                                                         expected):
+    fake = _fake_flwr(tmp_path, text, status)
+    monkeypatch.setattr(launch.shutil, "which", lambda name, path=None: fake)
+    out = io.StringIO()
+    assert launch.run(["app", "my-federation"], out=out) == expected
+    assert text.splitlines()[0] in out.getvalue()  # the stream is echoed
+
+
+def test_a_missing_result_is_a_failure(tmp_path, monkeypatch):
+    fake = _fake_flwr(tmp_path, "INFO : done")
+    monkeypatch.setattr(launch.shutil, "which", lambda name, path=None: fake)
+    assert launch.run(["app", "--expect-result", str(tmp_path / "absent.bin")], out=io.StringIO()) == 1
+    (tmp_path / "there.bin").write_bytes(b"x")
+    assert launch.run(["app", "--expect-result", str(tmp_path / "there.bin")], out=io.StringIO()) == 0
+    assert launch.run([], out=io.StringIO()) == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_deployment_exits_non_zero(federation, tmp_path, repro_env, write_orgs):
+    """A real loopback run whose organisation 1 has no data file: its ClientApp fails, the ServerApp raises, and
+    the launcher exits with Flower's code 201 where flwr run exits 0."""
+    pytest.importorskip("flwr")
+    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.flower.app import RunSpec, write_app
+    from privfl.flower.local import LocalDeployment
+
+    configs = write_orgs(federation, tmp_path)
+    configs[1]["data-path"] = str(tmp_path / "missing.npz")
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=1)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="fails", node_wait=60, round_timeout=60)
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        app = write_app(str(tmp_path / "app"), spec, result_path=str(tmp_path / "result.bin"))
+        proc = subprocess.run([sys.executable, "-m", "privfl.flower.launch", app, "privfl-local",
+                               "--expect-result", str(tmp_path / "result.bin")], capture_output=True, text=True,
+                              env=dep.env, cwd=dep.workdir, timeout=240)
+    assert proc.returncode == 201, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "partition 1" in proc.stdout and "the run failed" in proc.stderr
+    assert not os.path.exists(tmp_path / "result.bin")
