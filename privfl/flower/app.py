@@ -169,6 +169,11 @@ class RunSpec:
     #: secure aggregation (``privfl.flower.identity``): the ServerApp checks the signatures it forwards with them.
     #: Clients never read them from here: each trusts its own federation file, agreed out of band.
     identities: tuple = ()
+    #: plaintext rounds: how many organisations must reply for a round to complete with the survivors (a SuperNode
+    #: that fails or does not reply in time is left out of that round, named in the log, and asked again the next
+    #: round); None: every organisation must reply, and a missing one stops the run. Under secure aggregation the
+    #: protocol's own dropout recovery decides.
+    min_replies: int | None = None
 
     def __post_init__(self):
         from privfl.algorithms import ALGORITHMS, algorithm_options
@@ -225,6 +230,10 @@ class RunSpec:
             raise ConfigurationError("distributed noise is added by the clients under secure aggregation; give the "
                                      "spec secure=SecureAggregation(malicious=False) or choose local or central "
                                      "placement")
+        if self.min_replies is not None and (type(self.min_replies) is not int
+                                             or not 1 <= self.min_replies <= self.n_clients):
+            raise ConfigurationError(f"min_replies must be an integer in [1, {self.n_clients}] or None, got "
+                                     f"{self.min_replies!r}")
         for name in ("node_wait", "round_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -750,7 +759,18 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
 
     messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
                         group_id=str(rnd)) for node in nodes]
-    replies = _replies(grid, spec, messages, rnd, REPLY, node_client, audits, what="reply")
+    tolerant = spec.min_replies is not None
+    replies = _replies(grid, spec, messages, rnd, REPLY, node_client, audits, what="reply", dropouts=tolerant)
+    if tolerant:
+        answered = {node for _, node, _ in replies}
+        missing = [n for n in nodes if n not in answered]
+        if missing:
+            _log_missing(spec, rnd, missing, node_client)
+        if len(replies) < min(spec.min_replies, len(nodes)):
+            raise DeploymentError(f"round {rnd}: {len(replies)} of {len(nodes)} organisations replied, fewer than "
+                                  f"min_replies={spec.min_replies}; missing: "
+                                  f"{', '.join(_organisation(n, node_client) for n in missing)}")
+        all_nodes = all_nodes and not missing
     releases, sat_out = [], []
     for cid, _, reply in replies:
         if reply["sat_out"]:
@@ -770,6 +790,14 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
     if releases:
         alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
     return len({r.client_id for r in releases}), sat_out
+
+
+def _log_missing(spec, rnd: int, missing, node_client) -> None:
+    from flwr.common.logger import log
+    import logging
+
+    log(logging.WARNING, "privfl %s round %d/%d: no reply from %s; the round completes with the others", spec.run_id,
+        rnd + 1, spec.fed.rounds, ", ".join(f"SuperNode {n} ({_organisation(n, node_client)})" for n in missing))
 
 
 def _reply_client(reply, rnd, node, seen, node_client) -> str:
