@@ -237,16 +237,11 @@ class PrivacyLedger:
             found = conn.execute(select, (run_id,)).fetchone()
             if found is not None:
                 return found
-            conn.execute("BEGIN IMMEDIATE")  # another process may be creating the same run: one of them inserts it
-            try:
+            with self._write():  # another process may be creating the same run: one of them inserts it
                 found = conn.execute(select, (run_id,)).fetchone()
                 if found is None:
                     conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
                                  (run_id, delta, epsilon_budget, accountant, time.time(), meta_json))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             return found
 
         try:

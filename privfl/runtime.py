@@ -127,12 +127,14 @@ def check_schedules_fit(algorithm: FederatedAlgorithm, data) -> None:
     in-process runtime behind ``privfl.federate``, ``privfl run`` and ``privfl compare``), and its error goes to
     that user only. With declared public counts (replace-one) q * n = min(n, batch_size), so it never fires.
     """
+    if getattr(algorithm, "accountant", None) is None:  # the DP-SGD accountant of an algorithm that trains by DP-SGD
+        return
+    from privfl.algorithms.dpsgd_fedavg import dpsgd_schedule
+
     parts = data.train_parts
     names = None
     for k, part in enumerate(parts):
-        schedule = algorithm.local_dpsgd_schedule(k)
-        if schedule is None:
-            continue
+        schedule = dpsgd_schedule(algorithm, k)
         n, q = len(part), float(schedule.sample_rate)
         if q * n >= 1:
             continue

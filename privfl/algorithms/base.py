@@ -176,14 +176,6 @@ class FederatedAlgorithm(abc.ABC):
         from the ``client_state`` entries loaded on this object; ``{}`` for algorithms without client models."""
         return {}
 
-    def local_dpsgd_schedule(self, client: int):
-        """The public DP-SGD schedule of ``client``'s local training (a
-        :class:`privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`: each step samples each record with probability
-        ``sample_rate``), or None when its local work is not Poisson-sampled DP-SGD (non-private, client level, or a
-        sum over every record). Available after :meth:`setup`; the runtime checks that every client can fill its
-        schedule before anything is charged."""
-        return None
-
     def predict_proba(self, dataset) -> np.ndarray | None:
         """Class probabilities of the global model on ``dataset`` (for reliability diagrams); None if not offered."""
         return None

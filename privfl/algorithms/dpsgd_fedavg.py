@@ -367,10 +367,6 @@ class DPSGDFedAvg(FedAvg):
         """The change clipped to the public ``update_bound`` (post-processing of the DP-SGD output)."""
         return update if self.update_bound is None else np.clip(update, -self.update_bound, self.update_bound)
 
-    def local_dpsgd_schedule(self, client: int):
-        """Client ``client``'s DP-SGD schedule when it trains with DP-SGD (record level, private), else None."""
-        return dpsgd_schedule(self, client) if self.accountant is not None else None
-
     def planned_events(self, client: int) -> dict:
         """The per-round event of ``client``'s DP-SGD-trained upload (the run plan's; empty when not private)."""
         if not self.privacy.private:

@@ -335,10 +335,6 @@ class FOLA(FederatedAlgorithm):
                                                     schedule, self.accountant, other_round_events=self._fisher_events)
         return self._dpsgd[schedule]
 
-    def local_dpsgd_schedule(self, client: int):
-        """Client ``client``'s DP-SGD schedule when it trains with DP-SGD (record level, private), else None."""
-        return dpsgd_schedule(self, client) if self.accountant is not None else None
-
     def planned_events(self, client: int) -> dict:
         """The per-round event of each DP-SGD-trained channel of ``client`` (the run plan's; record level only)."""
         if self.mode != "example" or not self.privacy.private:

@@ -420,11 +420,6 @@ class HBFL(FederatedAlgorithm):
         return {"natural_mean": untempered * np.asarray(mean, dtype=np.float64) - self.global_natural_mean,
                 "precision": untempered - self.global_precision}
 
-    def local_dpsgd_schedule(self, client: int):
-        """Client ``client``'s DP-SGD schedule when it trains its meme with DP-SGD (record level, private), else
-        None."""
-        return dpsgd_schedule(self, client) if self.accountant is not None else None
-
     def dpsgd_noise_multiplier(self, plan: DPSGDSchedule) -> float:
         """The smallest z whose ``fed.rounds`` rounds of ``plan`` meet the target (epsilon, delta) under the run's
         accountant (``dpsgd_fedavg.calibrate_dpsgd``, cached per schedule)."""

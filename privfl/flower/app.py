@@ -1039,8 +1039,8 @@ def client_train(msg, context):
         raise DeploymentError(f"the server planned noise multipliers {broadcast['noise_multipliers']} but this "
                               f"client computes {multipliers} from the same public spec; run one privfl version")
     secure = spec.secure is not None
-    if secure:  # refuse a run this SuperNode's federation file did not agree to, before anything is charged
-        _client_identity(context, spec, None)
+    # read once, before anything is charged: a run this SuperNode's federation file did not agree to is refused here
+    identity = _client_identity(context, spec, None) if secure else {}
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
     ledger = _ledger(spec, context, phased, plan)
     state_key = _state_key(ALGORITHM_STATE, phased)
@@ -1066,7 +1066,7 @@ def client_train(msg, context):
         reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out}
         if secure and not sat_out:
             reply.update(_secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context,
-                                           phased, _composition(run_spec, phased)))
+                                           phased, _composition(run_spec, phased), identity))
         elif not secure:
             reply["releases"] = [encode_release(r) for r in released.values()]
         save()
@@ -1190,11 +1190,12 @@ def _client_identity(context, spec: RunSpec | None, floor: int | None, malicious
 
 
 def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context, phased=None,
-                      composition=None) -> dict:
+                      composition=None, identity=None) -> dict:
     """The client's first stage under secure aggregation: encode its (charged, noised) releases with its own
     generator into the public encodings it computes itself, open its protocol session under the server's public
     configuration (refused if it asks for fewer inputs than the client's noise was charged for) and advertise its
-    keys. The session's secrets (and the ledger run it marks) stay in the SuperNode's Context.state."""
+    keys. The session's secrets (and the ledger run it marks) stay in the SuperNode's Context.state. ``identity``:
+    this SuperNode's :func:`_client_identity` (read by the caller before anything was charged)."""
     from flwr.app import ConfigRecord
 
     from privfl.secure import encode_for_secure_sum, round_min_inputs
@@ -1209,8 +1210,10 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
                               f"{'malicious' if config.malicious else 'semi-honest'} variant) does not match the "
                               f"run's encodings ({spec.secure.bits} bits, dimension {words.size})")
     floor = round_min_inputs(encodings)
-    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor,
-                            **_client_identity(context, spec, floor))
+    identity = dict(identity if identity is not None else _client_identity(context, spec, None))
+    if "threat_model" in identity:  # the floor this round's noise was charged for
+        identity["threat_model"] = dataclasses.replace(identity["threat_model"], min_inputs=floor)
+    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor, **identity)
     advert = session.advertise_keys()
     state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor,
              "run_id": spec.run_id, "phase": None if phased is None else phased.name, "composition": composition}

@@ -249,18 +249,20 @@ def test_federate_without_a_declared_size_charges_nothing(tmp_path):
 COMPARE_ALGORITHMS = sorted(set(PRIVATE) - REGRESSION - {"fedbnn"})  # FedBNN needs a built-in alignment set
 
 
-@pytest.mark.parametrize("unit, adjacency", list(itertools.product(["example", "client"],
-                                                                    ["add_remove", "replace_one"])))
-def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, unit,
-                                                                                adjacency):
-    """A compare TOML with ``data =``: every algorithm x placement (compare has no secure aggregation, so local and
-    central) under the unit and relation of the case, set the way a user sets them ([overrides.<algorithm>])."""
-    parts, test = _arrays("classification")
+@pytest.mark.parametrize("task, unit, adjacency", list(itertools.product(
+    ["classification", "regression"], ["example", "client"], ["add_remove", "replace_one"])))
+def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, task,
+                                                                                unit, adjacency):
+    """A compare TOML with ``data =``: every algorithm the task takes (FedBNR on regression data) x placement
+    (compare has no secure aggregation, so local and central) under the unit and relation of the case, set the way
+    a user sets them ([overrides.<algorithm>])."""
+    parts, test = _arrays(task)
     for label, world in (("D", parts), ("D2", _neighbour(parts, unit, adjacency))):
-        _write_csvs(tmp_path / label, world, test, "classification")
+        _write_csvs(tmp_path / label, world, test, task)
     outcomes = {}
+    names = sorted(REGRESSION) if task == "regression" else COMPARE_ALGORITHMS
     # compare runs an algorithm built for fewer units at its own unit: the neighbours here are the unit's own
-    cells = [(name, placement) for name, placement in itertools.product(COMPARE_ALGORITHMS, ("local", "central"))
+    cells = [(name, placement) for name, placement in itertools.product(names, ("local", "central"))
              if unit in (getattr(ALGORITHMS[name], "units", None) or (unit,))]
     for name, placement in cells:
         for label in ("D", "D2"):
@@ -268,7 +270,8 @@ def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(
                 cfg = tmp_path / f"{label}-{name}-{placement}-{bool(size_line)}.toml"
                 cfg.write_text(f'data = "{label}/*.csv"\ntarget = "y"\ntest_data = "{label}-test.csv"\n'
                                f'algorithms = ["{name}"]\nepsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
-                               f'unit = "{unit}"\n{size_line}out_dir = "{tmp_path / "out" / label}"\n'
+                               f'unit = "{unit}"\ntask = "{task}"\n{size_line}'
+                               f'out_dir = "{tmp_path / "out" / label}"\n'
                                f'[overrides.{name}]\nplacement = "{placement}"\nadjacency = "{adjacency}"\n'
                                f'pool = 1\n')
                 got = _outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture)
@@ -284,31 +287,51 @@ def test_compare_toml_with_own_data_shows_the_server_the_same_run_on_neighbours(
         refused, code, _ = undeclared
         assert refused == "exit" and code == 2 and "Traceback" not in err, name
         assert "client_size" in err or not isinstance(outcomes[(name, placement, "D", True)][0], dict), name
-    assert sum(isinstance(outcomes[(n, p, "D", True)][0], dict) for n, p in cells) >= 2
+    assert sum(isinstance(outcomes[(n, p, "D", True)][0], dict) for n, p in cells) >= (1 if task == "regression"
+                                                                                         else 2)
 
 
-@pytest.mark.parametrize("unit", ["example", "client"])
-def test_flower_runspec_is_the_same_on_neighbours(unit):
+@pytest.mark.parametrize("unit, adjacency", list(itertools.product(["example", "client"],
+                                                                    ["add_remove", "replace_one"])))
+def test_flower_runspec_is_the_same_on_neighbours(unit, adjacency):
+    """The Flower spec (what the ServerApp and every ClientApp plan the run from) over every private algorithm x
+    placement (distributed under secure aggregation) x sampling, under the unit and relation of the case: the same
+    JSON on D and D', or the same refusal; without a declared size a private spec is refused when sizes are private."""
     pytest.importorskip("flwr")
     from privfl.flower.app import RunSpec
+    from privfl.secure import SecureAggregation
 
-    parts, test = _arrays("classification")
-    for name in COMPARE_ALGORITHMS:
-        privacy = PrivacyConfig(epsilon=3.0, unit=unit, clip=1.0)
+    accepted = 0
+    for name, placement, sampling in itertools.product(PRIVATE, ("local", "central", "distributed"), (1.0, 0.5)):
+        task = "regression" if name in REGRESSION else "classification"
+        parts, test = _arrays(task)
+        accountant = ("rdp" if name.startswith("dp_fedsgd") else "zcdp") if placement == "distributed" else None
+        try:
+            privacy = PrivacyConfig(epsilon=3.0, unit=unit, adjacency=adjacency, clip=1.0, placement=placement,
+                                    sampling_rate=sampling, accountant=accountant)
+        except ConfigurationError:
+            continue  # a configuration refused before any data is read
+        secure = SecureAggregation(bits=48, malicious=False) if placement == "distributed" else None
         specs = []
-        for world in (parts, _neighbour(parts, unit, "add_remove")):
-            data = federated_from_arrays(world, test, task="classification", num_classes=CLASSES)
+        for world in (parts, _neighbour(parts, unit, adjacency)):
+            data = federated_from_arrays(world, test, task=task, num_classes=CLASSES if task == "classification"
+                                         else None)
             outcome = []
             for size in (RECORDS, None):
                 fed = FederationConfig(rounds=2, hidden=(8,), client_size=size)
                 try:
-                    outcome.append(RunSpec.of(name, data, fed, privacy, run_id="r").to_json())
+                    outcome.append(RunSpec.of(name, data, fed, privacy, run_id="r", secure=secure).to_json())
                 except ConfigurationError as exc:
                     outcome.append(("refused", str(exc)))
             specs.append(outcome)
-        assert specs[0] == specs[1], name
-        assert specs[0][1][0] == "refused" and "client_size=" in specs[0][1][1]
-        assert json.loads(specs[0][0])["client_size"] == RECORDS
+        cell = (name, placement, sampling)
+        assert specs[0] == specs[1], cell
+        if isinstance(specs[0][0], str):
+            accepted += 1
+            assert json.loads(specs[0][0])["client_size"] == RECORDS, cell
+            sizes_public = unit == "example" and adjacency == "replace_one"
+            assert sizes_public or (specs[0][1][0] == "refused" and "client_size=" in specs[0][1][1]), cell
+    assert accepted >= 8
 
 
 # ------------------------------------------------------------------------------------------------------ audits
