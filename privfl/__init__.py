@@ -33,14 +33,15 @@ _EXPORTS = {
     "federated_from_arrays": "privfl.data", "make_federated": "privfl.data", "PublicFacts": "privfl.public",
     "Release": "privfl.release", "ReleasePipeline": "privfl.release", "RunResult": "privfl.runtime",
     "Simulation": "privfl.runtime", "SecureAggregation": "privfl.secure", "federate": "privfl.api",
-    "FederatedResult": "privfl.api",
+    "FederatedResult": "privfl.api", "Algorithm": "privfl.algorithms.plain", "LocalData": "privfl.algorithms.plain",
+    "register_algorithm": "privfl.privacy", "unregister_algorithm": "privfl.privacy",
 }
 
 __all__ = [
-    "ALGORITHMS", "Channel", "ClippedValue", "FederatedResult", "FederationConfig", "NormClip", "PreClipped", "PrivacyConfig",
+    "ALGORITHMS", "Algorithm", "Channel", "ClippedValue", "FederatedResult", "FederationConfig", "LocalData", "NormClip", "PreClipped", "PrivacyConfig",
     "PrivatizedValue", "RangeBound", "Release", "ReleasePipeline", "RunResult", "SecureAggregation", "Simulation",
     "PublicFacts", "TrainedPrivately", "federate", "federated_from_arrays", "make_algorithm",
-    "make_federated",
+    "make_federated", "register_algorithm", "unregister_algorithm",
 ]
 
 

@@ -173,7 +173,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
              local_epochs: int | None = None, batch_size: int = 32, lr: float | None = None, momentum: float = 0.0,
              clip: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
              secure_noise: bool = True, ledger: str = ":memory:", run_id: str | None = None,
-             sampling_rate: float = 1.0, **options) -> FederatedResult:
+             sampling_rate: float = 1.0, placement: str = "central", secure_agg=False,
+             **options) -> FederatedResult:
     """Train ``model`` over ``clients`` with ``algorithm`` under (``epsilon``, ``delta``) per client.
 
     - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
@@ -206,7 +207,10 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       and never set it. ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
       reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
       (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
-      the algorithm's own options (e.g. FedProx's ``mu``).
+      the algorithm's own options (e.g. FedProx's ``mu``). ``placement``: where client-level noise is added,
+      ``"central"`` (the aggregator), ``"local"`` (each client) or ``"distributed"`` (each client a share, under secure
+      aggregation); ``secure_agg``: True (or a :class:`privfl.SecureAggregation`) to hide every upload from the
+      server under secure aggregation.
 
     Refused before anything is charged (:class:`ConfigurationError`): besides bad arguments, a client too small for
     its DP-SGD schedule (fewer than ``ceil(client_size / batch_size)`` training records: less than one record per
@@ -290,10 +294,22 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                            client_size=client_size)
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=unit or default_unit(algorithm),
                             clip=defaults.get("clip", 1.0) if clip is None else clip, secure_noise=secure_noise,
-                            sampling_rate=sampling_rate)
+                            sampling_rate=sampling_rate, placement=placement)
+    if secure_agg is True:
+        from privfl.secure import SecureAggregation
+
+        secure_agg = SecureAggregation()
+    elif secure_agg is False or secure_agg is None:
+        secure_agg = None
+    else:
+        from privfl.secure import SecureAggregation
+
+        if not isinstance(secure_agg, SecureAggregation):
+            raise ConfigurationError(f"secure_agg must be True, False or a privfl.SecureAggregation, got "
+                                     f"{type(secure_agg).__name__}")
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
-    sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id)
+    sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id, secure=secure_agg)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
         run = sim.run()

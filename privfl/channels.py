@@ -286,6 +286,12 @@ def _all_finite(arr: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(arr)))
 
 
+def amplifies(sampling_rate: float, unit: str, placement: str) -> bool:
+    """Whether client sampling amplifies a run's guarantee: client-level privacy, central noise (the only observer,
+    of the published model, cannot tell who took part), and a sampling rate below 1."""
+    return sampling_rate < 1.0 and unit == "client" and placement == "central"
+
+
 def charged_channels(channels, privacy, secure_aggregation: bool) -> list:
     """The channels as the run charges them; every runtime applies these rules before it plans noise.
 
@@ -297,8 +303,6 @@ def charged_channels(channels, privacy, secure_aggregation: bool) -> list:
       satisfies it; probability rows (FedBNN: sqrt(2 |AD|) apart, but an upload of norm up to sqrt(|AD|)) do not, so
       their displacement is raised to twice the upload's norm bound. Other clips cannot be sampled under replace-one.
     """
-    from privfl.release import amplifies
-
     out = list(channels)
     if privacy.private and privacy.unit == "client" and privacy.placement == "local" and not secure_aggregation:
         out = [dataclasses.replace(c, adjacency="replace_one") if c.private and c.adjacency == "add_remove" else c

@@ -45,6 +45,7 @@ from privfl.metrics.classification import reliability_bins
 from privfl.metrics.report import applied_noise, strict_json
 from privfl.options import option_value
 from privfl.runtime import Simulation
+from privfl.trained_model import save_model, trained_model_description
 
 
 class CompareNote(UserWarning):
@@ -407,7 +408,6 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     """One run of the grid: its row (metrics, privacy spent, settings, noise applied), its ledger, and its trained model
     in ``models/<key>.pt``. ``progress`` is called with each round's record."""
     from privfl import __version__
-    from privfl.cli import save_model, trained_model_description
 
     if spec.algorithm in REFERENCES:
         return run_reference(config, spec, data, progress)

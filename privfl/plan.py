@@ -23,11 +23,11 @@ from typing import Mapping
 import numpy as np
 
 from privfl.accounting.events import PrivacyEvent
-from privfl.channels import Channel, TrainedPrivately, charged_channels, check_record_level_clips
+from privfl.channels import Channel, TrainedPrivately, amplifies, charged_channels, check_record_level_clips
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
 from privfl.public import PublicFacts
-from privfl.release import ReleasePipeline, amplifies
+from privfl.release import ReleasePipeline
 
 #: the seed streams spawned from ``SeedSequence(seed)``, in spawn order
 STREAMS = ("setup", "sample", "server", "clients", "secure")
@@ -202,7 +202,7 @@ class RunPlan:
 
     @property
     def amplified(self) -> bool:
-        """Whether client sampling amplifies this run (``privfl.release.amplifies``): every member's round is then
+        """Whether client sampling amplifies this run (``privfl.channels.amplifies``): every member's round is then
         charged, sampled or not."""
         return amplifies(self.sampling_rate, self.unit, self.placement)
 

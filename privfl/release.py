@@ -32,16 +32,10 @@ from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSamp
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
-from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately
+from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, amplifies
 from privfl.errors import DIVERGENCE_CAUSES
 
 PLACEMENTS = ("local", "central", "distributed")
-
-
-def amplifies(sampling_rate: float, unit: str, placement: str) -> bool:
-    """Whether client sampling amplifies a run's guarantee: client-level privacy, central noise (the only observer,
-    of the published model, cannot tell who took part), and a sampling rate below 1."""
-    return sampling_rate < 1.0 and unit == "client" and placement == "central"
 
 
 @dataclass(frozen=True)

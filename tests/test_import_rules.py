@@ -200,6 +200,27 @@ def test_algorithms_do_not_import_the_runtime():
     assert not violations, "algorithms import a runtime:\n" + "\n".join(violations)
 
 
+#: what the non-private algorithm contract (privfl/algorithms/plain.py) may not import: anything that decides privacy
+PRIVACY_MODULES = ("privfl.privacy", "privfl.channels", "privfl.release", "privfl.plan", "privfl.secure",
+                   "privfl.accounting", "privfl.mechanisms", "privfl.secure_agg", "privfl.public", "privfl.config",
+                   "privfl.executor", "privfl.algorithms.dpsgd_fedavg")
+
+
+def test_the_non_private_algorithm_contract_knows_nothing_of_privacy():
+    """A new algorithm is written against privfl/algorithms/plain.py alone: it imports no module that decides a
+    privacy unit, clip, noise or charge, nor a runtime; the privacy wrappers (privfl/privacy/) may not import a runtime
+    either (a runtime drives them)."""
+    violations = []
+    for lineno, module in _privfl_modules_imported(ROOT / "privfl" / "algorithms" / "plain.py"):
+        if _is_within(module, PRIVACY_MODULES + RUNTIME_MODULES):
+            violations.append(f"privfl/algorithms/plain.py:{lineno} imports {module}")
+    for path in (ROOT / "privfl" / "privacy").rglob("*.py"):
+        for lineno, module in _privfl_modules_imported(path):
+            if _is_within(module, RUNTIME_MODULES):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
 def test_the_cli_knows_no_single_algorithm():
     """The CLI and ``compare`` build algorithms through the registry (privfl.algorithms.make_algorithm /
     ALGORITHMS), never by importing one algorithm's module."""
@@ -235,3 +256,86 @@ def test_the_new_rules_see_violations(tmp_path):
     found = {m for _, m in _privfl_modules_imported(cli, tmp_path)}
     assert {"privfl.algorithms.fedbnr", "privfl.algorithms.fedbnn", "privfl.algorithms.make_algorithm"} <= found
 
+
+
+def privfl_import_graph(root: pathlib.Path = ROOT) -> dict[str, dict[str, int]]:
+    """{module: {privfl module it imports: the line of the first such import}} for every module under
+    ``root/privfl``: imports at any depth of the file, absolute or relative; ``from X import Y`` is an edge to X and,
+    where X.Y is a module, to X.Y. A package is its ``__init__.py``."""
+    paths = {}
+    for path in sorted((root / "privfl").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        edges = {}
+        for lineno, module in _privfl_modules_imported(path, root):
+            if module in paths and module != name:
+                edges.setdefault(module, lineno)
+        graph[name] = edges
+    return graph
+
+
+def _reachable(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph[todo.pop()]:
+            if module not in seen:
+                seen.add(module)
+                todo.append(module)
+    return seen
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """The strongly connected components of ``graph`` that hold a cycle (two modules or more, each reaching the
+    other), each sorted, in order of their first module."""
+    reach = {module: _reachable(graph, module) for module in graph}
+    cycles, placed = [], set()
+    for module in sorted(graph):
+        if module in placed or module not in reach[module]:
+            continue
+        component = sorted(other for other in reach[module] if module in reach[other])
+        placed.update(component)
+        cycles.append(component)
+    return cycles
+
+
+def _module_path(module: str, root: pathlib.Path = ROOT) -> str:
+    """The file of a module of :func:`privfl_import_graph`, relative to ``root``."""
+    path = root.joinpath(*module.split("."))
+    return str((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(root))
+
+
+def describe_cycles(graph, cycles, root: pathlib.Path = ROOT) -> str:
+    """Each cycle's modules and the imports that close it (``privfl.a -> privfl.b (privfl/a.py:12)``)."""
+    lines = []
+    for component in cycles:
+        lines.append(" <-> ".join(component))
+        for module in component:
+            where = _module_path(module, root)
+            lines += [f"    {module} -> {target} ({where}:{lineno})"
+                      for target, lineno in sorted(graph[module].items()) if target in component]
+    return "\n".join(lines)
+
+
+def test_privfl_modules_import_no_cycle():
+    """The modules of privfl import one another in layers: no module reaches itself through its imports, lazy ones
+    inside functions included (a cycle is a shared idea with two homes; give it one, in the lower module)."""
+    graph = privfl_import_graph()
+    assert sum(map(len, graph.values())) > len(graph), "the import graph is nearly empty: is ROOT the checkout?"
+    cycles = import_cycles(graph)
+    assert not cycles, "privfl modules that import one another:\n" + describe_cycles(graph, cycles)
+
+
+def test_the_cycle_checker_sees_a_cycle(tmp_path):
+    """Two modules that import each other, one lazily by its absolute name, the other by ``from . import module``."""
+    package = tmp_path / "privfl"
+    package.mkdir()
+    (package / "a.py").write_text("def f():\n    from privfl.b import g\n    return g\n")
+    (package / "b.py").write_text("from . import a\n\ndef g():\n    return a\n")
+    graph = privfl_import_graph(tmp_path)
+    assert graph == {"privfl.a": {"privfl.b": 2}, "privfl.b": {"privfl.a": 1}}
+    cycles = import_cycles(graph)
+    assert cycles == [["privfl.a", "privfl.b"]]
+    text = describe_cycles(graph, cycles, tmp_path)
+    assert "privfl.a -> privfl.b (privfl/a.py:2)" in text and "privfl.b -> privfl.a (privfl/b.py:1)" in text

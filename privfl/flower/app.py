@@ -44,7 +44,7 @@ between masked input and unmask. ``malicious=False`` trusts the server to follow
 authentication to authenticate the clients); a SuperNode that holds an identity key refuses it.
 
 Multi-phase algorithms (FedBNR with ``kernel_rounds > 0``: kernel learning, then Bayesian linear regression;
-``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.phases.PhasedSimulation` runs them, with
+``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.runtime.PhasedSimulation` runs them, with
 its logic (``privfl.phases``): the ServerApp runs each phase as a run of its own (its plan, its seed streams, its
 noise) and hands the phase's trained server half to the next (:func:`privfl.phases.run_phases`); each phase is
 charged in the ledger run ``<run id>-<phase>`` of every SuperNode's own ledger, under the phase's share of the
@@ -113,6 +113,8 @@ def _file_digest(path: str) -> str:
     return digest.hexdigest()
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
+#: run-config key: JSON list of the files (in the written app) that register the run's own algorithms
+MODULES_KEY = "algorithm-modules"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
 #: run-config paths with ``{partition-id}`` for SuperNodes whose node config has no paths (the Simulation Engine's
 #: virtual SuperNodes only know their partition-id)
@@ -295,10 +297,48 @@ class RunSpec:
 OVERRIDE_KEYS = ("rounds", "epsilon", "run-id")
 
 
+def import_algorithm_modules(run_config) -> None:
+    """Import the files that register the run's own algorithms (``write_app(modules=...)``), once per process:
+    the app module imports them where Flower loads it (a SuperNode of the Deployment Engine), but the Simulation
+    Engine loads the ClientApp once and hands the object to its Ray workers, which then only import privfl. A file
+    is found in the written app's folder, else as a module on the path."""
+    import importlib
+    import importlib.util
+    import sys
+
+    raw = run_config.get(MODULES_KEY, "") or "[]"
+    try:
+        paths = json.loads(str(raw))
+    except ValueError:
+        paths = None
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ConfigurationError(f"the run config's {MODULES_KEY!r} is not a JSON list of file paths")
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name in sys.modules:
+            continue
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise ConfigurationError(f"the run's algorithm module {name!r} is neither at {path} nor importable "
+                                     "here") from None
+
+
 def read_run_spec(run_config) -> "RunSpec":
     """The run's spec from a Flower run config: the ``privfl-spec`` JSON with the overrides of :data:`OVERRIDE_KEYS`
     applied (``--run-config``), validated again. A new epsilon or round count with the same run id is refused by the
     ledgers that already hold the run: give it a new ``run-id`` too."""
+    import_algorithm_modules(run_config)
     spec = RunSpec.from_json(str(run_config[SPEC_KEY]))
     rounds, epsilon, run_id = (run_config.get(k) for k in OVERRIDE_KEYS)
     try:
@@ -1409,18 +1449,58 @@ def __getattr__(name):  # flwr is imported when a Flower component is looked up,
 APP_MODULE = "privfl_flower_app"
 
 
+def algorithm_modules(algorithm: str, modules=()) -> list[str]:
+    """``modules`` (paths of Python files that define and register the run's own algorithms) checked: each a ``.py``
+    file whose name is a module name; and when ``algorithm`` was registered with ``privfl.register_algorithm`` from a
+    file, that file is among them (the Flower app must import it to know the algorithm)."""
+    import inspect
+
+    from privfl.algorithms import ALGORITHMS
+
+    paths = [os.path.abspath(str(m)) for m in modules]
+    for path in paths:
+        stem, ext = os.path.splitext(os.path.basename(path))
+        if ext != ".py" or not stem.isidentifier() or stem == APP_MODULE or not os.path.isfile(path):
+            raise ConfigurationError(f"modules: {path} is not a Python file whose name is a module name")
+    if len({os.path.basename(p) for p in paths}) != len(paths):
+        raise ConfigurationError("modules: two files with the same name")
+    plain = getattr(ALGORITHMS.get(algorithm), "plain_type", None)
+    if plain is not None and not plain.__module__.startswith("privfl."):
+        try:
+            source = os.path.abspath(inspect.getfile(plain))
+        except (TypeError, OSError):  # a module loaded from a file without sys.modules: its functions know the file
+            files = {v.__code__.co_filename for v in vars(plain).values() if inspect.isfunction(v)
+                     and not v.__code__.co_filename.startswith("<") and v.__code__.co_filename != dataclasses.__file__}
+            source = os.path.abspath(files.pop()) if len(files) == 1 else None
+        if source not in paths:
+            where = source or f"module {plain.__module__}"
+            raise ConfigurationError(f"the algorithm {algorithm!r} is registered in this process only: pass "
+                                     f"modules=[{where!r}] (the file that registers it), so the Flower app imports it "
+                                     "on the server and every client")
+    return paths
+
+
 def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path: str = "",
-              data_path_template: str = "", ledger_path_template: str = "") -> str:
+              data_path_template: str = "", ledger_path_template: str = "", modules=()) -> str:
     """Write a Flower app (``pyproject.toml`` and a two-line module) that runs ``spec`` with privfl's ServerApp and
     ClientApp; ``flwr run DIRECTORY CONNECTION`` ships it to the SuperLink. privfl must be installed where the
     SuperLink and SuperNodes run (the app declares no dependencies, so nothing is installed at run time).
     The path templates (``{partition-id}`` in them) serve SuperNodes without data-path / ledger-path in their node
-    config: the Simulation Engine's."""
+    config: the Simulation Engine's. ``modules``: Python files that register the run's own algorithms
+    (``privfl.register_algorithm``), copied into the app, which imports them before the ServerApp and ClientApp run."""
+    import shutil
+
+    paths = algorithm_modules(spec.algorithm, modules)
     os.makedirs(directory, exist_ok=True)
+    copies = []
+    for path in paths:
+        copies.append(os.path.join(os.path.abspath(directory), os.path.basename(path)))
+        shutil.copyfile(path, copies[-1])
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
     config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path,
               TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
-              "rounds": 0, "epsilon": 0.0, "run-id": ""}  # OVERRIDE_KEYS: 0 and "" keep the spec's
+              "rounds": 0, "epsilon": 0.0, "run-id": "",  # OVERRIDE_KEYS: 0 and "" keep the spec's
+              MODULES_KEY: json.dumps(copies)}
     lines = [
         "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
         "[project]", 'name = "privfl-run"', 'version = "1.0.0"', 'description = "A privfl run on Flower"',
@@ -1434,12 +1514,14 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     with open(os.path.join(directory, "pyproject.toml"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(directory, f"{APP_MODULE}.py"), "w") as f:
-        f.write('"""privfl\'s Flower components (see privfl.flower.app)."""\n\n'
+        imports = "".join(f"import {os.path.splitext(os.path.basename(p))[0]}  # registers its algorithm\n"
+                          for p in paths)
+        f.write('"""privfl\'s Flower components (see privfl.flower.app)."""\n\n' + imports +
                 "from privfl.flower import app as _privfl\n\n"
                 "server_app = _privfl.server_app  # flwr finds components by assignment (it reads this file's AST)\n"
                 "client_app = _privfl.client_app\n")
     return directory
 
 
-__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "OVERRIDE_KEYS", "RunSpec", "client_error_reply", "client_seed",
+__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "MODULES_KEY", "algorithm_modules", "import_algorithm_modules", "OVERRIDE_KEYS", "RunSpec", "client_error_reply", "client_seed",
            "client_train", "read_result", "read_run_spec", "runs_on_flower", "server_main", "write_app"]

@@ -229,20 +229,23 @@ def _round_epsilons(paths, run_id: str, delta: float, rounds) -> dict[int, list[
 def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping | None, out_dir: str, *,
                           run_id: str, ledger_dir: str | None = None, secure=None, env: Mapping | None = None,
                           timeout: float | None = None, node_wait: float = 300.0,
-                          round_timeout: float = 600.0) -> SimulationEngineRun:
+                          round_timeout: float = 600.0, modules=()) -> SimulationEngineRun:
     """Run ``algorithm`` on ``data`` under ``fed`` and ``privacy`` on Flower's Simulation Engine, one virtual
     SuperNode per client (see the module docstring for the files under ``out_dir``), and wait for it.
 
     ``options``: the algorithm's options (JSON values, as ``make_algorithm`` takes them); ``secure``: a
     :class:`privfl.secure.SecureAggregation` (semi-honest); ``env``: variables for every process of the engine;
-    ``timeout``: seconds for the whole run (default: node_wait plus round_timeout per round). Raises
+    ``timeout``: seconds for the whole run (default: node_wait plus round_timeout per round); ``modules``: the Python
+    files that register the run's own algorithm (``privfl.register_algorithm``), which the app imports. Raises
     :class:`privfl.flower.app.DeploymentError` (with the log to read) when the engine publishes no result."""
     require_flower()
     require_runs_on_flower(algorithm)
     from privfl.algorithms import make_algorithm
 
     require_one_phase(make_algorithm(algorithm, fed, privacy, **dict(options or {})))
-    from privfl.flower.app import DeploymentError, RunSpec, read_result, write_app
+    from privfl.flower.app import DeploymentError, RunSpec, algorithm_modules, read_result, write_app
+
+    modules = algorithm_modules(algorithm, modules)
     from privfl.flower.local import LocalDeployment
     from privfl.public import SEEDED_NOISE_WARNING
     from privfl.runtime import RoundRecord, RunResult
@@ -266,7 +269,8 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
         os.remove(result_path)  # a result on disk is this run's or none
     app = write_app(os.path.join(out_dir, "app"), spec, result_path=result_path, test_path=test_path,
                     data_path_template=os.path.join(data_dir, "client{partition-id}.npz"),
-                    ledger_path_template=os.path.join(ledger_dir, LEDGER_FILE.replace("{k}", "{partition-id}")))
+                    ledger_path_template=os.path.join(ledger_dir, LEDGER_FILE.replace("{k}", "{partition-id}")),
+                    modules=modules)
     engine = os.path.join(out_dir, "engine")
     shutil.rmtree(engine, ignore_errors=True)  # the SuperLink's state of an earlier launch is not this run's
     os.makedirs(engine)

@@ -2,11 +2,12 @@
 views of a model's parameters and of a Bayesian model's (mean, precision)."""
 
 from privfl.models.bayes import (REPARAMETERIZATIONS, BayesConv2d, BayesLinear, BayesModule, GaussianPrior,
-                                 ModelPrior, bayes_modules, deterministic, gaussian_kl, inverse_softplus, is_bayesian,
-                                 model_kl_divergence, reset_std, set_generator, set_sampling, softplus)
+                                 bayes_modules, deterministic, gaussian_kl, inverse_softplus, is_bayesian, reset_std,
+                                 set_generator, set_sampling, softplus)
 from privfl.models.errors import ModelConfigError
 from privfl.models.nets import (CNN1, CNN2, MLP, MODELS, BayesianMLP, LeNet5, PrivflNet, make_bayesian_model,
                                 make_model)
+from privfl.models.priors import ModelPrior, model_kl_divergence
 from privfl.models.vectors import (gaussian_layout, get_mean_precision, num_parameters, parameter_layout,
                                    parameters_to_vector, set_mean_precision, split_gaussian_vectors,
                                    vector_to_parameters)

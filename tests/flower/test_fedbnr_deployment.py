@@ -1,5 +1,5 @@
 """FedBNR with its phases on a real Flower deployment: one flower-superlink and three flower-supernode OS processes
-on loopback, compared with the in-process runtime (``privfl.phases.PhasedSimulation``) on the same seeds.
+on loopback, compared with the in-process runtime (``privfl.runtime.PhasedSimulation``) on the same seeds.
 
 Phase 1 learns the kernel network (FedAvg of its weights), phase 2 releases the scatter matrices under the learnt
 kernel; each phase is a run of its own on every SuperNode's own ledger (``<run id>-kernel``,

@@ -34,12 +34,11 @@ from privfl.mechanisms.noise import NoiseSource
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.fedbnn import FedBNN
 from privfl.algorithms.fedbnr import FedBNR, FedBNRKernel
-from privfl.channels import TrainedPrivately
+from privfl.channels import TrainedPrivately, amplifies
 from privfl.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
 from privfl.public import PublicFacts
-from privfl.release import amplifies
 from privfl.runtime import Simulation
 from privfl.secure import _range  # noqa: F401  (the vectorised contract reads it from here)
 from privfl.secure import SecureAggregation, channel_encodings, local_noise_stds, public_weight_bound

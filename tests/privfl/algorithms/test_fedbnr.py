@@ -33,8 +33,7 @@ from privfl.errors import ConfigurationError
 from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
                              pair_squared_norms)
 from privfl.release import ReleasePipeline
-from privfl.phases import run_fedbnr
-from privfl.runtime import Simulation
+from privfl.runtime import Simulation, run_fedbnr
 from privfl.secure import SecureAggregation
 
 ONE_ROUND = FederationConfig(rounds=1, seed=0)
