@@ -37,7 +37,10 @@ DEFAULT_CHANNELS: Mapping[str, float] = MappingProxyType({"update": 1.0})
 DEFAULT_TOL = 1e-3
 _MIN_NOISE, _MAX_NOISE = 1e-6, 1e9  # bounds of the bracket search on s
 _MAX_BISECTIONS = 200
-_LEDGER_MARGIN = 1e-6
+#: the one margin every calibration aims below its target, relative: the ledger composes round by round (and PLD
+#: discretises each composition), which can differ from the composition a search evaluates by up to ~1e-5 relative
+#: (DP-SGD's Poisson-sampled steps under PLD); nothing a calibration returns may be tipped over the target by that
+LEDGER_MARGIN = 1e-4
 
 AccountantSpec = str | Callable[[], Accountant] | None
 
@@ -233,7 +236,7 @@ def _calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling
         found = _closed_form_exact(target_epsilon, target_delta, rounds, epsilon_at)
     if found is None:  # aimed a hair below the target: the ledger composes round by round, which can differ from
         # the count-composition searched here by ~1e-9 relative (sampled rounds); nothing must tip it over
-        found = _bisect(target_epsilon * (1.0 - _LEDGER_MARGIN), epsilon_at, tol, guess=_initial_guess(target_epsilon, target_delta, rounds,
+        found = _bisect(target_epsilon * (1.0 - LEDGER_MARGIN), epsilon_at, tol, guess=_initial_guess(target_epsilon, target_delta, rounds,
                                                                              sampling_rate), step=1.15)
     s, epsilon = found
     return Calibration(noise_multipliers=multipliers(s), epsilon=epsilon, delta=target_delta, accountant=name,
@@ -285,7 +288,8 @@ def calibrate_noise(make_event: Callable[[float], PrivacyEvent], target_epsilon:
                     lower: float = _MIN_NOISE, upper: float = _MAX_NOISE, step: float = 2.0) -> tuple[float, float]:
     """The one search behind every calibration (dp-accounting's ``calibrate_dp_mechanism``, over privfl's events):
     the smallest noise parameter s, to relative precision ``tol``, such that ``make_event(s)`` composed by a fresh
-    ``accountant`` meets (target_epsilon, target_delta). Returns (s, its epsilon).
+    ``accountant`` meets (target_epsilon, target_delta), aiming :data:`LEDGER_MARGIN` below the target (the one margin
+    of every calibration). Returns (s, its epsilon).
 
     epsilon must not increase with s (more noise never costs more). The search keeps the end that meets the target, so
     the answer never overshoots it. Below ``lower`` it stops (even that little noise meets the target); above ``upper``
@@ -309,7 +313,7 @@ def calibrate_noise(make_event: Callable[[float], PrivacyEvent], target_epsilon:
     step = check_positive_finite("step", step)
     if step <= 1.0 + tol:
         raise InvalidPrivacyParameter(f"step must exceed 1 + tol, got {step}")
-    return _search(target_epsilon, epsilon_at, tol, guess, lower, upper, step)
+    return _search(target_epsilon * (1.0 - LEDGER_MARGIN), epsilon_at, tol, guess, lower, upper, step)
 
 
 def _bisect(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float,

@@ -62,7 +62,6 @@ from privfl.secure_agg.params import ParameterError
 
 # Aim a hair below the target: the ledger composes round by round, which can differ from the count-composition
 # searched here in the last digits.
-_LEDGER_MARGIN = 1e-6
 
 
 @dataclass(frozen=True)
@@ -305,7 +304,7 @@ def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sam
     def run_events(m: float) -> PrivacyEvent:
         return SelfComposedEvent(plan(m).event, rounds)
 
-    m, _ = calibrate_noise(run_events, epsilon * (1.0 - _LEDGER_MARGIN), delta, "rdp", guess=guess, step=1.1,
+    m, _ = calibrate_noise(run_events, epsilon, delta, "rdp", guess=guess, step=1.1,
                            tol=1e-6)
     return plan(m)
 

@@ -139,7 +139,7 @@ def calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDSc
     DP-SGD, composed with ``other_round_events`` once per round (e.g. FOLA's Gaussian Fisher releases), meet
     (epsilon, delta) under ``accountant``: the composition the ledger checks, leaf by leaf.
 
-    The returned z always meets the target (the search keeps the side that does, aiming 1e-4 below it so that the
+    The returned z always meets the target (the search keeps the side that does, aiming LEDGER_MARGIN below it so the
     ledger's own composition order cannot tip it over). epsilon(z) is monotone and smooth in log-log scale, so a
     bracket is found by doubling and closed by safeguarded secant steps in (log z, log epsilon): 5 to 11 accountant
     evaluations where bisection to the same tolerance takes about 13 (each is a PLD or RDP composition, 0.03-0.3 s).
@@ -164,7 +164,7 @@ def _calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDS
     from privfl.accounting.events import ComposedEvent
 
     total_steps = rounds * schedule.steps
-    target = epsilon * (1 - 1e-4)
+    target = epsilon  # calibrate_noise aims its one margin (accounting.calibration.LEDGER_MARGIN) below it
     others = tuple(SelfComposedEvent(event, rounds) for event in other_round_events)
 
     def run_event(z: float) -> PrivacyEvent:

@@ -41,7 +41,7 @@ def test_calibrated_plan_meets_the_target_closely_and_costs_a_measured_factor_ov
     assert plan.event.sampling_rate == q and plan.event.relation == "add_remove"
     spent = rdp_epsilon(plan.event, rounds)
     assert spent <= epsilon
-    assert spent == pytest.approx(epsilon, rel=1e-4)
+    assert spent == pytest.approx(epsilon, rel=2e-4)  # LEDGER_MARGIN (1e-4) below, to the search's tolerance
     # the continuous Poisson-sampled Gaussian under the same (rdp) accountant is a lower bound on the noise
     gaussian = calibrate(epsilon, DELTA, rounds, sampling_rate=q, accountant="rdp").noise_multiplier
     assert gaussian <= plan.noise_multiplier

@@ -848,7 +848,7 @@ def test_a_phased_runs_audit_is_the_composition_of_all_its_charges(tmp_path):
         assert v["epsilon"] <= 3.0 + 1e-9
         assert v["phase_epsilons"]["kernel"] < v["epsilon"] and v["phase_epsilons"]["regression"] < v["epsilon"]
         assert v["charges"] == sum(c.client_id == cid for c in kernel + regression)
-    assert audit["max_epsilon"] == pytest.approx(3.0, rel=1e-4)
+    assert audit["max_epsilon"] == pytest.approx(3.0, rel=1e-3)  # below by the phase split's and each phase's margin
     # each round's epsilon is the composition so far, over both phases; the last one the audit's
     per_round = [r.epsilon_max for r in result.history]
     assert all(a < b for a, b in zip(per_round, per_round[1:]))
