@@ -36,8 +36,12 @@ test: $(FLOWER_STAMP)
 test-all: $(FLOWER_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m 'slow or not slow' $(PYTEST_ARGS)
 
+# every benchmark at full size (about 45 minutes on 2 cores, bench_accounting ~30 of them), then the names of those
+# that failed; each one's smallest configuration runs in `make test` (tests/experiments/test_bench_smoke.py)
 bench: $(STAMP)
-	for b in experiments/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@failed=""; for b in experiments/bench_*.py; do echo "== $$b"; \
+	$(PY) $$b || { echo "FAILED (exit $$?): $$b" >&2; failed="$$failed $$b"; }; done; \
+	if [ -n "$$failed" ]; then echo "benchmarks that failed:$$failed" >&2; exit 1; fi
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache build *.egg-info

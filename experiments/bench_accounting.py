@@ -17,11 +17,19 @@
   that a charge outside a round's transaction pays before its value is released, on this disk.
 
 Timers wrap the entry points from outside (nothing in privfl is changed); nested calls are counted once.
-Run: ``python experiments/bench_accounting.py`` (about 25 minutes on 2 cores; ``--quick`` runs R = 5 and 50 only).
+Run: ``python experiments/bench_accounting.py`` (about 30 minutes on 2 cores; ``--quick`` runs R = 5 and 50 only).
+
+Usage: python experiments/bench_accounting.py [--quick] [--smoke]
+
+``--smoke``: every phase at its smallest, in seconds: 2 clients of 64 MNIST-5k images, R = 2, 3 and 4 rounds
+printed under the default keys (``..._R5``, ``..._R50``, ``..._R200``), the audit of a 2 clients x 2 rounds ledger
+printed as ``audit_ms_1000x200``, 2 commits; a smoke test that every patched entry point still exists and is called,
+whose values are not a measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -30,6 +38,7 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 import privfl.accounting.calibration as calibration_entry
@@ -39,9 +48,11 @@ import privfl.algorithms.fola as fola_module
 from privfl.accounting.events import GaussianEvent, PoissonSampledEvent
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
+from privfl.data import federated_from_arrays
 from privfl.runtime import Simulation
 
 ROUNDS = (5, 50, 200)
+SMOKE_ROUNDS = (2, 3, 4)  # run under the keys of ROUNDS by --smoke (1 round is the warm-up run's ledger)
 ALGORITHMS = ("dpsgd_fedavg", "fola")
 
 
@@ -160,28 +171,42 @@ def commit_ms(tmp: str, n: int = 200) -> float:
     return 1000 * statistics.median(times)
 
 
-def main() -> None:
-    import sys
+def small_federation(n_clients: int, per_client: int):
+    """``n_clients`` clients of ``per_client`` MNIST-5k training images each (disjoint), for ``--smoke``."""
+    base = make_federated("mnist5k", 10, partition="iid", seed=0)
+    x = np.concatenate([p.x for p in base.train_parts])
+    y = np.concatenate([p.y for p in base.train_parts])
+    parts = [(x[k * per_client:(k + 1) * per_client], y[k * per_client:(k + 1) * per_client])
+             for k in range(n_clients)]
+    return federated_from_arrays(parts, (base.test.x, base.test.y), task="classification",
+                                 num_classes=base.num_classes, name="mnist5k-smoke", design_size=per_client)
 
-    rounds_grid = (5, 50) if "--quick" in sys.argv else ROUNDS
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="R = 5 and 50 only")
+    parser.add_argument("--smoke", action="store_true", help="every phase at its smallest (a smoke test; seconds)")
+    args = parser.parse_args(argv)
+    # (key label, rounds run): the keys are named after the default rounds, which --smoke runs smaller
+    rounds_grid = tuple(zip(ROUNDS, SMOKE_ROUNDS if args.smoke else ROUNDS))[:2 if args.quick else 3]
     torch.set_num_threads(1)
     print(f"machine={platform.machine()} cpus={os.cpu_count()} python={platform.python_version()}")
-    data = make_federated("mnist5k", 10, partition="iid", seed=0)
+    data = small_federation(2, 64) if args.smoke else make_federated("mnist5k", 10, partition="iid", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         private_run("dpsgd_fedavg", 1, data, tmp, "tiny_")  # imports (opacus) out of the timed runs
         for workload in ("tiny_", ""):
-            for rounds in rounds_grid:
+            for label, rounds in rounds_grid:
                 shares, charges = [], []
                 for name in ALGORITHMS:
                     wall, timers = private_run(name, rounds, data, tmp, workload)
                     shares.append(timers.total / wall)
                     charges.extend(timers.charges)
-                    print(f"{workload}{name}_wall_s_R{rounds}={wall:.2f} "
-                          f"{workload}{name}_accounting_s_R{rounds}={timers.total:.3f}", flush=True)
-                print(f"accounting_share_{workload}R{rounds}={max(shares):.4f}")
-                print(f"charge_ms_{workload}R{rounds}={1000 * statistics.median(charges):.3f}", flush=True)
-        print(f"commit_ms={commit_ms(tmp):.3f}")
-        warm, cold = audit_bench(tmp)
+                    print(f"{workload}{name}_wall_s_R{label}={wall:.2f} "
+                          f"{workload}{name}_accounting_s_R{label}={timers.total:.3f}", flush=True)
+                print(f"accounting_share_{workload}R{label}={max(shares):.4f}")
+                print(f"charge_ms_{workload}R{label}={1000 * statistics.median(charges):.3f}", flush=True)
+        print(f"commit_ms={commit_ms(tmp, n=2 if args.smoke else 200):.3f}")
+        warm, cold = audit_bench(tmp, clients=2, rounds=2) if args.smoke else audit_bench(tmp)
         print(f"audit_ms_1000x200={1000 * warm:.1f}")
         print(f"audit_reopen_ms_1000x200={1000 * cold:.1f}")
 

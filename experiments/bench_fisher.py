@@ -5,7 +5,10 @@ by side in one run (interleaved repeats, medians). Goal: ``dp_fisher_over_plain 
 Also measured, for context: FOLA's example-level epoch shape (a separate Fisher pass per step), and opacus DP-SGD
 (ghost clipping) alone and with that Fisher pass.
 
-    .venv/bin/python experiments/bench_fisher.py [--n 2048] [--batch 64] [--hidden 500,300] [--repeats 5]
+    .venv/bin/python experiments/bench_fisher.py [--n 2048] [--batch 64] [--hidden 500,300] [--repeats 5] [--smoke]
+
+``--smoke`` sets the sizes to their smallest (``--n 64 --batch 32 --hidden 16 --repeats 1``; flags given with it
+win): every variant runs and every key is printed in seconds, a smoke test whose values are not a measurement.
 
 Prints ``key=value`` lines. Data are random 784-dimensional inputs (MNIST-sized; FOLA's 784-500-300-10 MLP by default).
 """
@@ -25,6 +28,9 @@ from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, dpsgd_train
 from privfl.fisher import FisherAccumulator, GradientRecorder
 from privfl.models import make_model
 from privfl.training import batches
+
+
+SMOKE = {"n": 64, "batch": 32, "hidden": "16", "repeats": 1}
 
 
 def sgd_epoch(model, x, y, batch, rng, fisher: FisherAccumulator | None = None, separate_pass: bool = False):
@@ -56,7 +62,11 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--skip-opacus", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes (a smoke test; seconds)")
     args = p.parse_args(argv)
+    if args.smoke:  # the smallest sizes as defaults, so that a flag given with --smoke still wins
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     hidden = tuple(int(h) for h in args.hidden.split(",") if h)

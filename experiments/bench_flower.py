@@ -63,11 +63,18 @@ Then the Simulation Engine (a SuperLink with ``--simulation``, virtual SuperNode
 logistic regression on 2x2-pooled images: ``engine_seconds`` (``flwr run`` until the result is written, Ray's
 start-up included) and ``engine_round_seconds`` (the round as the ServerApp timed it). ``--engine-clients 0`` skips it.
 
-Needs flwr (``pip install 'privfl[flower]'``). Prints ``key=value`` lines.
+Needs flwr (``pip install 'privfl[flower]'``) for the deployment and the Simulation Engine; without it the in-process
+runs are measured and ``flower_seconds``, ``flower_over_inprocess`` and ``engine_seconds`` say ``unavailable``.
+Prints ``key=value`` lines.
 
-    python experiments/bench_flower.py [--clients 10] [--rounds 20] [--hidden 1500] [--per-client 150]
+Usage: python experiments/bench_flower.py [--clients 10] [--rounds 20] [--hidden 1500] [--per-client 150]
         [--local-epochs 1] [--supernode-poll 0.25] [--object-backoff 0.05] [--worker-poll 0.25] [--reply-poll 0.1]
-        [--superexec-poll 0.1] [--stock] [--subprocess] [--logs DIR] [--engine-clients 1000]
+        [--superexec-poll 0.1] [--stock] [--subprocess] [--logs DIR] [--engine-clients 1000] [--smoke]
+
+``--smoke`` sets the sizes to their smallest (``--clients 2 --rounds 1 --hidden 8 --per-client 32
+--engine-clients 2``, and 1 s instead of 5 s for the SuperNodes to register; flags given with it win): the in-process
+runs, a loopback deployment and the Simulation Engine all run and every key is printed, a smoke test whose values
+are not a measurement (Flower's and Ray's start-up dominate it: tens of seconds).
 """
 
 from __future__ import annotations
@@ -90,6 +97,19 @@ from privfl.flower.app import APP_MODULE, RunSpec, read_result, write_app
 from privfl.flower.local import LocalDeployment
 from privfl.flower.warm import PRELOAD, preload
 from privfl.runtime import Simulation
+
+
+SMOKE = {"clients": 2, "rounds": 1, "hidden": 8, "per_client": 32, "engine_clients": 2, "settle": 1.0}
+
+
+def flower_version() -> str | None:
+    """The installed flwr's version if its server side imports, else None (the deployment is then skipped)."""
+    try:
+        from importlib.metadata import version
+        import flwr.server  # noqa: F401  (importable, not just installed)
+        return version("flwr")
+    except Exception:  # flwr absent or broken
+        return None
 
 
 def main() -> None:
@@ -118,7 +138,13 @@ def main() -> None:
                          "default)")
     ap.add_argument("--logs", default=None, help="keep each deployment's logs under this folder")
     ap.add_argument("--engine-clients", type=int, default=1000, help="virtual SuperNodes of the Simulation Engine run")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds the SuperNodes get to register before the clock starts (not timed)")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes (a smoke test)")
     args = ap.parse_args()
+    if args.smoke:  # the smallest sizes as defaults, so that a flag given with --smoke still wins
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args()
 
     digits = load_digits(flatten=True)
     idx = np.random.default_rng(0).permutation(len(digits))
@@ -142,6 +168,12 @@ def main() -> None:
     print(f"parameters={expected.size}")
     print(f"inprocess_seconds={timings['auto']:.2f}")
     print(f"inprocess_per_client_seconds={timings['per_client']:.2f}")
+    if flower_version() is None:
+        print("flower_seconds=unavailable (flwr not installed)")
+        print("flower_over_inprocess=unavailable")
+        if args.engine_clients > 0:
+            print("engine_seconds=unavailable (flwr not installed)")
+        return
 
     spec = RunSpec.of("fedavg", data, fed, privacy, run_id="bench", node_wait=120, round_timeout=600)
     backoff = 0.05 if args.object_backoff is None else args.object_backoff
@@ -165,7 +197,8 @@ def main() -> None:
         variants.append(("_subprocess", dict(warm=False)))
     for suffix, options in variants:
         logs = os.path.join(args.logs, suffix.lstrip("_") or "fast") if args.logs else None
-        seconds, rounds, result, workers, phases = deployed_run(data, spec, args.timeout, logs=logs, **options)
+        seconds, rounds, result, workers, phases = deployed_run(data, spec, args.timeout, logs=logs,
+                                                                settle=args.settle, **options)
         print(f"flower{suffix}_seconds={seconds:.2f}")
         print(f"flower{suffix}_round_seconds={rounds:.2f}")
         for name, value in phases.items():
@@ -185,9 +218,10 @@ def main() -> None:
 
 
 def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | None = None, logs: str | None = None,
-                 server_object_backoff: float | None = None, **deployment):
-    """``flwr run`` of ``spec`` on a fresh loopback deployment (started and waited for before the clock starts;
-    ``deployment``: more of LocalDeployment's options, ``reply_poll``: the ServerApp's ``PRIVFL_REPLY_POLL``);
+                 server_object_backoff: float | None = None, settle: float = 5.0, **deployment):
+    """``flwr run`` of ``spec`` on a fresh loopback deployment (started and waited for before the clock starts, then
+    ``settle`` seconds for the SuperNodes to register; ``deployment``: more of LocalDeployment's options,
+    ``reply_poll``: the ServerApp's ``PRIVFL_REPLY_POLL``);
     returns (seconds, the rounds' seconds as the ServerApp timed them, its result, each worker's task totals)."""
     with tempfile.TemporaryDirectory(prefix="privfl-bench-flower-") as work:
         configs = []
@@ -203,7 +237,7 @@ def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | 
         with LocalDeployment(work, configs, warm=warm, env=env, **deployment) as dep:
             if warm:
                 dep.wait_workers(timeout=300)  # imports done (not timed: a worker is up before a run)
-            time.sleep(5)  # let the SuperNodes register (not timed: a federation is up before a run)
+            time.sleep(settle)  # let the SuperNodes register (not timed: a federation is up before a run)
             for k, proc in enumerate(dep.procs[1:]):  # e.g. privfl-flower-supernode refusing an unknown flwr
                 if proc.poll() is not None:
                     log = open(os.path.join(work, f"supernode{k}.log"), errors="replace").read()[-3000:]

@@ -5,11 +5,16 @@ once per round, then its outputs go (a) straight to the weighted sum (no privacy
 release pipeline (validate, clip, SQLite ledger charge, Gaussian noise, mark released; the round's charges and marks
 committed to disk in one transaction before the sum, as ``privfl.runtime`` does) and the aggregator with central
 noise. ``privacy_overhead`` = (time(b) - time(a)) / (training + time(a)), the fraction a round
-slows down with the privacy layer; goal <= 0.05.
+slows down with the privacy layer; goal <= 0.05. Each time is the median over ``--rounds`` rounds (default 8).
+
+Usage: python experiments/bench_overhead.py [--rounds 8] [--smoke]
+
+``--smoke``: one round (the same phases and keys, in seconds; a smoke test, its values are not a measurement).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -25,7 +30,12 @@ from privfl.release import Release, ReleasePipeline
 from privfl.runtime import noise_multipliers_for
 
 
-def main(rounds: int = 8) -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds timed (medians over them)")
+    parser.add_argument("--smoke", action="store_true", help="one round (a smoke test; seconds)")
+    args = parser.parse_args(argv)
+    rounds = 1 if args.smoke else args.rounds
     print(f"machine={platform.machine()} cpus={os.cpu_count()} python={platform.python_version()}")
     data = make_federated("mnist5k", 10, partition="iid", seed=0)
     fed = FederationConfig(rounds=rounds, hidden=(100,), local_epochs=1, lr=0.05)

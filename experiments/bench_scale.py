@@ -4,6 +4,9 @@ One DP-FedAvg round (logistic regression on 2x2-pooled MNIST-5k, client-level cl
 disk) at 10, 100 and 1000 clients, the same 4,000 training images split IID among them. Printed: seconds per round,
 the share of it spent in the privacy layer (pipelines + ledger), and the growth exponent between sizes
 (time ~ clients^k).
+
+Usage: python experiments/bench_scale.py (no options: the client counts are its keys, and its default run takes
+seconds, so it is also its own smallest configuration, the smoke test that ``make test`` runs)
 """
 
 from __future__ import annotations

@@ -14,10 +14,17 @@ side by side in one run (``torch.set_num_threads(1)``, BLAS pools limited to one
 
 Each ratio is the median of per-repeat ratios, privfl and the hand loop alternating, so load on a shared machine
 hits both alike. Run: ``python experiments/bench_simulation.py`` (a few minutes on 2 cores).
+
+Usage: python experiments/bench_simulation.py [--repeats 3] [--smoke]
+
+``--smoke``: one repeat, and every federation shrunk to a few clients of 8 MNIST-5k images each (4 and 8 clients for
+the FedAvg ratios, 4 for DP-SGD, 40 for ``clients_per_s_tiny``); every phase runs and every key is printed under its
+default name (``fedavg_over_hand_1000`` then measures 8 clients), in seconds: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -169,21 +176,37 @@ def tiny_federation(n_clients: int, per_client: int = 8, seed: int = 0):
                                  num_classes=base.num_classes, name="mnist5k-tiny", design_size=per_client)
 
 
-def main(repeats: int = 3) -> None:
+# the clients of each phase by default, and under --smoke (where the keys keep their default names)
+SIZES = {"fedavg": (100, 1000), "dpsgd": 100, "tiny": 10_000}
+SMOKE_SIZES = {"fedavg": (4, 8), "dpsgd": 4, "tiny": 40}
+
+
+def iid_federation(n_clients: int, smoke: bool):
+    """``n_clients`` IID clients of MNIST-5k, or under ``--smoke`` ``n_clients`` clients of 8 of its images each."""
+    return tiny_federation(n_clients) if smoke else make_federated("mnist5k", n_clients, partition="iid", seed=0)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of each ratio (the FedAvg ones: 2x + 1)")
+    parser.add_argument("--smoke", action="store_true", help="one repeat, a few clients (a smoke test; seconds)")
+    args = parser.parse_args(argv)
+    repeats = 1 if args.smoke else args.repeats
+    sizes = SMOKE_SIZES if args.smoke else SIZES
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Full backward hook")  # opacus's hooks on inputs without grad
     print(f"machine={platform.machine()} cpus={os.cpu_count()} cpu_model={_cpu_model()} "
           f"python={platform.python_version()} torch={torch.__version__} torch_threads=1")
     fed = FederationConfig(rounds=1, hidden=(100,), local_epochs=1, batch_size=32, lr=0.05)
-    for n in (100, 1000):
-        data = make_federated("mnist5k", n, partition="iid", seed=0)
+    for label, n in zip(SIZES["fedavg"], sizes["fedavg"]):
+        data = iid_federation(n, args.smoke)
         assert privfl_round("fedavg", data, fed, NON_PRIVATE).vectorised
         wall, cpu = ratio(lambda: privfl_round("fedavg", data, fed, NON_PRIVATE), hand_fedavg_round(data, fed),
                           2 * repeats + 1)  # short rounds: more repeats for a steadier median
-        print(f"fedavg_over_hand_{n}={wall:.2f}")
-        print(f"fedavg_over_hand_{n}_cpu={cpu:.2f}")
+        print(f"fedavg_over_hand_{label}={wall:.2f}")
+        print(f"fedavg_over_hand_{label}_cpu={cpu:.2f}")
 
-    data = make_federated("mnist5k", 100, partition="iid", seed=0)
+    data = iid_federation(sizes["dpsgd"], args.smoke)
     private = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=1.0)
     dp_fed = FederationConfig(rounds=20, hidden=(100,), local_epochs=1, batch_size=8, lr=0.05)
     sim = privfl_round("dpsgd_fedavg", data, dp_fed, private)
@@ -192,14 +215,14 @@ def main(repeats: int = 3) -> None:
     print(f"dpsgd_over_hand_100={wall:.2f}")
     print(f"dpsgd_over_hand_100_cpu={cpu:.2f}")
 
-    tiny = tiny_federation(10_000)
+    tiny = tiny_federation(sizes["tiny"])
     tiny_fed = FederationConfig(rounds=1, hidden=(), pool=2, local_epochs=1, batch_size=8, lr=0.1)
     sim = privfl_round("fedavg", tiny, tiny_fed, NON_PRIVATE)
     assert sim.vectorised and sim.algorithm.dim == 1970
     sim.run()  # warm up
     seconds = min(_process_seconds(privfl_round("fedavg", tiny, tiny_fed, NON_PRIVATE).run)[0]
                   for _ in range(repeats))
-    print(f"clients_per_s_tiny={10_000 / seconds:.0f}")
+    print(f"clients_per_s_tiny={sizes['tiny'] / seconds:.0f}")
 
 
 def _cpu_model() -> str:

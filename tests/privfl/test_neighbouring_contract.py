@@ -259,6 +259,29 @@ GRID = [(n, unit, adjacency, placement, secure, sampling)
         if not (placement == "distributed" and not secure)]
 
 
+#: per 4-tuple (algorithm, unit, relation, placement), the (secure aggregation, client sampling) variants beyond the
+#: base one that ``make test`` runs, in rotation, so every variant meets every algorithm, unit and relation
+_ROTATION = ((True, False), (False, True), (True, True))
+
+
+def per_commit(entry) -> bool:
+    """Whether ``make test`` runs this grid entry (``make test-all`` runs the whole product: the others are marked
+    slow). Every algorithm x unit x relation x placement stays covered: its base variant (no secure aggregation, no
+    client sampling; distributed noise: secure aggregation without sampling), plus one rotating variant among the
+    others (distributed: with sampling every other 4-tuple)."""
+    name, unit, adjacency, placement, secure, sampling = entry
+    four = [g[:4] for g in GRID if g[4:] == ((True, False) if g[3] == "distributed" else (False, False))]
+    turn = four.index(entry[:4]) // 3  # the 4-tuples of one algorithm and placement are 3 apart (3 placements)
+    if placement == "distributed":
+        return not sampling or turn % 2 == 0
+    return (secure, sampling) in ((False, False), _ROTATION[turn % 3])
+
+
+def grid_params(grid):
+    """``grid`` as pytest parameters, the entries :func:`per_commit` leaves to ``make test-all`` marked slow."""
+    return [pytest.param(*g, id="-".join(map(str, g)), marks=() if per_commit(g) else pytest.mark.slow) for g in grid]
+
+
 def _configure(name, unit, adjacency, placement, secure, sampling):
     non_private = name in ("fedavg", "fedprox")
     privacy = PrivacyConfig(epsilon=math.inf if non_private else 3.0, delta=1e-5, unit=unit, adjacency=adjacency,
@@ -272,8 +295,7 @@ def _configure(name, unit, adjacency, placement, secure, sampling):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", GRID,
-                         ids=["-".join(map(str, g)) for g in GRID])
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", grid_params(GRID))
 def test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling):
     task = "regression" if name in REGRESSION else "classification"
     try:
@@ -331,3 +353,12 @@ def test_the_grid_runs_every_algorithm_privately_somewhere():
         assert name in accepted, name
     for name in ("dpsgd_fedavg", "dp_fedsgd", "dp_fedsgd_sampled", "fola", "hbfl", "fedbnr", "fedbnn"):
         assert ("example", True) in accepted[name] and ("example", False) in accepted[name], name
+
+
+def test_make_test_covers_every_algorithm_unit_relation_and_placement():
+    """The per-commit subset keeps every algorithm x unit x relation x placement of the grid, and every secure
+    aggregation x client sampling variant of each placement for every algorithm."""
+    chosen = [g for g in GRID if per_commit(g)]
+    assert {g[:4] for g in chosen} == {g[:4] for g in GRID}
+    assert {(g[0], g[3], g[4], g[5]) for g in chosen} == {(g[0], g[3], g[4], g[5]) for g in GRID}
+    assert len(chosen) < 0.6 * len(GRID)

@@ -41,8 +41,7 @@ def vectorised_transcript(name, data, public, fed, privacy, secure):
     return contract.Transcript(releases, charges, ranges, sim)
 
 
-@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", GRID,
-                         ids=["-".join(map(str, g)) for g in GRID])
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", contract.grid_params(GRID))
 def test_what_a_client_sends_on_neighbouring_datasets_vectorised(monkeypatch, name, unit, adjacency, placement,
                                                                  secure, sampling):
     monkeypatch.setattr(contract, "transcript", vectorised_transcript)
