@@ -44,12 +44,13 @@ import torch
 import privfl.accounting.calibration as calibration_entry
 import privfl.accounting.ledger as ledger_module
 import privfl.algorithms.dpsgd_fedavg as dpsgd_module
+import privfl.privacy.record_level as record_level_module
 import privfl.algorithms.fola as fola_module
 from privfl.accounting.events import GaussianEvent, PoissonSampledEvent
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
 from privfl.data import federated_from_arrays
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 ROUNDS = (5, 50, 200)
 SMOKE_ROUNDS = (2, 3, 4)  # run under the keys of ROUNDS by --smoke (1 round is the warm-up run's ledger)
@@ -87,7 +88,7 @@ def instrumented(timers: Timers):
     patches = [(ledger_module.PrivacyLedger, "charge_all", True), (ledger_module.PrivacyLedger, "audit", False),
                (ledger_module.PrivacyLedger, "mark_released", False), (ledger_module.PrivacyLedger, "_commit", False),
                (ledger_module.PrivacyLedger, "epsilon_by_round", False),
-               # the run plan imports calibrate from its module at call time (privfl.plan.noise_multipliers_for)
+               # the run plan imports calibrate from its module at call time (privfl.core.plan.noise_multipliers_for)
                (calibration_entry, "calibrate", False), (dpsgd_module, "calibrate_dpsgd", False),
                (fola_module, "calibrate_dpsgd", False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
@@ -108,7 +109,7 @@ def clear_caches() -> None:
     import privfl.accounting.accountants.pld as pld_module
     import privfl.accounting.calibration as calibration_module
 
-    for fn in (calibration_module._calibrate_named, dpsgd_module._calibrate_dpsgd, pld_module._single_pld,
+    for fn in (calibration_module._calibrate_named, record_level_module._calibrate_dpsgd, pld_module._single_pld,
                pld_module._leaf_pld, pld_module._block_pld, pld_module._widths, pld_module._leaf_moments):
         fn.cache_clear()
     ledger_module._memo.clear()

@@ -1,5 +1,5 @@
 """Cost of the per-example DP Fisher: one local epoch of plain SGD against the same epoch with FOLA's online,
-per-example-clipped Fisher accumulated from each step's own backward pass (``privfl.fisher.GradientRecorder``), side
+per-example-clipped Fisher accumulated from each step's own backward pass (``privfl.training.fisher.GradientRecorder``), side
 by side in one run (interleaved repeats, medians). Goal: ``dp_fisher_over_plain <= 2``.
 
 Also measured, for context: FOLA's example-level epoch shape (a separate Fisher pass per step), and opacus DP-SGD
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, dpsgd_train
-from privfl.fisher import FisherAccumulator, GradientRecorder
+from privfl.privacy.record_level import DPSGDSchedule, dpsgd_train
+from privfl.training.fisher import FisherAccumulator, GradientRecorder
 from privfl.models import make_model
-from privfl.training import batches
+from privfl.training.local import batches
 
 
 SMOKE = {"n": 64, "batch": 32, "hidden": "16", "repeats": 1}

@@ -91,12 +91,12 @@ import numpy as np
 import torch
 
 from privfl.algorithms import make_algorithm
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays, load_digits
 from privfl.flower.app import APP_MODULE, RunSpec, read_result, write_app
 from privfl.flower.local import LocalDeployment
 from privfl.flower.warm import PRELOAD, preload
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 
 SMOKE = {"clients": 2, "rounds": 1, "hidden": 8, "per_client": 32, "engine_clients": 2, "settle": 1.0}

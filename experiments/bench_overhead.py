@@ -3,7 +3,7 @@
 One DP-FedAvg round on MNIST-5k (10 clients, MLP 784-100-10, 1 local epoch): the clients' local training is run
 once per round, then its outputs go (a) straight to the weighted sum (no privacy layer) and (b) through each client's
 release pipeline (validate, clip, SQLite ledger charge, Gaussian noise, mark released; the round's charges and marks
-committed to disk in one transaction before the sum, as ``privfl.runtime`` does) and the aggregator with central
+committed to disk in one transaction before the sum, as ``privfl.runtime.engine`` does) and the aggregator with central
 noise. ``privacy_overhead`` = (time(b) - time(a)) / (training + time(a)), the fraction a round
 slows down with the privacy layer; goal <= 0.05. Each time is the median over ``--rounds`` rounds (default 8).
 
@@ -25,9 +25,9 @@ import numpy as np
 
 from privfl.accounting.ledger import PrivacyLedger
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
-from privfl.aggregation import weighted_sums
-from privfl.release import Release, ReleasePipeline
-from privfl.runtime import noise_multipliers_for
+from privfl.core.aggregation import weighted_sums
+from privfl.core.release import Release, ReleasePipeline
+from privfl.runtime.engine import noise_multipliers_for
 
 
 def main(argv=None) -> None:

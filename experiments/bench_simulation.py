@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_limits
 
 from privfl import FederationConfig, PrivacyConfig, make_algorithm, make_federated
 from privfl.data import federated_from_arrays
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 NON_PRIVATE = PrivacyConfig(epsilon=math.inf, delta=1e-5)
 
@@ -109,7 +109,7 @@ def hand_opacus_round(data, fed: FederationConfig, sim: Simulation, seed: int = 
     from opacus.optimizers import DPOptimizer
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
-    from privfl.algorithms.dpsgd_fedavg import dpsgd_schedule
+    from privfl.privacy.record_level import dpsgd_schedule
 
     alg = sim.algorithm
     schedule = dpsgd_schedule(alg, 0)

@@ -51,12 +51,14 @@ import time
 import numpy as np
 import torch
 
-from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg, dpsgd_schedule
+from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
+
+from privfl.privacy.record_level import dpsgd_schedule
 from privfl.algorithms.fola import FOLA
 from privfl.algorithms.hbfl import HBFL
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 from run_record_level import validation_federation  # 15% of each client's records, pooled (this folder)
 

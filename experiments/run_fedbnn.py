@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from privfl import FederationConfig, PrivacyConfig, Simulation, make_algorithm, make_federated
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
+from privfl.privacy.record_level import DPSGDSchedule
 from privfl.algorithms.fedbnn import CHANNEL, Architecture, FedBNN
 from privfl.data import PartitionWarning
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error

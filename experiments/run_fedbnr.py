@@ -28,16 +28,16 @@ import torch
 from torch import nn
 
 from privfl import FederationConfig, PrivacyConfig, Simulation, make_federated
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, dpsgd_schedule
+from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, dpsgd_schedule
 from privfl.algorithms.fedbnr import FedBNR
-from privfl.channels import Channel, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.data import FederatedData
-from privfl.features import RandomFourierFeatures
+from privfl.models.features import RandomFourierFeatures
 from privfl.metrics import regression_metrics
-from privfl.public import private_torch_generator, release_weight
-from privfl.training import batches, flat_parameters, load_flat_parameters
+from privfl.core.public import private_torch_generator, release_weight
+from privfl.training.local import batches, flat_parameters, load_flat_parameters
 
 EPSILON, DELTA = 3.0, 1e-5
 N_CLIENTS = 10
@@ -218,7 +218,7 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int, *, lr: f
         kfed = FederationConfig(rounds=20, local_epochs=10, lr=0.01, seed=seed)
         aggregation = "distillation" if method.startswith("FedBNR-KD") else "fedavg"
         privacy = privacy_for(private, **exact)
-        # both phases within one budget: a two-phase FedBNR, run by the runtime (privfl.phases)
+        # both phases within one budget: a two-phase FedBNR, run by the runtime (privfl.runtime.phases)
         alg = FedBNR(fed, privacy, kernel_rounds=20, kernel_fed=kfed, **(rff or {}),
                      kernel_options=dict(hidden=hidden, latent_dim=4, update_clip=0.05, aggregation=aggregation))
         sim = Simulation(alg, data, fed, privacy)

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from privfl.algorithms import make_algorithm
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays, make_federated
-from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import SecureAggregation
 
 CLIENTS, ALPHA, DELTA = 10, 0.1, 1e-5
 EPSILONS = (1.0, 3.0, 8.0)
@@ -226,7 +226,7 @@ def markdown(report) -> str:
               "noise (z C on the sum of all clients' lots), while every dpsgd_fedavg client adds its own DP-SGD noise "
               "to a model trained on its own ~400 records.",
               "- The distributed placement is charged PoissonSampled(q, ZCDP(rho)) and composed by the rdp "
-              "accountant (privfl.secure.calibrate_distributed_sampled): a bound for any rho-zCDP mechanism under "
+              "accountant (privfl.privacy.secure.calibrate_distributed_sampled): a bound for any rho-zCDP mechanism under "
               "sampling, much looser at small q and many rounds than the sampled Gaussian's own RDP or PLD, so its "
               "calibrated noise multiplier is far larger (see the table's column) and its accuracy lower, "
               "drastically at ε = 1. The discrete Gaussian at 48-bit resolution is not the cause: the accounting is.",

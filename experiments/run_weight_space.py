@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from privfl.compare import CompareConfig, compare, summary_table
+from privfl.apps.compare import CompareConfig, compare, summary_table
 
 
 def main(path: str = "experiments/configs/weight_space.toml") -> None:

@@ -11,7 +11,7 @@ looked at (the compare rows it runs do compute test metrics, and this script dro
    Chosen: the cheapest (R x seconds per round) point whose validation accuracy is at least ``TARGET``; FedProx
    and the reference rows (centralised, local-only) take FedAvg's settings, as compare defines them.
 2. The private rows at epsilon = 3: a small grid each (lr, and the model or rounds where the algorithm's own
-   defaults differ), one run per point through ``privfl.compare.run_one`` (exactly the run ``privfl compare``
+   defaults differ), one run per point through ``privfl.apps.compare.run_one`` (exactly the run ``privfl compare``
    makes), the best final validation accuracy chosen and used at every epsilon.
 3. Seconds per run at the chosen settings (wall and CPU seconds of this process, torch on one thread), to size
    the default grid; the machine is shared, so CPU seconds are the estimate of a quiet machine's wall time.
@@ -34,9 +34,9 @@ import time
 import torch
 
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.compare import CompareConfig, RunSpec, federation, run_one
-from privfl.config import FederationConfig, PrivacyConfig
-from privfl.runtime import Simulation
+from privfl.apps.compare import CompareConfig, RunSpec, federation, run_one
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.runtime.engine import Simulation
 
 OUT = "experiments/results"
 VAL_FRACTION = 0.1

@@ -23,17 +23,17 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Names are imported on first use (PEP 562), so that ``privfl calibrate`` and ``import privfl.public`` do not pay for
+# Names are imported on first use (PEP 562), so that ``privfl calibrate`` and ``import privfl.core.public`` do not pay for
 # torch; ``from privfl import Simulation`` works as before.
 _EXPORTS = {
     "ALGORITHMS": "privfl.algorithms", "make_algorithm": "privfl.algorithms",
-    "Channel": "privfl.channels", "ClippedValue": "privfl.channels", "NormClip": "privfl.channels",
-    "PreClipped": "privfl.channels", "PrivatizedValue": "privfl.channels", "RangeBound": "privfl.channels",
-    "TrainedPrivately": "privfl.channels", "FederationConfig": "privfl.config", "PrivacyConfig": "privfl.config",
-    "federated_from_arrays": "privfl.data", "make_federated": "privfl.data", "PublicFacts": "privfl.public",
-    "Release": "privfl.release", "ReleasePipeline": "privfl.release", "RunResult": "privfl.runtime",
-    "Simulation": "privfl.runtime", "SecureAggregation": "privfl.secure", "federate": "privfl.api",
-    "FederatedResult": "privfl.api", "Algorithm": "privfl.algorithms.plain", "LocalData": "privfl.algorithms.plain",
+    "Channel": "privfl.core.channels", "ClippedValue": "privfl.core.channels", "NormClip": "privfl.core.channels",
+    "PreClipped": "privfl.core.channels", "PrivatizedValue": "privfl.core.channels", "RangeBound": "privfl.core.channels",
+    "TrainedPrivately": "privfl.core.channels", "FederationConfig": "privfl.core.config", "PrivacyConfig": "privfl.core.config",
+    "federated_from_arrays": "privfl.data", "make_federated": "privfl.data", "PublicFacts": "privfl.core.public",
+    "Release": "privfl.core.release", "ReleasePipeline": "privfl.core.release", "RunResult": "privfl.runtime.engine",
+    "Simulation": "privfl.runtime.engine", "SecureAggregation": "privfl.privacy.secure", "federate": "privfl.apps.api",
+    "FederatedResult": "privfl.apps.api", "Algorithm": "privfl.algorithms.plain", "LocalData": "privfl.algorithms.plain",
     "register_algorithm": "privfl.privacy", "unregister_algorithm": "privfl.privacy",
 }
 

@@ -186,7 +186,7 @@ def _is_within(module: str, names) -> bool:
 
 
 #: what an algorithm may not import: the runtimes and the front ends that drive it
-RUNTIME_MODULES = ("privfl.runtime", "privfl.phases", "privfl.flower", "privfl.cli", "privfl.compare", "privfl.api")
+RUNTIME_MODULES = ("privfl.runtime", "privfl.flower", "privfl.apps")
 
 
 def test_algorithms_do_not_import_the_runtime():
@@ -201,9 +201,9 @@ def test_algorithms_do_not_import_the_runtime():
 
 
 #: what the non-private algorithm contract (privfl/algorithms/plain.py) may not import: anything that decides privacy
-PRIVACY_MODULES = ("privfl.privacy", "privfl.channels", "privfl.release", "privfl.plan", "privfl.secure",
-                   "privfl.accounting", "privfl.mechanisms", "privfl.secure_agg", "privfl.public", "privfl.config",
-                   "privfl.executor", "privfl.algorithms.dpsgd_fedavg")
+PRIVACY_MODULES = ("privfl.privacy", "privfl.core.channels", "privfl.core.release", "privfl.core.plan",
+                   "privfl.core.public", "privfl.core.config", "privfl.accounting", "privfl.mechanisms",
+                   "privfl.secure_agg", "privfl.training.stacked", "privfl.algorithms.dpsgd_fedavg")
 
 
 def test_the_non_private_algorithm_contract_knows_nothing_of_privacy():
@@ -231,7 +231,7 @@ def test_the_cli_knows_no_single_algorithm():
                                                            "FederatedAlgorithm")}
     violations = []
     for name in ("cli.py", "compare.py"):
-        path = ROOT / "privfl" / name
+        path = ROOT / "privfl" / "apps" / name
         for lineno, module in _privfl_modules_imported(path):
             if (_is_within(module, ["privfl.algorithms"]) and module not in allowed | registry
                     and not module.startswith("privfl.algorithms.base.")):
@@ -244,13 +244,14 @@ def test_the_new_rules_see_violations(tmp_path):
     algorithms = tmp_path / "privfl" / "algorithms"
     algorithms.mkdir(parents=True)
     bad = algorithms / "bad.py"
-    bad.write_text("def f():\n    from privfl.runtime import Simulation\n"
-                   "from ..phases import run_fedbnr\nfrom privfl import cli\nimport privfl.client_state\n")
+    bad.write_text("def f():\n    from privfl.runtime.engine import Simulation\n"
+                   "from ..runtime.phases import run_fedbnr\nfrom privfl.apps import cli\nimport privfl.client_state\n")
     found = {m for _, m in _privfl_modules_imported(bad, tmp_path)}
-    assert {m for m in found if _is_within(m, RUNTIME_MODULES)} == {"privfl.runtime", "privfl.runtime.Simulation",
-                                                                     "privfl.phases", "privfl.phases.run_fedbnr",
-                                                                     "privfl.cli"}
-    cli = tmp_path / "privfl" / "cli.py"
+    assert {m for m in found if _is_within(m, RUNTIME_MODULES)} == {
+        "privfl.runtime.engine", "privfl.runtime.engine.Simulation", "privfl.runtime.phases",
+        "privfl.runtime.phases.run_fedbnr", "privfl.apps", "privfl.apps.cli"}
+    (tmp_path / "privfl" / "apps").mkdir()
+    cli = tmp_path / "privfl" / "apps" / "cli.py"
     cli.write_text("def g():\n    from privfl.algorithms.fedbnr import run_fedbnr\n"
                    "from privfl.algorithms import fedbnn, make_algorithm\n")
     found = {m for _, m in _privfl_modules_imported(cli, tmp_path)}

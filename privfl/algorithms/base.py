@@ -1,7 +1,7 @@
 """The contract every federated algorithm implements, and its two halves.
 
 A client step returns its round's channel values (it never sends anything itself: the runtime hands the values to
-the client's release pipeline). A server step sees only :class:`privfl.aggregation.Aggregate` objects, weighted sums
+the client's release pipeline). A server step sees only :class:`privfl.core.aggregation.Aggregate` objects, weighted sums
 of releases, so secure aggregation can hide every upload without changing the algorithm.
 
 **Two halves joined by messages.** The object a user builds is the server half: ``setup(public, rng)``,
@@ -36,10 +36,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from privfl.aggregation import Aggregate
-from privfl.channels import Channel, ClippedValue
-from privfl.config import FederationConfig, PrivacyConfig
-from privfl.public import PublicFacts
+from privfl.core.aggregation import Aggregate
+from privfl.core.channels import Channel, ClippedValue
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.core.public import PublicFacts
 
 
 @dataclass
@@ -58,20 +58,20 @@ CLIENT_STATE_KIND = "privfl.client_state"
 @dataclass(frozen=True)
 class Broadcast:
     """What the server half sends every client at the start of a round: the round and the server state the
-    algorithm's client step reads (``broadcast_state``), as message values (:mod:`privfl.messages`)."""
+    algorithm's client step reads (``broadcast_state``), as message values (:mod:`privfl.core.messages`)."""
 
     round: int
     values: Mapping[str, Any]
 
     def to_bytes(self) -> bytes:
-        from privfl.messages import to_bytes
+        from privfl.core.messages import to_bytes
 
         return to_bytes({"round": int(self.round), "values": dict(self.values)}, BROADCAST_KIND)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Broadcast":
         from privfl.errors import CorruptMessage
-        from privfl.messages import from_bytes
+        from privfl.core.messages import from_bytes
 
         msg = from_bytes(data, BROADCAST_KIND)
         if set(msg) != {"round", "values"} or type(msg["round"]) is not int or not isinstance(msg["values"], dict):
@@ -117,7 +117,7 @@ class FederatedAlgorithm(abc.ABC):
 
     @abc.abstractmethod
     def setup(self, public: PublicFacts, rng: np.random.Generator) -> None:
-        """Build the global state from the federation's :class:`privfl.public.PublicFacts` alone (a
+        """Build the global state from the federation's :class:`privfl.core.public.PublicFacts` alone (a
         :class:`privfl.data.FederatedData` is accepted too and reduced to its public facts by :meth:`bind_public`)."""
 
     def bind_public(self, data) -> PublicFacts:
@@ -157,7 +157,7 @@ class FederatedAlgorithm(abc.ABC):
         return ClientHalf(client)
 
     def encode_client_state(self, client: int, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Client ``client``'s state (``{client_state attribute: entry}``) as message values (:mod:`privfl.messages`):
+        """Client ``client``'s state (``{client_state attribute: entry}``) as message values (:mod:`privfl.core.messages`):
         the state itself by default, for entries that already are message values; an algorithm whose entries are
         objects (models) overrides this and :meth:`decode_client_state`."""
         return dict(state)
@@ -328,8 +328,8 @@ class ClientHalf:
 
     def encode_state(self, client: int, state: Mapping | None) -> bytes:
         """Client ``client``'s state as bytes (:meth:`FederatedAlgorithm.encode_client_state`, then
-        :func:`privfl.messages.to_bytes`): what a deployment keeps between rounds."""
-        from privfl.messages import to_bytes
+        :func:`privfl.core.messages.to_bytes`): what a deployment keeps between rounds."""
+        from privfl.core.messages import to_bytes
 
         values = None if state is None else self.algorithm.encode_client_state(client, state)
         return to_bytes({"client": int(client), "state": values}, CLIENT_STATE_KIND)
@@ -337,7 +337,7 @@ class ClientHalf:
     def decode_state(self, client: int, data: bytes) -> dict | None:
         """The state :meth:`encode_state` wrote for ``client`` (refused if it is another client's)."""
         from privfl.errors import CorruptMessage
-        from privfl.messages import from_bytes
+        from privfl.core.messages import from_bytes
 
         msg = from_bytes(data, CLIENT_STATE_KIND)
         if set(msg) != {"client", "state"} or msg["client"] != int(client):

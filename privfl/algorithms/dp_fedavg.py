@@ -9,7 +9,7 @@ example counts would make a client's influence, and hence the sensitivity, data-
 from __future__ import annotations
 
 from privfl.algorithms.fedavg import FedAvg
-from privfl.channels import Channel, NormClip, Unclipped
+from privfl.core.channels import Channel, NormClip, Unclipped
 from privfl.errors import ConfigurationError
 
 

@@ -5,7 +5,7 @@ One round is one DP-SGD step on the pooled data, computed where the data lives:
 
 1. the server broadcasts its model (``global_params``, the only thing broadcast);
 2. every client Poisson-samples its records at a public rate q (each record in with probability q);
-3. it sums the sampled records' loss gradients, each clipped to L2 norm C (``privfl.executor.PerExampleGradients``:
+3. it sums the sampled records' loss gradients, each clipped to L2 norm C (``privfl.training.stacked.PerExampleGradients``:
    ghost form on a linear stack, ``vmap`` of ``grad`` otherwise), and clips the sum to the public box [-B, B] per
    coordinate (1-Lipschitz, so a record still moves it by at most C; the box gives secure aggregation a range);
 4. it releases that sum on one record-level channel of sensitivity C, sampled at q
@@ -13,7 +13,7 @@ One round is one DP-SGD step on the pooled data, computed where the data lives:
 5. the server divides the (noisy) sum by the public expected lot L = q N and takes one optimiser step (SGD with
    momentum, or Adam): post-processing.
 
-Public facts only (``privfl.public``): with N the public record total (the design size times the number of clients,
+Public facts only (``privfl.core.public``): with N the public record total (the design size times the number of clients,
 or the declared sizes), q = min(1, lot_size / N) and L = q N, as DP-SGD FedAvg derives its rate from the design
 size; a client's true count changes how many of its records a step sees on average, never q, L, B or the noise.
 Poisson sampling at a fixed q is add/remove-DP whatever the true counts; with declared sizes (replace-one) the same
@@ -24,13 +24,13 @@ Placements (``PrivacyConfig.placement``), the noise z C added once to the sum of
 - ``central``: a trusted aggregator adds N(0, (zC)^2) to the sum (the federation's noise is centralised DP-SGD's);
 - ``distributed``: each client adds a discrete-Gaussian share under secure aggregation, so the unmasked sum carries
   the noise once; trusted: at least ``min_survivors`` clients survive a round and the server is honest but curious
-  (``privfl.secure``; the sampled plan comes from ``privfl.secure.calibrate_distributed_sampled``, charged
+  (``privfl.privacy.secure``; the sampled plan comes from ``privfl.privacy.secure.calibrate_distributed_sampled``, charged
   ``PoissonSampled(q, ZCDP(rho))`` by the rdp accountant);
 - ``local``: each client adds the full noise zC (it trusts no aggregation); the average then carries sqrt(K) times
   more noise.
 
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
-(``privfl.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
+(``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
 release weight is the constant 1, and a client reports no metrics (no sampled count, no norm, no loss).
 Non-private (``epsilon = inf``) it is plain minibatch SGD on the same Poisson lots, without clipping.
 """
@@ -43,14 +43,14 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput
-from privfl.algorithms.dpsgd_fedavg import SAMPLED_ACCOUNTANTS
+from privfl.privacy.record_level import SAMPLED_ACCOUNTANTS
 from privfl.algorithms.fedavg import FedAvg
-from privfl.channels import Channel, ClippedValue, PreClipped, Unclipped
+from privfl.core.channels import Channel, ClippedValue, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.executor import PerExampleGradients, clip_factor, unflatten
-from privfl.public import private_torch_generator
+from privfl.training.stacked import PerExampleGradients, clip_factor, unflatten
+from privfl.core.public import private_torch_generator
 
 OPTIMIZERS = ("sgd", "adam")
 #: bytes of per-client state (a lot's per-example terms, the stacked parameters) one vectorised chunk may hold
@@ -141,7 +141,7 @@ class DPFedSGD(FedAvg):
     def vectorisable(self) -> bool:
         """Clients' lots are computed together (one batched per-example pass) when the model is built of stateless
         layers; per client otherwise. The same function either way (:meth:`_gradient_sums`)."""
-        from privfl.executor import vectorisable
+        from privfl.training.stacked import vectorisable
 
         return self.model is not None and vectorisable(self.model)
 

@@ -3,7 +3,7 @@ server averages the changes weighted by the clients' example counts.
 
 Non-private: the upload is released unclipped and charged as non-private (epsilon = inf).
 
-The user's own objects (``privfl.training.UserTraining``): ``model`` (an ``nn.Module`` or a zero-argument factory;
+The user's own objects (``privfl.training.local.UserTraining``): ``model`` (an ``nn.Module`` or a zero-argument factory;
 default the built-in ``FederationConfig.model``), ``loss``, ``optimizer`` (a factory of parameters) and extra test
 ``metrics``; the whole family (FedProx, DP-FedAvg, DP-SGD FedAvg) takes them. Regression (float targets) trains on
 mean squared error by default and reports RMSE, MAE and R^2 in the data's own units.
@@ -18,15 +18,15 @@ import copy
 import numpy as np
 import torch
 
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.channels import Channel, Unclipped
+from privfl.core.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.executor import VectorisedSGD, vectorisable
+from privfl.training.stacked import VectorisedSGD, vectorisable
 from privfl.metrics import classification_metrics, point_regression_metrics
 from privfl.models import make_model
-from privfl.public import release_weight
-from privfl.training import (UserTraining, flat_parameters, load_flat_parameters, predict_outputs, predict_proba,
+from privfl.core.public import release_weight
+from privfl.training.local import (UserTraining, flat_parameters, load_flat_parameters, predict_outputs, predict_proba,
                              train_epochs)
 
 
@@ -91,7 +91,7 @@ class FedAvg(FederatedAlgorithm):
                      momentum=self.fed.momentum, rng=rng, loss=self.user.loss, optimizer=self.user.optimizer)
 
     def release_weight(self, dataset, client: int = 0) -> float:
-        """A public constant (``privfl.public.release_weight``): n_k only when sizes are public or nothing is."""
+        """A public constant (``privfl.core.public.release_weight``): n_k only when sizes are public or nothing is."""
         return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
@@ -109,7 +109,7 @@ class FedAvg(FederatedAlgorithm):
 
     @property
     def vectorisable(self) -> bool:
-        """Whether :meth:`client_updates` trains clients together (``privfl.executor``): the local step is plain
+        """Whether :meth:`client_updates` trains clients together (``privfl.training.stacked``): the local step is plain
         SGD on cross-entropy (a subclass that overrides ``local_train`` differently, a user's loss or optimizer, or
         regression runs per client) and the model is built of stateless layers."""
         return self._vectorises(FedAvg.local_train)

@@ -39,7 +39,7 @@ two are at most sqrt(2) apart in L2, and none has norm above 1 (|p|_2 <= |p|_1 =
 - sqrt(|AD|) at client level under add/remove: the client's whole upload leaves the sum, and it has norm at most
   sqrt(|AD|) (attained by one-hot rows). That is a guarantee about the sum, so with local noise and no secure
   aggregation (the server then sees every upload on its own and knows which clients took part) the runtime charges
-  the channel as replace-one, sqrt(2 |AD|), whatever the configured relation (``privfl.channels.charged_channels``,
+  the channel as replace-one, sqrt(2 |AD|), whatever the configured relation (``privfl.core.channels.charged_channels``,
   the same rule for every algorithm).
 
 (The paper bounds the squared sensitivity by 2 for the whole upload, which holds per AD point only, and converts
@@ -99,15 +99,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.channels import Channel, RangeBound, Unclipped
+from privfl.core.channels import Channel, RangeBound, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
 from privfl.models import (MODELS, BayesConv2d, BayesLinear, ModelPrior, bayes_modules, make_bayesian_model,
                            model_kl_divergence, set_generator)
-from privfl.training import batches, torch_generator
+from privfl.training.local import batches, torch_generator
 
 CHANNEL = "alignment_probs"
 #: any two probability vectors are at most sqrt(2) apart in L2
@@ -386,7 +386,7 @@ class FedBNN(FederatedAlgorithm):
     # -- setup ---------------------------------------------------------------------------------------------------
 
     def setup(self, data, rng):
-        """The server half from public facts only (``privfl.public.PublicFacts``): the number of clients, the task,
+        """The server half from public facts only (``privfl.core.public.PublicFacts``): the number of clients, the task,
         the input shape and classes, the public alignment set (or the public test set to carve one from). No
         client's records, labels or label set are read here."""
         public = self.bind_public(data)
@@ -443,7 +443,7 @@ class FedBNN(FederatedAlgorithm):
 
     def _adjacency(self) -> str:
         """The configured relation. At client level with local noise and no secure aggregation the runtime charges
-        the channel as replace-one (``privfl.channels.charged_channels``, see the module docstring)."""
+        the channel as replace-one (``privfl.core.channels.charged_channels``, see the module docstring)."""
         return self.privacy.adjacency
 
     # -- client --------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 record-level private by sufficient-statistics perturbation.
 
 The model: f(x) = w^T phi(x), w ~ N(0, lambda^2 I), y = f(x) + N(0, sigma^2), where phi is a kernel network
-(``privfl.features``: random Fourier features from a public seed, optionally after a learned extractor). The
+(``privfl.models.features``: random Fourier features from a public seed, optionally after a learned extractor). The
 posterior over w is N(w_bar, A^-1) with (eqs. 20-21)
 
     A = sigma^-2 sum_c Phi_c^T Phi_c + lambda^-2 I,        w_bar = sigma^-2 A^-1 sum_c Phi_c^T y_c,
@@ -19,7 +19,7 @@ Privacy (record level, add/remove one record unless the config says replace one)
   clips nothing). The channel is ``symmetric``: Gaussian noise on the upper triangle including the diagonal,
   mirrored (Analyze Gauss, Dwork et al. 2014), so what one record moves is the upper triangle of phi phi^T, of
   squared norm (|phi|^4 + sum_i phi_i^4) / 2. For any rows that is at most B^4: ``PreClipped(B, "squared_sum")``
-  (sqrt(2) B^2 under replace-one). The feature maps of ``privfl.features`` make rows of m (cos, sin) pairs of equal
+  (sqrt(2) B^2 under replace-one). The feature maps of ``privfl.models.features`` make rows of m (cos, sin) pairs of equal
   norm, whatever extractor comes first, so sum_i phi_i^4 <= |phi|^4 / m and the release moves by at most
   B^2 sqrt((1 + 1/m) / 2) (add/remove) or B^2 sqrt(1 + 1/m) (replace-one), both attained:
   :class:`PairedScatter`, declared when ``cos_sin_pairs`` recognises the feature map (m = ``num_samples``, the
@@ -103,7 +103,7 @@ from a torch seed drawn from the run's setup stream, so the server half and ever
 (constructor arguments must be deep-copyable: a client half is built from copies of them). Its latent dimension is
 read from a forward pass on one zero input of the public input shape; an output that is not one flat vector per
 example, batch normalisation, or any layer whose output for one example moves with the other examples of its batch
-is refused (``privfl.features.check_extractor``), and the extractor always runs in eval mode (no batch statistics,
+is refused (``privfl.models.features.check_extractor``), and the extractor always runs in eval mode (no batch statistics,
 no dropout). With ``kernel_rounds=0`` it is used as given, random Fourier features on top of it; with
 ``kernel_rounds > 0`` phase 1 trains it (with l, sigma, lambda) and phase 2 runs on the result. The sensitivities
 above do not depend on it:
@@ -118,7 +118,7 @@ above do not depend on it:
   removes exactly one term of each sum): hence the refusals and eval mode above. f's weights are public (as given)
   or phase 1's private result, so using them is post-processing.
 
-Not done: distributed discrete noise for phase 2 (the scatter channel is a matrix, which ``privfl.secure`` does not
+Not done: distributed discrete noise for phase 2 (the scatter channel is a matrix, which ``privfl.privacy.secure`` does not
 plan noise for).
 """
 
@@ -140,14 +140,14 @@ from privfl.accounting.errors import InvalidPrivacyParameter
 from privfl.accounting.events import ComposedEvent, PrivacyEvent, SelfComposedEvent
 from privfl.mechanisms import InvalidRelease, clip_rows, clip_values
 from privfl.mechanisms.clipping import check_adjacency
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
-from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
+from privfl.core.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
+from privfl.models.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
                              check_extractor, extractor_factory, pair_squared_norms)
 from privfl.metrics.regression import regression_metrics
-from privfl.training import flat_parameters, load_flat_parameters
+from privfl.training.local import flat_parameters, load_flat_parameters
 
 
 # -- the scatter channel's clip when feature rows are (cos, sin) pairs ------------------------------------------
@@ -155,7 +155,7 @@ from privfl.training import flat_parameters, load_flat_parameters
 @dataclass(frozen=True)
 class PairedScatter(PreClipped):
     """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B, each row made of ``pairs`` = m disjoint
-    (cos, sin) pairs of equal norm (``privfl.features``), released on a ``symmetric`` channel: noise on the upper
+    (cos, sin) pairs of equal norm (``privfl.models.features``), released on a ``symmetric`` channel: noise on the upper
     triangle including the diagonal, mirrored. Only for such a channel (noise on every entry would release the full
     matrix, which one record moves by |phi|^2 = B^2).
 
@@ -393,7 +393,7 @@ class FedBNR(FederatedAlgorithm):
                  kernel_share: float = 0.5, kernel_fed=None, kernel_options: Mapping | None = None):
         super().__init__(fed, privacy)
         if kernel is not None and not isinstance(kernel, KernelNetwork):
-            raise ConfigurationError("kernel must be a privfl.features.KernelNetwork (phase 1's result) or None")
+            raise ConfigurationError("kernel must be a privfl.models.features.KernelNetwork (phase 1's result) or None")
         if model is not None and kernel is not None:
             raise ConfigurationError("fedbnr: give either model (your feature extractor, from which the kernel network "
                                      "is built) or kernel (a trained kernel network), not both")
@@ -577,7 +577,7 @@ class FedBNR(FederatedAlgorithm):
 
     @property
     def feature_pairs(self) -> int | None:
-        """m when the feature map's rows are m (cos, sin) pairs (``privfl.features.cos_sin_pairs``), else None."""
+        """m when the feature map's rows are m (cos, sin) pairs (``privfl.models.features.cos_sin_pairs``), else None."""
         return cos_sin_pairs(self.feature_map)
 
     @property
@@ -742,7 +742,7 @@ def _distillation_set(data):
 def _built_kernel(extractor: Callable, input_shape, rng: np.random.Generator, what: str,
                   **options) -> KernelNetwork:
     """A :class:`KernelNetwork` on the user's extractor (``extractor``: a builder from
-    :func:`privfl.features.extractor_factory`), built under a torch seed drawn from the run's setup stream ``rng``
+    :func:`privfl.models.features.extractor_factory`), built under a torch seed drawn from the run's setup stream ``rng``
     (not global state), so the server half and every client half, set up from the same stream, build the same
     network; the extractor is checked (flat output, no mixing of examples) and runs in eval mode."""
     with torch.random.fork_rng(devices=[]):

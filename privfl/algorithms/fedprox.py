@@ -12,7 +12,7 @@ import torch
 
 from privfl.algorithms.fedavg import FedAvg
 from privfl.errors import ConfigurationError
-from privfl.training import train_epochs
+from privfl.training.local import train_epochs
 
 
 class FedProx(FedAvg):

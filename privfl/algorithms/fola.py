@@ -20,7 +20,7 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
   shuffle of the records split into one chunk per step, so each record contributes exactly once per epoch, at the
   parameters of that step (online, as eq. 22), and never through DP-SGD's hidden Poisson batches. Each example's
   gradient is clipped to C, so a record's terms sum to at most ``epochs * C^2`` in L2 norm
-  (:class:`privfl.fisher.FisherAccumulator` also caps its visits at ``epochs``); the channel ``fisher_diag`` is that
+  (:class:`privfl.training.fisher.FisherAccumulator` also caps its visits at ``epochs``); the channel ``fisher_diag`` is that
   sum divided by ``epochs``: sensitivity C^2, :class:`PreClipped` ``(C, "squared_sum")``. A Gaussian product needs
   sum_k Lambda_k mu_k, whose Fisher part sum_k F_k (.) mu_k = F (.) mu_S + sum_k F_k (.) (mu_k - mu_S) is not
   post-processing of the two channels above, so a third channel ``fisher_natural_mean`` releases
@@ -32,7 +32,7 @@ How each upload is made private (PAPERS.md, "Channels, clips and sensitivities")
   clients' means.
 
 Budget: one target epsilon per client over all rounds, split across a round's channels by ``budget_share``: the
-runtime calibrates the Gaussian channels (:func:`privfl.plan.noise_multipliers_for`, which gives the
+runtime calibrates the Gaussian channels (:func:`privfl.core.plan.noise_multipliers_for`, which gives the
 DP-SGD-trained ``mean`` channel a share too); that share is what DP-SGD gets: its noise multiplier is calibrated so
 that DP-SGD composed with the Fisher releases meets the target under the run's accountant (``pld``, the default for
 ``unit="example"``, or ``rdp``, as for ``dpsgd_fedavg``).
@@ -47,13 +47,13 @@ usually is) the correction shrinks to 0 and the mean falls back to FedAvg's, and
 carry is kept. (The earlier rule, the division regularised coordinate by coordinate, let the noise through: the
 product's mean moved one to two rounds' steps away from the average every round at epsilon 3.)
 
-Execution (``privfl.executor``): every mode is the same computation on every client, so a round's clients train
+Execution (``privfl.training.stacked``): every mode is the same computation on every client, so a round's clients train
 together (:meth:`FOLA.client_updates`), each from its own generators in the per-client order (torch seed, Fisher
 chunks, DP-SGD noise, Poisson coins); the per-client step stays for subclasses with a local step of their own and
 for models the executor cannot batch.
 
 Regression (float targets): the likelihood is Gaussian with unit noise variance in the standardised target units, so
-the task loss is 0.5 (y - f(x))^2 per example (:class:`privfl.fisher.HalfSquaredError`, mean over the batch), and
+the task loss is 0.5 (y - f(x))^2 per example (:class:`privfl.training.fisher.HalfSquaredError`, mean over the batch), and
 the precision is the empirical Fisher of that loss, read off its per-example gradients exactly as for
 cross-entropy; DP-SGD gets the same loss per example. Every channel's sensitivity is in terms of clipped
 per-example gradients, so every bound above holds whatever the loss. Regression runs on the per-client loop (the
@@ -74,22 +74,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.algorithms.dpsgd_fedavg import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
-                                            check_opacus_model, dpsgd_schedule, dpsgd_train)
+from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule, dpsgd_train
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product,
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.executor import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, unflatten, vectorisable
-from privfl.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
+from privfl.training.stacked import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, unflatten, vectorisable
+from privfl.training.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
                            per_example_task_loss, unsupported_parameters)
 from privfl.metrics import classification_metrics, point_regression_metrics
 from privfl.models import make_model
-from privfl.public import private_torch_generator
-from privfl.training import batches, flat_parameters, load_flat_parameters, predict_outputs, predict_proba
+from privfl.core.public import private_torch_generator
+from privfl.training.local import batches, flat_parameters, load_flat_parameters, predict_outputs, predict_proba
 
 _SHARES = {"client": {"natural_mean_delta": 0.5, "precision_delta": 0.5},
            "example": {"mean": 0.5, "fisher_diag": 0.25, "fisher_natural_mean": 0.25}}
@@ -143,7 +142,7 @@ class FOLA(FederatedAlgorithm):
     a zero-argument factory; default the built-in ``fed.model``): mean and precision over its flat parameters. Its
     per-example Fisher is read off hooks, so every trainable parameter must live in an ``nn.Linear`` or
     ``nn.Conv2d`` (groups=1) used once per forward pass, with no batch normalisation and no frozen parameters
-    (:func:`privfl.fisher.check_fisher_model`, checked in setup with a message naming the layers); at record level
+    (:func:`privfl.training.fisher.check_fisher_model`, checked in setup with a message naming the layers); at record level
     it must also pass opacus's validation. ``loss``: only cross-entropy (``None`` or a plain
     ``nn.CrossEntropyLoss()``): the precision is the Fisher of the task loss, eq. 22, and another loss would need
     its own Fisher, so it is refused with that reason. Regression (float targets) uses the Gaussian likelihood's
@@ -326,7 +325,7 @@ class FOLA(FederatedAlgorithm):
         if schedule not in self._dpsgd:
             if self._fisher_events is None:
                 from privfl.accounting.events import GaussianEvent
-                from privfl.plan import noise_multipliers_for  # the very multipliers the run's pipelines use
+                from privfl.core.plan import noise_multipliers_for  # the very multipliers the run's pipelines use
 
                 zs = noise_multipliers_for(self.channels(), self.privacy, self.fed.rounds)
                 self._fisher_events = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
@@ -376,15 +375,15 @@ class FOLA(FederatedAlgorithm):
         return ClientOutput({"natural_mean_delta": precision * mu - self.precision * self.mean,
                              "precision_delta": precision - self.precision}, weight=1.0, metrics=metrics)
 
-    # -- many clients at once (privfl.executor) --------------------------------------------------------------------
+    # -- many clients at once (privfl.training.stacked) --------------------------------------------------------------------
 
     @property
     def vectorisable(self) -> bool:
         """Whether :meth:`client_updates` trains a round's clients together: this class's own local steps over a
         model built of stateless layers. Every mode is the same computation on every client: the online step is
         SGD with the prior term and the Fisher read off its per-example gradients
-        (``privfl.executor.VectorisedOnlineFisher``); the record-level step is DP-SGD
-        (``privfl.executor.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
+        (``privfl.training.stacked.VectorisedOnlineFisher``); the record-level step is DP-SGD
+        (``privfl.training.stacked.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
         added after the noise, every client's Poisson coins, noise and Fisher chunks drawn from its own generators
         in the per-client order. Both compute cross-entropy, so regression (the Gaussian loss) runs per client."""
         cls = type(self)

@@ -6,7 +6,7 @@ product prod_k N(mu_k, Lambda_k^-1)^{q_k} is, up to normalisation, the Gaussian 
 
     Lambda = sum_k q_k Lambda_k,        mu = Lambda^-1 sum_k q_k Lambda_k mu_k = Lambda^-1 sum_k q_k eta_k.
 
-Both sums are weighted sums of releases, so the server needs nothing but :class:`privfl.aggregation.Aggregate`
+Both sums are weighted sums of releases, so the server needs nothing but :class:`privfl.core.aggregation.Aggregate`
 objects and secure aggregation can hide every individual upload. With equal precisions mu is FedAvg's weighted mean.
 
 Post-processing (after release, so it costs no privacy; see ARCHITECTURE.md):
@@ -41,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.errors import ConfigurationError
 
 

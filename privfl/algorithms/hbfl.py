@@ -49,7 +49,7 @@ Privacy:
   are post-processing of that training: ``natural_mean`` carries the training's event
   SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps); ``precision`` is computed from the same trained model, so
   it carries a NoOpEvent (charging the training twice would count it twice). Everything the schedule, the
-  expected batch and the meme's entropy term (T / n) use is the client's *public* size (``privfl.public``: the design
+  expected batch and the meme's entropy term (T / n) use is the client's *public* size (``privfl.core.public``: the design
   size, or its declared n_k), so the uploads stay post-processing of DP-SGD; the noise and the Poisson batches come
   from the OS CSPRNG unless the run asks for seeded noise. Opacus is not used: its per-sample gradients run the model
   under ``vmap`` without randomness, which the Bayesian layers' sampling needs; privfl computes them with
@@ -84,21 +84,21 @@ from torch.func import functional_call, grad, vmap
 
 from privfl.accounting import NoOpEvent
 from privfl.mechanisms import SecureNoise, SeededNoise
-from privfl.aggregation import Aggregate
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
+from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
-from privfl.executor import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step, vectorisable
+from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step, vectorisable
 from privfl.models import (MLP, MODELS, BayesLinear, bayes_modules, deterministic, get_mean_precision,
                            make_bayesian_model, make_model, set_mean_precision, softplus)
 from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
 from privfl.models.errors import ModelConfigError
-from privfl.public import private_rng, release_weight
-from privfl.training import batches, predict_proba
+from privfl.core.public import private_rng, release_weight
+from privfl.training.local import batches, predict_proba
 
 #: the meme model's optimisers (``meme_optimizer``): the paper's Adam, or plain SGD
 MEME_OPTIMIZERS = ("adam", "sgd")
@@ -151,7 +151,7 @@ class HBFL(FederatedAlgorithm):
             logit per class; the meme stays privfl's Bayesian ``fed.model``. A client rebuilds its model from this
             argument (a factory is called on the client's seeded generator) and loads its weights from its state.
             Local models the vectorised executor cannot batch (buffers, dropout, frozen parameters, layers outside
-            ``privfl.executor``'s pure set) make the round run per client.
+            ``privfl.training.stacked``'s pure set) make the round run per client.
     """
 
     name = "hbfl"
@@ -374,7 +374,7 @@ class HBFL(FederatedAlgorithm):
             metrics["meme_loss"] = meme_loss
         return ClientOutput(values, weight=self.release_weight(dataset, client), metrics=metrics)
 
-    # -- many clients at once (privfl.executor) --------------------------------------------------------------------
+    # -- many clients at once (privfl.training.stacked) --------------------------------------------------------------------
 
     @property
     def vectorisable(self) -> bool:
@@ -539,7 +539,7 @@ class VectorisedHBFL:
     each client's weight noise passed in: drawn from a generator holding the global torch state the per-client step
     would draw from (after the client's seed and its local model's first build), in the same shapes and order (one
     (batch, out) draw per layer per forward; under DP-SGD, vmap's ``randomness="different"`` draw of (batch, 1, out)).
-    Adam (:func:`privfl.executor.adam_step`), or plain SGD (:func:`privfl.executor.sgd_step`), updates the memes;
+    Adam (:func:`privfl.training.stacked.adam_step`), or plain SGD (:func:`privfl.training.stacked.sgd_step`), updates the memes;
     the local models, grouped by architecture, take masked SGD steps (``sgd_step``: a client whose Poisson batch is
     empty skips its step, as the per-client loop does) and are written back to their clients. DP-SGD's clipping,
     noise (from each client's own noise source) and scaling are those of :func:`dpsgd_gradients`.

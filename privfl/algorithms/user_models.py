@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from privfl.errors import ConfigurationError
-from privfl.training import UserTraining
+from privfl.training.local import UserTraining
 
 
 def user_model_factories(model, algorithm: str, *, many: bool) -> tuple[Callable[[], nn.Module], ...] | None:

@@ -129,7 +129,7 @@ class FederatedData:
     info: dict = field(default_factory=dict)
     #: the public design size of a client's data set when the data declares one: a built-in benchmark's published
     #: training size over its number of clients (``make_federated``), or the user's own declaration. None: nothing
-    #: declared it, and a private run must be given ``client_size`` (``privfl.public.PublicFacts.of``); it is never
+    #: declared it, and a private run must be given ``client_size`` (``privfl.core.public.PublicFacts.of``); it is never
     #: computed from the clients' record counts.
     design_size: int | None = None
 

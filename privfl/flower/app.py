@@ -15,25 +15,25 @@ A run id whose rounds are all released is refused with a message naming it, and 
 rounds and the budget, from the algorithm's initial server state.
 
 The server half (:func:`server_main`) sets the algorithm up from the run's public facts, builds the run plan
-(``privfl.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
-only :class:`privfl.release.Release` values and weights, sums them with :func:`privfl.aggregation.weighted_sums` and
+(``privfl.core.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
+only :class:`privfl.core.release.Release` values and weights, sums them with :func:`privfl.core.aggregation.weighted_sums` and
 calls ``server_update``. The client half (:func:`client_train`) runs in the organisation's SuperNode: it builds its
 own client half from the public run specification (checking that its plan's noise equals the server's), takes the
 broadcast, trains on its own data (node config ``data-path``), and releases through its own
-:class:`privfl.release.ReleasePipeline`, charging its own SQLite ledger (node config ``ledger-path``), which refuses
+:class:`privfl.core.release.ReleasePipeline`, charging its own SQLite ledger (node config ``ledger-path``), which refuses
 to release past the budget. It returns the releases and its audit summary; nothing else leaves it.
 
-Seeds are the run plan's streams (``privfl.plan.seed_stream``: setup, sampling, server, clients, secure
+Seeds are the run plan's streams (``privfl.core.plan.seed_stream``: setup, sampling, server, clients, secure
 aggregation), and a client's generators are kept between rounds in its Flower ``Context.state``, so a run with
 seeded noise releases exactly what the in-process runtime with ``executor="per_client"`` releases.
 
 Placements: ``local`` (each client noises its own release) and ``central`` (the ServerApp adds the noise to the sum,
 a trusted aggregator, as in the simulation), and, under secure aggregation, ``distributed``.
 
-Secure aggregation (``RunSpec.secure``, a :class:`privfl.secure.SecureAggregation`): each round runs privfl's own protocol (``secure_agg``) as Flower message rounds (:func:`_secure_round`): the training
+Secure aggregation (``RunSpec.secure``, a :class:`privfl.privacy.secure.SecureAggregation`): each round runs privfl's own protocol (``secure_agg``) as Flower message rounds (:func:`_secure_round`): the training
 message carries the round's public session configuration and the client answers with its advertised keys and its
 release headers (never a value); then share keys, masked input and unmask are ``train.secagg`` messages. The
-client's step is the in-process runtime's (``privfl.secure.encode_for_secure_sum``, with the client's own generator
+client's step is the in-process runtime's (``privfl.privacy.secure.encode_for_secure_sum``, with the client's own generator
 kept in its Context.state, as are its session's secrets between stages); the server unmasks only the sum. A SuperNode
 that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
 ledger rows are charged at training and marked released just before its masked input leaves. Against an active
@@ -44,13 +44,13 @@ between masked input and unmask. ``malicious=False`` trusts the server to follow
 authentication to authenticate the clients); a SuperNode that holds an identity key refuses it.
 
 Multi-phase algorithms (FedBNR with ``kernel_rounds > 0``: kernel learning, then Bayesian linear regression;
-``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.runtime.PhasedSimulation` runs them, with
-its logic (``privfl.phases``): the ServerApp runs each phase as a run of its own (its plan, its seed streams, its
-noise) and hands the phase's trained server half to the next (:func:`privfl.phases.run_phases`); each phase is
+``privfl.algorithms.base.phases_of``) run as the in-process :class:`privfl.runtime.engine.PhasedSimulation` runs them, with
+its logic (``privfl.runtime.phases``): the ServerApp runs each phase as a run of its own (its plan, its seed streams, its
+noise) and hands the phase's trained server half to the next (:func:`privfl.runtime.phases.run_phases`); each phase is
 charged in the ledger run ``<run id>-<phase>`` of every SuperNode's own ledger, under the phase's share of the
 budget, and the SuperNodes report their epsilon composed over the phases so far. Every message of a phase names it
 and carries the final server state of the phases before it (their last broadcasts: post-processing of what was
-released), from which the ClientApp rebuilds the phase exactly as the server built it (:func:`privfl.phases.phase_at`)
+released), from which the ClientApp rebuilds the phase exactly as the server built it (:func:`privfl.runtime.phases.phase_at`)
 and serves its client half. A multi-phase run is not resumed (the earlier phases' server halves are not
 checkpointed): a run id with released rounds is refused.
 
@@ -69,10 +69,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
 from privfl.flower.records import MessageError, from_bytes, from_record, to_bytes, to_record
-from privfl.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
+from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 
 
 
@@ -156,7 +156,7 @@ class RunSpec:
     round_timeout: float = 600.0
     #: torch intra-op threads in the client (1: reproducible sums and a fair share of a shared machine)
     torch_threads: int | None = 1
-    #: secure aggregation (``privfl.secure.SecureAggregation``, semi-honest variant): each round then runs
+    #: secure aggregation (``privfl.privacy.secure.SecureAggregation``, semi-honest variant): each round then runs
     #: secure_agg's stages as Flower message rounds; None: plaintext releases
     secure: object = None
     #: the algorithm's options (``privfl.algorithms.algorithm_options``, e.g. FedBNN's ``warmup_epochs``), given to
@@ -282,7 +282,7 @@ class RunSpec:
             d["options"] = tuple((k, v) for k, v in d.get("options", ()))
             d["identities"] = tuple((p, k) for p, k in d.get("identities", ()))
             if d.get("secure") is not None:
-                from privfl.secure import SecureAggregation
+                from privfl.privacy.secure import SecureAggregation
 
                 d["secure"] = SecureAggregation(**d["secure"])
             return cls(fed=FederationConfig(**fed), privacy=PrivacyConfig(**privacy), **d)
@@ -354,11 +354,11 @@ def read_run_spec(run_config) -> "RunSpec":
 
 def _check_secure(spec: "RunSpec") -> None:
     """Refuse up front a secure-aggregation setting the deployment cannot run safely."""
-    from privfl.secure import SecureAggregation
+    from privfl.privacy.secure import SecureAggregation
 
     sec = spec.secure
     if not isinstance(sec, SecureAggregation):
-        raise ConfigurationError(f"secure must be a privfl.secure.SecureAggregation or None, got {sec!r}")
+        raise ConfigurationError(f"secure must be a privfl.privacy.secure.SecureAggregation or None, got {sec!r}")
     if sec.malicious and [p for p, _ in spec.identities] != list(range(spec.n_clients)):
         raise ConfigurationError("the malicious-server variant of secure aggregation needs every organisation's "
                                  "identity public key: give RunSpec(identities=...) (privfl.flower.identity."
@@ -373,8 +373,8 @@ def _check_secure(spec: "RunSpec") -> None:
 
 
 def client_seed(seed: int, client: int) -> np.random.SeedSequence:
-    """Client ``client``'s stream of the run plan (``privfl.plan.seed_stream``), as the in-process runtime uses it."""
-    from privfl.plan import seed_stream
+    """Client ``client``'s stream of the run plan (``privfl.core.plan.seed_stream``), as the in-process runtime uses it."""
+    from privfl.core.plan import seed_stream
 
     return seed_stream(seed, "clients", client)
 
@@ -386,17 +386,17 @@ def _noise(privacy: PrivacyConfig, seq: np.random.SeedSequence):
 
 
 def _run_plan(alg, spec: RunSpec):
-    """The run plan (``privfl.plan.RunPlan``: channels as charged, noise multipliers, placement, distributed-noise
+    """The run plan (``privfl.core.plan.RunPlan``: channels as charged, noise multipliers, placement, distributed-noise
     plans), built from the public spec exactly as the in-process runtime builds it."""
-    from privfl.plan import RunPlan
+    from privfl.core.plan import RunPlan
 
     return RunPlan.build(alg, spec.privacy, spec.fed, alg.public, spec.secure)
 
 
 def _encodings(plan, spec: RunSpec):
     """Each channel's secure-aggregation encoding, from the plan and the public facts only: the server and every
-    client compute the same (``privfl.secure.channel_encodings``)."""
-    from privfl.secure import channel_encodings, local_noise_stds, public_weight_bound
+    client compute the same (``privfl.privacy.secure.channel_encodings``)."""
+    from privfl.privacy.secure import channel_encodings, local_noise_stds, public_weight_bound
 
     return channel_encodings(plan.channels, spec.secure, n_clients=spec.n_clients,
                              local_stds=local_noise_stds(plan.channels, plan.placement, plan.noise_multipliers),
@@ -405,7 +405,7 @@ def _encodings(plan, spec: RunSpec):
 
 
 def _setup_seq(spec: RunSpec) -> np.random.SeedSequence:
-    from privfl.plan import seed_stream
+    from privfl.core.plan import seed_stream
 
     return seed_stream(spec.fed.seed, "setup")
 
@@ -440,7 +440,7 @@ class PhaseOf:
 def phase_spec(spec: RunSpec, phase) -> RunSpec:
     """The spec of one phase of the run ``spec``: its federation configuration (rounds, seed), its share of the
     budget and its ledger run ``<run id>-<phase>``; everything else is the run's."""
-    from privfl.phase_ledgers import phase_run_id
+    from privfl.runtime.phase_ledgers import phase_run_id
 
     return dataclasses.replace(spec, fed=phase.fed, privacy=phase.privacy, run_id=phase_run_id(spec.run_id,
                                                                                                   phase.name))
@@ -450,9 +450,9 @@ def _party(spec: RunSpec, info, test=None):
     """What a message of the run ``spec`` asks a party to serve: ``(spec, algorithm set up, None)`` for a one-phase
     run, or, for a multi-phase run, ``(the phase's spec, the phase's algorithm set up, PhaseOf)``, the phase
     (``info``: its name, index and the final states of the phases before it) rebuilt as the server built it
-    (:func:`privfl.phases.phase_at`)."""
+    (:func:`privfl.runtime.phases.phase_at`)."""
     from privfl.algorithms.base import is_phased
-    from privfl.phases import phase_at, setup_phase
+    from privfl.runtime.phases import phase_at, setup_phase
 
     top = _algorithm(spec)
     if not is_phased(top):
@@ -517,7 +517,7 @@ def encode_release(r) -> dict:
 
 
 def decode_release(d: dict):
-    from privfl.release import Release
+    from privfl.core.release import Release
 
     try:
         return Release(str(d["client_id"]), int(d["round"]), str(d["channel"]), d["value"], float(d["weight"]),
@@ -543,7 +543,7 @@ def _wait_for_nodes(grid, n: int, timeout: float) -> list[int]:
 def server_main(grid, context) -> None:
     """The ServerApp's main: setup, then ``rounds`` x (broadcast, receive releases, weighted sums, server step); with
     secure aggregation each round's sums come from the protocol's stages (:func:`_secure_round`). A multi-phase
-    algorithm runs phase after phase (:func:`privfl.phases.run_phases`), each phase such a run of its own."""
+    algorithm runs phase after phase (:func:`privfl.runtime.phases.run_phases`), each phase such a run of its own."""
     from privfl.algorithms.base import is_phased
 
     spec = read_run_spec(context.run_config)
@@ -556,7 +556,7 @@ def server_main(grid, context) -> None:
     node_of, first_round = _identify(grid, spec, nodes, node_client)
     _check_resume(spec, first_round, phased=phased)
     if phased:
-        from privfl.phases import final_state, run_phases, setup_phase
+        from privfl.runtime.phases import final_state, run_phases, setup_phase
 
         public = spec.public_facts(test)
         history, phases, handed_over = [], [], []
@@ -597,7 +597,7 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
     """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
     and handed-over states every message of the phase carries): the plan, the seed streams and the rounds, as the
     in-process runtime runs them. Returns (the rounds' history, the plan's noise multipliers)."""
-    from privfl.plan import seed_stream
+    from privfl.core.plan import seed_stream
 
     plan = _run_plan(alg, spec)
     by_name, multipliers = {c.name: c for c in plan.channels}, plan.noise_multipliers
@@ -795,7 +795,7 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
     (``all_nodes``: they are the whole federation, whose partition ids are checked)."""
     from flwr.app import Message
 
-    from privfl.aggregation import weighted_sums
+    from privfl.core.aggregation import weighted_sums
 
     messages = [Message(to_record(broadcast, BROADCAST), dst_node_id=node, message_type=TRAIN,
                         group_id=str(rnd)) for node in nodes]
@@ -901,10 +901,10 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
     nothing of it is revealed and the global state stays. Returns (participants, sat_out, aborted)."""
     from flwr.app import Message
 
-    from privfl.secure import decode_secure_sum, round_min_inputs
+    from privfl.privacy.secure import decode_secure_sum, round_min_inputs
     from privfl.secure_agg import ProtocolAbort, ServerSession, SessionConfig
     from privfl.secure_agg.params import ParameterError
-    from privfl.release import ReleaseHeader
+    from privfl.core.release import ReleaseHeader
 
     malicious = bool(spec.secure.malicious)
     stages, advertise_type = _stage_messages(malicious)
@@ -1019,7 +1019,7 @@ def _generators(spec: RunSpec, client: int, context, phased: PhaseOf | None = No
     from flwr.app import ConfigRecord
     from privfl.mechanisms import SeededNoise
 
-    from privfl.plan import seed_stream
+    from privfl.core.plan import seed_stream
 
     key = _state_key(CLIENT_STATE, phased)
     seq = client_seed(spec.fed.seed, client)
@@ -1124,13 +1124,13 @@ def _keep(context, key: str, envelope: bytes) -> None:
 
 def _ledger(spec: RunSpec, context, phased: PhaseOf | None = None, plan=None):
     """This SuperNode's ledger, the run of ``spec`` (a phase's ledger run is opened first with the metadata that
-    ties it to its run: ``privfl.phase_ledgers.phase_ledger_meta``, as the in-process runtime opens it), with the
+    ties it to its run: ``privfl.runtime.phase_ledgers.phase_ledger_meta``, as the in-process runtime opens it), with the
     trust assumption of ``plan`` recorded before any charge."""
     from privfl.accounting.ledger import PrivacyLedger
 
     privacy = spec.privacy
     if phased is not None:
-        from privfl.phase_ledgers import phase_ledger_meta
+        from privfl.runtime.phase_ledgers import phase_ledger_meta
 
         meta = phase_ledger_meta(phased.phase, phased.index, phased.run.run_id, spec.name, phased.run.privacy.epsilon)
     else:
@@ -1163,11 +1163,11 @@ def _composition(run_spec: RunSpec, phased: PhaseOf | None) -> dict | None:
 def _audit(context, ledger, client: int, composition: dict | None) -> dict | None:
     """The audit summary this client reports (``PrivacyLedger.audit``'s entry for it): of its ledger run, or, in a
     multi-phase run (``composition``: :func:`_composition`), composed over the phases its ledger holds so far
-    (``privfl.phase_ledgers.composed_audit``)."""
+    (``privfl.runtime.phase_ledgers.composed_audit``)."""
     if composition is None:
         return ledger.audit()["clients"].get(str(client))
     from privfl.accounting.ledger import PrivacyLedger
-    from privfl.phase_ledgers import composed_audit, phase_runs_of
+    from privfl.runtime.phase_ledgers import composed_audit, phase_runs_of
 
     path = str(_node_value(context, LEDGER_KEY))
     run_id = composition["run_id"]
@@ -1238,7 +1238,7 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     this SuperNode's :func:`_client_identity` (read by the caller before anything was charged)."""
     from flwr.app import ConfigRecord
 
-    from privfl.secure import encode_for_secure_sum, round_min_inputs
+    from privfl.privacy.secure import encode_for_secure_sum, round_min_inputs
     from privfl.secure_agg import ClientSession, SessionConfig
 
     encodings = _encodings(plan, spec)
@@ -1269,7 +1269,7 @@ def client_secagg(msg, context):
     from flwr.app import ConfigRecord, Message
 
     from privfl.accounting.ledger import PrivacyLedger
-    from privfl.release import mark_round_released
+    from privfl.core.release import mark_round_released
     from privfl.secure_agg import ClientSession, SessionConfig
 
     client = int(_node_value(context, PARTITION_KEY))
@@ -1317,7 +1317,7 @@ def client_identify(msg, context):
 
     from privfl.accounting.ledger import PrivacyLedger
     from privfl.algorithms.base import is_phased
-    from privfl.phase_ledgers import phase_run_id
+    from privfl.runtime.phase_ledgers import phase_run_id
 
     spec = read_run_spec(context.run_config)
     client = int(_node_value(context, PARTITION_KEY))

@@ -29,7 +29,7 @@ from privfl.errors import ConfigurationError
 
 #: node-config keys of a SuperNode: its private identity key file and the federation file
 IDENTITY_KEY, FEDERATION_KEY = "identity-key", "federation"
-#: the threat-model fields the federation file pins (``privfl.secure.SecureAggregation``'s)
+#: the threat-model fields the federation file pins (``privfl.privacy.secure.SecureAggregation``'s)
 AGREED = ("bits", "dropout", "min_survivors", "malicious", "corruption")
 
 
@@ -66,8 +66,8 @@ def load_identity(path: str):
 
 def write_federation(path: str, public_keys: Mapping[int, str], secure) -> None:
     """Write the federation file: ``public_keys`` (partition id -> public key hex) and ``secure``'s threat model (a
-    ``privfl.secure.SecureAggregation`` with ``malicious=True``)."""
-    from privfl.secure import SecureAggregation
+    ``privfl.privacy.secure.SecureAggregation`` with ``malicious=True``)."""
+    from privfl.privacy.secure import SecureAggregation
 
     if not isinstance(secure, SecureAggregation) or not secure.malicious:
         raise ConfigurationError("the federation file pins the malicious-server variant: give "

@@ -1,4 +1,4 @@
-"""privfl's messages (:mod:`privfl.messages`) as Flower records, exactly and checked.
+"""privfl's messages (:mod:`privfl.core.messages`) as Flower records, exactly and checked.
 
 The **record** form (:func:`to_record`, :func:`from_record`) carries a message in a Flower ``RecordDict``: the bytes
 of every array (and ``bytes`` value) as a ``flwr.app.Array`` of uint8 in one ``ArrayRecord``, which Flower transfers
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from privfl.errors import CorruptMessage, MessageError, UnsupportedValue
-from privfl.messages import _DIGEST, VERSION, _encode, _envelope, from_bytes, to_bytes
+from privfl.core.messages import _DIGEST, VERSION, _encode, _envelope, from_bytes, to_bytes
 
 #: names of the two records in a RecordDict that carries one privfl message
 ARRAYS_RECORD = "privfl.arrays"

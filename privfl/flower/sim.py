@@ -1,5 +1,5 @@
 """A federation on Flower's Simulation Engine, launched from this machine: what ``privfl run --runtime flower-sim``
-runs instead of the in-process :class:`privfl.runtime.Simulation`.
+runs instead of the in-process :class:`privfl.runtime.engine.Simulation`.
 
 The same run (algorithm, data, :class:`FederationConfig`, :class:`PrivacyConfig`, algorithm options, secure
 aggregation) is written out as a Flower app (:func:`privfl.flower.app.write_app` of a
@@ -18,7 +18,7 @@ SuperNodes know only their partition id, so each client's data and ledger live a
   ``result.bin``: what the ServerApp published (the final server state, each round's participants and metrics).
 
 :func:`run_simulation_engine` waits for the run and returns a :class:`SimulationEngineRun` whose ``result`` is the
-in-process runtime's :class:`privfl.runtime.RunResult` (per-round metrics from the ServerApp's evaluation, per-round
+in-process runtime's :class:`privfl.runtime.engine.RunResult` (per-round metrics from the ServerApp's evaluation, per-round
 epsilon from the clients' ledgers), so a front end writes the same outputs for both runtimes.
 
 Reproducibility: seeds are the run plan's streams on both runtimes, so with seeded noise and ``executor="per_client"``
@@ -181,7 +181,7 @@ class SimulationEngineRun:
     """What a run on the Simulation Engine left: ``result`` in the in-process runtime's form, the per-client ledger
     files, the final server state (the algorithm's broadcast after the last round) and the run's spec."""
 
-    result: object  # privfl.runtime.RunResult
+    result: object  # privfl.runtime.engine.RunResult
     ledger_paths: list[str]
     state: dict
     spec: object  # privfl.flower.app.RunSpec
@@ -198,7 +198,7 @@ class SimulationEngineRun:
         (HBFL's local models, FedBNN's personalised models) stayed on their SuperNodes and are not in it."""
         from privfl.algorithms import make_algorithm
         from privfl.algorithms.base import Broadcast
-        from privfl.plan import seed_stream
+        from privfl.core.plan import seed_stream
 
         spec = self.spec
         alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy, **spec.algorithm_options())
@@ -234,7 +234,7 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
     SuperNode per client (see the module docstring for the files under ``out_dir``), and wait for it.
 
     ``options``: the algorithm's options (JSON values, as ``make_algorithm`` takes them); ``secure``: a
-    :class:`privfl.secure.SecureAggregation` (semi-honest); ``env``: variables for every process of the engine;
+    :class:`privfl.privacy.secure.SecureAggregation` (semi-honest); ``env``: variables for every process of the engine;
     ``timeout``: seconds for the whole run (default: node_wait plus round_timeout per round); ``modules``: the Python
     files that register the run's own algorithm (``privfl.register_algorithm``), which the app imports. Raises
     :class:`privfl.flower.app.DeploymentError` (with the log to read) when the engine publishes no result."""
@@ -247,8 +247,8 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
 
     modules = algorithm_modules(algorithm, modules)
     from privfl.flower.local import LocalDeployment
-    from privfl.public import SEEDED_NOISE_WARNING
-    from privfl.runtime import RoundRecord, RunResult
+    from privfl.core.public import SEEDED_NOISE_WARNING
+    from privfl.runtime.engine import RoundRecord, RunResult
 
     n_clients = len(data.train_parts)
     out_dir = os.path.abspath(out_dir)

@@ -56,7 +56,7 @@ OBJECT_PULL_BACKOFF = (0.02, 0.25)
 #: modules a privfl worker imports when it starts, before it claims a task, so that the first message of a run does
 #: not pay for them: privfl's ClientApp and algorithms (torch), and ``torch._dynamo``, which torch imports lazily
 #: when the first optimizer is built (about 4 s here, paid by every message of a fresh ClientApp process)
-PRELOAD = ("privfl.flower.app", "privfl.algorithms", "privfl.plan", "privfl.accounting.ledger", "torch._dynamo")
+PRELOAD = ("privfl.flower.app", "privfl.algorithms", "privfl.core.plan", "privfl.accounting.ledger", "torch._dynamo")
 
 
 class WorkerStopped(BaseException):

@@ -30,13 +30,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from privfl.algorithms.base import ClientOutput
-from privfl.algorithms.dpsgd_fedavg import (calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule,
-                                            dpsgd_train)
+from privfl.privacy.record_level import calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule, dpsgd_train
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.plain import Algorithm, LocalData
-from privfl.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.training import TaskLoss, flat_parameters, load_flat_parameters
+from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
 
 
 class _ClientData(LocalData):

@@ -62,7 +62,7 @@ def test_a_ledger_composing_round_by_round_accepts_every_calibrated_round(tmp_pa
 def test_dpsgd_calibration_holds_under_the_ledgers_round_by_round_composition(tmp_path):
     """DP-SGD steps and a Gaussian release per round (FOLA's shape): calibrated at once, charged round by round."""
     from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
-    from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule, calibrate_dpsgd
+    from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd
 
     schedule = DPSGDSchedule.for_client(400, 32, 1)
     fisher = GaussianEvent(1.0, 25.0)

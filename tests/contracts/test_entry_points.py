@@ -35,13 +35,13 @@ from torch import nn
 
 import privfl
 from privfl.algorithms import ALGORITHMS
-from privfl.api import own_model_algorithms
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.apps.api import own_model_algorithms
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
-from privfl.empirical_audit import epsilon_lower_bound
+from privfl.apps.empirical_audit import epsilon_lower_bound
 from privfl.errors import ConfigurationError
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 CLIENTS, RECORDS, FEATURES, CLASSES = 3, 40, 6, 3
 REGRESSION = {"fedbnr"}
@@ -299,7 +299,7 @@ def test_flower_runspec_is_the_same_on_neighbours(unit, adjacency):
     JSON on D and D', or the same refusal; without a declared size a private spec is refused when sizes are private."""
     pytest.importorskip("flwr")
     from privfl.flower.app import RunSpec
-    from privfl.secure import SecureAggregation
+    from privfl.privacy.secure import SecureAggregation
 
     accepted = 0
     for name, placement, sampling in itertools.product(PRIVATE, ("local", "central", "distributed"), (1.0, 0.5)):

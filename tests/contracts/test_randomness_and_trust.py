@@ -21,15 +21,15 @@ import pytest
 from privfl.accounting.accountants import make_accountant
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.algorithms import make_algorithm
-from privfl.channels import Channel, NormClip
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import Channel, NormClip
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
-from privfl.plan import seed_stream
-from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation, calibrate_distributed
+from privfl.core.plan import seed_stream
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import SecureAggregation, calibrate_distributed
 
 N_CLIENTS, ROUNDS, Q = 10, 12, 0.5
 

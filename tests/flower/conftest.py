@@ -25,7 +25,7 @@ from privfl.algorithms import make_algorithm
 from privfl.data import ArrayDataset, federated_from_arrays
 from privfl.flower.app import RunSpec
 from privfl.flower.records import to_bytes
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 spec_path, data_dir, out_path = sys.argv[1:4]
 spec = RunSpec.from_json(open(spec_path).read())

@@ -13,7 +13,7 @@ import pytest
 import privfl.flower.sim as flower_sim
 from privfl.accounting.events import GaussianEvent
 from privfl.accounting.ledger import PrivacyLedger
-from privfl.cli import main
+from privfl.apps.cli import main
 
 SMALL = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--hidden", "", "--quiet"]
 HAS_ENGINE = importlib.util.find_spec("flwr") is not None and importlib.util.find_spec("ray") is not None

@@ -12,7 +12,7 @@ pytest.importorskip("flwr")
 
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower import app as flower_app  # noqa: E402
 from privfl.flower.app import BROADCAST, CLIENT_ERROR_CODES, SPEC_KEY, RunSpec, client_train  # noqa: E402

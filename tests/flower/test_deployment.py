@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import load_digits  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402

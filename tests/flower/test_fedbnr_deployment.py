@@ -1,5 +1,5 @@
 """FedBNR with its phases on a real Flower deployment: one flower-superlink and three flower-supernode OS processes
-on loopback, compared with the in-process runtime (``privfl.runtime.PhasedSimulation``) on the same seeds.
+on loopback, compared with the in-process runtime (``privfl.runtime.engine.PhasedSimulation``) on the same seeds.
 
 Phase 1 learns the kernel network (FedAvg of its weights), phase 2 releases the scatter matrices under the learnt
 kernel; each phase is a run of its own on every SuperNode's own ledger (``<run id>-kernel``,
@@ -24,14 +24,14 @@ import pytest
 pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays  # noqa: E402
 from privfl.data.offline import load_diabetes  # noqa: E402
 from privfl.flower.app import RunSpec  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
-from privfl.phases import composed_audit, phase_runs_of  # noqa: E402
-from privfl.secure import SecureAggregation  # noqa: E402
+from privfl.runtime.phases import composed_audit, phase_runs_of  # noqa: E402
+from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
 N_CLIENTS = 3
 RUN_TIMEOUT = 300
@@ -44,7 +44,7 @@ from privfl.algorithms import make_algorithm
 from privfl.data import ArrayDataset, federated_from_arrays
 from privfl.flower.app import RunSpec
 from privfl.flower.records import to_bytes
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 spec_path, data_dir, out_path, ledger_path = sys.argv[1:5]
 spec = RunSpec.from_json(open(spec_path).read())

@@ -50,7 +50,7 @@ def test_a_failed_deployment_exits_non_zero(federation, tmp_path, repro_env, wri
     """A real loopback run whose organisation 1 has no data file: its ClientApp fails, the ServerApp raises, and
     the launcher exits with Flower's code 201 where flwr run exits 0."""
     pytest.importorskip("flwr")
-    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.flower.app import RunSpec, write_app
     from privfl.flower.local import LocalDeployment
 

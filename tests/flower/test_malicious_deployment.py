@@ -22,11 +22,11 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
-from privfl.secure import SecureAggregation  # noqa: E402
+from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
 N_CLIENTS = 3
 RUN_TIMEOUT = 240

@@ -11,7 +11,7 @@ pytest.importorskip("flwr")
 
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays, load_digits  # noqa: E402
 from privfl.flower import app as flower_app  # noqa: E402
 from privfl.flower.app import (BROADCAST, IDENTIFY, QUERY, REPLY, SPEC_KEY, DeploymentError, RunSpec,  # noqa: E402

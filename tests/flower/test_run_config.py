@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.errors import ConfigurationError  # noqa: E402
 from privfl.flower.app import SPEC_KEY, RunSpec, read_result, read_run_spec, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
 from privfl.flower.app import RunSpec, _setup
 

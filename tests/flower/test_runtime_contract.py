@@ -35,7 +35,7 @@ import pytest
 
 from privfl.accounting.events import GaussianEvent
 from privfl.accounting.ledger import PrivacyLedger
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays, load_digits
 from privfl.flower.app import RunSpec
 from privfl.flower.records import from_bytes
@@ -65,7 +65,7 @@ from privfl.algorithms import make_algorithm
 from privfl.data import ArrayDataset, federated_from_arrays
 from privfl.flower.app import RunSpec
 from privfl.flower.records import to_bytes
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 data_dir = sys.argv[1]
 for work in sys.argv[2:]:  # one case per folder: spec.json, ledger.sqlite -> out.bin
@@ -136,7 +136,7 @@ def _exhaust_after_one_round(path: str, spec: RunSpec) -> None:
     """Charge client EXHAUSTED half of one round's zCDP in ``path``: with the rounds calibrated to the target
     together, one more round fits under the budget and two do not."""
     from privfl.algorithms import make_algorithm
-    from privfl.plan import RunPlan, seed_stream
+    from privfl.core.plan import RunPlan, seed_stream
 
     alg = make_algorithm(spec.algorithm, spec.fed, spec.privacy)
     alg.setup(spec.public_facts(), np.random.default_rng(seed_stream(spec.fed.seed, "setup")))

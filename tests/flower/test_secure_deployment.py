@@ -23,11 +23,11 @@ import pytest
 pytest.importorskip("flwr")
 
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
-from privfl.secure import SecureAggregation  # noqa: E402
+from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
 N_CLIENTS = 3
 RUN_TIMEOUT = 240
@@ -40,7 +40,7 @@ from privfl.algorithms import make_algorithm
 from privfl.data import ArrayDataset, federated_from_arrays
 from privfl.flower.app import RunSpec
 from privfl.flower.records import to_bytes
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 spec_path, data_dir, out_path = sys.argv[1:4]
 spec = RunSpec.from_json(open(spec_path).read())
@@ -121,6 +121,7 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+@pytest.mark.slow  # make test-all: the DP-FedAvg deployment above keeps distributed noise under secure aggregation in make test
 @pytest.mark.timeout(400)
 def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path,
                                                                                        repro_env, write_orgs, deploy):

@@ -238,12 +238,13 @@ def test_check_layout_refuses_another_flwr_or_another_module(monkeypatch, tmp_pa
 
 # -- a deployment --------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # make test-all: test_deployment.py keeps FedAvg deployed on stock SuperNodes in make test
 def test_fedavg_on_launched_supernodes_equals_in_process(federation, tmp_path, repro_env, write_orgs, deploy,
                                                          in_process_reference):
     """Three warm SuperNodes under ``privfl-flower-supernode --poll-interval 0.05``: FedAvg, 3 rounds, bit-identical
     to the in-process run; every SuperNode says it was patched; ``close`` stops every process."""
     pytest.importorskip("flwr")
-    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.flower.app import RunSpec
     from privfl.flower.local import LocalDeployment
 

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from privfl.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.local import LocalDeployment  # noqa: E402
 
@@ -161,6 +161,7 @@ def _probe_app(directory: str, result_path: str, nodes: int) -> str:
     return directory
 
 
+@pytest.mark.slow  # make test-all (about 22 s); the warm workers serve the runs of make test
 def test_a_failing_task_gets_an_error_reply_and_the_worker_keeps_serving(warm):
     from flwr.common.constant import ErrorCode
 

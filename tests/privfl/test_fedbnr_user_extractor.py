@@ -17,13 +17,13 @@ from torch import nn
 import privfl
 from privfl.algorithms import make_algorithm
 from privfl.algorithms.fedbnr import FedBNR, FedBNRKernel, PairedScatter, centralised_blr
-from privfl.channels import ClippedValue, NormClip
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import ClippedValue, NormClip
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import ArrayDataset
 from privfl.data.federated import federated_from_arrays
 from privfl.errors import ConfigurationError
-from privfl.features import fourier_frequencies
-from privfl.runtime import Simulation
+from privfl.models.features import fourier_frequencies
+from privfl.runtime.engine import Simulation
 
 M = 20  # frequencies (2M features)
 LATENT = 4
@@ -126,7 +126,7 @@ def test_both_halves_build_the_same_extractor_from_a_factory():
 
 
 def test_the_extractor_runs_in_eval_mode_so_a_records_features_are_its_own():
-    from privfl.features import KernelNetwork
+    from privfl.models.features import KernelNetwork
 
     torch.manual_seed(0)
     user = nn.Sequential(nn.Linear(10, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, LATENT)).train()
@@ -277,6 +277,6 @@ def test_extractors_that_mix_examples_or_are_not_flat_are_refused():
 
 
 def _kernel():
-    from privfl.features import KernelNetwork
+    from privfl.models.features import KernelNetwork
 
     return KernelNetwork(10, num_samples=M, hidden=())

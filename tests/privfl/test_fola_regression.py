@@ -16,13 +16,13 @@ from torch import nn
 
 import privfl
 from privfl.algorithms.fola import FOLA
-from privfl.channels import ClippedValue, NormClip, PreClipped, TrainedPrivately
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import ClippedValue, NormClip, PreClipped, TrainedPrivately
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
-from privfl.fisher import HalfSquaredError, half_squared_error, per_example_fisher, per_example_task_loss
-from privfl.runtime import Simulation
-from privfl.training import load_flat_parameters
+from privfl.training.fisher import HalfSquaredError, half_squared_error, per_example_fisher, per_example_task_loss
+from privfl.runtime.engine import Simulation
+from privfl.training.local import load_flat_parameters
 
 FED = FederationConfig(rounds=3, local_epochs=2, batch_size=16, lr=0.05, hidden=(16,), seed=0)
 FROZEN = FederationConfig(rounds=1, local_epochs=2, batch_size=16, lr=1e-12, hidden=(16,), seed=0)  # params fixed

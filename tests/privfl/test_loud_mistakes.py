@@ -13,9 +13,9 @@ from torch import nn
 
 import privfl
 from privfl.accounting.ledger import PrivacyLedger
-from privfl.cli import main
+from privfl.apps.cli import main
 from privfl.errors import ConfigurationError, InvalidRelease, TrainingDiverged
-from privfl.runtime import EXPLODED_RMSE, divergence
+from privfl.runtime.engine import EXPLODED_RMSE, divergence
 
 QUIET = {"rounds": 1, "secure_noise": False, "seed": 0}
 

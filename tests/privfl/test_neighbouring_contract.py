@@ -34,14 +34,14 @@ from privfl.mechanisms.noise import NoiseSource
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.fedbnn import FedBNN
 from privfl.algorithms.fedbnr import FedBNR, FedBNRKernel
-from privfl.channels import TrainedPrivately, amplifies
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import TrainedPrivately, amplifies
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
-from privfl.public import PublicFacts
-from privfl.runtime import Simulation
-from privfl.secure import _range  # noqa: F401  (the vectorised contract reads it from here)
-from privfl.secure import SecureAggregation, channel_encodings, local_noise_stds, public_weight_bound
+from privfl.core.public import PublicFacts
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import _range  # noqa: F401  (the vectorised contract reads it from here)
+from privfl.privacy.secure import SecureAggregation, channel_encodings, local_noise_stds, public_weight_bound
 
 CLIENTS = 3
 RECORDS = 40
@@ -157,7 +157,7 @@ def transcript(name, data, public, fed, privacy, secure) -> Transcript:
         charges[k] = {c.channel: c.event for c in sim.ledger.charges(str(k))}
     ranges = {}
     if secure is not None and privacy.private:
-        # what every client quantises into, fixed before the round from public facts only (privfl.secure)
+        # what every client quantises into, fixed before the round from public facts only (privfl.privacy.secure)
         encodings = channel_encodings(sim.channels, secure, n_clients=public.n_clients,
                                       local_stds=local_noise_stds(sim.channels, sim.plan.placement, sim.multipliers),
                                       weight_bound=public_weight_bound(privacy, public), distributed=sim.plans)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 _spec = importlib.util.spec_from_file_location("_contract", Path(__file__).with_name("test_neighbouring_contract.py"))
 contract = importlib.util.module_from_spec(_spec)

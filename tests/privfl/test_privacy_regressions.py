@@ -14,15 +14,15 @@ from privfl.accounting.accountants import make_accountant
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.algorithms.dp_fedavg import DPFedAvg
 from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
-from privfl.channels import Channel, NormClip, PreClipped
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import Channel, NormClip, PreClipped
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
-from privfl.empirical_audit import epsilon_lower_bound
+from privfl.apps.empirical_audit import epsilon_lower_bound
 from privfl.errors import ConfigurationError
-from privfl.public import SEEDED_NOISE_WARNING, PublicFacts
-from privfl.release import ReleasePipeline
-from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation, calibrate_distributed, check_secure_channels, plan_distributed_noise
+from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts
+from privfl.core.release import ReleasePipeline
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import SecureAggregation, calibrate_distributed, check_secure_channels, plan_distributed_noise
 
 
 
@@ -109,12 +109,12 @@ def test_secure_aggregation_refuses_a_private_channel_without_a_public_range():
 
 
 def test_quantiser_range_does_not_depend_on_the_uploads():
-    from privfl.secure import _range
+    from privfl.privacy.secure import _range
 
     ch = Channel("scatter", (4,), unit="example", clip=PreClipped(1.0, "squared_sum"), value_bound=50.0)
     led = PrivacyLedger(":memory:", "r", delta=1e-5)
     pipe = ReleasePipeline("0", [ch], led, {"scatter": 2.0}, placement="central", noise=0)
-    from privfl.channels import ClippedValue
+    from privfl.core.channels import ClippedValue
 
     small = pipe.release(0, {"scatter": ClippedValue(np.full(4, 0.1), 1.0, "squared_sum")})["scatter"]
     large = pipe.release(1, {"scatter": ClippedValue(np.full(4, 9.0), 1.0, "squared_sum")})["scatter"]
@@ -167,7 +167,7 @@ def test_private_runs_draw_noise_from_the_os_by_default():
 def test_the_audit_says_when_noise_was_seeded(tmp_path, capsys, seeded):
     import json
 
-    from privfl.cli import main
+    from privfl.apps.cli import main
 
     ledger = str(tmp_path / "l.sqlite")
     flags = ["run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--clients", "3", "--rounds", "1",

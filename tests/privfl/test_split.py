@@ -15,11 +15,11 @@ import pytest
 
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.base import Broadcast
-from privfl.channels import ClippedValue, PrivatizedValue
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import ClippedValue, PrivatizedValue
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import CorruptMessage
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 
 def _federation(sizes=(12, 12, 9, 12), dim=8, classes=3, seed=0):

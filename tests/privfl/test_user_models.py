@@ -17,10 +17,10 @@ from torch import nn
 
 import privfl
 from privfl.algorithms import make_algorithm
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
-from privfl.runtime import Simulation
+from privfl.runtime.engine import Simulation
 
 
 def _breast_cancer(clients: int = 4, seed: int = 0):
@@ -231,7 +231,7 @@ def test_federate_gives_fedbnr_the_model_and_says_why_it_refuses_a_classificatio
     # fedbnr takes the user's model (its feature extractor: tests/privfl/test_fedbnr_user_extractor.py), and a
     # classification data set is refused with the reason, as are training objects it has no use for
     clients, test = _breast_cancer()
-    from privfl.api import own_model_algorithms
+    from privfl.apps.api import own_model_algorithms
 
     assert "fedbnr" in own_model_algorithms()
     with pytest.raises(ConfigurationError, match=r"fedbnr is a regression algorithm"):

@@ -9,7 +9,7 @@ def cli_run(tmp_path, capsys):
     override any of these), asserted to succeed; returns its JSON result."""
     import json
 
-    from privfl.cli import main
+    from privfl.apps.cli import main
 
     def run(algorithm: str, *flags: str) -> dict:
         out = tmp_path / f"{algorithm}.json"

@@ -9,19 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-import privfl.secure as secure_module
+import privfl.privacy.secure as secure_module
 from privfl.accounting import GaussianEvent, PoissonSampledEvent
 from privfl.accounting.accountants import make_accountant
-from privfl.aggregation import weighted_sums
+from privfl.core.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, default_unit
 from privfl.algorithms.dp_fedsgd import DPFedSGD
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
 from privfl.mechanisms.noise import NoiseSource
-from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation
-from privfl.training import load_flat_parameters
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import SecureAggregation
+from privfl.training.local import load_flat_parameters
 
 K, N, DIM, CLASSES = 4, 50, 12, 3
 

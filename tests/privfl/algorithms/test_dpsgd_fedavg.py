@@ -12,15 +12,16 @@ from torch import nn
 from privfl.accounting import GaussianEvent, PoissonSampledEvent, SelfComposedEvent
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.algorithms import ALGORITHMS
-from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg, DPSGDSchedule, calibrate_dpsgd, dpsgd_train
+from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
+from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, dpsgd_train
 from privfl.algorithms.fedavg import FedAvg
-from privfl.channels import PrivatizedValue, TrainedPrivately
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import PrivatizedValue, TrainedPrivately
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import FederatedData, make_federated
 from privfl.errors import ConfigurationError
-from privfl.fisher import per_example_gradients
-from privfl.runtime import Simulation
+from privfl.training.fisher import per_example_gradients
+from privfl.runtime.engine import Simulation
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=0)
 

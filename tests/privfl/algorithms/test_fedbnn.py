@@ -14,20 +14,20 @@ from hypothesis import strategies as st
 from privfl.accounting import GaussianEvent
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import InvalidRelease
-from privfl.aggregation import weighted_sums
+from privfl.core.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedbnn import (CHANNEL, Architecture, FedBNN, clip_and_renormalise, label_shifted,
                                       mc_predict, release_reliability, soft_cross_entropy)
-from privfl.channels import RangeBound, Unclipped
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import RangeBound, Unclipped
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import FederatedData, make_federated
 from privfl.errors import ConfigurationError
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
 from privfl.models import ModelPrior, model_kl_divergence, num_parameters
-from privfl.release import ReleasePipeline
-from privfl.runtime import Simulation
-from privfl.secure import SecureAggregation
+from privfl.core.release import ReleasePipeline
+from privfl.runtime.engine import Simulation
+from privfl.privacy.secure import SecureAggregation
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, hidden=(16,), seed=0)
 NONPRIVATE = PrivacyConfig()
@@ -75,8 +75,8 @@ def test_probability_channel_declaration(digits):
         assert ch.clip.unit == ch.unit and ch.coordinate_bound == 1.0
         assert ch.sensitivity == pytest.approx(sensitivity)
     # local noise without secure aggregation: the server sees each upload of a client it knows took part, so the
-    # runtime charges client level as replace-one (one rule for every algorithm: privfl.channels.charged_channels)
-    from privfl.channels import charged_channels
+    # runtime charges client level as replace-one (one rule for every algorithm: privfl.core.channels.charged_channels)
+    from privfl.core.channels import charged_channels
 
     privacy = PrivacyConfig(epsilon=2.0, unit="client", placement="local", accountant="exact")
     (ch,) = charged_channels(ready(digits, privacy).channels(), privacy, secure_aggregation=False)

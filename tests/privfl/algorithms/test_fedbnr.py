@@ -25,16 +25,16 @@ from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedbnr import (FedBNR, FedBNRClippingWarning, FedBNRKernel, PairedScatter, _check_pairs,
                                       blr_from_statistics, centralised_blr, distill_kernel, distillation_loss,
                                       phase_budgets)
-from privfl.channels import ClippedValue, NormClip, PreClipped, Unclipped
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import ClippedValue, NormClip, PreClipped, Unclipped
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import ArrayDataset, FederatedData, make_federated
 from privfl.errors import ConfigurationError
-from privfl.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
+from privfl.models.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
                              pair_squared_norms)
-from privfl.release import ReleasePipeline
-from privfl.runtime import Simulation, run_fedbnr
-from privfl.secure import SecureAggregation
+from privfl.core.release import ReleasePipeline
+from privfl.runtime.engine import Simulation, run_fedbnr
+from privfl.privacy.secure import SecureAggregation
 
 ONE_ROUND = FederationConfig(rounds=1, seed=0)
 NONPRIVATE = PrivacyConfig()
@@ -780,7 +780,7 @@ def test_cli_phase_one_flags_are_checked(argv, needle, capsys):
     assert code == 2 and needle in capsys.readouterr().err
 
 
-# -- FedBNR as a multi-phase run of the runtime (privfl.phases) ----------------------------------------------------
+# -- FedBNR as a multi-phase run of the runtime (privfl.runtime.phases) ----------------------------------------------------
 
 SEEDED_DP = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", accountant="exact", secure_noise=False)
 PHASE1 = dict(hidden=(4,), num_samples=20, update_clip=0.05)

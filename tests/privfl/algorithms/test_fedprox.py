@@ -9,7 +9,7 @@ import torch
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.fedprox import FedProx
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 

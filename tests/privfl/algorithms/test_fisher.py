@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from privfl.errors import ConfigurationError
-from privfl.fisher import (FisherAccumulator, GradientRecorder, per_example_fisher, per_example_gradients,
+from privfl.training.fisher import (FisherAccumulator, GradientRecorder, per_example_fisher, per_example_gradients,
                            unsupported_parameters)
 
 

@@ -6,19 +6,19 @@ import numpy as np
 import pytest
 
 from privfl.accounting import GaussianEvent, SelfComposedEvent
-from privfl.public import PublicFacts
-from privfl.aggregation import Aggregate
+from privfl.core.public import PublicFacts
+from privfl.core.aggregation import Aggregate
 from privfl.algorithms import ALGORITHMS
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
+from privfl.privacy.record_level import DPSGDSchedule
 from privfl.algorithms.fola import FOLA
 from privfl.algorithms.gaussian_product import combine, product_of_gaussians
-from privfl.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import FederatedData, make_federated
 from privfl.errors import ConfigurationError
-from privfl.fisher import per_example_fisher
-from privfl.runtime import Simulation
-from privfl.training import load_flat_parameters
+from privfl.training.fisher import per_example_fisher
+from privfl.runtime.engine import Simulation
+from privfl.training.local import load_flat_parameters
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=0)
 FROZEN = FederationConfig(rounds=2, local_epochs=2, batch_size=32, lr=1e-12, hidden=(16,), seed=0)  # params fixed

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from privfl.aggregation import Aggregate, weighted_sums
+from privfl.core.aggregation import Aggregate, weighted_sums
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product, natural_parameters,
                                                 product_of_gaussians, shrink_by_known_noise)
-from privfl.channels import Channel, Unclipped
+from privfl.core.channels import Channel, Unclipped
 from privfl.errors import ConfigurationError
-from privfl.release import Release
+from privfl.core.release import Release
 
 DIM = 6
 CHANNELS = {name: Channel(name, (DIM,), unit="client", clip=Unclipped()) for name in ("natural_mean", "precision")}

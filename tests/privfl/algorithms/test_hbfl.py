@@ -11,18 +11,18 @@ import torch
 from privfl.accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import SeededNoise
-from privfl.aggregation import weighted_sums
+from privfl.core.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
-from privfl.algorithms.dpsgd_fedavg import DPSGDSchedule
+from privfl.privacy.record_level import DPSGDSchedule
 from privfl.algorithms.hbfl import HBFL, distillation_loss, dpsgd_gradients
-from privfl.channels import NormClip, PrivatizedValue, TrainedPrivately, Unclipped
-from privfl.cli import main
-from privfl.config import FederationConfig, PrivacyConfig
+from privfl.core.channels import NormClip, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.apps.cli import main
+from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 from privfl.models import CNN1, MLP, LeNet5, make_bayesian_model
-from privfl.release import ReleasePipeline
-from privfl.runtime import Simulation
+from privfl.core.release import ReleasePipeline
+from privfl.runtime.engine import Simulation
 
 FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.05, hidden=(16,), seed=0)
 NONPRIVATE = PrivacyConfig()

@@ -232,10 +232,10 @@ def test_the_contract_grid_runs_fedadam_privately_at_both_units(fedadam_file):
 def test_fedadam_on_the_simulation_engine_with_distributed_noise(fedadam_file, tmp_path):
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
-    from privfl.config import FederationConfig, PrivacyConfig
+    from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.data import federated_from_arrays
     from privfl.flower.sim import run_simulation_engine
-    from privfl.secure import SecureAggregation
+    from privfl.privacy.secure import SecureAggregation
 
     path, _ = fedadam_file
     clients, test = _clients()

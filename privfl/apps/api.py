@@ -1,0 +1,337 @@
+"""``privfl.federate``: train your own model on your own clients' data under a privacy guarantee, in one call.
+
+What Opacus's ``make_private(module, optimizer, data_loader)`` is to one data set, ``federate`` is to a federation::
+
+    result = privfl.federate(model, {"hospital_a": (X_a, y_a), "hospital_b": df_b, ...}, target="label",
+                             epsilon=3.0, loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, 1e-3))
+    result.model          # the trained global nn.Module
+    result.history        # one dict of test metrics per round
+    result.audit          # client name -> its (epsilon, delta) spend, from the ledger
+
+It only assembles what ``privfl run`` assembles (``FederatedData`` from the clients' arrays, the configurations,
+``make_algorithm``, ``Simulation``); every value still leaves a client through the release pipeline and is charged in
+the ledger. Public facts stay public: the label set is ``classes`` or the model's output width (an agreed
+architecture), never read from the clients' labels; the task follows the targets' dtype (a schema fact) unless given.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from privfl.errors import ConfigurationError
+
+#: the FedAvg family, whose local step trains the user's own model, loss and optimizer (any algorithm whose constructor
+#: takes ``model`` is accepted too: :func:`own_model_algorithms`)
+OWN_MODEL_ALGORITHMS = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg")
+#: torch's harmless warning when opacus's per-example hooks fire on a first layer (its inputs need no gradient)
+_BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
+                          r"since no inputs require gradients")
+
+
+@dataclass
+class FederatedResult:
+    """What :func:`federate` returns.
+
+    ``model``: the trained global model (a copy; the module you passed is left untouched): an ``nn.Module`` for the
+    FedAvg family, FOLA and HBFL; for FedBNR its posterior predictive, a
+    :class:`privfl.algorithms.fedbnr.BLRPredictor` (``model(x)``: the predictive mean, shape ``(n, 1)``;
+    ``model.predict(x)``: mean and predictive variance as arrays, in the targets' units); None where there is no
+    one global model (FedBNN's models are the clients' own). ``history``: per round,
+    the test metrics (balanced accuracy, AUROC, accuracy, NLL, ECE for classification; RMSE, MAE, R^2 in the
+    targets' units for regression; and your ``metrics``), the participants and the largest epsilon so far.
+    ``audit``: client name -> ``{"epsilon", "releases", ...}`` from the ledger. ``audit_rows``: one row per client per
+    round it was charged in, ``{"client", "round", "epsilon"}`` (cumulative). ``run``: the underlying
+    :class:`privfl.runtime.engine.RunResult`.
+    """
+
+    model: Any
+    history: list[dict]
+    audit: dict[str, dict]
+    audit_rows: list[dict]
+    epsilon: float
+    delta: float
+    algorithm: str
+    clients: list[str]
+    run: Any = field(repr=False, default=None)
+
+    @property
+    def final(self) -> dict:
+        """The last round's test metrics."""
+        return self.history[-1]["metrics"] if self.history else {}
+
+
+def own_model_algorithms() -> list[str]:
+    """The registered algorithms that train a user's model (their constructor takes ``model``)."""
+    from privfl.algorithms import ALGORITHMS, algorithm_options
+
+    return [name for name in ALGORITHMS if "model" in algorithm_options(name)]
+
+
+def _check_clients(clients) -> list[str]:
+    if not isinstance(clients, Mapping):
+        raise ConfigurationError(f"clients must be a mapping of client name to that client's data, e.g. "
+                                 f"{{'hospital_a': (X_a, y_a), 'hospital_b': (X_b, y_b)}}; got a "
+                                 f"{type(clients).__name__}"
+                                 + (f" of {len(clients)} items" if isinstance(clients, (list, tuple)) else ""))
+    if len(clients) < 2:
+        raise ConfigurationError(f"a federation needs at least 2 clients; got {len(clients)}")
+    names = [str(k) for k in clients]
+    if len(set(names)) != len(names):
+        raise ConfigurationError("client names must be distinct as strings")
+    return names
+
+
+def _infer_task(ys: Sequence[np.ndarray]) -> str:
+    kinds = {y.dtype.kind for y in ys}
+    if kinds <= {"f"}:
+        return "regression"
+    if kinds & {"f"}:
+        raise ConfigurationError("some clients' targets are floats and others are not; give every client the same "
+                                 "target dtype, or pass task='classification' or task='regression'")
+    return "classification"
+
+
+def _output_width(factory: Callable, input_shape: tuple[int, ...]) -> int:
+    import torch
+
+    net = factory()
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net(torch.zeros((1, *input_shape)))
+    except Exception as exc:  # the user's forward on the clients' input shape: say what it was fed
+        raise ConfigurationError(f"the model failed on an input of shape {(1, *input_shape)} (one record of the "
+                                 f"clients' data): {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, torch.Tensor):
+        raise ConfigurationError(f"the model must return a tensor, got {type(out).__name__}")
+    return int(out.reshape(1, -1).shape[1])
+
+
+def _labels(y: np.ndarray, what: str, classes: Sequence | None, width: int) -> np.ndarray:
+    """Class indices of ``y``: positions in ``classes`` when given, else integer labels in [0, width)."""
+    if classes is not None:
+        index = {str(c): i for i, c in enumerate(classes)}
+        labels = [str(v.item() if hasattr(v, "item") else v) for v in y.reshape(-1)]
+        bad = sum(v not in index for v in labels)
+        if bad:
+            raise ConfigurationError(f"{what}: {bad} records have labels outside classes={list(classes)[:10]}; list "
+                                     "every class")
+        return np.array([index[v] for v in labels], dtype=np.int64)
+    if y.dtype.kind not in "biu":
+        raise ConfigurationError(f"{what}: labels of dtype {y.dtype} need classes=[...], the public label set in the "
+                                 "order of the model's outputs")
+    if len(y) and (y.min() < 0 or y.max() >= width):
+        raise ConfigurationError(f"{what} has labels outside 0..{width - 1} (the model's {width} outputs): make "
+                                 f"the model output one value per class, or pass classes=[...] in output order")
+    return y.astype(np.int64)
+
+
+def _trained_model(sim, alg, test):
+    """What ``FederatedResult.model`` holds: a copy of the global ``nn.Module`` (the FedAvg family, ...), FedBNR's
+    posterior predictive (:class:`privfl.algorithms.fedbnr.BLRPredictor`, in the targets' units), else None."""
+    if hasattr(alg, "global_model"):
+        return copy.deepcopy(alg.global_model())
+    phases = getattr(sim, "phase_runs", None)
+    final = phases[-1].algorithm if phases else alg  # a multi-phase run's model is its last phase's
+    if callable(getattr(final, "predictor", None)):
+        return final.predictor(float(test.target_offset), float(test.target_scale))
+    return None
+
+
+def _check_width_fits_labels(width: int, ys: Sequence[np.ndarray]) -> None:
+    """Refuse a model with more outputs than the integer labels use: a 3-output model for 0/1 labels trains a class
+    that no record has. The labels are read here only to raise this error to the user, who holds every client's data
+    in this process; nothing of them enters the run (its label set stays the model's outputs)."""
+    values = [y.reshape(-1) for y in ys if y.size and y.dtype.kind in "biu"]
+    if not values or len(values) != sum(1 for y in ys if y.size):
+        return  # non-integer labels are refused by _labels with the pointer to classes=
+    top = int(max(v.max() for v in values))
+    if top + 1 < width:
+        raise ConfigurationError(f"the model outputs {width} values per example (one per class), but the labels of "
+                                 f"every client and the test data lie in 0..{top} ({top + 1} classes): make its last "
+                                 f"layer output {top + 1} values, or, if the other classes exist but no client holds "
+                                 f"them, pass classes=[...] listing all {width} in the order of the model's outputs")
+
+
+def _regression_targets(y: np.ndarray, what: str) -> np.ndarray:
+    if y.dtype.kind not in "biuf":
+        raise ConfigurationError(f"{what}: regression targets of dtype {y.dtype} must be numbers")
+    return y.astype(np.float32)
+
+
+def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedavg", epsilon: float | None = None,
+             delta: float = 1e-5, unit: str | None = None, loss=None, optimizer=None,
+             metrics: Mapping[str, Callable] | None = None, test=None, target: str | None = None,
+             task: str | None = None, classes: Sequence | None = None, rounds: int = 10,
+             local_epochs: int | None = None, batch_size: int = 32, lr: float | None = None, momentum: float = 0.0,
+             clip: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
+             secure_noise: bool = True, ledger: str = ":memory:", run_id: str | None = None,
+             sampling_rate: float = 1.0, placement: str = "central", secure_agg=False,
+             **options) -> FederatedResult:
+    """Train ``model`` over ``clients`` with ``algorithm`` under (``epsilon``, ``delta``) per client.
+
+    - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
+      and fedbnn also a list of them, one per client, cycled). Its output width is the number of classes (or of
+      regression targets): a classifier with more outputs than its integer labels use (e.g. 3 outputs for 0/1
+      labels) is refused, unless ``classes`` lists every class in output order.
+    - ``clients``: client name -> its data: a torch ``Dataset`` or ``DataLoader`` of (x, y) pairs (privfl draws its
+      own batches: DP-SGD samples them), an ``(X, y)`` pair of numpy arrays or tensors, or a pandas DataFrame with
+      its ``target`` column. ``test``: held-out data in the same form; without it each client holds out
+      ``test_fraction`` of its records (a permutation drawn from (seed, client index) only).
+    - ``algorithm``: one that trains a user's model (:func:`own_model_algorithms`: the FedAvg family
+      ``OWN_MODEL_ALGORITHMS``, dp_fedsgd, fola, hbfl, fedbnn and fedbnr); the others build their own models and
+      are refused with the reason. ``fedbnr`` (regression) takes ``model`` as its feature extractor (None: random
+      Fourier features of the inputs) and returns as ``result.model`` its posterior predictive: ``result.model(x)``
+      is the predictive mean (a tensor of shape ``(n, 1)``) and ``result.model.predict(x)`` gives ``(mean,
+      variance)`` numpy arrays, the variance being the posterior predictive's (noise plus weight uncertainty), both
+      in the targets' units.
+      ``epsilon``: the per-client budget (required by private algorithms; ``math.inf`` or None for
+      fedavg/fedprox). ``unit``: ``"example"`` (record-level) or ``"client"``; default the algorithm's.
+    - ``loss``: ``criterion(outputs, targets)``; default cross-entropy (classification) or MSE (regression). Under
+      DP-SGD it must give per-example losses (any torch loss module does). ``optimizer``: a factory of parameters,
+      e.g. ``lambda p: torch.optim.Adam(p, lr=1e-3)``; default SGD with ``lr`` and ``momentum``. Either one runs
+      clients one after another instead of on the vectorised executor.
+    - ``metrics``: extra test metrics, name -> ``fn(y_true, scores)`` (class probabilities, or predictions).
+    - ``task``: ``"classification"`` or ``"regression"``; default: float targets are regression. ``classes``: the
+      public label set in the order of the model's outputs (needed for non-integer labels).
+    - ``rounds``, ``local_epochs``, ``batch_size``, ``lr``, ``momentum``, ``clip``: as in ``FederationConfig`` and
+      ``PrivacyConfig`` (left out: the algorithm's defaults). ``client_size``: the public design size of a client's
+      data (DP-SGD's sampling rate and steps), required for a private run: the clients' record counts are private
+      and never set it. ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
+      reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
+      (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
+      the algorithm's own options (e.g. FedProx's ``mu``). ``placement``: where client-level noise is added,
+      ``"central"`` (the aggregator), ``"local"`` (each client) or ``"distributed"`` (each client a share, under secure
+      aggregation); ``secure_agg``: True (or a :class:`privfl.SecureAggregation`) to hide every upload from the
+      server under secure aggregation.
+
+    Refused before anything is charged (:class:`ConfigurationError`): besides bad arguments, a client too small for
+    its DP-SGD schedule (fewer than ``ceil(client_size / batch_size)`` training records: less than one record per
+    step on average; :func:`privfl.runtime.engine.check_schedules_fit`). A run whose training diverges stops with an error
+    naming the likely causes (features not standardised, too large a learning rate): a non-finite upload is refused
+    before release (:class:`privfl.errors.InvalidRelease`); non-finite global parameters or predictions, or a
+    regression whose test RMSE exceeds 100 standard deviations of the test targets, raise
+    :class:`privfl.errors.TrainingDiverged` naming the round. The rounds run before stay charged.
+    """
+    from privfl.algorithms import ALGORITHMS, algorithm_options, make_algorithm
+    from privfl.apps.settings import resolve_settings, resolve_unit
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data.federated import federated_from_arrays
+    from privfl.data.inputs import as_arrays
+    from privfl.data.own import holdout_split
+    from privfl.runtime.engine import Simulation
+    from privfl.training.local import UserTraining
+
+    able = own_model_algorithms()
+    if algorithm not in ALGORITHMS:
+        raise ConfigurationError(f"unknown algorithm {algorithm!r}; privfl.federate trains your model with one of "
+                                 f"{able}")
+    takes = set(algorithm_options(algorithm))
+    if "model" not in takes:
+        raise ConfigurationError(f"privfl.federate does not yet train your own model with {algorithm}: it builds "
+                                 f"its own models from a built-in architecture; use one of {able}, or "
+                                 f"`privfl run --algorithm {algorithm}` with a built-in model")
+    given = {"loss": loss, "optimizer": optimizer, "metrics": metrics}
+    refused = sorted(k for k, v in given.items() if v is not None and k not in takes)
+    if refused:
+        raise ConfigurationError(f"{algorithm} does not take {refused} yet; leave them out or use one of "
+                                 f"{[n for n in able if set(given) <= set(algorithm_options(n))]}")
+    bad = sorted(set(options) - takes)
+    if bad:
+        raise ConfigurationError(f"{algorithm} takes no option {bad}; its options are {sorted(takes)}")
+    cls = ALGORITHMS[algorithm]
+    if epsilon is None:
+        if cls.supports_privacy:
+            raise ConfigurationError(f"{algorithm} is private: pass epsilon= (e.g. epsilon=3.0; math.inf for a "
+                                     "non-private run)")
+        epsilon = math.inf
+    if task is not None and task not in ("classification", "regression"):
+        raise ConfigurationError(f"task must be 'classification' or 'regression', got {task!r}")
+
+    names = _check_clients(clients)
+    pairs = [as_arrays(v, target=target, what=f"client {n!r}") for n, v in zip(names, clients.values())]
+    shapes = {x.shape[1:] for x, _ in pairs}
+    if len(shapes) != 1:
+        raise ConfigurationError(f"the clients' records have different shapes {sorted(shapes)}; every client needs "
+                                 "the same features")
+    if test is not None:
+        test_pair, rule = as_arrays(test, target=target, what="the test data"), "test data"
+    else:
+        held = [holdout_split(len(y), test_fraction, seed, k) for k, (_, y) in enumerate(pairs)]
+        test_pair = (np.concatenate([x[o] for (x, _), (_, o) in zip(pairs, held)]),
+                     np.concatenate([y[o] for (_, y), (_, o) in zip(pairs, held)]))
+        pairs = [(x[t], y[t]) for (x, y), (t, _) in zip(pairs, held)]
+        rule = f"each client's held-out {test_fraction:g} (seed {seed})"
+    task = task or _infer_task([y for _, y in pairs])
+    # a list of per-client models (HBFL, FedBNN) is checked by the algorithm; the first fixes the output width
+    first = model[0] if isinstance(model, (list, tuple)) and len(model) else model
+    user = UserTraining.of(algorithm, first, loss, optimizer, metrics)
+    input_shape = tuple(test_pair[0].shape[1:])
+    if task == "classification":
+        width = len(classes) if classes is not None else _output_width(user.model, input_shape)
+        if classes is None:
+            _check_width_fits_labels(width, [y for _, y in pairs] + [test_pair[1]])
+        pairs = [(x, _labels(y, f"client {n!r}", classes, width)) for n, (x, y) in zip(names, pairs)]
+        test_pair = (test_pair[0], _labels(test_pair[1], "the test data", classes, width))
+        num_classes = width
+    else:
+        pairs = [(x, _regression_targets(y, f"client {n!r}")) for n, (x, y) in zip(names, pairs)]
+        test_pair = (test_pair[0], _regression_targets(test_pair[1], "the test data"))
+        num_classes = None
+    data = federated_from_arrays(pairs, test_pair, task=task, num_classes=num_classes, name="federate",
+                                 partition="given", seed=seed, info={"clients": names, "test": rule})
+
+    settings = resolve_settings(algorithm, {"local_epochs": local_epochs, "lr": lr, "clip": clip},
+                                image=len(input_shape) == 3)
+    fed = FederationConfig(rounds=rounds, local_epochs=settings["local_epochs"], batch_size=batch_size,
+                           lr=settings["lr"], momentum=momentum, seed=seed, client_size=client_size)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=resolve_unit(algorithm, unit),
+                            clip=settings["clip"], secure_noise=secure_noise,
+                            sampling_rate=sampling_rate, placement=placement)
+    if secure_agg is True:
+        from privfl.privacy.secure import SecureAggregation
+
+        secure_agg = SecureAggregation()
+    elif secure_agg is False or secure_agg is None:
+        secure_agg = None
+    else:
+        from privfl.privacy.secure import SecureAggregation
+
+        if not isinstance(secure_agg, SecureAggregation):
+            raise ConfigurationError(f"secure_agg must be True, False or a privfl.SecureAggregation, got "
+                                     f"{type(secure_agg).__name__}")
+    extra = {k: v for k, v in given.items() if v is not None}
+    alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
+    sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id, secure=secure_agg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+        run = sim.run()
+
+    def name_of(cid) -> str:
+        return names[int(cid)]
+
+    audit = {name_of(cid): dict(row) for cid, row in run.audit.get("clients", {}).items()}
+    rows = [{"client": name_of(cid), "round": int(rnd), "epsilon": float(eps)}
+            for cid, series in sim.ledger.epsilon_by_round().items() for rnd, eps in series]
+    history = [{"round": r.round, "metrics": dict(r.metrics), "participants": r.participants,
+                "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds}
+               for r in run.history]
+    from privfl.metrics.report import one_class_warning
+
+    one_class = one_class_warning(run.final)
+    if one_class:
+        warnings.warn(one_class, RuntimeWarning, stacklevel=2)
+    trained = _trained_model(sim, alg, data.test)
+    return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
+                           epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),
+                           delta=delta, algorithm=algorithm, clients=names, run=run)
+
+
+__all__ = ["FederatedResult", "OWN_MODEL_ALGORITHMS", "federate", "own_model_algorithms"]

@@ -1,0 +1,748 @@
+"""``privfl compare``: utility under DP against baselines, a grid of algorithms x epsilon targets x seeds.
+
+Each run has its own ledger; a finished run leaves ``runs/<key>.json`` and is not redone when the comparison is
+started again (an interrupted run, with a ledger but no result, is redone from a fresh ledger). A run resumes only
+when its settings are identical: each row carries ``settings`` and their hash ``config_hash``, and a finished run of
+other settings in the same ``out_dir`` (other rounds, clients, partition, model...) is refused, never silently
+reused. Outputs, in ``out_dir``: ``results.json`` (``{"results": [...]}``), ``results.csv``, the figures
+``accuracy_vs_epsilon.png``, ``epsilon_per_client.png`` and ``reliability.png``, ``config.toml`` (a copy of the TOML
+the comparison was started from), ``config.json`` (the resolved grid) and ``models/<key>.pt`` (each run's trained
+model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
+
+Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, the noise
+the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``. With ``val_fraction`` > 0 a
+validation split is carved from the training data before partitioning (held by no client, disjoint from the test
+set) and each row also reports ``val_accuracy``, ``val_balanced_accuracy``, ``val_auroc``, ``val_nll``, ``val_ece``
+and ``val_final`` of the same final model: the numbers to choose settings on, never the test set's.
+
+Non-private baselines (fedavg, fedprox) run once per seed at epsilon = inf; private algorithms run at every target
+(at inf without noise). Client-level DP (dp_fedavg) implies record-level DP at the same epsilon, so it is a valid
+baseline under the record-level unit.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import tomllib
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from privfl.algorithms import ALGORITHMS, algorithm_defaults, algorithm_options, make_algorithm
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.data import make_federated
+from privfl.errors import ConfigurationError
+from privfl.metrics.classification import reliability_bins
+from privfl.metrics.report import applied_noise, strict_json
+from privfl.core.options import option_value
+from privfl.runtime.engine import Simulation
+from privfl.apps.settings import resolve_settings, resolve_unit, split_settings
+from privfl.apps.trained_model import save_model, trained_model_description
+
+
+class CompareNote(UserWarning):
+    """Something a comparison accepts but does not use, said once (e.g. ``[overrides.<algorithm>]`` for an
+    algorithm outside the grid)."""
+
+
+_FED_FIELDS = {f.name for f in fields(FederationConfig)}
+_PRIV_FIELDS = {f.name for f in fields(PrivacyConfig)}
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """A comparison grid. ``overrides`` maps an algorithm name to FederationConfig/PrivacyConfig fields and the
+    algorithm's own options; ``rounds`` among them is that algorithm's own count (its rows record it in ``rounds`` and
+    ``settings``), so a DP-SGD step per round and a FedAvg round need not share one number.
+
+    The defaults: MNIST-5k, 10 clients, Dirichlet(0.1), record level, delta 1e-5, epsilon in {1, 3, 8, inf}, every
+    classification algorithm, one seed, 15 rounds of small (32-unit) models (FedBNN with 20 warm-up epochs instead of
+    the paper's 50). The README's main job (``make demo``) is ``experiments/configs/default.toml``, whose settings were
+    chosen on a validation split (``experiments/tune_default.py``). FedBNR is a regression method and runs in
+    ``experiments/run_fedbnr.py`` instead.
+    """
+
+    dataset: str = "mnist5k"
+    clients: int = 10
+    partition: str = "dirichlet"
+    alpha: float = 0.1
+    unit: str = "example"
+    delta: float = 1e-5
+    epsilons: tuple[float, ...] = (1.0, 3.0, 8.0, math.inf)
+    seeds: tuple[int, ...] = (0,)
+    rounds: int = 15
+    algorithms: tuple[str, ...] = ("fedavg", "fedprox", "dp_fedavg", "dpsgd_fedavg", "fola", "hbfl", "fedbnn")
+    accountant: str | None = None
+    overrides: dict[str, dict[str, Any]] = field(default_factory=lambda: _default_overrides())
+    out_dir: str = "runs/compare"
+    # your own data instead of ``dataset`` (``privfl.data.own``; partition and alpha do not apply): ``data``, files
+    # (a glob, one per client, or one file with ``client_column``) with the ``target`` column, or ``entry``, a
+    # ``module:function`` returning (model, clients[, test]); ``test_data`` (else ``test_fraction`` of each client's
+    # records, 0.2), ``classes`` (the public label set; else the test file's labels), ``task``, and ``public_data``
+    # (standardise features with its statistics). Relative paths in a TOML are relative to the TOML's folder.
+    data: str | None = None
+    target: str | None = None
+    client_column: str | None = None
+    entry: str | None = None
+    test_data: str | None = None
+    test_fraction: float | None = None
+    classes: tuple | None = None
+    task: str = "classification"
+    public_data: str | None = None
+    # the public design size of a client's data set (DP-SGD's sampling rate and steps when record counts are private)
+    # and the public record cap; a private run on your own data must declare client_size (the clients' record counts
+    # are private and never set it); a built-in data set has its published size. [overrides.<algorithm>] may set
+    # either for one algorithm.
+    client_size: int | None = None
+    record_cap: int | None = None
+    # reference rows, non-private, with FedAvg's settings: "centralised" (one model trained on the clients' pooled
+    # data: the ceiling) and "local_only" (each client trains alone on its own data; the mean of their test metrics:
+    # the floor every federation must beat; nothing leaves a client, so epsilon spent is 0)
+    references: tuple[str, ...] = ()
+    # share of a built-in data set carved, before partitioning, as a validation split no client holds (0: none); rows
+    # then report val_* metrics, to tune settings on without looking at the test set
+    val_fraction: float = 0.0
+
+    def _check_types(self) -> None:
+        """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
+        for key in ("rounds", "clients"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{key} must be an integer >= 1, got {value!r}")
+        for key, low, high in (("delta", 0.0, 1.0), ("alpha", 0.0, math.inf)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+                raise ConfigurationError(f"{key} must be a number in ({low:g}, {high:g}), got {value!r}")
+        for key in ("client_size", "record_cap"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{key} must be an integer >= 1, got {value!r}")
+        value = self.val_fraction
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ConfigurationError(f"val_fraction must be a number in [0, 1), got {value!r}")
+        if self.unit not in ("client", "example"):
+            raise ConfigurationError(f"unit must be 'client' or 'example', got {self.unit!r}")
+        for key in ("dataset", "partition", "out_dir", "task"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigurationError(f"{key} must be a string, got {getattr(self, key)!r}")
+        for key in ("epsilons", "seeds", "algorithms", "references"):
+            if isinstance(getattr(self, key), (str, bytes)) or not hasattr(getattr(self, key), "__iter__"):
+                raise ConfigurationError(f"{key} must be a list, got {getattr(self, key)!r}")
+        if not isinstance(self.overrides, dict) or not all(isinstance(v, dict) for v in self.overrides.values()):
+            raise ConfigurationError("overrides must be TOML tables: [overrides.<algorithm>] with key = value lines")
+
+    @property
+    def own_data(self) -> bool:
+        return self.data is not None or self.entry is not None
+
+    def __post_init__(self):
+        self._check_types()
+        object.__setattr__(self, "epsilons", tuple(float(e) for e in self.epsilons))
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+        object.__setattr__(self, "algorithms", tuple(self.algorithms))
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        if unknown:
+            raise ConfigurationError(f"unknown algorithms {unknown}; choose from {sorted(ALGORITHMS)}")
+        if not self.epsilons or any(not (e > 0) for e in self.epsilons):
+            raise ConfigurationError(f"epsilons must be > 0 (inf allowed), got {self.epsilons}")
+        if not self.seeds:
+            raise ConfigurationError("seeds must not be empty")
+        if self.classes is not None:
+            object.__setattr__(self, "classes", tuple(self.classes))
+        object.__setattr__(self, "references", tuple(self.references))
+        bad_refs = sorted(set(self.references) - set(REFERENCES))
+        if bad_refs:
+            raise ConfigurationError(f"references {bad_refs} unknown; choose from {list(REFERENCES)}")
+        if self.data is not None and self.entry is not None:
+            raise ConfigurationError("data and entry both give the clients' data; choose one")
+        if self.data is not None and self.target is None:
+            raise ConfigurationError("data needs target, the name of the label (or target) column")
+        if not self.own_data:
+            given = [k for k in ("target", "client_column", "test_data", "test_fraction", "classes", "public_data")
+                     if getattr(self, k) is not None]
+            if given:
+                raise ConfigurationError(f"{given} describe your own data: add data (files) or entry "
+                                         "(module:function), or drop them")
+        if self.own_data and self.val_fraction:
+            raise ConfigurationError("val_fraction carves a validation split from a built-in dataset; with your own "
+                                     "data leave it out (or 0)")
+        uses_alignment = [a for a in self.algorithms if getattr(ALGORITHMS[a], "uses_alignment", False)]
+        if self.own_data and uses_alignment:
+            raise ConfigurationError(f"{uses_alignment} need a public alignment set carved from a built-in data set; "
+                                     "with your own data leave them out of algorithms")
+        if self.clients < 2:
+            raise ConfigurationError(f"clients = {self.clients}: a federation needs at least 2 clients")
+        if self.overrides == _default_overrides():  # the built-in sizes: only those of the grid's algorithms apply
+            object.__setattr__(self, "overrides", {k: v for k, v in self.overrides.items() if k in self.algorithms})
+        unknown = sorted(set(self.overrides) - set(ALGORITHMS))
+        if unknown:
+            raise ConfigurationError(f"[overrides.{unknown[0]}] names no algorithm; choose from {sorted(ALGORITHMS)}")
+        for name, over in self.overrides.items():
+            rounds = over.get("rounds", 1)
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+                raise ConfigurationError(f"[overrides.{name}] rounds must be an integer >= 1, got {rounds!r}")
+            bad = set(over) - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(name))
+            if bad:
+                raise ConfigurationError(f"[overrides.{name}] has unknown keys {sorted(bad)}; it takes federation and "
+                                         f"privacy settings and {name}'s options {list(algorithm_options(name))}")
+        stray = sorted(set(self.overrides) - set(self.algorithms))
+        if stray:  # a TOML kept for a larger grid: its other sections wait for their algorithms
+            warnings.warn(CompareNote(
+                f"{', '.join(f'[overrides.{a}]' for a in stray)} {'is' if len(stray) == 1 else 'are'} for "
+                f"{'an algorithm' if len(stray) == 1 else 'algorithms'} not in the grid (algorithms = "
+                f"{list(self.algorithms)}): not used by this comparison (checked all the same)"), stacklevel=3)
+
+    @classmethod
+    def from_toml(cls, path: str) -> "CompareConfig":
+        if not os.path.isfile(path):
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise ConfigurationError(f"compare config {path} {what}; pass a TOML file (see experiments/configs/)")
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"compare config {path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigurationError(f"compare config {path} is not a text (TOML) file") from None
+        known = {f.name for f in fields(cls)}
+        folder = os.path.dirname(os.path.abspath(path))
+        for key in ("data", "test_data", "public_data"):  # relative to the TOML's folder
+            if isinstance(raw.get(key), str) and not os.path.isabs(raw[key]):
+                raw[key] = os.path.join(folder, raw[key])
+        if ("data" in raw or "entry" in raw) and "clients" not in raw:
+            raw["clients"] = _count_clients(raw)
+        bad = set(raw) - known
+        if bad:
+            raise ConfigurationError(f"{path}: unknown keys {sorted(bad)}; valid keys: {sorted(known)}")
+        try:
+            return cls(**raw)
+        except (ConfigurationError, TypeError, ValueError) as exc:
+            raise ConfigurationError(f"compare config {path}: {exc}") from None
+
+
+#: the reference rows ``references`` may ask for
+REFERENCES = ("centralised", "local_only")
+
+
+def _count_clients(raw: dict) -> int:
+    """How many clients the own data of a TOML holds (``clients`` then need not be written)."""
+    from privfl.data.own import client_tables, load_entry
+
+    try:
+        if raw.get("data") is not None:
+            return len(client_tables(raw["data"], raw.get("client_column"), flag="data ="))
+        return len(load_entry(str(raw["entry"]), flag="entry =").clients)
+    except ConfigurationError:
+        return 10  # the grid's own checks report the problem with the data
+
+
+def _default_overrides() -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {name: {"hidden": [32], "local_epochs": 1}
+                                      for name in ("fedavg", "fedprox", "dpsgd_fedavg", "fola", "hbfl", "fedbnn")}
+    out["fedbnn"]["warmup_epochs"] = 20  # the paper's 50 warm-up epochs would be most of the grid's time
+    return out
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    algorithm: str
+    epsilon: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        eps = "inf" if math.isinf(self.epsilon) else f"{self.epsilon:g}"
+        return f"{self.algorithm}-eps{eps}-seed{self.seed}"
+
+
+def grid(config: CompareConfig) -> list[RunSpec]:
+    specs = []
+    for alg in config.algorithms:
+        epsilons = config.epsilons if ALGORITHMS[alg].supports_privacy else (math.inf,)
+        for eps in epsilons:
+            for seed in config.seeds:
+                specs.append(RunSpec(alg, eps, seed))
+    specs += [RunSpec(kind, math.inf, seed) for kind in config.references for seed in config.seeds]
+    return specs
+
+
+def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, PrivacyConfig]:
+    if spec.algorithm in REFERENCES:  # FedAvg's model and local training, without DP
+        spec = RunSpec("fedavg", math.inf, spec.seed)
+    defaults = resolve_settings(spec.algorithm, {}, image=_image_input(config))
+    entry_model = _entry(config.entry).model if config.entry is not None else {}
+    over = config.overrides.get(spec.algorithm, {})
+    if over == _default_overrides().get(spec.algorithm):  # the built-in sizes give way to the entry point's model
+        settings = {**defaults, **over, **entry_model}
+    else:
+        settings = {**defaults, **entry_model, **over}
+    # an algorithm built for fewer units (DP-FedAvg: client level) uses its own
+    unit = resolve_unit(spec.algorithm, config.unit, adapt=True)
+    fed_kw, priv_kw = split_settings(settings)
+    priv_kw.setdefault("unit", unit)
+    if config.accountant is not None:
+        priv_kw.setdefault("accountant", config.accountant)
+    privacy = PrivacyConfig(epsilon=spec.epsilon, delta=config.delta, **priv_kw)
+    fed_kw.setdefault("rounds", config.rounds)  # [overrides.<algorithm>] rounds: that algorithm's own count
+    for key in ("client_size", "record_cap"):
+        if getattr(config, key) is not None:
+            fed_kw.setdefault(key, getattr(config, key))
+    fed = FederationConfig(seed=spec.seed, **fed_kw)
+    return fed, privacy
+
+
+def _image_input(config: CompareConfig) -> bool:
+    """Whether the grid's inputs are images (C, H, W): a built-in image data set; own data comes as tables (rows of
+    features), never images."""
+    from privfl.data.federated import is_image_dataset
+
+    return not config.own_data and is_image_dataset(config.dataset)
+
+
+def run_rounds(config: CompareConfig, spec: RunSpec) -> int:
+    """The rounds ``spec`` runs: the grid's ``rounds``, or its algorithm's ``rounds`` override."""
+    return _configs(config, spec)[0].rounds
+
+
+def _options(config: CompareConfig, algorithm: str) -> dict[str, Any]:
+    """The algorithm's own options among its overrides (normalised as ``privfl run --option`` values are:
+    :func:`privfl.core.options.option_value`, lists from TOML become tuples), and the user's own model when the ``entry``
+    point returned one (:func:`_entry_model`)."""
+    names = set(algorithm_options(algorithm)) if algorithm in ALGORITHMS else set()
+    return {**{k: option_value(v) for k, v in config.overrides.get(algorithm, {}).items()
+               if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}, **_entry_model(config, algorithm)}
+
+
+def _entry_model(config: CompareConfig, algorithm: str) -> dict[str, Any]:
+    """The user's own training objects the ``entry`` point returned (its model, an ``nn.Module`` or a factory, and
+    its loss, optimizer and metrics), as keyword arguments of ``algorithm``; a clear refusal for an algorithm that
+    does not take them (it builds its own models, or trains with its own loss)."""
+    from privfl.algorithms import user_training_options
+
+    given = _entry(config.entry).training if config.entry is not None else {}
+    if not given:
+        return {}
+    return user_training_options(given, algorithm, f"entry = {config.entry!r}",
+                                 "list only algorithms that train them ({})")
+
+
+def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
+    """Everything that defines one run of the grid (algorithm and its options, federation, privacy, data): what its
+    row carries as ``settings``, and what its resume hash covers."""
+    fed, privacy = _configs(config, spec)
+    base = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
+    defaults = algorithm_defaults(base, image=_image_input(config))
+    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**defaults,
+                                                                           **config.overrides.get(base, {})},
+                        "federation": asdict(fed), "privacy": asdict(privacy),
+                        "data": _data_settings(config)})
+
+
+def _data_settings(config: CompareConfig) -> dict:
+    if not config.own_data:
+        out = {"dataset": config.dataset, "clients": config.clients, "partition": config.partition,
+               "alpha": config.alpha if config.partition == "dirichlet" else None}
+        if config.val_fraction:  # only when set, so runs finished before the key existed still resume
+            out["val_fraction"] = float(config.val_fraction)
+        return out
+    keys = ("data", "target", "client_column", "entry", "test_data", "test_fraction", "classes", "task", "public_data")
+    return {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
+
+
+_ENTRIES: dict[str, Any] = {}
+
+
+def _entry(spec: str):
+    """The entry point's result, called once per process and entry."""
+    from privfl.data.own import load_entry
+
+    if spec not in _ENTRIES:
+        _ENTRIES[spec] = load_entry(spec, flag="entry =")
+    return _ENTRIES[spec]
+
+
+def federation(config: CompareConfig, seed: int):
+    """The federation one seed of the grid runs on: a built-in data set partitioned by ``seed``, or the own data
+    (``seed`` draws the held-out split when there is no test file)."""
+    if not config.own_data:
+        return make_federated(config.dataset, config.clients, partition=config.partition, alpha=config.alpha,
+                              seed=seed, val_fraction=float(config.val_fraction))
+    from privfl.data.own import client_tables, federated_from_tables, read_table
+
+    if config.data is not None:
+        clients, test, name = client_tables(config.data, config.client_column, flag="data ="), None, "own"
+    else:
+        got = _entry(config.entry)
+        clients, test, name = got.clients, got.test, config.entry
+    if config.test_data is not None:
+        test = read_table(config.test_data, "test_data =")
+    public = None if config.public_data is None else read_table(config.public_data, "public_data =")
+    data = federated_from_tables(clients, config.target, task=config.task, classes=config.classes, test=test,
+                                 test_fraction=0.2 if config.test_fraction is None else config.test_fraction,
+                                 seed=seed, standardize="public" if public is not None else None, public=public,
+                                 name=name)
+    if len(data.train_parts) != config.clients:
+        raise ConfigurationError(f"clients = {config.clients} but the data has {len(data.train_parts)} clients; set "
+                                 f"clients = {len(data.train_parts)} (or leave it out of the TOML)")
+    return data
+
+
+def settings_hash(settings: dict) -> str:
+    """A short SHA-256 of the settings' canonical JSON."""
+    text = json.dumps(settings, sort_keys=True, default=str, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
+    """One run of the grid: its row (metrics, privacy spent, settings, noise applied), its ledger, and its trained model
+    in ``models/<key>.pt``. ``progress`` is called with each round's record."""
+    from privfl import __version__
+
+    if spec.algorithm in REFERENCES:
+        return run_reference(config, spec, data, progress)
+    fed, privacy = _configs(config, spec)
+    ledger_dir = os.path.join(config.out_dir, "ledgers")
+    os.makedirs(ledger_dir, exist_ok=True)
+    ledger = os.path.join(ledger_dir, f"{spec.key}.sqlite")
+    for suffix in ("", "-wal", "-shm"):  # an interrupted run starts again from a fresh ledger
+        if os.path.exists(ledger + suffix):
+            os.remove(ledger + suffix)
+    algorithm = make_algorithm(spec.algorithm, fed, privacy, **_options(config, spec.algorithm))
+    start = time.perf_counter()
+    sim = Simulation(algorithm, data, fed, privacy, ledger_path=ledger, run_id=spec.key, progress=progress)
+    result = sim.run()
+    seconds = time.perf_counter() - start
+    eps = [v["epsilon"] for v in result.audit["clients"].values()]
+    final = result.final
+    diagnostic = sim.diagnostic_algorithm()  # the server half with every client's own state (a simulation view)
+    calibration = diagnostic.calibration_predictions(data.test)
+    validation = _validation_metrics(diagnostic, data)
+    settings = run_settings(config, spec)
+    row = {
+        "algorithm": spec.algorithm, "epsilon_target": spec.epsilon, "seed": spec.seed,
+        "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
+        "epsilon_spent_max": max(eps) if eps else 0.0, "epsilon_spent_mean": float(np.mean(eps)) if eps else 0.0,
+        "delta": config.delta, "unit": privacy.unit, "accountant": result.accountant, "rounds": fed.rounds,
+        "clients": config.clients, "dataset": data.name if config.own_data else config.dataset, "seconds": seconds,
+        "ledger": ledger,
+        "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
+        "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in (
+            sim.epsilon_by_round(config.delta) if result.phases else _epsilon_series(ledger, config.delta)).items()},
+        "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
+        "noise_multipliers": result.noise_multipliers,
+        "noise_applied": ({p.name: applied_noise(p.ledger.charges()) for p in sim.phase_runs} if result.phases
+                          else applied_noise(sim.ledger.charges())),
+        "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
+        "model_path": save_model(diagnostic, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
+        "model": trained_model_description(diagnostic, fed, _entry_model(config, spec.algorithm).get("model")),
+    }
+    if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
+        row["reliability"] = reliability_bins(*calibration)
+    if validation is not None:
+        row.update(_val_columns(validation))
+    return row
+
+
+#: the validation columns a row carries when the grid has a validation split (``val_fraction`` > 0)
+VAL_KEYS = ("val_accuracy", "val_balanced_accuracy", "val_auroc", "val_nll", "val_ece")
+
+
+def _validation_metrics(algorithm, data) -> dict[str, float] | None:
+    """The final model's metrics on the validation split, computed as the run's test metrics are (the global model's
+    ``evaluate`` and the clients' own models' ``local_metrics``); None without a validation split."""
+    if getattr(data, "val", None) is None:
+        return None
+    return {**algorithm.evaluate(data.val), **algorithm.local_metrics(data.val)}
+
+
+def _val_columns(validation: dict[str, float]) -> dict[str, Any]:
+    return {**{key: validation.get(key[len("val_"):]) for key in VAL_KEYS}, "val_final": validation}
+
+
+def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
+    """A reference row (see ``CompareConfig.references``): FedAvg without DP on the clients' pooled data
+    (``centralised``), or on each client's data alone (``local_only``, metrics averaged over clients)."""
+    from dataclasses import replace
+
+    from privfl import __version__
+    from privfl.data import ArrayDataset
+
+    fed, privacy = _configs(config, spec)
+    parts = data.train_parts
+    if spec.algorithm == "centralised":
+        first = parts[0]
+        pooled = ArrayDataset(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]), first.task,
+                              first.num_classes, f"{data.name}-pooled", first.target_offset, first.target_scale)
+        federations = [replace(data, train_parts=[pooled])]
+    else:
+        federations = [replace(data, train_parts=[p]) for p in parts]
+    start = time.perf_counter()
+    finals, per_round, vals = [], [], []
+    for k, fed_data in enumerate(federations):
+        report = progress if k == len(federations) - 1 else None  # the bar counts the grid's rounds once
+        sim = Simulation(make_algorithm("fedavg", fed, privacy, **_entry_model(config, "fedavg")), fed_data, fed,
+                         privacy, run_id=spec.key, progress=report)
+        result = sim.run()
+        finals.append(result.final)
+        per_round.append([r.metrics.get("accuracy") for r in result.history])
+        vals.append(_validation_metrics(sim.diagnostic_algorithm(), fed_data))
+    keys = sorted(set.intersection(*(set(f) for f in finals)))
+    final = {key: float(np.mean([f[key] for f in finals])) for key in keys}
+    spent = math.inf if spec.algorithm == "centralised" else 0.0  # pooling raw data vs. nothing leaving a client
+    settings = run_settings(config, spec)
+    return {
+        "algorithm": spec.algorithm, "epsilon_target": math.inf, "seed": spec.seed,
+        "accuracy": final.get("accuracy"), "nll": final.get("nll"), "ece": final.get("ece"),
+        "epsilon_spent_max": spent, "epsilon_spent_mean": spent, "delta": config.delta, "unit": None,
+        "accountant": None, "rounds": fed.rounds, "clients": config.clients,
+        "dataset": data.name if config.own_data else config.dataset, "seconds": time.perf_counter() - start,
+        "ledger": None, "accuracy_per_round": [None if any(v is None for v in r) else float(np.mean(r))
+                               for r in zip(*per_round)],
+        "epsilon_per_client_per_round": {}, "balanced_accuracy": final.get("balanced_accuracy"),
+        "auroc": final.get("auroc"), "final": final, "noise_multipliers": None, "noise_applied": {},
+        "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
+        "reference": spec.algorithm,
+        **({} if vals[0] is None else _val_columns({key: float(np.mean([v[key] for v in vals]))
+                                                    for key in sorted(set.intersection(*(set(v) for v in vals)))})),
+    }
+
+
+def _revive(obj, key: str | None = None):
+    """A row read back from strict JSON: "inf" strings are floats again, null metrics NaN."""
+    if isinstance(obj, dict):
+        return {k: _revive(v, k) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_revive(v, key) for v in obj]
+    if isinstance(obj, str) and obj in ("inf", "-inf"):
+        return float(obj)
+    if obj is None and key in _NUMERIC_KEYS:
+        return math.nan
+    return obj
+
+
+_NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confidence", "epsilon_spent_max",
+                 "epsilon_spent_mean", "epsilon_target", *VAL_KEYS}
+
+
+def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int, float]]]:
+    from privfl.accounting.ledger import PrivacyLedger
+
+    led = PrivacyLedger.open_existing(ledger_path)
+    try:
+        return led.epsilon_by_round(delta)
+    finally:
+        led.close()
+
+
+def _stale(path: str, row: dict, settings: dict) -> str | None:
+    """Why a finished run's row cannot be reused for ``settings``, or None when it can."""
+    if row.get("config_hash") == settings_hash(settings):
+        return None
+    old = strict_json(row.get("settings"))
+    if not isinstance(old, dict):
+        return f"{path} was written without its settings (an older privfl) and cannot be checked"
+    diffs = []
+    for group in sorted(set(old) | set(settings)):
+        a, b = old.get(group), settings.get(group)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{group}.{k}: {a.get(k)!r} then, {b.get(k)!r} now" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{group}: {a!r} then, {b!r} now")
+    return f"{path} holds a run of other settings ({'; '.join(diffs[:4]) or 'settings differ'})"
+
+
+def compare(config: CompareConfig, progress: bool = True, toml_path: str | None = None) -> list[dict]:
+    """Run (or resume) the grid and write results and figures; returns the result rows. A finished run is reused
+    only if its settings are identical; otherwise nothing is run and a :class:`ConfigurationError` says which
+    output folder to change. ``toml_path``, the TOML the config came from, is copied to ``out_dir/config.toml``."""
+    specs = grid(config)
+    for alg in config.algorithms:  # an entry's own model is refused for an algorithm that cannot train it, up front
+        _entry_model(config, alg)
+    done: dict[str, dict] = {}
+    for spec in specs:  # check every finished run before running anything
+        path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    row = _revive(json.load(f))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ConfigurationError(f"{path} is not a result file (corrupt JSON); delete it to rerun that run, or "
+                                         "pass another --out-dir") from None
+            why = _stale(path, row, run_settings(config, spec))
+            if why is not None:
+                raise ConfigurationError(f"{why}; resuming would mix results of different runs: pass another --out-dir "
+                                         f"(or out_dir in the TOML), or delete {config.out_dir} to start again")
+            done[spec.key] = row
+    os.makedirs(os.path.join(config.out_dir, "runs"), exist_ok=True)
+    _write_config(config, toml_path)
+    pending = [s for s in specs if s.key not in done]
+    data_by_seed = {}
+    rows = []
+    bar = None
+    if progress and pending:
+        total = sum(run_rounds(config, s) for s in pending)
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                           TextColumn("{task.completed}/{task.total} rounds"), TimeElapsedColumn(), TextColumn("ETA"),
+                           TimeRemainingColumn())
+        else:  # a log file, CI: a live bar would print nothing until the end
+            bar = LineProgress()
+        bar.start()
+        task = bar.add_task("compare", total=total)
+    try:
+        for i, spec in enumerate(specs):
+            if spec.key in done:
+                rows.append(done[spec.key])
+                continue
+            path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
+            position = pending.index(spec) + 1
+            if bar is not None:
+                bar.update(task, description=f"run {position}/{len(pending)} {spec.key}")
+            if spec.seed not in data_by_seed:
+                data_by_seed[spec.seed] = federation(config, spec.seed)
+            kwargs = {}
+            if bar is not None:
+                kwargs["progress"] = lambda rec, _bar=bar, _task=task: _bar.advance(_task)
+            row = run_one(config, spec, data_by_seed[spec.seed], **kwargs)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(strict_json(row), f, allow_nan=False)
+            os.replace(tmp, path)  # a run counts as done only once its result is whole on disk
+            rows.append(row)
+    finally:
+        if bar is not None:
+            bar.stop()
+    write_outputs(config, rows)
+    return rows
+
+
+#: seconds between two of :class:`LineProgress`'s round lines within one run (a run's start is always reported)
+PROGRESS_INTERVAL = 30.0
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class LineProgress:
+    """The comparison's progress as plain lines on stdout, for output that is not a terminal (a log file, CI), where
+    a live bar shows nothing until the end: a line when each run starts, then one at most every
+    :data:`PROGRESS_INTERVAL` seconds while it runs, and one at the end; each with the rounds done of the total, the
+    time elapsed and an ETA. It offers the calls :func:`compare` makes of rich's ``Progress``."""
+
+    def __init__(self, stream=None, interval: float | None = None):
+        self.stream = stream
+        self.interval = PROGRESS_INTERVAL if interval is None else float(interval)
+        self.total, self.done, self.description = 0, 0, "compare"
+        self._start = self._last = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+        self._last = -math.inf
+
+    def add_task(self, description: str, total: int) -> int:
+        self.description, self.total = description, int(total)
+        return 0
+
+    def update(self, task: int, description: str) -> None:
+        self.description = description
+        self._line(force=True)
+
+    def advance(self, task: int) -> None:
+        self.done += 1
+        self._line()
+
+    def stop(self) -> None:
+        elapsed = time.perf_counter() - self._start
+        self._print(f"compare: {self.done}/{self.total} rounds done in {_duration(elapsed)}")
+
+    def _line(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        elapsed = now - self._start
+        eta = elapsed / self.done * (self.total - self.done) if self.done else math.nan
+        self._print(f"compare: {self.description}: {self.done}/{self.total} rounds, elapsed {_duration(elapsed)}, "
+                    f"ETA {_duration(eta)}")
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream if self.stream is not None else sys.stdout, flush=True)
+
+
+def _write_config(config: CompareConfig, toml_path: str | None) -> None:
+    """``config.json`` (the resolved grid) and, when the grid came from a TOML file, its copy ``config.toml``."""
+    resolved = strict_json({**asdict(config), "privfl_version": _version()})
+    with open(os.path.join(config.out_dir, "config.json"), "w") as f:
+        json.dump(resolved, f, indent=1, allow_nan=False)
+    if toml_path is not None:
+        target = os.path.join(config.out_dir, "config.toml")
+        if not (os.path.exists(target) and os.path.samefile(toml_path, target)):
+            shutil.copyfile(toml_path, target)
+
+
+def _version() -> str:
+    from privfl import __version__
+
+    return __version__
+
+
+SUMMARY_KEYS = ("algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max",
+                "epsilon_spent_mean", "delta", "unit", "accountant", "rounds", "clients", "dataset", "seconds",
+                "balanced_accuracy", "auroc", "config_hash", "privfl_version")
+
+
+def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
+    from privfl.apps.plots import plot_accuracy_vs_epsilon, plot_epsilon_curves, plot_reliability
+
+    with open(os.path.join(config.out_dir, "results.json"), "w") as f:
+        json.dump(strict_json({"results": rows}), f, indent=1, allow_nan=False)
+    with open(os.path.join(config.out_dir, "results.csv"), "w", newline="") as f:
+        keys = SUMMARY_KEYS + (VAL_KEYS if config.val_fraction else ())  # validation columns last, when there are any
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_accuracy_vs_epsilon(rows, os.path.join(config.out_dir, "accuracy_vs_epsilon.png"), delta=config.delta)
+    plot_epsilon_curves(rows, os.path.join(config.out_dir, "epsilon_per_client.png"), delta=config.delta)
+    plot_reliability(rows, os.path.join(config.out_dir, "reliability.png"))
+
+
+def summary_table(rows: list[dict]) -> list[dict]:
+    """Mean (and std over seeds) per (algorithm, epsilon target)."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["algorithm"], r["epsilon_target"]), []).append(r)
+    out = []
+    for (alg, eps), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        acc = np.array([r["accuracy"] for r in rs], dtype=float)
+        rounds = sorted({int(r["rounds"]) for r in rs if isinstance(r.get("rounds"), (int, float))})
+        out.append({"algorithm": alg, "epsilon_target": eps, "seeds": len(rs), "accuracy": float(acc.mean()),
+                    "rounds": rounds[0] if len(rounds) == 1 else rounds,
+                    "accuracy_std": float(acc.std()), "nll": float(np.mean([r["nll"] for r in rs])),
+                    "balanced_accuracy": _mean(rs, "balanced_accuracy"), "auroc": _mean(rs, "auroc"),
+                    "ece": float(np.mean([r["ece"] for r in rs])),
+                    "epsilon_spent_max": float(max(r["epsilon_spent_max"] for r in rs)),
+                    "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs])),
+                    **({"val_accuracy": _mean(rs, "val_accuracy")} if any("val_accuracy" in r for r in rs) else {})})
+    return out
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    """Mean of ``key`` over rows (NaN where a row lacks it: rows of an older privfl)."""
+    values = [r.get(key) for r in rows]
+    return float(np.mean([math.nan if v is None else v for v in values]))

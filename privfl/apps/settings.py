@@ -1,0 +1,58 @@
+"""The one place that resolves a run's settings, for every front end (``privfl run``, ``privfl compare``,
+``privfl.federate``; the Flower spec is built from what they resolve).
+
+A setting is what the user gave, else the algorithm's default for the input (``privfl.algorithms.algorithm_defaults``:
+a 2x2 pooling applies to images only), else :class:`privfl.core.config.FederationConfig`'s and
+:class:`privfl.core.config.PrivacyConfig`'s own defaults. The unit is the user's, else the algorithm's
+``default_unit``; a grid that sets one unit for algorithms built for fewer (``compare``) gives each of them the first
+unit it supports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Mapping
+
+from privfl.core.config import FederationConfig, PrivacyConfig
+
+#: the settings of the two configurations, by field name
+FED_FIELDS = frozenset(f.name for f in fields(FederationConfig))
+PRIVACY_FIELDS = frozenset(f.name for f in fields(PrivacyConfig))
+#: what a run uses for a setting neither the user nor the algorithm gives: the configurations' own defaults
+FALLBACKS: Mapping[str, Any] = {f.name: f.default for f in fields(FederationConfig) + fields(PrivacyConfig)
+                                if f.name in ("clip", "local_epochs", "lr", "pool", "model")}
+
+
+def resolve_settings(algorithm: str, given: Mapping[str, Any], *, image: bool) -> dict[str, Any]:
+    """The settings a run of ``algorithm`` uses: ``given`` (a value of None: not given), over the algorithm's defaults
+    for an ``image`` input or not, over :data:`FALLBACKS`. Keys other than these pass through as given."""
+    from privfl.algorithms import ALGORITHMS, algorithm_defaults
+
+    resolved = dict(FALLBACKS)
+    if algorithm in ALGORITHMS:
+        resolved.update(algorithm_defaults(algorithm, image=image))
+    resolved.update({k: v for k, v in given.items() if v is not None})
+    return resolved
+
+
+def resolve_unit(algorithm: str, unit: str | None, *, adapt: bool = False) -> str:
+    """The privacy unit of a run of ``algorithm``: ``unit``, else the algorithm's ``default_unit``; with ``adapt`` (a
+    grid's one unit for many algorithms) the algorithm's first supported unit when it does not support ``unit``."""
+    from privfl.algorithms import ALGORITHMS, default_unit
+
+    if unit is None:
+        return default_unit(algorithm)
+    units = getattr(ALGORITHMS.get(algorithm), "units", None)
+    if adapt and units and unit not in units:
+        return units[0]
+    return unit
+
+
+def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``settings`` as keyword arguments of FederationConfig and of PrivacyConfig (other keys are left out)."""
+    fed = {k: (tuple(v) if k == "hidden" and v is not None else v) for k, v in settings.items() if k in FED_FIELDS}
+    privacy = {k: v for k, v in settings.items() if k in PRIVACY_FIELDS}
+    return fed, privacy
+
+
+__all__ = ["FALLBACKS", "FED_FIELDS", "PRIVACY_FIELDS", "resolve_settings", "resolve_unit", "split_settings"]

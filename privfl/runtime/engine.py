@@ -1,0 +1,666 @@
+"""The in-process simulation runtime: the embedded default.
+
+It runs the clients one after another on this machine, routes every client output through that client's
+:class:`ReleasePipeline`, and gives the server only weighted sums. The algorithm's client and server steps do not
+depend on it, so a deployment runtime can carry the same :class:`Release` objects between machines.
+
+The algorithm is set up from the federation's :class:`privfl.core.public.PublicFacts` only (never from the clients' data),
+and what one client sends in one round is :meth:`Simulation.client_step`: the client's work, then its release
+pipeline. The neighbouring-dataset contract test runs exactly that step on neighbouring datasets.
+
+Halves and plan. Every noise level and seed stream comes from one :class:`privfl.core.plan.RunPlan`, built once in
+:meth:`Simulation.prepare`. The algorithm object given to the runtime is the server half; an algorithm that declares
+its broadcast (``broadcast_state``, :mod:`privfl.algorithms.base`) has its client steps run on a separate client
+half, which learns the server's state only from each round's :class:`privfl.algorithms.base.Broadcast` and keeps
+each client's own state (``client_state``) on the client side, as a deployment does; the others still run both
+halves in one object.
+
+Executors. An algorithm whose local step is the same computation on every client (FedAvg, FedProx, DP-FedAvg; it
+offers ``client_updates`` and says ``vectorisable``) has a round's clients trained together by the vectorised executor
+(``privfl.training.stacked``); each client's output then goes through its own pipeline exactly as ``client_step`` sends it
+(:meth:`Simulation.client_steps`). ``executor="per_client"`` forces the loop; ``"auto"`` (the default) picks.
+
+Threads. BLAS thread pools (numpy's OpenBLAS/MKL) are limited to ``blas_threads`` (default 1) while a run executes:
+the runtime's numpy work is on vectors of a few hundred thousand floats, where a threaded pool on a busy machine
+costs far more in synchronisation than it saves. torch's own intra-op threads are left as the user set them.
+
+Phases. ``Simulation(algorithm, ...)`` of a multi-phase algorithm (FedBNR with kernel rounds) is a
+:class:`PhasedSimulation`: each phase a run of its own, with the loop and ledger runs of :mod:`privfl.runtime.phases`.
+:func:`run_fedbnr` is the FedBNR front end kept for scripts: it builds the two-phase FedBNR and runs it here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from privfl.accounting.errors import PrivacyBudgetExceeded
+from privfl.accounting.ledger import PrivacyLedger
+from privfl.mechanisms import SecureNoise, SeededNoise
+from privfl.core.aggregation import weighted_sums
+from privfl.algorithms.base import FederatedAlgorithm, Phase
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.core.plan import RunPlan, seed_stream
+from privfl.core.release import Release, mark_round_released
+from privfl.core.plan import noise_multipliers_for as plan_multipliers
+from privfl.errors import DIVERGENCE_CAUSES, ConfigurationError, TrainingDiverged
+from privfl.runtime.phase_ledgers import composed_audit, composed_epsilon, phase_ledger_meta, phase_run_id
+from privfl.runtime.phases import run_phases
+from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
+from privfl.privacy.secure import SecureAggregation, local_noise_stds, public_weight_bound, secure_weighted_sums
+from privfl.secure_agg import ProtocolAbort
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    aborted: bool
+    participants: int
+    sat_out: list[str]
+    metrics: dict[str, float]
+    epsilon_max: float
+    epsilon_mean: float
+    seconds: float
+    #: the phase of a multi-phase run (``privfl.runtime.phases``) this round belongs to; None in a one-phase run
+    phase: str | None = None
+
+
+@dataclass
+class RunResult:
+    algorithm: str
+    dataset: str
+    clients: int
+    rounds: int
+    epsilon_target: float
+    delta: float
+    accountant: str
+    noise_multipliers: dict[str, float] | None
+    history: list[RoundRecord] = field(default_factory=list)
+    audit: dict = field(default_factory=dict)
+    ledger: str = ":memory:"
+    run_id: str = "default"
+    noise: str = "secure"
+    #: a multi-phase run's phases, in order: name, ledger run id, rounds, target, noise multipliers, final, audit
+    phases: list[dict] = field(default_factory=list)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.history[-1].metrics if self.history else {}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["final"] = self.final
+        return d
+
+
+def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig, rounds: int,
+                          channels=None) -> dict[str, float] | None:
+    """The noise multiplier of each of ``algorithm``'s private channels (``privfl.core.plan.noise_multipliers_for``)."""
+    return plan_multipliers(channels if channels is not None else algorithm.channels(), privacy, rounds)
+
+
+EXECUTORS = ("auto", "vectorised", "per_client")
+
+#: a regression run whose test RMSE exceeds this many standard deviations of the test targets has diverged (its
+#: predictions are worse than predicting the test mean by a factor of this squared in mean squared error)
+EXPLODED_RMSE = 100.0
+
+
+def _client_names(data, n_clients: int) -> list[str]:
+    """The clients' names where the data records them (own data, ``privfl.federate``), else their indices."""
+    names = (getattr(data, "info", None) or {}).get("clients")
+    if isinstance(names, (list, tuple)) and len(names) == n_clients:
+        return [str(n) for n in names]
+    return [str(k) for k in range(n_clients)]
+
+
+def check_schedules_fit(algorithm: FederatedAlgorithm, data) -> None:
+    """Refuse a client too small for its public DP-SGD schedule, before anything is charged.
+
+    "Too small": under the schedule each local step samples each record with probability q (batch_size over the
+    public size the schedule is planned for: the design size ``client_size``, or the client's declared count), and
+    the noise of a step is sized for the schedule's expected batch. A client of n records with q * n < 1, fewer
+    than one record per step on average, sees no record at all in a share (1 - q)^n of its steps: its updates are
+    almost pure noise that still spend its budget and are averaged in with the others. Such a client
+    needs at least ceil(1 / q) records (ceil(client_size / batch_size) at the design size).
+
+    The check reads the clients' record counts, which are private: it runs where the user holds every client (the
+    in-process runtime behind ``privfl.federate``, ``privfl run`` and ``privfl compare``), and its error goes to
+    that user only. With declared public counts (replace-one) q * n = min(n, batch_size), so it never fires.
+    """
+    if getattr(algorithm, "accountant", None) is None:  # the DP-SGD accountant of an algorithm that trains by DP-SGD
+        return
+    from privfl.privacy.record_level import dpsgd_schedule
+
+    parts = data.train_parts
+    names = None
+    for k, part in enumerate(parts):
+        schedule = dpsgd_schedule(algorithm, k)
+        n, q = len(part), float(schedule.sample_rate)
+        if q * n >= 1:
+            continue
+        names = names or _client_names(data, len(parts))
+        need = math.ceil(1.0 / q - 1e-9)
+        raise ConfigurationError(
+            f"client {names[k]!r} holds {n} training record{'s' if n != 1 else ''}, too few for {algorithm.name}'s "
+            f"DP-SGD schedule: each local step samples each record with probability q = {q:.3g} (batch_size "
+            f"{algorithm.fed.batch_size} / the public client size {schedule.size}), so it would see {q * n:.2g} "
+            f"records per step on average (none at all in {100 * (1 - q) ** n:.0f}% of its steps): its updates would "
+            f"be almost pure noise that still spends its budget. Under this schedule a client needs at least {need} "
+            f"records (ceil(client_size / batch_size)). Declare a smaller design size (client_size=, --client-size) "
+            f"close to your smallest client's, raise batch_size (--batch-size), declare the record counts public (--adjacency replace_one, "
+            f"PrivacyConfig(adjacency='replace_one')), or leave this client out; nothing was charged")
+
+
+def divergence(algorithm: FederatedAlgorithm, metrics: dict, test, spread: float | None = None) -> str | None:
+    """What shows that a run diverged after a round, or None: the global model's parameters are not finite; a
+    classifier's test predictions are not finite (its NLL is NaN); or a regression's test RMSE is not finite or
+    exceeds :data:`EXPLODED_RMSE` standard deviations of the test targets (``spread``, in the targets' own units;
+    computed from ``test`` when None)."""
+    params = getattr(algorithm, "global_params", None)
+    if isinstance(params, np.ndarray) and params.size and not np.all(np.isfinite(params)):
+        return "the global model's parameters are not finite (NaN or Inf)"
+    if test is None or not len(test):
+        return None
+    if "rmse" in metrics:
+        rmse = float(metrics["rmse"])
+        if not math.isfinite(rmse):
+            return f"the global model's test RMSE is {rmse} (its predictions are not finite)"
+        if spread is None:
+            spread = target_spread(test)
+        if spread > 0 and rmse > EXPLODED_RMSE * spread:
+            return (f"the global model's test RMSE {rmse:.3g} is {rmse / spread:.3g} times the standard deviation "
+                    f"of the test targets ({spread:.3g}): its predictions exploded")
+    elif "nll" in metrics and math.isnan(float(metrics["nll"])):
+        return "the global model's test predictions are not finite (NaN)"
+    return None
+
+
+def target_spread(test) -> float:
+    """The standard deviation of a regression test set's targets in their own units (0 for classification)."""
+    if getattr(test, "task", None) != "regression" or not len(test):
+        return 0.0
+    return float(np.std(test.to_original_units(test.y)))
+
+
+def _blas_limit(threads: int | None):
+    """Limit numpy's BLAS pools to ``threads`` (threadpoolctl, shipped with scikit-learn) for a run."""
+    if threads is None:
+        return contextlib.nullcontext()
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scikit-learn brings it
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=threads, user_api="blas")
+
+
+class Simulation:
+    """Runs ``algorithm`` on ``data`` for ``fed.rounds`` rounds under ``privacy``, charging ``ledger``. A multi-phase
+    algorithm (``privfl.algorithms.base.phases_of``) runs its phases one after the other: the simulation is then a
+    :class:`PhasedSimulation`."""
+
+    def __new__(cls, algorithm=None, *args, **kwargs):
+        from privfl.algorithms.base import is_phased
+
+        if cls is Simulation and is_phased(algorithm):
+            return super().__new__(PhasedSimulation)
+        return super().__new__(cls)
+
+    def __init__(self, algorithm: FederatedAlgorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
+                 ledger_path: str = ":memory:", run_id: str | None = None,
+                 progress: Callable[[RoundRecord], None] | None = None, secure: SecureAggregation | None = None,
+                 public: PublicFacts | None = None, executor: str = "auto", blas_threads: int | None = 1):
+        if executor not in EXECUTORS:
+            raise ConfigurationError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if blas_threads is not None and (isinstance(blas_threads, bool) or not isinstance(blas_threads, int)
+                                         or blas_threads < 1):
+            raise ConfigurationError(f"blas_threads must be an integer >= 1 or None, got {blas_threads!r}")
+        self.executor = executor
+        self.blas_threads = blas_threads
+        self.algorithm = algorithm
+        self.data = data
+        self.fed = fed
+        self.privacy = privacy
+        self.progress = progress
+        self.secure = secure
+        self.public = public if public is not None else PublicFacts.of(data, privacy, fed)
+        self.run_id = run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"
+        noise = "secure" if privacy.secure_noise else "seeded"
+        meta = {"algorithm": algorithm.name, "dataset": getattr(data, "name", "?"), "noise": noise}
+        if privacy.private and not privacy.secure_noise:
+            meta["warning"] = SEEDED_NOISE_WARNING
+        self.ledger = PrivacyLedger(ledger_path, self.run_id, delta=privacy.delta, epsilon_budget=privacy.epsilon,
+                                    accountant=privacy.resolved_accountant, meta=meta)
+        self.ledger_path = ledger_path
+        self._prepared = False
+
+    def _noise(self, seq: np.random.SeedSequence):
+        return SecureNoise() if self.privacy.secure_noise else SeededNoise(np.random.default_rng(seq))
+
+    def prepare(self) -> None:
+        """Set the algorithm up from the public facts, build the run plan (every noise level, once) and one pipeline
+        per client."""
+        fed, privacy, alg = self.fed, self.privacy, self.algorithm
+        n_clients = self.public.n_clients
+        if len(self.data.train_parts) != n_clients:
+            raise ConfigurationError(f"the public facts declare {n_clients} clients but the data has "
+                                     f"{len(self.data.train_parts)}")
+        setup_seq = seed_stream(fed.seed, "setup")
+        alg.setup(self.public, np.random.default_rng(setup_seq))
+        plan = self.plan = RunPlan.build(alg, privacy, fed, self.public, self.secure)
+        self.ledger.record_meta("trust", plan.trust)  # before the first charge: what every charge holds under
+        # The client side: a separate instance that learns the server's state only from each round's broadcast
+        # (privfl.algorithms.base); an algorithm that has not declared its broadcast runs both halves in one object.
+        self.split = bool(alg.splittable and alg.broadcast_state)
+        self.client_half = (alg.client_half(self.public, np.random.default_rng(setup_seq)) if self.split
+                            else None)
+        self.client_states: list[dict | None] = [None] * n_clients
+        self._broadcast = None
+        self.secure_rng = np.random.default_rng(plan.stream("secure"))  # simulated dropouts only
+        # each client's own encoding generator (rounding coins, noise shares), as a deployment's client holds it
+        self.secure_rngs = {str(k): plan.secure_rng(k) for k in range(n_clients)}
+        self.train_rngs = [plan.train_rng(k) for k in range(n_clients)]
+        self.pipelines = [plan.pipeline(k, self.ledger, self._noise(plan.client_stream(k)))
+                          for k in range(n_clients)]
+        self.server_noise = self._noise(plan.stream("server"))
+        self.sampler = client_sampler(plan.stream("sample"), self.privacy.secure_noise and self.privacy.private)
+        self.channels, self.plans, self.multipliers = list(plan.channels), plan.distributed, plan.noise_multipliers
+        check_schedules_fit(alg, self.data)  # before anything is charged: every client can fill its schedule
+        self._spread = target_spread(self.data.test)
+        self._prepared = True
+
+    def client_step(self, k: int, rnd: int) -> dict[str, Release]:
+        """Everything client ``k`` sends in round ``rnd``: its local work on its own data, then its release pipeline
+        (validate, clip, charge, noise). Raises :class:`PrivacyBudgetExceeded` (nothing charged or released)."""
+        if not self._prepared:
+            self.prepare()
+        out = self._client_update(k, rnd)
+        return self.pipelines[k].release(rnd, out.values, out.weight)
+
+    def broadcast(self, rnd: int):
+        """The server half's broadcast for round ``rnd`` (made once per round; None in single-object mode)."""
+        if not self.split:
+            return None
+        if self._broadcast is None or self._broadcast.round != rnd:
+            self._broadcast = self.algorithm.broadcast(rnd)
+        return self._broadcast
+
+    def _client_update(self, k: int, rnd: int):
+        """Client ``k``'s local work: on its client half, from the broadcast and its own state."""
+        if not self.split:
+            return self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+        out, self.client_states[k] = self.client_half.client_update(
+            k, self.broadcast(rnd), self.data.train_parts[k], self.client_states[k], self.train_rngs[k])
+        return out
+
+    @property
+    def vectorised(self) -> bool:
+        """Whether this run's rounds use the vectorised executor (see the module docstring)."""
+        if self.executor == "per_client":
+            return False
+        split = self._prepared and self.split
+        alg = self.client_half.algorithm if split else self.algorithm
+        able = hasattr(alg, "client_updates") and bool(getattr(alg, "vectorisable", False))
+        if self.executor == "vectorised" and not able:
+            raise ConfigurationError(f"{alg.name} with this model cannot run on the vectorised executor; use "
+                                     f"executor='auto' or 'per_client'")
+        return able
+
+    def client_steps(self, clients, rnd: int):
+        """``(k, releases)`` for each client of ``clients``: what :meth:`client_step` would send, with the local work
+        of all of them done by the round's executor; ``releases`` is the :class:`PrivacyBudgetExceeded` raised by a
+        client whose budget is spent (nothing charged or released for it)."""
+        if not self._prepared:
+            self.prepare()
+        clients = [int(k) for k in clients]
+        datasets, rngs = [self.data.train_parts[k] for k in clients], [self.train_rngs[k] for k in clients]
+        if self.vectorised and self.split:
+            outputs = self._kept(self.client_half.client_updates(
+                clients, self.broadcast(rnd), datasets, [self.client_states[k] for k in clients], rngs))
+        elif self.vectorised:
+            outputs = self.algorithm.client_updates(clients, datasets, rnd, rngs)
+        else:
+            outputs = ((k, self._client_update(k, rnd)) for k in clients)
+        for k, out in outputs:
+            try:
+                # under secure aggregation a value leaves as its masked input: marked released then (_mark_sent)
+                yield k, self.pipelines[k].release(rnd, out.values, out.weight, mark=self.secure is None)
+            except PrivacyBudgetExceeded as exc:
+                yield k, exc
+
+    def _kept(self, steps):
+        """``(k, output)`` of the client half's ``(k, output, state)``, keeping each client's state on its side."""
+        for k, out, state in steps:
+            self.client_states[k] = state
+            yield k, out
+
+    def local_metrics(self, dataset) -> dict[str, float]:
+        """Metrics of the clients' own models on ``dataset`` (the algorithm's ``local_metrics``), computed where the
+        client states live: on the client half with every client's state loaded, or on the one object."""
+        if not self.split:
+            return self.algorithm.local_metrics(dataset)
+        return self.client_half.local_metrics(self.client_states, dataset)
+
+    def diagnostic_algorithm(self) -> FederatedAlgorithm:
+        """The object to read post-run diagnostics from (``calibration_predictions``, ``predict_proba``, a saved
+        model): the algorithm itself in single-object mode; with the halves apart, a copy of the client half holding
+        the server's current state (its broadcast) and every client's state (shared: read it, do not train it)."""
+        if not self._prepared:
+            self.prepare()
+        if not self.split:
+            return self.algorithm
+        return self.client_half.view(self.client_states, self.algorithm.broadcast(self.fed.rounds))
+
+    def _mark_sent(self, clients, rnd: int) -> None:
+        """Mark the round's rows of ``clients`` released: their masked inputs are about to leave (a simulated
+        dropout's rows stay charged and unmarked, as on a deployment)."""
+        with self.ledger.transaction():
+            for cid in clients:
+                mark_round_released(self.ledger, cid, rnd)
+
+    def run(self) -> RunResult:
+        with _blas_limit(self.blas_threads):
+            return self._run()
+
+    def _run(self) -> RunResult:
+        fed, privacy, alg = self.fed, self.privacy, self.algorithm
+        self.prepare()
+        n_clients, pipelines, sampler = self.public.n_clients, self.pipelines, self.sampler
+        channels, plans, multipliers = self.channels, self.plans, self.multipliers
+        result = RunResult(alg.name, getattr(self.data, "name", "?"), n_clients, fed.rounds, privacy.epsilon,
+                           privacy.delta, privacy.resolved_accountant, multipliers, ledger=self.ledger_path,
+                           run_id=self.run_id, noise="secure" if privacy.secure_noise else "seeded")
+        by_name = {c.name: c for c in channels}
+        exhausted: set[int] = set()  # clients whose budget is spent take no further part, charged or not
+        released_any = False
+        for rnd in range(fed.rounds):
+            start = time.perf_counter()
+            if privacy.sampling_rate < 1:
+                selected = np.flatnonzero(sampler.random(n_clients) < privacy.sampling_rate)
+            else:
+                selected = np.arange(n_clients)
+            chosen = set(selected.tolist())
+            releases, sat_out, aborted = [], [], False
+            training = []
+            # The round's charges and release marks share one durable commit; nothing reaches the server (the sums
+            # below) before it, so no release leaves without its row.
+            with self.ledger.transaction():
+                for k in range(n_clients):
+                    if k in exhausted:
+                        sat_out.append(str(k))
+                        continue
+                    if k in chosen:
+                        training.append(k)
+                        continue
+                    try:
+                        pipelines[k].charge_only(rnd)
+                    except PrivacyBudgetExceeded:
+                        exhausted.add(k)
+                        sat_out.append(str(k))
+                for k, sent in self.client_steps(training, rnd):
+                    if isinstance(sent, PrivacyBudgetExceeded):
+                        exhausted.add(k)
+                        sat_out.append(str(k))
+                    else:
+                        releases.extend(sent.values())
+            sat_out.sort(key=int)
+            releases.sort(key=lambda r: int(r.client_id))  # sums in client order, whichever executor trained them
+            if releases:
+                try:
+                    if self.secure is not None:
+                        aggregates = secure_weighted_sums(
+                            releases, by_name, self.secure, self.secure_rng, self.server_noise, distributed=plans,
+                            secure_noise=privacy.secure_noise, client_rngs=self.secure_rngs,
+                            weight_bound=public_weight_bound(privacy, self.public), n_clients=n_clients,
+                            local_stds=local_noise_stds(channels, self.plan.placement, multipliers),
+                            on_masked_input=lambda sent, rnd=rnd: self._mark_sent(sent, rnd))
+                    else:
+                        aggregates = weighted_sums(releases, by_name, self.server_noise)
+                    alg.server_update(aggregates, rnd)
+                except ProtocolAbort:
+                    aborted = True  # the round could not be aggregated safely: nothing is revealed, the global state stays
+            metrics = {**alg.evaluate(self.data.test), **self.local_metrics(self.data.test)}
+            diverged = divergence(alg, metrics, self.data.test, self._spread)
+            if diverged is not None:
+                raise TrainingDiverged(f"{alg.name} diverged in round {rnd + 1} of {fed.rounds}: {diverged}; "
+                                       f"{DIVERGENCE_CAUSES}. The run stopped there: the rounds it ran, this one "
+                                       "included, stay charged in the ledger")
+            if privacy.private:
+                audit = self.ledger.audit()
+                eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]
+            else:  # every release of a non-private run is charged NonPrivateEvent: epsilon = inf once one is made
+                released_any = released_any or bool(releases)
+                eps = [math.inf] if released_any else [0.0]
+            record = RoundRecord(rnd, aborted, len({r.client_id for r in releases}), sat_out, metrics,
+                                 float(max(eps)), float(np.mean(eps)), time.perf_counter() - start)
+            result.history.append(record)
+            if self.progress is not None:
+                self.progress(record)
+        result.audit = self.ledger.audit()
+        if privacy.private and not privacy.secure_noise:
+            result.audit["warning"] = SEEDED_NOISE_WARNING
+        return result
+
+
+# -- multi-phase runs (privfl.runtime.phases) -----------------------------------------------------------------------------
+
+@dataclass
+class PhaseRun:
+    """One phase of a run: its name, the simulation that ran it (its ledger, plan, trained algorithm) and result."""
+
+    name: str
+    simulation: Simulation
+    result: RunResult | None = None
+
+    @property
+    def algorithm(self):
+        return self.simulation.algorithm
+
+    @property
+    def ledger(self):
+        return self.simulation.ledger
+
+
+class PhasedSimulation(Simulation):
+    """A :class:`Simulation` of a multi-phase algorithm (see :mod:`privfl.runtime.phases`). ``Simulation(algorithm, ...)``
+    returns one when ``algorithm`` is phased; the arguments mean what they mean there. After :meth:`run`,
+    ``phase_runs`` holds each phase's :class:`PhaseRun`, ``ledger`` the last phase's ledger."""
+
+    def __init__(self, algorithm, data, fed: FederationConfig, privacy: PrivacyConfig, *,
+                 ledger_path: str = ":memory:", run_id: str | None = None, progress=None, secure=None,
+                 public: PublicFacts | None = None, executor: str = "auto", blas_threads: int | None = 1):
+        if executor not in EXECUTORS:
+            raise ConfigurationError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        self.executor, self.blas_threads = executor, blas_threads
+        self.algorithm, self.data, self.fed, self.privacy = algorithm, data, fed, privacy
+        self.progress, self.secure = progress, secure
+        self._given_public = public
+        self.public = public if public is not None else PublicFacts.of(data, privacy, fed)
+        self.run_id = run_id or f"{algorithm.name}-eps{privacy.epsilon:g}-seed{fed.seed}"
+        self.ledger_path = ledger_path
+        self.ledger = None
+        self.phase_runs: list[PhaseRun] = []
+        self._prepared = False
+
+    def prepare(self) -> None:
+        raise ConfigurationError(f"{self.algorithm.name} runs as several phases, each prepared when it starts: call "
+                                 "run()")
+
+    def client_step(self, k: int, rnd: int):
+        raise ConfigurationError(f"{self.algorithm.name} runs as several phases; a client step belongs to one of "
+                                 "them (run each phase's algorithm in a Simulation of its own)")
+
+    @property
+    def final_algorithm(self):
+        """The last phase's trained server half (what the run learnt: a saved model comes from it)."""
+        if not self.phase_runs:
+            raise RuntimeError(f"{self.algorithm.name}: run() first")
+        return self.phase_runs[-1].algorithm
+
+    def diagnostic_algorithm(self):
+        """The last phase's trained algorithm, to read post-run diagnostics from (a saved model, predictions)."""
+        if not self.phase_runs:
+            raise RuntimeError(f"{self.algorithm.name}: run() first")
+        return self.phase_runs[-1].simulation.diagnostic_algorithm()
+
+    def epsilon_by_round(self, delta: float | None = None) -> dict[str, list[tuple[int, float]]]:
+        """Each client's epsilon after each round it was charged in, the phases' rounds numbered one after the other
+        and composed over every phase so far (as ``PrivacyLedger.epsilon_by_round`` for one run)."""
+        from privfl.accounting.ledger import composed_epsilon as history_epsilon, history_key
+
+        delta = self.privacy.delta if delta is None else delta
+        charged: dict[str, list] = {}
+        offset = 0
+        for p in self.phase_runs:
+            for c in p.ledger.charges():
+                charged.setdefault(c.client_id, []).append((offset + c.round, c.event))
+            offset += p.simulation.fed.rounds
+        accountant = self.privacy.resolved_accountant
+        out = {}
+        for cid, items in sorted(charged.items(), key=lambda kv: (len(kv[0]), kv[0])):
+            rounds = sorted({r for r, _ in items})
+            out[cid] = [(r, history_epsilon(accountant, history_key([i for i in items if i[0] <= r]), delta))
+                        for r in rounds]
+        return out
+
+    def _epsilons(self, ledgers) -> list[float]:
+        eps = composed_epsilon(ledgers, self.privacy.delta, self.privacy.resolved_accountant)
+        return list(eps.values()) or [0.0]
+
+    def run(self) -> RunResult:
+        privacy = self.privacy
+        history: list[RoundRecord] = []
+        self.phase_runs = []
+        offset = 0
+
+        def run_phase(index: int, phase: Phase):
+            nonlocal offset
+            self._open_phase_run(phase, index)
+            sim = Simulation(phase.algorithm, self.data, phase.fed, phase.privacy, ledger_path=self.ledger_path,
+                             run_id=phase_run_id(self.run_id, phase.name), secure=self.secure,
+                             public=self._given_public, executor=self.executor, blas_threads=self.blas_threads)
+            earlier = [p.ledger for p in self.phase_runs]
+            sim.progress = self._recorder(phase.name, offset, earlier, sim)
+            run = PhaseRun(phase.name, sim)
+            self.phase_runs.append(run)
+            self.ledger = sim.ledger
+            run.result = sim.run()
+            history.extend(run.result.history)
+            offset += phase.fed.rounds
+            return sim.algorithm
+
+        run_phases(self.algorithm, self.public, run_phase)
+        ledgers = {p.name: p.ledger for p in self.phase_runs}
+        accountant = privacy.resolved_accountant
+        result = RunResult(self.algorithm.name, getattr(self.data, "name", "?"), self.public.n_clients,
+                           self.fed.rounds, privacy.epsilon, privacy.delta, accountant,
+                           {p.name: p.result.noise_multipliers for p in self.phase_runs}, history,
+                           ledger=self.ledger_path, run_id=self.run_id,
+                           noise="secure" if privacy.secure_noise else "seeded")
+        result.audit = composed_audit(ledgers, self.run_id, privacy.delta, accountant, privacy.epsilon)
+        if privacy.private and not privacy.secure_noise:
+            result.audit["warning"] = SEEDED_NOISE_WARNING
+        if privacy.private and result.audit["max_epsilon"] > privacy.epsilon * (1 + 1e-9):
+            raise RuntimeError(f"{self.algorithm.name}: the phases composed to epsilon "
+                                 f"{result.audit['max_epsilon']} > the target {privacy.epsilon}; this is a bug")
+        result.phases = [{"name": p.name, "run_id": p.result.run_id, "rounds": p.result.rounds,
+                          "epsilon_target": p.result.epsilon_target, "noise_multipliers": p.result.noise_multipliers,
+                          "final": p.result.final, "audit": p.result.audit} for p in self.phase_runs]
+        return result
+
+    def _open_phase_run(self, phase, index: int) -> None:
+        """Open the phase's ledger run first with the metadata that ties it to this run (``phase_of``, ``phase``,
+        ``phase_index``, ``epsilon_target``: what ``privfl audit --run-id <run id>`` composes); the phase's
+        simulation then continues that run."""
+        if self.ledger_path == ":memory:":
+            return
+        from privfl.accounting.ledger import PrivacyLedger
+
+        privacy = phase.privacy
+        meta = phase_ledger_meta(phase, index, self.run_id, getattr(self.data, "name", "?"), self.privacy.epsilon)
+        PrivacyLedger(self.ledger_path, phase_run_id(self.run_id, phase.name), delta=privacy.delta,
+                      epsilon_budget=privacy.epsilon, accountant=privacy.resolved_accountant, meta=meta).close()
+
+    def _recorder(self, name: str, offset: int, earlier: list, sim: Simulation):
+        """The progress hook of phase ``name``: numbers its rounds after the earlier phases', marks them with the
+        phase, and gives each the clients' epsilon composed over the earlier phases and this one so far."""
+
+        def record(rec: RoundRecord) -> None:
+            rec.round += offset
+            rec.phase = name
+            if self.privacy.private:
+                eps = self._epsilons([*earlier, sim.ledger])
+                rec.epsilon_max, rec.epsilon_mean = float(max(eps)), float(np.mean(eps))
+            elif earlier and any(math.isinf(r.epsilon_max) for p in self.phase_runs[:-1] for r in p.result.history):
+                rec.epsilon_max = rec.epsilon_mean = math.inf  # a non-private release of an earlier phase
+            if self.progress is not None:
+                self.progress(rec)
+
+        return record
+
+
+# -- FedBNR's front end -------------------------------------------------------------------------------------------
+
+@dataclass
+class FedBNRRun:
+    """Both phases of a FedBNR run: the phase results, the fitted phase-2 algorithm (the global GP), and each
+    client's epsilon composed over both phases."""
+
+    regression: RunResult
+    algorithm: object  # privfl.algorithms.fedbnr.FedBNR, phase 2's
+    kernel: RunResult | None = None  # phase 1's, if run
+    kernel_algorithm: object | None = None  # privfl.algorithms.fedbnr.FedBNRKernel
+    epsilon_per_client: dict[str, float] = field(default_factory=dict)
+    phase_epsilons: tuple[float, float] | None = None
+    ledgers: list = field(default_factory=list)  # the phases' PrivacyLedgers, kernel first
+    result: RunResult | None = None  # the whole run (every phase's rounds, the composed audit)
+
+    @property
+    def epsilon(self) -> float:
+        return max(self.epsilon_per_client.values(), default=0.0)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.regression.final
+
+
+def run_fedbnr(data, fed, privacy, *, kernel_rounds: int = 0, kernel_fed=None, kernel_share: float = 0.5,
+               kernel_options: Mapping | None = None, options: Mapping | None = None, secure=None,
+               ledger_path: str = ":memory:", run_id: str | None = None, progress=None) -> FedBNRRun:
+    """Run FedBNR: phase 1 for ``kernel_rounds`` rounds (skipped when 0: pure RFF), then phase 2 for ``fed.rounds``
+    rounds (1 suffices), on the same clients, within one (epsilon, delta) per client: ``FedBNR(fed, privacy,
+    kernel_rounds=..., ...)`` through :class:`privfl.runtime.engine.Simulation`, ledger runs ``<id>-kernel`` and
+    ``<id>-regression`` (``<id>``: ``run_id``, default ``fedbnr-<seed>``).
+
+    ``kernel_fed``: the FederationConfig of phase 1 (default ``fed``; its rounds are replaced by ``kernel_rounds``).
+    ``kernel_options`` / ``options``: keyword arguments of ``FedBNRKernel`` (its default network, ``hidden=(32,)``,
+    unless given) / ``FedBNR``. ``secure``: a :class:`privfl.privacy.secure.SecureAggregation` for both phases.
+    """
+    from privfl.algorithms import make_algorithm
+
+    options = dict(options or {})
+    base_id = run_id or f"fedbnr-{fed.seed}"
+    if isinstance(kernel_rounds, bool) or not isinstance(kernel_rounds, int) or kernel_rounds < 0:
+        raise ConfigurationError(f"kernel_rounds must be an integer >= 0, got {kernel_rounds!r}")
+    if kernel_rounds == 0:
+        alg = make_algorithm("fedbnr", fed, privacy, **options)
+        sim = Simulation(alg, data, fed, privacy, ledger_path=ledger_path, run_id=f"{base_id}-regression",
+                         progress=progress, secure=secure)
+        result = sim.run()
+        eps = composed_epsilon([sim.ledger], privacy.delta, privacy.resolved_accountant)
+        return FedBNRRun(result, alg, epsilon_per_client=eps, ledgers=[sim.ledger], result=result)
+    kernel_options = {"hidden": (32,), **dict(kernel_options or {})}
+    alg = make_algorithm("fedbnr", fed, privacy, kernel_rounds=kernel_rounds, kernel_fed=kernel_fed,
+                         kernel_share=kernel_share, kernel_options=kernel_options, **options)
+    sim = Simulation(alg, data, fed, privacy, ledger_path=ledger_path, run_id=base_id, progress=progress,
+                     secure=secure)
+    result = sim.run()
+    kernel, regression = sim.phase_runs
+    return FedBNRRun(regression.result, regression.algorithm, kernel.result, kernel.algorithm,
+                     {cid: v["epsilon"] for cid, v in result.audit["clients"].items()}, alg.phase_epsilons,
+                     ledgers=[kernel.ledger, regression.ledger], result=result)

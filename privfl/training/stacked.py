@@ -1,0 +1,591 @@
+"""The vectorised client executor: many clients' local SGD trained at once with ``torch.func``.
+
+FedAvg-style local training is the same computation on every client: from the broadcast model, ``epochs`` passes of
+shuffled mini-batch SGD (with momentum, and FedProx's proximal term mu/2 ||w - w_global||^2) over the client's own
+records. Clients whose record counts are equal have identical batch schedules, so a chunk of them is trained as one
+batched computation: their parameters are stacked along a leading client axis and ``vmap(grad(loss))`` over
+``functional_call`` gives each client its own gradient on its own batch.
+
+Each client keeps its own generator: its shuffles are drawn from the same ``numpy.random.Generator`` in the same order
+as the per-client loop (``privfl.training.local.train_epochs``), and the optimiser step is torch's SGD update written out
+(``buf = momentum * buf + grad``, first step ``buf = grad``; ``p -= lr * buf``), so the result equals the per-client
+loop to float tolerance. Nothing here touches privacy: every client's output still goes through its own release
+pipeline (``privfl.runtime.engine``).
+
+The same machinery serves the weight-space Bayesian algorithms: :class:`PerExampleGradients` gives a chunk's
+per-example gradients (ghost form on a linear stack, vmap of grad otherwise) whose clipped sums drive DP-SGD
+(:class:`VectorisedDPSGD`, with ``dpsgd_train``'s ``before_step`` / ``extra_gradient`` hooks for FOLA's Fisher pass
+and prior) and whose squared sums are the per-example Fisher of ``privfl.training.fisher``
+(:class:`VectorisedOnlineFisher`, FOLA's online step); :func:`adam_step` and the masked :func:`sgd_step` are torch's
+optimisers on stacked parameters for HBFL's memes and local models (``privfl.algorithms.hbfl.VectorisedHBFL``).
+
+Chunk size: stacked parameters, gradients, momentum buffers and a chunk's activations must fit in memory (and, on a
+CPU, in cache: stacking 1,000 copies of a 79,510-weight MLP at once is memory-bound). The default chunk holds about
+``memory_budget`` bytes of per-client state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+#: bytes of per-client training state (parameters, gradients, momentum, batch activations) one chunk may hold
+DEFAULT_MEMORY_BUDGET = 64 * 2 ** 20
+
+#: module types whose computation is the same pure function on every client (no buffers, no randomness)
+_PURE = (nn.Linear, nn.ReLU, nn.Sequential, nn.AvgPool2d, nn.MaxPool2d, nn.Flatten, nn.Conv2d, nn.Tanh, nn.Sigmoid,
+         nn.Identity, nn.Softplus, nn.GELU, nn.LeakyReLU)
+
+
+def vectorisable(model: nn.Module) -> bool:
+    """Whether ``model`` can be trained by the vectorised executor: built only of stateless layers (no buffers such as
+    batch-norm statistics, no dropout), every parameter a float32 tensor. Anything else runs on the per-client loop."""
+    if any(True for _ in model.buffers()):
+        return False
+    for m in model.modules():
+        if type(m).__module__.startswith("torch.nn") and not isinstance(m, _PURE):
+            return False
+        if isinstance(m, (nn.Dropout, nn.BatchNorm1d, nn.BatchNorm2d)):
+            return False
+    return all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def sgd_step(params: dict, grads: dict, buf: dict | None, *, lr: float, momentum: float,
+             active: torch.Tensor | None = None) -> dict | None:
+    """torch.optim.SGD's update on stacked parameters, in place: with momentum, ``buf = grad`` on the first step and
+    ``momentum * buf + grad`` after, then ``p -= lr * buf``. Returns the momentum buffer (None without momentum).
+
+    ``active`` (a bool per client): only those clients step; the others keep their parameters and momentum, as a
+    client that skips ``optimizer.step()`` does. The buffer then carries a ``"_started"`` flag per client, so each
+    client's first step sets ``buf = grad`` as torch does."""
+    if active is not None:
+        return _masked_sgd_step(params, grads, buf, lr=lr, momentum=momentum, active=active)
+    if momentum != 0:
+        if buf is None:
+            buf = {k: g.clone() for k, g in grads.items()}
+        else:
+            for k, g in grads.items():
+                buf[k].mul_(momentum).add_(g)
+        grads = buf
+    for k, g in grads.items():
+        params[k].add_(g, alpha=-lr)
+    return buf
+
+
+def _masked_sgd_step(params: dict, grads: dict, buf: dict | None, *, lr: float, momentum: float,
+                     active: torch.Tensor) -> dict | None:
+    def rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return mask.reshape(-1, *([1] * (t.dim() - 1)))
+
+    if momentum != 0:
+        if buf is None:
+            buf = {k: torch.zeros_like(g) for k, g in grads.items()}
+            buf["_started"] = torch.zeros(len(active), dtype=torch.bool)
+        started = buf["_started"]
+        for k, g in grads.items():
+            b = buf[k]
+            # torch's update (first step: a copy of the gradient) where a client steps; unchanged elsewhere
+            b.copy_(torch.where(rows(b, active), torch.where(rows(b, started), b * momentum + g, g), b))
+        buf["_started"] = started | active
+        grads = {k: buf[k] for k in grads}
+    for k, g in grads.items():
+        p = params[k]
+        p.copy_(torch.where(rows(p, active), p.add(g, alpha=-lr), p))
+    return buf
+
+
+def adam_step(params: dict, grads: dict, state: dict | None, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+              eps: float = 1e-8) -> dict:
+    """torch.optim.Adam's update (its CPU single-tensor form; no weight decay, no amsgrad) on stacked parameters, in
+    place: ``m = lerp(m, g, 1 - b1)``, ``v = b2 v + (1 - b2) g^2``, ``p -= lr / (1 - b1^t) * m / (sqrt(v) /
+    sqrt(1 - b2^t) + eps)``. Returns the optimiser state (pass it back next step; None on the first)."""
+    beta1, beta2 = betas
+    if state is None:
+        state = {"step": 0, "exp_avg": {k: torch.zeros_like(g) for k, g in grads.items()},
+                 "exp_avg_sq": {k: torch.zeros_like(g) for k, g in grads.items()}}
+    state["step"] += 1
+    step = float(state["step"])
+    step_size = lr / (1 - beta1 ** step)
+    correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    for k, g in grads.items():
+        exp_avg, exp_avg_sq = state["exp_avg"][k], state["exp_avg_sq"][k]
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / correction2_sqrt).add_(eps)
+        params[k].addcdiv_(exp_avg, denom, value=-step_size)
+    return state
+
+
+def unflatten(flat: torch.Tensor, names, shapes) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` (``(..., total)``: one flat row per client, or one vector) shaped ``(..., *shape)`` per
+    parameter name, in the model's parameter order."""
+    out, start = {}, 0
+    for name, shape in zip(names, shapes):
+        size = shape.numel()
+        out[name] = flat[..., start:start + size].reshape(*flat.shape[:-1], *shape)
+        start += size
+    return out
+
+
+def chunk_size(model: nn.Module, n_records: int, batch_size: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
+    """Clients per chunk: about ``memory_budget`` bytes of parameters, gradients, momentum and one batch's
+    activations per chunk (at least one client)."""
+    dim = sum(p.numel() for p in model.parameters())
+    width = max((p.shape[0] for p in model.parameters() if p.dim() >= 1), default=1)
+    per_client = 4 * (4 * dim + 4 * min(batch_size, n_records) * width)
+    return max(1, int(memory_budget // per_client))
+
+
+class VectorisedSGD:
+    """Trains chunks of clients of one model architecture at once (see the module docstring).
+
+    Args:
+        model: a module of the architecture every client trains (its parameters are not changed; only its structure
+            is used through ``functional_call``).
+        epochs, batch_size, lr, momentum: the local optimiser, as in :func:`privfl.training.local.train_epochs`.
+        prox_mu: FedProx's proximal coefficient (0 for FedAvg).
+        memory_budget: bytes of per-client state one chunk may hold.
+    """
+
+    def __init__(self, model: nn.Module, *, epochs: int, batch_size: int, lr: float, momentum: float,
+                 prox_mu: float = 0.0, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+        self.epochs, self.batch_size, self.lr, self.momentum = int(epochs), int(batch_size), float(lr), float(momentum)
+        self.prox_mu = float(prox_mu)
+        self.memory_budget = int(memory_budget)
+        self._buffer: torch.Tensor | None = None
+        self._grad = vmap(grad(self._loss), in_dims=(0, 0, 0, None))
+
+    def _loss(self, params: dict, x: torch.Tensor, y: torch.Tensor, anchor: dict) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(functional_call(self.model, params, (x,)), y)
+        if self.prox_mu > 0:
+            loss = loss + 0.5 * self.prox_mu * sum((params[n] - anchor[n]).pow(2).sum() for n in self.names)
+        return loss
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return unflatten(flat, self.names, self.shapes)
+
+    def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              rngs: Sequence[np.random.Generator]) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield ``(i, update_i)`` for every client ``i`` of ``datasets``: its local model after training minus the
+        broadcast model (float32, as the per-client loop of ``FedAvg.client_update`` computes it), chunk by chunk. Clients are
+        grouped by record count; ``rngs[i]`` is consumed exactly as the per-client loop would consume it."""
+        by_size: dict[int, list[int]] = {}
+        for i, (x, _) in enumerate(datasets):
+            by_size.setdefault(len(x), []).append(i)
+        start32 = torch.as_tensor(global_params, dtype=torch.float32)
+        for n, members in by_size.items():
+            step = chunk_size(self.model, n, self.batch_size, self.memory_budget)
+            for lo in range(0, len(members), step):
+                chunk = members[lo:lo + step]
+                final = self._train_chunk(start32, [datasets[i] for i in chunk], [rngs[i] for i in chunk], n)
+                # float32 end to end, as the per-client loop computes it (trained model minus the broadcast model);
+                # a fresh array per chunk (the training buffer is reused by the next chunk)
+                updates = np.subtract(final.numpy(), start32.numpy())
+                for row, i in enumerate(chunk):
+                    yield i, updates[row]
+
+    def _train_chunk(self, start32: torch.Tensor, datasets, rngs, n: int) -> torch.Tensor:
+        """The chunk's final parameters, one flat float32 row per client."""
+        c = len(datasets)
+        anchor = self._unflatten(start32)
+        if self._buffer is None or self._buffer.shape[0] < c or self._buffer.shape[1] != start32.numel():
+            self._buffer = torch.empty(c, start32.numel())  # reused by every chunk: its pages are already mapped
+        flat = self._buffer[:c]
+        flat.copy_(start32.unsqueeze(0).expand(c, -1))  # every client starts from the broadcast model
+        params = self._unflatten(flat)  # views of ``flat``, updated in place
+        if n == 0:
+            return flat
+        x = torch.stack([d[0] for d in datasets])  # (c, n, ...)
+        y = torch.stack([d[1] for d in datasets])  # (c, n)
+        rows = torch.arange(c).unsqueeze(1)
+        buf: dict[str, torch.Tensor] | None = None
+        for _ in range(self.epochs):
+            order = torch.as_tensor(np.stack([rng.permutation(n) for rng in rngs]))  # each client's own shuffle
+            for s in range(0, n, self.batch_size):
+                idx = order[:, s:s + self.batch_size]
+                grads = self._grad(params, x[rows, idx], y[rows, idx], anchor)
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
+        return flat
+
+
+#: parameter-free layers applied elementwise (what may sit between the linear layers of a linear stack)
+ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
+
+
+def linear_stack(model: nn.Module):
+    """``(prefix, layers)`` when ``model`` computes ``Sequential(parameter-free reshaping prefix, then linear layers
+    and elementwise activations)`` (an ``nn.Sequential``, or privfl's MLP), else None. ``prefix``: the modules before
+    the first linear layer (flatten, average pooling); ``layers``: ``("linear", qualified name)`` or
+    ``("act", module)`` in order."""
+    from privfl.models.nets import MLP
+
+    if isinstance(model, nn.Sequential):
+        seq, base = model, ""
+    elif type(model) is MLP and type(model).forward is MLP.forward:
+        seq, base = model.net, "net."
+    else:
+        return None
+    prefix, layers = [], []
+    for name, module in seq.named_children():
+        if type(module) is nn.Linear:
+            layers.append(("linear", base + name))
+        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
+            prefix.append(module)
+        elif layers and isinstance(module, ELEMENTWISE):
+            layers.append(("act", module))
+        else:
+            return None
+    if not layers or layers[-1][0] != "linear":
+        return None
+    return prefix, layers
+
+
+class PerExampleTerms:
+    """A chunk's per-example loss gradients at stacked parameters, kept in the cheapest form that gives their norms,
+    their weighted sums and the weighted sums of their squares (per client, per parameter).
+
+    On a linear stack (ghost form) a linear layer's per-example gradient is the outer product of its output gradient
+    b_i and its input a_i: its squared norm is |a_i|^2 |b_i|^2, the weighted sum is B^T diag(f) A and the weighted sum
+    of squares (the Fisher diagonal of ``privfl.training.fisher``) is (B^2)^T diag(f) A^2. Otherwise ``per_example`` holds every
+    example's gradient (vmap of grad)."""
+
+    def __init__(self, names, losses, *, layers=None, per_example=None):
+        self.names, self.losses = names, losses
+        self.layers = layers  # [(weight name, bias name or None, inputs a (c, w, in), backprops b (c, w, out))]
+        self.per_example = per_example
+
+    def norms2(self) -> torch.Tensor:
+        """||grad l_i||^2 per client and example, (c, w)."""
+        c, width = self.losses.shape
+        if self.layers is None:
+            return sum(g.reshape(c, width, -1).pow(2).sum(-1) for g in self.per_example.values())
+        total = torch.zeros(c, width)
+        for _, bias, a, b in self.layers:
+            b2 = b.pow(2).sum(-1)
+            total += a.pow(2).sum(-1) * b2
+            if bias is not None:
+                total += b2
+        return total
+
+    def sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """sum_i f_i grad l_i per client, by parameter name."""
+        if self.layers is None:
+            return {k: torch.einsum("cb,cb...->c...", factor, g) for k, g in self.per_example.items()}
+        out = {}
+        for weight, bias, a, b in self.layers:
+            scaled = b * factor.unsqueeze(-1)
+            out[weight] = torch.bmm(scaled.transpose(1, 2), a)
+            if bias is not None:
+                out[bias] = scaled.sum(1)
+        return out
+
+    def square_sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """sum_i f_i (grad l_i)^2 per client, by parameter name (the per-example Fisher diagonal)."""
+        if self.layers is None:
+            return {k: torch.einsum("cb,cb...->c...", factor, g.pow(2)) for k, g in self.per_example.items()}
+        out = {}
+        for weight, bias, a, b in self.layers:
+            scaled = b.pow(2) * factor.unsqueeze(-1)
+            out[weight] = torch.bmm(scaled.transpose(1, 2), a.pow(2))
+            if bias is not None:
+                out[bias] = scaled.sum(1)
+        return out
+
+    def flat(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``parts`` as one (c, parameters) tensor in the model's parameter order."""
+        c = self.losses.shape[0]
+        return torch.cat([parts[k].reshape(c, -1) for k in self.names], dim=1)
+
+
+class PerExampleGradients:
+    """Per-example cross-entropy gradients of chunks of clients (:class:`PerExampleTerms`): ghost form on a linear
+    stack, vmap of grad otherwise. ``weight`` (c, w) marks the real rows of padded batches (0 for padding)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.stack = linear_stack(model)
+        self._per_example = vmap(vmap(grad(self._loss, has_aux=True), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
+
+    def _loss(self, params: dict, x: torch.Tensor, y: torch.Tensor):
+        loss = nn.functional.cross_entropy(functional_call(self.model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+        return loss, loss.detach()
+
+    def __call__(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor) -> PerExampleTerms:
+        if self.stack is None:
+            per_example, losses = self._per_example(params, xb, yb)
+            return PerExampleTerms(self.names, losses, per_example=per_example)
+        prefix, layers = self.stack
+        c, width = weight.shape
+        h = xb.reshape(c * width, *xb.shape[2:])
+        for module in prefix:
+            h = module(h)
+        h = h.reshape(c, width, -1).requires_grad_()
+        inputs, outputs, linear = [], [], []
+        for kind, module in layers:
+            if kind == "linear":
+                w = params[module + ".weight"]
+                bias = params.get(module + ".bias")
+                inputs.append(h)
+                h = torch.bmm(h, w.transpose(1, 2)) if bias is None else torch.baddbmm(bias.unsqueeze(1), h,
+                                                                                        w.transpose(1, 2))
+                outputs.append(h)
+                linear.append((module + ".weight", module + ".bias" if bias is not None else None))
+            else:
+                h = module(h)
+        losses = nn.functional.cross_entropy(h.reshape(c * width, -1), yb.reshape(-1), reduction="none")
+        losses = losses.reshape(c, width)
+        backprops = torch.autograd.grad((losses * weight).sum(), outputs)
+        return PerExampleTerms(self.names, losses.detach(), layers=[
+            (wn, bn, a.detach(), b) for (wn, bn), a, b in zip(linear, inputs, backprops)])
+
+
+def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
+    """opacus's (and ``privfl.training.fisher``'s) per-example clip factor min(1, C / (||g|| + 1e-6))."""
+    return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
+    """N(0, std^2) noise of ``shape`` drawn by ``mechanisms.SecureNoise`` (OS CSPRNG, full-resolution Box-Muller:
+    no tail cut, unlike torch's float32 ``normal``, whose single draws stop at 5.77 sigma), then cast to ``dtype``
+    (float32 holds any such draw)."""
+    from privfl.mechanisms import SecureNoise
+
+    draws = SecureNoise().standard_normal(tuple(int(s) for s in shape))
+    return torch.from_numpy(np.asarray(draws, dtype=np.float64) * float(std)).to(dtype)
+
+
+class VectorisedDPSGD:
+    """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
+    of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
+
+    Per step, each client draws its Poisson batch from its own sampling generator exactly as opacus's
+    ``UniformWithReplacementSampler`` does (``rand(n) < q``); the chunk's batches are padded to the longest with
+    zero-weight rows; ``vmap`` over clients of ``vmap`` over examples gives every example's gradient; each is clipped
+    to ``clip`` with opacus's factor ``min(1, clip / (norm + 1e-6))``; the clipped sum gets the client's Gaussian noise
+    of std ``noise_multiplier * clip``, drawn from its own noise generator parameter by parameter as opacus draws it
+    (with secure noise: ``mechanisms.SecureNoise``, see :func:`secure_gaussian`), and is divided by the public
+    expected batch; then
+    torch's SGD step (with momentum). An empty batch is still a step (noise only). Seeded identically, it gives the
+    per-client loop's model to float tolerance.
+
+    Args:
+        model: the architecture (only its structure is used, through ``functional_call``).
+        schedule: the clients' common :class:`~privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`.
+        noise_multiplier, clip, lr, momentum: as in ``dpsgd_train``.
+        secure_noise: the noise from ``mechanisms.SecureNoise`` (and Poisson generators seeded from OS entropy by the
+            caller); False: torch's generator, reproducible from the seed.
+        memory_budget: bytes of per-client state (per-example gradients of one batch) one chunk may hold.
+    """
+
+    def __init__(self, model: nn.Module, *, schedule, noise_multiplier: float, clip: float, lr: float,
+                 momentum: float, secure_noise: bool, memory_budget: int = 4 * DEFAULT_MEMORY_BUDGET):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.schedule = schedule
+        self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
+        self.secure_noise = bool(secure_noise)
+        self.memory_budget = int(memory_budget)
+        self.per_example = PerExampleGradients(model)
+        self._stack = self.per_example.stack
+
+    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
+        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses). On a linear
+        stack without materialising per-example gradients (ghost clipping, as opacus does it)."""
+        terms = self.per_example(params, xb, yb, weight)
+        return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses
+
+    def chunk(self) -> int:
+        """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
+        only its activations) and four copies of the parameters within the budget."""
+        dim = sum(p.numel() for p in self.model.parameters())
+        batch = max(1.0, 1.5 * self.schedule.sample_rate * max(self.schedule.size, 1))
+        if self._stack is not None:
+            width = max((p.shape[0] + p.shape[-1] for p in self.model.parameters() if p.dim() == 2), default=1)
+            return max(1, int(self.memory_budget // (4 * (4 * dim + 4 * batch * width))))
+        return max(1, int(self.memory_budget // (4 * dim * (batch + 4))))
+
+    def _noise(self, shape, generator: torch.Generator) -> torch.Tensor:
+        std = self.z * self.clip
+        if std == 0:
+            return torch.zeros(shape)
+        if self.secure_noise:  # the OS CSPRNG through mechanisms.SecureNoise: a tail without a cut (float64 draws)
+            return secure_gaussian(shape, std)
+        return torch.normal(0.0, std, size=shape, generator=generator)
+
+    def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              generators: Sequence[tuple[torch.Generator, torch.Generator]]) -> Iterator[tuple[int, np.ndarray, dict]]:
+        """Yield ``(i, update_i, stats_i)`` for every client: its model after ``schedule.steps`` DP-SGD steps minus
+        ``global_params`` (float64, as ``dpsgd_fedavg`` computes it) and ``{"train_loss", "dpsgd_steps"}``.
+        ``generators[i]`` is client i's (noise, sampling) generator pair, created in that order."""
+        for i, final, stats in self.train_models(global_params, datasets, generators):
+            yield i, np.subtract(final, global_params, dtype=np.float64), stats
+
+    def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
+                     before_step: Callable | None = None, extra_gradient: Callable | None = None
+                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
+        """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
+
+        The hooks are ``dpsgd_train``'s, for a chunk at once: ``before_step(members, epoch, step, params)`` runs after
+        the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
+        chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
+        ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
+        place before the update."""
+        start32 = torch.as_tensor(global_params, dtype=torch.float32)
+        step = self.chunk()
+        for lo in range(0, len(datasets), step):
+            members = list(range(lo, min(lo + step, len(datasets))))
+            final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
+                                             members, before_step, extra_gradient)
+            rows = final.numpy()
+            for row, i in enumerate(members):
+                yield i, rows[row], stats[row]
+
+    def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None):
+        c = len(datasets)
+        shapes = [p.shape for _, p in self.model.named_parameters()]
+        flat = start32.unsqueeze(0).repeat(c, 1)
+        params, offset = {}, 0
+        for name, shape in zip(self.names, shapes):
+            params[name] = flat[:, offset:offset + shape.numel()].view(c, *shape)
+            offset += shape.numel()
+        sched = self.schedule
+        expected = sched.expected_batch if sched.size else None
+        q = sched.sample_rate
+        buf: dict[str, torch.Tensor] | None = None
+        loss_total, seen = [0.0] * c, [0] * c
+        steps = 0
+        for epoch in range(sched.epochs):
+            for step in range(sched.steps_per_epoch):
+                idx = [(torch.rand(len(x), generator=gen[1]) < q).nonzero().reshape(-1)
+                       for (x, _), gen in zip(datasets, generators)]
+                if before_step is not None:
+                    before_step(members, epoch, step, params)
+                width = max(len(i) for i in idx)
+                grads = {k: torch.zeros_like(v) for k, v in params.items()}
+                if width:
+                    feats = datasets[0][0].shape[1:]
+                    xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
+                    yb = torch.zeros(c, width, dtype=datasets[0][1].dtype)
+                    weight = torch.zeros(c, width)
+                    for r, ((x, y), i) in enumerate(zip(datasets, idx)):
+                        xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
+                    sums, losses = self._clipped_sums(params, xb, yb, weight)
+                    for k, g in sums.items():
+                        grads[k] = g
+                    for r, i in enumerate(idx):
+                        loss_total[r] += float((losses[r] * weight[r]).sum())
+                        seen[r] += len(i)
+                for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
+                    batch = expected if expected is not None else q * len(x)
+                    for k, shape in zip(self.names, shapes):
+                        grads[k][r] += self._noise(shape, generators[r][0])
+                        grads[k][r] /= batch
+                if extra_gradient is not None:
+                    extra_gradient(members, params, grads)
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
+                steps += 1
+        stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
+        return flat, stats
+
+
+class VectorisedOnlineFisher:
+    """Mini-batch SGD on mean cross-entropy plus a diagonal Gaussian prior term, for chunks of clients at once, that
+    reads the per-example Fisher diagonal of the task loss off each step's own per-example gradients (FOLA's online
+    local step, ``FOLA._train_online``: eq. 16's prior term, eq. 22's Fisher).
+
+    The loss of a batch is mean CE + ``prior_weight`` / 2 sum_j ``prior_precision``_j (theta_j - ``prior_mean``_j)^2;
+    its task gradient is the mean of the batch's per-example gradients (:class:`PerExampleGradients`), whose squares
+    are added to the client's Fisher sum (no clip: the non-private and client-level modes). Clients are grouped by
+    record count; each draws its shuffles from its own generator exactly as :func:`privfl.training.local.batches` does, and
+    the update is torch's SGD (:func:`sgd_step`), so each client's result equals the per-client loop to float
+    tolerance.
+    """
+
+    def __init__(self, model: nn.Module, *, epochs: int, batch_size: int, lr: float, momentum: float,
+                 prior_weight: float, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for _, p in model.named_parameters()]
+        self.epochs, self.batch_size, self.lr, self.momentum = int(epochs), int(batch_size), float(lr), float(momentum)
+        self.prior_weight = float(prior_weight)
+        self.memory_budget = int(memory_budget)
+        self.per_example = PerExampleGradients(model)
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return unflatten(flat, self.names, self.shapes)
+
+    def chunk(self, n: int) -> int:
+        """Clients per chunk: parameters, momentum, Fisher, gradients and one batch's per-example terms."""
+        dim = sum(p.numel() for p in self.model.parameters())
+        batch = min(self.batch_size, max(n, 1))
+        if self.per_example.stack is not None:
+            width = max((p.shape[0] + p.shape[-1] for p in self.model.parameters() if p.dim() == 2), default=1)
+            per_client = 4 * (5 * dim + 4 * batch * width)
+        else:
+            per_client = 4 * dim * (batch + 5)
+        return max(1, int(self.memory_budget // per_client))
+
+    def train(self, prior_mean: np.ndarray, prior_precision: np.ndarray,
+              datasets: Sequence[tuple[torch.Tensor, torch.Tensor]], rngs: Sequence[np.random.Generator]
+              ) -> Iterator[tuple[int, np.ndarray, np.ndarray, float]]:
+        """Yield ``(i, model_i, fisher_i, loss_i)`` for every client: its trained parameters (float32, starting from
+        ``prior_mean``), the sum over its steps of its per-example squared task gradients (float32) and its mean
+        task loss over all steps."""
+        start32 = torch.as_tensor(prior_mean, dtype=torch.float32)
+        anchor = self._unflatten(start32)
+        precision = self._unflatten(torch.as_tensor(prior_precision, dtype=torch.float32))
+        by_size: dict[int, list[int]] = {}
+        for i, (x, _) in enumerate(datasets):
+            by_size.setdefault(len(x), []).append(i)
+        for n, members in by_size.items():
+            step = self.chunk(n)
+            for lo in range(0, len(members), step):
+                chunk = members[lo:lo + step]
+                final, fisher, losses = self._train_chunk(start32, anchor, precision, [datasets[i] for i in chunk],
+                                                          [rngs[i] for i in chunk], n)
+                for row, i in enumerate(chunk):
+                    yield i, final[row].numpy(), fisher[row].numpy(), losses[row]
+
+    def _train_chunk(self, start32, anchor, precision, datasets, rngs, n: int):
+        c = len(datasets)
+        flat = start32.unsqueeze(0).repeat(c, 1)
+        params = self._unflatten(flat)
+        fisher = torch.zeros_like(flat)
+        total = torch.zeros(c, dtype=torch.float64)
+        seen = 0
+        if n == 0:
+            return flat, fisher, [0.0] * c
+        x = torch.stack([d[0] for d in datasets])
+        y = torch.stack([d[1] for d in datasets])
+        rows = torch.arange(c).unsqueeze(1)
+        buf = None
+        half = 0.5 * self.prior_weight
+        for _ in range(self.epochs):
+            order = torch.as_tensor(np.stack([rng.permutation(n) for rng in rngs]))
+            for s in range(0, n, self.batch_size):
+                idx = order[:, s:s + self.batch_size]
+                width = idx.shape[1]
+                ones = torch.ones(c, width)
+                terms = self.per_example(params, x[rows, idx], y[rows, idx], ones)
+                grads = terms.sums(ones / width)  # the mean loss's gradient
+                for k in self.names:  # the prior term's gradient, as autograd forms it: (lambda/2 prec) * 2 (p - m)
+                    grads[k] = grads[k] + (half * precision[k]) * (2 * (params[k] - anchor[k]))
+                fisher += terms.flat(terms.square_sums(ones))
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
+                total += terms.losses.double().mean(1) * width
+                seen += width
+        return flat, fisher, (total / seen).tolist()
+
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "PerExampleGradients", "PerExampleTerms", "VectorisedDPSGD",
+           "VectorisedOnlineFisher", "VectorisedSGD", "adam_step", "chunk_size", "clip_factor", "linear_stack",
+           "sgd_step", "unflatten", "vectorisable"]

@@ -1,0 +1,194 @@
+"""Mechanism-level empirical audit: the lower bound never exceeds the claim; injected faults are caught."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from privfl.apps.empirical_audit import audit_gaussian_release
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("z", [1.0, 2.0])
+def test_lower_bound_stays_below_the_claimed_epsilon(z):
+    result = audit_gaussian_release(z, trials=100_000, seed=1)
+    assert 0 < result.epsilon_lower_bound <= result.claimed_epsilon
+    assert result.passed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mutation", ["half_noise", "no_clip"])
+def test_mutations_are_caught(mutation):
+    result = audit_gaussian_release(2.0, trials=100_000, mutation=mutation, seed=2)
+    assert result.epsilon_lower_bound > result.claimed_epsilon, result
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mutation"):
+        audit_gaussian_release(1.0, mutation="other")
+    with pytest.raises(ValueError, match="trials"):
+        audit_gaussian_release(1.0, trials=10)
+
+
+# -- DP-FedSGD: the algorithm's own client step, black box -----------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _client_sums(sim, data, channel, trials: int, seed: int) -> list[np.ndarray]:
+    """``trials`` draws of the canary client's release on D (its one record) and on D' (no record), each draw with
+    its own generator: what the client half sends, as it sends it."""
+    half, broadcast, present = sim.client_half, sim.broadcast(0), data.train_parts[0]
+    sums = []
+    for dataset in (present, present.subset(np.arange(0))):
+        rngs = [np.random.default_rng([seed, i]) for i in range(trials)]
+        sums.append(np.stack([out.values[channel.name].value for _, out, _ in
+                              half.client_updates(range(trials), broadcast, [dataset] * trials, [None] * trials,
+                                                  rngs)]))
+    return sums
+
+
+def _dp_fedsgd_sums(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
+    """``trials`` runs of DP-FedSGD's client step (Poisson coin at q = 1/2, per-example clip, box) on D = {an outlier
+    record} and on its neighbour D' = {} (the worst case: nothing else in the sum), projected on the outlier's clipped
+    gradient; the std of the plan's central noise; and the epsilon the ledger claims for that round."""
+
+    from privfl.accounting.accountants import make_accountant
+    from privfl.algorithms.dp_fedsgd import DPFedSGD
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+
+    rng = np.random.default_rng(3)
+    canary = (np.full((1, 4), 50.0, np.float32), np.array([1], np.int64))  # gradient norm >> C: clipped to C
+    test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
+    data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
+    fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)  # public total 2, lot 1: q = 1/2
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1), data, fed, privacy)
+    sim.prepare()
+    (channel,) = sim.channels
+    assert channel.record_sampling_rate == 0.5
+    sums = _client_sums(sim, data, channel, trials, seed=5)
+    drawn = np.linalg.norm(sums[0], axis=1)
+    assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])  # the coin of q = 1/2; D' sends zeros
+    direction = sums[0][drawn.argmax()] / drawn.max()  # the outlier's clipped gradient (norm C)
+    std = sim.plan.noise_multipliers[channel.name] * channel.sensitivity
+    claimed = make_accountant("pld").compose(sim.plan.round_events(0)[channel.name]).get_epsilon(delta)
+    return sums[0] @ direction, sums[1] @ direction, std, claimed
+
+
+def _dp_fedsgd_scores(noise_scale: float):
+    """The projected releases with ``noise_scale`` times the plan's noise, and the claimed epsilon."""
+
+    projected_in, projected_out, std, claimed = _dp_fedsgd_sums()
+    rng = np.random.default_rng(int(noise_scale * 1000))
+    # the noise is isotropic: its projection on the unit direction is N(0, std^2)
+    return (projected_in + rng.normal(scale=std * noise_scale, size=projected_in.shape),
+            projected_out + rng.normal(scale=std * noise_scale, size=projected_out.shape), claimed)
+
+
+
+
+# -- DP-FedSGD with distributed noise: the client's encoding under secure aggregation, black box ------------------
+
+@functools.lru_cache(maxsize=1)
+def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: float = 1e-5, clients: int = 3):
+    """DP-FedSGD with ``placement="distributed"``: client 0 holds one outlier record (D) or none (D'), the other
+    clients none (the worst case: nothing else in the sum). ``trials`` runs of client 0's own step (Poisson coin at
+    q = 1/2, per-example clip, box); the run's encodings (quantiser and discrete-Gaussian share, from public facts);
+    the outlier's clipped direction; and the epsilon the ledger claims for the round (the plan's event, RDP)."""
+
+    from privfl.accounting.accountants import make_accountant
+    from privfl.algorithms.dp_fedsgd import DPFedSGD
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+    from privfl.privacy.secure import (SecureAggregation, channel_encodings, local_noise_stds, public_weight_bound)
+
+    rng = np.random.default_rng(4)
+    canary = (np.full((1, 4), 50.0, np.float32), np.array([1], np.int64))  # gradient norm >> C: clipped to C
+    empty = (np.zeros((0, 4), np.float32), np.zeros(0, np.int64))
+    test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
+    data = federated_from_arrays([canary] + [empty] * (clients - 1), test, task="classification", num_classes=2,
+                                 name="canary")
+    fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)  # public total 2 per client
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False,
+                            placement="distributed", accountant="rdp")
+    secure = SecureAggregation(min_survivors=clients, malicious=False)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=clients), data, fed, privacy, secure=secure)  # q = 1/2
+    sim.prepare()
+    (channel,) = sim.channels
+    assert channel.record_sampling_rate == 0.5
+    encodings = channel_encodings(sim.channels, secure, n_clients=clients,
+                                  local_stds=local_noise_stds(sim.channels, sim.plan.placement, sim.multipliers),
+                                  weight_bound=public_weight_bound(privacy, sim.public), distributed=sim.plans)
+    assert encodings[channel.name].noise_sigma > 0 and encodings[channel.name].min_inputs == clients
+    sums = _client_sums(sim, data, channel, trials, seed=6)
+    drawn = np.linalg.norm(sums[0], axis=1)
+    assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])
+    direction = sums[0][drawn.argmax()] / drawn.max()
+    claimed = make_accountant("rdp").compose(sim.plan.round_events(0)[channel.name]).get_epsilon(delta)
+    return sums, channel, encodings, direction, claimed
+
+
+def _dp_fedsgd_distributed_scores(sigma_scale: float):
+    """Each trial's secure sum as the server decodes it (client 0's encoding of its sampled sum plus the others'
+    encodings of zero sums, each with its own discrete-Gaussian share, summed mod 2^bits), projected on the
+    outlier's direction; ``sigma_scale`` scales every share's std (a fault to catch when < 1)."""
+    import dataclasses
+
+
+    from privfl.core.release import Release
+    from privfl.privacy.secure import decode_secure_sum, encode_for_secure_sum
+
+    sums, channel, encodings, direction, claimed = _dp_fedsgd_distributed()
+    encodings = {n: dataclasses.replace(e, noise_sigma=e.noise_sigma * sigma_scale) for n, e in encodings.items()}
+    (enc,) = encodings.values()
+    modulus = np.uint64(1) << np.uint64(enc.quantiser.bits) if enc.quantiser.bits < 64 else None
+    clients = enc.min_inputs
+    zero = np.zeros(channel.shape)
+    rng = np.random.default_rng(int(sigma_scale * 1000) + 7)
+    scores = []
+    for values in sums:
+        projected = np.empty(len(values))
+        for i, value in enumerate(values):
+            releases = [{channel.name: Release(str(k), 0, channel.name, value if k == 0 else zero, 1.0, 0.0, 0.0,
+                                               f"audit/{k}")} for k in range(clients)]
+            words = [encode_for_secure_sum(r, encodings, rng, secure_noise=False) for r in releases]
+            total = words[0]
+            for w in words[1:]:
+                total = total + w
+            if modulus is not None:
+                total = total % modulus
+            agg = decode_secure_sum(total, encodings, {channel.name: channel},
+                                    [{channel.name: r[channel.name].header} for r in releases])
+            projected[i] = agg[channel.name].total.ravel() @ direction
+        scores.append(projected)
+    return scores[0], scores[1], claimed
+
+
+
+# central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings
+_DP_FEDSGD_SCORES = {"central": lambda scale: _dp_fedsgd_scores(scale),
+                     "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("placement", sorted(_DP_FEDSGD_SCORES))
+def test_dp_fedsgd_round_lower_bound_stays_below_the_claim(placement):
+    from privfl.apps.empirical_audit import epsilon_lower_bound
+
+    score_in, score_out, claimed = _DP_FEDSGD_SCORES[placement](1.0)
+    assert claimed <= 4.0
+    eps_lb, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
+    assert 0 < eps_lb <= claimed
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("placement", sorted(_DP_FEDSGD_SCORES))
+def test_dp_fedsgd_audit_catches_a_quarter_of_the_noise(placement):
+    """A quarter of the noise's std (the Gaussian's, or every discrete-Gaussian share's) must be caught."""
+    from privfl.apps.empirical_audit import epsilon_lower_bound
+
+    score_in, score_out, claimed = _DP_FEDSGD_SCORES[placement](0.25)
+    eps_lb, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
+    assert eps_lb > claimed

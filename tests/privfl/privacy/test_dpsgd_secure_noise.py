@@ -1,0 +1,65 @@
+"""DP-SGD's noise under secure noise comes from ``mechanisms.SecureNoise`` (issue 25: no tail cut). torch's float32
+``normal`` stops at 5.77 sigma (and opacus's secure_mode sums four such draws): the privacy loss of a coordinate that
+an extra record shifts past the cut is unbounded, which can exceed delta over a long schedule. Both DP-SGD engines
+(opacus for the per-client loop, the vectorised executor) now add N(0, (z C)^2) / B drawn by SecureNoise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from privfl.privacy.record_level import DPSGDSchedule, dpsgd_train
+from privfl.training.stacked import VectorisedDPSGD, secure_gaussian
+from privfl.mechanisms import SecureNoise
+
+
+def _Constant(value):
+    """SecureNoise.standard_normal's stand-in: every draw the same value (far in a tail torch's float32 normal never
+    reaches, for 9)."""
+
+    def standard_normal(_self, shape):
+        return np.full(shape, value)
+
+    return standard_normal
+
+
+def test_secure_gaussian_passes_any_draw_through_and_has_the_right_scale(monkeypatch):
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(9.0))
+    got = secure_gaussian((3, 2), 0.5)
+    assert got.dtype == torch.float32 and torch.all(got == 4.5)  # 9 sigma: torch's float32 normal stops at 5.77
+    monkeypatch.undo()
+    draws = secure_gaussian((200_000,), 2.0, torch.float64)
+    assert abs(float(draws.std()) - 2.0) < 0.02 and abs(float(draws.mean())) < 0.02
+
+
+@pytest.mark.parametrize("value", [0.0, 9.0])
+def test_opacus_path_adds_secure_noise_of_std_zC_over_B(monkeypatch, value):
+    """q = 1 (the batch is every record), one step of SGD at lr 1: the update is -(sum of clipped gradients + z C
+    times the draw) / B, so two runs whose draws differ by 9 differ by exactly 9 z C / B in every parameter."""
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(value))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=1, size=8)
+    dpsgd_train(model, x, y, schedule, noise_multiplier=1.5, clip=0.4, lr=1.0, momentum=0.0,
+                rng=np.random.default_rng(0), secure_noise=True)
+    moved = torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start)])
+    _RESULTS[value] = moved
+    if len(_RESULTS) == 2:
+        shift = (_RESULTS[0.0] - _RESULTS[9.0]).numpy()
+        np.testing.assert_allclose(shift, 9.0 * 1.5 * 0.4 / schedule.expected_batch, rtol=1e-5)
+
+
+_RESULTS: dict = {}
+
+
+def test_vectorised_executor_draws_secure_noise(monkeypatch):
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(9.0))
+    schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=1, size=8)
+    executor = VectorisedDPSGD(nn.Linear(3, 2), schedule=schedule, noise_multiplier=1.5, clip=0.4, lr=1.0,
+                               momentum=0.0, secure_noise=True)
+    noise = executor._noise((2, 3), torch.Generator())
+    assert torch.allclose(noise, torch.full((2, 3), 9.0 * 1.5 * 0.4))
