@@ -129,6 +129,12 @@ class FederatedAlgorithm(abc.ABC):
     def channels(self) -> list[Channel]:
         """The channels every client releases each round (available after :meth:`setup`)."""
 
+    def planned_events(self, client: int) -> Mapping[str, Any]:
+        """The event each DP-SGD-trained channel (``TrainedPrivately``) of ``client`` charges per round, fixed before
+        any client trains: what the run plan records and every release of the channel must charge. An algorithm with
+        such channels implements it (the run plan refuses a private run where one is missing); the others have none."""
+        return {}
+
     @abc.abstractmethod
     def client_update(self, client: int, dataset, round: int, rng: np.random.Generator) -> ClientOutput:
         """Local work of ``client`` on its ``dataset`` from the current global state."""

@@ -420,6 +420,14 @@ class HBFL(FederatedAlgorithm):
         return {"natural_mean": untempered * np.asarray(mean, dtype=np.float64) - self.global_natural_mean,
                 "precision": untempered - self.global_precision}
 
+    def planned_events(self, client: int) -> dict:
+        """The per-round events of ``client``'s record-level releases (the run plan's): the natural mean carries the
+        meme's DP-SGD training, the precision is its post-processing (charged nothing more); none otherwise."""
+        if self.accountant is None:
+            return {}
+        plan = dpsgd_schedule(self, client)
+        return {"natural_mean": plan.round_event(self.dpsgd_noise_multiplier(plan)), "precision": NoOpEvent()}
+
     def dpsgd_noise_multiplier(self, plan: DPSGDSchedule) -> float:
         """The smallest z whose ``fed.rounds`` rounds of ``plan`` meet the target (epsilon, delta) under the run's
         accountant (``dpsgd_fedavg.calibrate_dpsgd``, cached per schedule)."""

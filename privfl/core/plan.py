@@ -172,10 +172,14 @@ class RunPlan:
             multipliers = noise_multipliers_for(channels, privacy, fed.rounds)
             placement = "local" if privacy.placement == "local" else "central"
         trained = {}
-        if privacy.private and any(isinstance(c.clip, TrainedPrivately) for c in channels):
-            planned = getattr(algorithm, "planned_events", None)
-            if planned is not None:
-                trained = {k: dict(planned(k)) for k in range(n_clients)}
+        trained_channels = [c.name for c in channels if isinstance(c.clip, TrainedPrivately)]
+        if privacy.private and trained_channels:
+            trained = {k: dict(algorithm.planned_events(k)) for k in range(n_clients)}
+            missing = sorted({c for k in trained for c in trained_channels if c not in trained[k]})
+            if missing:
+                raise ConfigurationError(f"{algorithm.name}: the DP-SGD-trained channel(s) {missing} have no planned "
+                                         "event (FederatedAlgorithm.planned_events): the run plan must fix what "
+                                         "every release charges before any client trains")
         return cls(int(fed.seed), n_clients, int(fed.rounds), tuple(channels), placement, multipliers,
                    float(privacy.sampling_rate), privacy.unit, distributed, trained)
 

@@ -42,9 +42,10 @@ CASES = [
     ("dpsgd_fedavg", PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=0.5, adjacency="replace_one",
                                    secure_noise=False), None),
     ("fola", PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=0.5, secure_noise=False), None),
+    ("hbfl", PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=0.5, secure_noise=False), None),
 ]
 IDS = ["fedavg", "dp_fedavg-local", "dp_fedavg-sampled", "dp_fedavg-distributed", "fola-client", "dpsgd_fedavg",
-       "dpsgd_fedavg-declared-sizes", "fola-example"]
+       "dpsgd_fedavg-declared-sizes", "fola-example", "hbfl-example"]
 
 
 @pytest.mark.parametrize("name, privacy, secure", CASES, ids=IDS)
@@ -98,3 +99,20 @@ def test_distributed_noise_without_secure_aggregation_is_refused():
     sim = Simulation(ALGORITHMS["dp_fedavg"](FED, privacy), _federation(), FED, privacy)
     with pytest.raises(ConfigurationError, match="secure aggregation"):
         sim.prepare()
+
+
+def test_a_trained_channel_without_a_planned_event_is_refused():
+    """Every DP-SGD-trained channel's event is fixed by the plan before any client trains: an algorithm that plans
+    none for it is refused before anything is charged."""
+    from privfl.algorithms.dpsgd_fedavg import DPSGDFedAvg
+    from privfl.errors import ConfigurationError
+
+    class Unplanned(DPSGDFedAvg):
+        def planned_events(self, client):
+            return {}
+
+    privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=0.5, secure_noise=False)
+    sim = Simulation(Unplanned(FED, privacy), _federation(), FED, privacy)
+    with pytest.raises(ConfigurationError, match="no planned event"):
+        sim.prepare()
+    assert sim.ledger.charges("0") == []
