@@ -76,7 +76,8 @@ from torch import nn
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule, dpsgd_train
+from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model,
+                                         dpsgd_schedule, dpsgd_train, other_round_events)
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product,
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
@@ -323,13 +324,8 @@ class FOLA(FederatedAlgorithm):
     def _dpsgd_noise_multiplier(self, schedule: DPSGDSchedule) -> float:
         """DP-SGD's z: what the target leaves after the runtime's calibrated Fisher releases (module docstring)."""
         if schedule not in self._dpsgd:
-            if self._fisher_events is None:
-                from privfl.accounting.events import GaussianEvent
-                from privfl.core.plan import noise_multipliers_for  # the very multipliers the run's pipelines use
-
-                zs = noise_multipliers_for(self.channels(), self.privacy, self.fed.rounds)
-                self._fisher_events = [GaussianEvent(ch.sensitivity, zs[ch.name] * ch.sensitivity)
-                                       for ch in self.channels() if not isinstance(ch.clip, TrainedPrivately)]
+            if self._fisher_events is None:  # the Fisher releases' events, at the run plan's own multipliers
+                self._fisher_events = list(other_round_events(self.channels(), self.privacy, self.fed.rounds))
             self._dpsgd[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
                                                     schedule, self.accountant, other_round_events=self._fisher_events)
         return self._dpsgd[schedule]

@@ -175,6 +175,20 @@ def _calibrate_dpsgd(epsilon: float, delta: float, rounds: int, schedule: DPSGDS
     return z
 
 
+def other_round_events(channels, privacy, rounds: int) -> tuple[PrivacyEvent, ...]:
+    """The per-round events of a run's channels that are not DP-SGD-trained (a client's Gaussian releases beside its
+    DP-SGD training, e.g. FOLA's Fisher), at the noise multipliers the run plan gives them
+    (``privfl.core.plan.noise_multipliers_for``): what :func:`calibrate_dpsgd` composes with the training."""
+    from privfl.core.channels import TrainedPrivately
+    from privfl.core.plan import noise_multipliers_for
+
+    others = [c for c in channels if c.private and not isinstance(c.clip, TrainedPrivately)]
+    if not others:
+        return ()
+    multipliers = noise_multipliers_for(channels, privacy, rounds)
+    return tuple(GaussianEvent(c.sensitivity, multipliers[c.name] * c.sensitivity) for c in others)
+
+
 def check_opacus_model(model: nn.Module, algorithm: str) -> None:
     """Refuse a model opacus cannot train with per-example clipping, saying what to change: the problems of
     ``opacus.validators.ModuleValidator.validate`` (BatchNorm mixes examples of a batch, so one example's gradient is
@@ -309,4 +323,4 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
 
 __all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_dpsgd_privacy", "check_opacus_model",
-           "dpsgd_schedule", "dpsgd_train"]
+           "dpsgd_schedule", "dpsgd_train", "other_round_events"]
