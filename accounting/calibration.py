@@ -27,7 +27,7 @@ from types import MappingProxyType
 from .accountants import ACCOUNTANTS, Accountant, make_accountant
 from .accountants.analytic_gaussian import gaussian_mu
 from .errors import InvalidPrivacyParameter, UnsupportedEventError
-from .events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent
+from .events import ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from .rounds import round_events
 from .validation import (MAX_TOL, MIN_SHARE_RATIO, MIN_TOL, check_count, check_delta,
                                    check_non_negative_finite, check_positive_finite, check_probability,
@@ -234,10 +234,11 @@ def _calibrate(target_epsilon: float, target_delta: float, rounds: int, sampling
     found = None
     if name == "exact":
         found = _closed_form_exact(target_epsilon, target_delta, rounds, epsilon_at)
-    if found is None:  # aimed a hair below the target: the ledger composes round by round, which can differ from
-        # the count-composition searched here by ~1e-9 relative (sampled rounds); nothing must tip it over
-        found = _bisect(target_epsilon * (1.0 - LEDGER_MARGIN), epsilon_at, tol, guess=_initial_guess(target_epsilon, target_delta, rounds,
-                                                                             sampling_rate), step=1.15)
+    if found is None:  # the one search, over the factory s -> the run's rounds (it aims LEDGER_MARGIN below)
+        found = calibrate_noise(lambda s: SelfComposedEvent(round_event(multipliers(s), sampling_rate, relation),
+                                                            rounds),
+                                target_epsilon, target_delta, factory, tol=tol,
+                                guess=_initial_guess(target_epsilon, target_delta, rounds, sampling_rate), step=1.15)
     s, epsilon = found
     return Calibration(noise_multipliers=multipliers(s), epsilon=epsilon, delta=target_delta, accountant=name,
                        rounds=rounds, sampling_rate=sampling_rate, target_epsilon=target_epsilon, relation=relation)
@@ -314,11 +315,6 @@ def calibrate_noise(make_event: Callable[[float], PrivacyEvent], target_epsilon:
     if step <= 1.0 + tol:
         raise InvalidPrivacyParameter(f"step must exceed 1 + tol, got {step}")
     return _search(target_epsilon * (1.0 - LEDGER_MARGIN), epsilon_at, tol, guess, lower, upper, step)
-
-
-def _bisect(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float,
-            guess: float, step: float = 2.0) -> tuple[float, float]:
-    return _search(target_epsilon, epsilon_at, tol, guess, _MIN_NOISE, _MAX_NOISE, step)
 
 
 def _search(target_epsilon: float, epsilon_at: Callable[[float], float], tol: float, guess: float,
