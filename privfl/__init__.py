@@ -34,7 +34,7 @@ _EXPORTS = {
     "Release": "privfl.core.release", "ReleasePipeline": "privfl.core.release", "RunResult": "privfl.runtime.engine",
     "Simulation": "privfl.runtime.engine", "SecureAggregation": "privfl.privacy.secure", "federate": "privfl.apps.api",
     "FederatedResult": "privfl.apps.api", "Algorithm": "privfl.algorithms.plain", "LocalData": "privfl.algorithms.plain",
-    "register_algorithm": "privfl.privacy", "unregister_algorithm": "privfl.privacy",
+    "register_algorithm": "privfl.privacy.wrapper", "unregister_algorithm": "privfl.privacy.wrapper",
 }
 
 __all__ = [

@@ -295,18 +295,15 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=resolve_unit(algorithm, unit),
                             clip=settings["clip"], secure_noise=secure_noise,
                             sampling_rate=sampling_rate, placement=placement)
-    if secure_agg is True:
-        from privfl.privacy.secure import SecureAggregation
+    from privfl.privacy.secure import SecureAggregation
 
+    if secure_agg is True:
         secure_agg = SecureAggregation()
     elif secure_agg is False or secure_agg is None:
         secure_agg = None
-    else:
-        from privfl.privacy.secure import SecureAggregation
-
-        if not isinstance(secure_agg, SecureAggregation):
-            raise ConfigurationError(f"secure_agg must be True, False or a privfl.SecureAggregation, got "
-                                     f"{type(secure_agg).__name__}")
+    elif not isinstance(secure_agg, SecureAggregation):
+        raise ConfigurationError(f"secure_agg must be True, False or a privfl.SecureAggregation, got "
+                                 f"{type(secure_agg).__name__}")
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
     sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id, secure=secure_agg)

@@ -306,9 +306,9 @@ def _image_input(args, data) -> bool:
 
 
 def cmd_run(args) -> int:
-    from privfl.algorithms import ALGORITHMS, algorithm_defaults, make_algorithm
+    from privfl.algorithms import ALGORITHMS, make_algorithm
     from privfl.algorithms.base import is_phased
-    from privfl.apps.settings import FALLBACKS, resolve_settings, resolve_unit
+    from privfl.apps.settings import resolve_settings, resolve_unit
     from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.data import make_federated
     from privfl.errors import ConfigurationError
@@ -326,11 +326,7 @@ def cmd_run(args) -> int:
         if math.isfinite(args.epsilon) and args.algorithm in ALGORITHMS:
             print(f"privfl run: privacy unit {args.unit!r} (the default for {args.algorithm}; pass --unit to choose)",
                   file=sys.stderr)
-    image = _image_input(args, data)
-    keys = set(FALLBACKS) | (set(algorithm_defaults(args.algorithm, image=image)) if args.algorithm in ALGORITHMS
-                             else set())
-    for key, value in resolve_settings(args.algorithm, {k: getattr(args, k, None) for k in keys},
-                                       image=image).items():
+    for key, value in resolve_settings(args.algorithm, vars(args), image=_image_input(args, data)).items():
         setattr(args, key, value)
     built_in = {"dataset": "mnist5k", "clients": 10, "partition": "iid", "alpha": 0.1} if data is None else {}
     for key, value in {"secagg_bits": 48, "dropout": 0.0, "corruption": 0.0, **built_in}.items():

@@ -1453,8 +1453,6 @@ def algorithm_modules(algorithm: str, modules=()) -> list[str]:
     """``modules`` (paths of Python files that define and register the run's own algorithms) checked: each a ``.py``
     file whose name is a module name; and when ``algorithm`` was registered with ``privfl.register_algorithm`` from a
     file, that file is among them (the Flower app must import it to know the algorithm)."""
-    import inspect
-
     from privfl.algorithms import ALGORITHMS
 
     paths = [os.path.abspath(str(m)) for m in modules]
@@ -1466,12 +1464,8 @@ def algorithm_modules(algorithm: str, modules=()) -> list[str]:
         raise ConfigurationError("modules: two files with the same name")
     plain = getattr(ALGORITHMS.get(algorithm), "plain_type", None)
     if plain is not None and not plain.__module__.startswith("privfl."):
-        try:
-            source = os.path.abspath(inspect.getfile(plain))
-        except (TypeError, OSError):  # a module loaded from a file without sys.modules: its functions know the file
-            files = {v.__code__.co_filename for v in vars(plain).values() if inspect.isfunction(v)
-                     and not v.__code__.co_filename.startswith("<") and v.__code__.co_filename != dataclasses.__file__}
-            source = os.path.abspath(files.pop()) if len(files) == 1 else None
+        code = plain.client_step.__code__  # the algorithm's own step (abstract in the base): it knows its file
+        source = None if code.co_filename.startswith("<") else os.path.abspath(code.co_filename)
         if source not in paths:
             where = source or f"module {plain.__module__}"
             raise ConfigurationError(f"the algorithm {algorithm!r} is registered in this process only: pass "

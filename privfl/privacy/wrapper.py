@@ -135,7 +135,6 @@ class PrivateAlgorithm(FedAvg):
                                          f"post-processing of its DP-SGD training); it declares {list(channels)}")
             if loss is not None:
                 TaskLoss(loss).require_per_example(self.name)
-        self._multipliers: dict = {}
         self.server_state: dict[str, Any] = {}
         self.broadcast_values: dict[str, Any] = {}
         self.client_states: dict[int, dict] = {}
@@ -192,11 +191,8 @@ class PrivateAlgorithm(FedAvg):
         return super().release_weight(dataset, client)
 
     def noise_multiplier(self, schedule) -> float:
-        """DP-SGD's z for a client with ``schedule``, calibrated once per distinct schedule."""
-        if schedule not in self._multipliers:
-            self._multipliers[schedule] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
-                                                          schedule, self.accountant)
-        return self._multipliers[schedule]
+        """DP-SGD's z for a client with ``schedule`` (``calibrate_dpsgd`` computes it once per schedule and target)."""
+        return calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds, schedule, self.accountant)
 
     def planned_events(self, client: int) -> dict:
         """The per-round event of ``client``'s release at record level (the run plan's); empty otherwise."""

@@ -72,6 +72,11 @@ def _summary(sim) -> dict:
 @pytest.fixture
 def capture(monkeypatch):
     """Simulation.prepare records the run's summary and stops the entry point there."""
+    return install_capture(monkeypatch)
+
+
+def install_capture(monkeypatch) -> list[dict]:
+    """What :func:`capture` does, for a test elsewhere that runs this module's entry-point checks."""
     seen: list[dict] = []
     original = Simulation.prepare
 

@@ -270,11 +270,15 @@ def per_commit(entry) -> bool:
     client sampling; distributed noise: secure aggregation without sampling), plus one rotating variant among the
     others (distributed: with sampling every other 4-tuple)."""
     name, unit, adjacency, placement, secure, sampling = entry
-    four = [g[:4] for g in GRID if g[4:] == ((True, False) if g[3] == "distributed" else (False, False))]
-    turn = four.index(entry[:4]) // 3  # the 4-tuples of one algorithm and placement are 3 apart (3 placements)
+    turn = _FOUR[entry[:4]] // 3  # the 4-tuples of one algorithm and placement are 3 apart (3 placements)
     if placement == "distributed":
         return not sampling or turn % 2 == 0
     return (secure, sampling) in ((False, False), _ROTATION[turn % 3])
+
+
+#: each algorithm x unit x relation x placement of the grid -> its position among them
+_FOUR = {g[:4]: i for i, g in enumerate(g for g in GRID if g[4:] == ((True, False) if g[3] == "distributed"
+                                                                     else (False, False)))}
 
 
 def grid_params(grid):

@@ -20,7 +20,7 @@ from sklearn.datasets import load_digits
 import privfl
 from privfl.algorithms import ALGORITHMS, algorithm_options
 from privfl.errors import ConfigurationError
-from privfl.privacy import PrivateAlgorithm, register_algorithm, unregister_algorithm
+from privfl.privacy.wrapper import PrivateAlgorithm, register_algorithm, unregister_algorithm
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
@@ -186,6 +186,8 @@ def test_registration_refuses_what_it_cannot_run():
 # ------------------------------------------------------------------------ the neighbouring-dataset contract on it
 
 sys.path.insert(0, str(ROOT / "tests" / "privfl"))
+sys.path.insert(0, str(ROOT / "tests" / "contracts"))
+import test_entry_points as entry  # noqa: E402
 import test_neighbouring_contract as contract  # noqa: E402
 
 CONTRACT_GRID = [(unit, adjacency, placement, secure, sampling)
@@ -210,6 +212,16 @@ def test_fedadam_keeps_the_neighbouring_contract(fedadam_file, monkeypatch, unit
     monkeypatch.setattr(contract, "make", make)
     contract.test_what_a_client_sends_on_neighbouring_datasets("fedadam", unit, adjacency, placement, secure,
                                                                sampling)
+
+
+@pytest.mark.parametrize("unit", ["example", "client"])
+def test_federate_shows_the_server_the_same_fedadam_run_on_neighbours(fedadam_file, monkeypatch, unit):
+    """From the user's entry point (``privfl.federate``), D and its neighbours give the server the same public facts,
+    plan, planned events and trust (and the same refusal without a declared size): the entry-point contract of
+    tests/contracts/test_entry_points.py, run on the README's algorithm."""
+    capture = entry.install_capture(monkeypatch)
+    entry.test_federate_shows_the_server_the_same_run_on_neighbours("fedadam", unit, capture)
+    assert capture and all(summary["events"][0] is not None for summary in capture)
 
 
 def test_the_contract_grid_runs_fedadam_privately_at_both_units(fedadam_file):
