@@ -10,19 +10,25 @@ Measured side by side in one run on this machine:
 - ``round_s``: a full protocol round in process (quantise N float vectors, the stages, decode) for N clients,
   d coordinates and a dropout fraction of clients that drop after sharing keys, before sending their masked input
   (every such dropout forces the server to reconstruct a key and regenerate its pairwise masks), in the
-  malicious-server variant that privfl runs by default: Ed25519 signatures of every key bundle and masked input and
-  the consistency round are counted here (and only here: ``mask_over_bound`` measures the masking alone);
-  ``round_semi_honest_s`` is the same round without them, and ``malicious_over_semi_honest`` = round_s /
-  round_semi_honest_s (goal <= 1.5): the two variants run interleaved ``--round-repeats`` times, each key the best
-  run (``round_median_s``, ``round_semi_honest_median_s``: the medians). Every party runs in this one process, one
-  after the other, so a round time is the work of all N clients and the server together: each client's share of the
-  malicious variant's extra work is verifying the signatures of its neighbours' key bundles and of the survivors
-  within two hops of it (``client.ClientSession``): at N = 100 about 109 Ed25519 verifications (40 bundles, ~69
-  survivor-set signatures), whatever d, ~6.6 ms of the ~0.7 s the round's 100 clients and server add together;
+  malicious-server variant that privfl runs by default: the Ed25519 signatures of every key bundle, masked input and
+  survivor set (which the server verifies), the pairwise tags (HMAC-SHA256, ``identity.tag``) of the bundles and
+  survivor sets (which the clients verify) and the consistency round are counted here (and only here:
+  ``mask_over_bound`` measures the masking alone); ``round_semi_honest_s`` is the same round without them, and
+  ``malicious_over_semi_honest`` = round_s / round_semi_honest_s (goal <= 1.5): the two variants run interleaved
+  ``--round-repeats`` times, each key the best run (``round_median_s``, ``round_semi_honest_median_s``: the medians).
+  The clients keep their identities (``ClientIdentity``) from round to round, as a deployment's do, so a pairwise key
+  is derived once per pair of clients: ``round_first_s`` is the first round of those identities, which derives them
+  (a pairwise key is one X25519 agreement and one HKDF, ``pairwise_key_us``), and ``malicious_first_over_semi_honest``
+  = round_first_s / round_semi_honest_s; it is also what every round costs where a client keeps no state between
+  rounds (a Flower ClientApp). Every party runs in this one process, one after the other, so a round time is the work
+  of all N clients and the server together: a client's share of the malicious variant's extra work is checking the
+  tags of its neighbours' key bundles and of the survivors within two hops of it (``client.ClientSession``), about 100
+  tags at N = 100 (``tag_verify_us`` each), and the server's is verifying 3 N signatures;
   ``round_spread_s`` (one run) spreads the same number of dropouts over the share-keys, masked-input and unmask
   stages; the degree and threshold are derived from the dropout (``secure_agg.derive_parameters``);
   ``input_signature_ms`` is one client's signature of its masked input (SHA-256 of the d words + Ed25519),
-  ``signature_verify_us`` one Ed25519 verification of a survivor-set signature (``IdentityRegistry.verify``);
+  ``signature_verify_us`` one Ed25519 verification of a survivor-set signature (``IdentityRegistry.verify``, the
+  server's unit of extra work), ``tag_verify_us`` one check of a survivor-set tag (the client's);
 - ``flower_round_s``: the same round (same N, d, dropouts, share-holder count and threshold) through Flower's SecAgg+
   (``SecAggPlusWorkflow`` + ``secaggplus_mod``) over an in-process loopback grid, when ``flwr`` is importable, and
   ``flower_over_privfl`` = flower_round_s / round_s (goal >= 5; one Flower run against the best malicious privfl
@@ -53,7 +59,8 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from privfl.secure_agg import ClientSession, Quantiser, SessionConfig, derive_parameters, generate_identity, run_round
+from privfl.secure_agg import (ClientIdentity, ClientSession, Quantiser, SessionConfig, derive_parameters,
+                               generate_identity, run_round)
 from privfl.secure_agg import identity as I
 from privfl.secure_agg import messages as M
 from privfl.secure_agg import primitives as P
@@ -148,6 +155,28 @@ def bench_signature_verification(repeats: int) -> float:
     return 1e6 * min(times)
 
 
+def bench_tags(repeats: int) -> tuple[float, float]:
+    """Microseconds (best of ``repeats`` batches of 200): one pairwise-key derivation (X25519 + HKDF, on an identity
+    that has not met the peer) and one check of a survivor-set tag (content digest + HMAC), as a client makes them."""
+    keys = {c: generate_identity() for c in range(1, 202)}
+    registry = I.IdentityRegistry({c: I.identity_public_bytes(k) for c, k in keys.items()})
+    parts = (bytes(32), I.encode_ids(range(1, 81)), I.encode_ids(range(81, 101)))
+    derive, check = [], []
+    for _ in range(repeats):
+        me = ClientIdentity(keys[1])
+        start = time.perf_counter()
+        for peer in range(2, 202):
+            me.pairwise_key(1, peer, registry)
+        derive.append((time.perf_counter() - start) / 200)
+        key = me.pairwise_key(1, 2, registry)
+        value = I.tag(key, I.content_digest(I.SURVIVORS_PURPOSE, bytes(32), 2, *parts), 1)
+        start = time.perf_counter()
+        for _ in range(200):
+            assert I.check_tag(key, I.content_digest(I.SURVIVORS_PURPOSE, bytes(32), 2, *parts), 1, value)
+        check.append((time.perf_counter() - start) / 200)
+    return 1e6 * min(derive), 1e6 * min(check)
+
+
 # ---------------------------------------------------------------------------------------------- full round
 def _dropouts(keys, fraction: float, spread: bool) -> dict:
     k = int(round(fraction * len(keys)))
@@ -159,13 +188,13 @@ def _dropouts(keys, fraction: float, spread: bool) -> dict:
 
 
 def privfl_round(vectors: dict, bits: int, clip: float, drop_at: dict, degree: int, threshold: int,
-                 dropout: float, malicious: bool = True):
+                 dropout: float, malicious: bool = True, identities: dict | None = None):
     rng = np.random.default_rng(1)
     start = time.perf_counter()
     q = Quantiser(low=-clip, high=clip, bits=bits, n_clients=len(vectors))
     words = {k: q.quantise(v, rng) for k, v in vectors.items()}
     result = run_round(words, bits=bits, degree=degree, threshold=threshold, drop_at=drop_at, dropout=dropout,
-                       malicious=malicious)
+                       malicious=malicious, identities=identities if malicious else None)
     mean = q.decode_sum(result.sum, len(result.included)) / len(result.included)
     elapsed = time.perf_counter() - start
     plain = np.zeros(len(next(iter(words.values()))), dtype=np.uint64)
@@ -307,13 +336,19 @@ def main(argv=None) -> None:
     emit("threshold", probe.threshold)
     emit("input_signature_ms", bench_input_signature(args.d, args.bits, args.repeats))
     emit("signature_verify_us", bench_signature_verification(args.repeats))
+    pairwise_us, tag_us = bench_tags(args.repeats)
+    emit("pairwise_key_us", pairwise_us)
+    emit("tag_verify_us", tag_us)
     drop = _dropouts(keys, args.dropout, spread=False)
     common = (args.bits, args.clip)
     params = dict(degree=probe.degree, threshold=probe.threshold, dropout=args.dropout)
+    # the deployment's identities, kept from round to round: their first round derives the pairwise keys
+    identities = {k: ClientIdentity(generate_identity()) for k in keys}
+    first = privfl_round(vectors, *common, drop, **params, identities=identities)
     # the two variants interleaved, best of --round-repeats each (the least-disturbed run, as for the masking)
     malicious_runs, semi_honest_runs = [], []
     for _ in range(args.round_repeats):
-        malicious_runs.append(privfl_round(vectors, *common, drop, **params))
+        malicious_runs.append(privfl_round(vectors, *common, drop, **params, identities=identities))
         semi_honest_runs.append(privfl_round(vectors, *common, drop, **params, malicious=False))
     round_s = min(run[0] for run in malicious_runs)
     round_semi_honest_s = min(run[0] for run in semi_honest_runs)
@@ -326,10 +361,13 @@ def main(argv=None) -> None:
     emit("round_semi_honest_s", round_semi_honest_s)
     emit("round_semi_honest_sum_exact", str(all(run[1] for run in semi_honest_runs)).lower())
     emit("malicious_over_semi_honest", round_s / round_semi_honest_s)
+    emit("round_first_s", first[0])
+    emit("round_first_sum_exact", str(first[1]).lower())
+    emit("malicious_first_over_semi_honest", first[0] / round_semi_honest_s)
     emit("round_median_s", statistics.median(run[0] for run in malicious_runs))
     emit("round_semi_honest_median_s", statistics.median(run[0] for run in semi_honest_runs))
     spread = _dropouts(keys, args.dropout, spread=True)
-    elapsed, exact, _, included = privfl_round(vectors, *common, spread, **params)
+    elapsed, exact, _, included = privfl_round(vectors, *common, spread, **params, identities=identities)
     emit("round_spread_s", elapsed)
     emit("round_spread_sum_exact", str(exact).lower())
 

@@ -28,11 +28,11 @@ with ``advertise_keys``, ``share_keys``, ``masked_input`` and ``unmask`` (or ``h
 frozen dataclass with ``to_dict``/``from_dict`` and ``to_bytes``/``from_bytes``.
 
 Malicious-server variant: ``SessionConfig.create(..., malicious=True)``; each client gets its long-term Ed25519
-``identity_key``, every party the deployment's ``IdentityRegistry`` (client id -> public key, registered out of
+``identity_key`` (better: ``ClientIdentity(key)``, kept for the deployment, which caches the pairwise keys), every party the deployment's ``IdentityRegistry`` (client id -> public key, registered out of
 band), and each client its own declared ``ThreatModel(dropout=..., corruption=..., min_inputs=...)`` (from facts fixed
 before the run, never from the server): ``ClientSession(config, client_id, words, identity_key=key, registry=registry,
 threat_model=model)`` derives the degree, threshold and survivor floor itself and refuses a configuration that differs.
-The server closes one more stage, ``consistency_proof``, between ``unmask_request`` and ``finalize``, and clients answer
+The server closes one more stage, ``consistency_proofs``, between ``unmask_request`` and ``finalize``, and clients answer
 ``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True, dropout=...)``.
 
 A transport whose client runs each stage in a fresh process (a Flower ClientApp) keeps the client's session between
@@ -79,7 +79,7 @@ else:
     from .client import ClientSession
     from .errors import MessageFormatError, ProtocolAbort, QuantisationRangeError
     from .graph import default_degree, neighbour_graph
-    from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+    from .identity import ClientIdentity, IdentityRegistry, generate_identity, identity_public_bytes
     from .messages import message_from_dict
     from .params import ParameterError, Parameters, ThreatModel, check_parameters, derive_parameters
     from .protocol import STAGES, SessionConfig, default_threshold
@@ -91,6 +91,6 @@ else:
         "run_round", "RoundResult", "Quantiser", "noise_headroom", "ProtocolAbort", "QuantisationRangeError",
         "MessageFormatError", "SessionConfig", "ClientSession", "ServerSession", "AggregateResult", "STAGES",
         "message_from_dict", "default_degree", "default_threshold", "neighbour_graph",
-        "IdentityRegistry", "generate_identity", "identity_public_bytes",
+        "ClientIdentity", "IdentityRegistry", "generate_identity", "identity_public_bytes",
         "ParameterError", "Parameters", "ThreatModel", "check_parameters", "derive_parameters",
     ]

@@ -9,25 +9,29 @@ ciphertext that fails authentication. It reveals, per peer, the self-seed share 
 (peer dropped), never both, and never for a survivor set smaller than the session's ``min_inputs`` or one that cuts
 the neighbour graph into a part smaller than that (``protocol.survivor_set_problem``).
 
-Malicious-server variant (``config.malicious``; needs the client's long-term Ed25519 ``identity_key`` and the
-deployment's ``IdentityRegistry``, and, to check the server's configuration, the client's declared
-``params.ThreatModel``). The client
+Malicious-server variant (``config.malicious``; needs the client's long-term Ed25519 ``identity_key``, or the
+``identity.ClientIdentity`` that wraps it and caches its pairwise keys, and the deployment's ``IdentityRegistry``,
+and, to check the server's configuration, the client's declared ``params.ThreatModel``). What a client tells the
+server it signs (the server checks); what it tells one peer it tags under the key the two share (``identity.tag``:
+only that peer can check it, and neither the server nor any third client can make it). The client
 
 1. refuses a configuration other than the one it derives from its threat model (degree, threshold, survivor floor,
    variant; ``protocol.threat_model_problem``), and a semi-honest one whenever it holds an identity key (no downgrade);
-2. signs its fresh key bundle, and aborts on a peer bundle whose signature does not verify (key substitution);
+2. signs its fresh key bundle and tags it for each neighbour, and aborts on a peer bundle whose tag does not verify
+   (key substitution);
 3. checks the session's transcript (the digest of every advertised bundle) holds its own bundle and its neighbours',
    and hashes it: every later signature covers this transcript hash, so no signature verifies outside the one session
    in which it was made (a session id reused by the server does not help: the bundles are fresh);
 4. signs its masked input with the transcript hash and the exact set R(u) of peers it masked with (its attestation);
 5. in the consistency round checks the survivor set U and dropped set D (``_check_survivors``: R(u) = N(u) & (U | D),
    at least ``required_inputs`` survivors, its part of the graph restricted to U at least that large) and signs
-   (transcript hash, U, D);
+   (transcript hash, U, D), tagging the same for every survivor within three hops (all who may count it in check 6);
 6. before revealing anything (``_check_proof``), for every survivor b within two hops of it in the graph restricted to
    U (b in {a} | N(a) & U for a = itself or an alive peer whose self-seed share it reveals): b proves it took part in
-   this very session with R(b) = N(b) & (U | D), by its signature of (transcript, U, D) or by its input attestation;
-   and ``threshold`` of b's share holders signed (transcript, U, D). The same count is required for every dropped peer
-   whose mask-key share it reveals.
+   this very session with R(b) = N(b) & (U | D), by its tag of (transcript, U, D) or by its signed input attestation;
+   and ``threshold`` of b's share holders tagged (transcript, U, D) for us. The same count is required for every
+   dropped peer whose mask-key share it reveals. ("Signed" below: signed or tagged; a tag from an honest client to an
+   honest one is as unforgeable as a signature, and a client tags one survivor set per session.)
 
 Why this suffices (an active server colluding with at most C clients, C below ``2 threshold - degree - 1`` holders of
 any client, which ``params.derive_parameters`` guarantees; C = 0 on a sparse graph): the server learns a linear
@@ -56,7 +60,7 @@ from . import primitives as P
 from . import shamir
 from .errors import ProtocolAbort
 from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, EncryptedShare, KeyDirectory,
-                                 MaskedInput, RevealedShare, ShareDelivery, ShareKeys, UnmaskRequest, UnmaskShares)
+                       MaskedInput, RevealedShare, ShareDelivery, ShareKeys, Tag, UnmaskRequest, UnmaskShares)
 from .params import ThreatModel
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
                                  SessionConfig, survivor_set_problem, threat_model_problem)
@@ -100,7 +104,8 @@ class ClientSession:
     """One client in one round. Feed it the server's messages; it returns its own messages.
 
     ``value`` is the client's (already quantised, possibly noised) vector in Z_{2^bits}^dimension. In the malicious
-    variant pass the client's ``identity_key`` (Ed25519 private key) and the deployment's ``registry``. ``min_inputs``:
+    variant pass the client's ``identity_key`` (its ``identity.ClientIdentity``, kept for the deployment so that the
+    pairwise keys are derived once, or the bare Ed25519 private key) and the deployment's ``registry``. ``min_inputs``:
     the survivor floor this client's (distributed) noise was charged for; a session configured below it is refused.
     ``threat_model``: the client's declared ``params.ThreatModel`` (dropout, corruption, min_inputs, variant); the
     configuration must then be exactly the one derived from it (``protocol.threat_model_problem``). Without it the
@@ -139,9 +144,11 @@ class ClientSession:
             if missing:
                 raise ValueError(f"the identity registry has no key for client(s) {missing[:5]}; register every "
                                  f"client of the roster")
-            if I.identity_public_bytes(identity_key) != registry.public_key(client_id).public_bytes_raw():
+            if not isinstance(identity_key, I.ClientIdentity):
+                identity_key = I.ClientIdentity(identity_key)
+            if identity_key.public_bytes != registry.public_key(client_id).public_bytes_raw():
                 raise ValueError(f"identity_key is not the key registered for client {client_id}")
-        self._identity = identity_key
+        self._identity: I.ClientIdentity | None = identity_key
         self._registry = registry
         self._survivors: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (alive, dropped) we signed
         self._transcript = b""  # the session's transcript hash (malicious variant), fixed at share_keys
@@ -179,6 +186,10 @@ class ClientSession:
             "revealed": {str(c): kind for c, kind in self._revealed.items()},
             "survivors": None if self._survivors is None else [list(self._survivors[0]), list(self._survivors[1])],
             "transcript": self._transcript.hex(),
+            # the pairwise keys derived so far, so that a client restored for the next stage derives none again
+            "pairwise": ({} if self._identity is None else
+                         {str(c): [a.hex(), k.hex()] for c, (a, k) in
+                          self._identity.known_pairwise(self.client_id).items()}),
         }
         return json.dumps(state, sort_keys=True).encode("ascii")
 
@@ -213,6 +224,9 @@ class ClientSession:
             session._survivors = (None if d["survivors"] is None
                                   else (tuple(d["survivors"][0]), tuple(d["survivors"][1])))
             session._transcript = bytes.fromhex(d.get("transcript", ""))
+            if session._identity is not None:
+                session._identity.remember_pairwise(session.client_id, {
+                    int(c): (bytes.fromhex(a), bytes.fromhex(k)) for c, (a, k) in d.get("pairwise", {}).items()})
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
             raise ProtocolAbort(f"the saved client session cannot be restored: {exc}") from None
         except RecursionError:
@@ -274,10 +288,33 @@ class ClientSession:
         self._next += 1
         sid, enc, mask = self.config.session_id, P.public_bytes(self._enc_key), P.public_bytes(self._mask_key)
         commitment = P.seed_commitment(self._self_seed, sid, self.client_id)
-        signature = (I.sign(self._identity, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment)
-                     if self.config.malicious else b"")
+        signature, tags = b"", ()
+        if self.config.malicious:
+            signature = I.sign(self._identity.signing_key, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment)
+            tags = self._tags(sorted(self._neighbours),
+                              I.content_digest(I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment))
         return AdvertiseKeys(session_id=sid, sender=self.client_id, encryption_key=enc, mask_key=mask,
-                             seed_commitment=commitment, signature=signature)
+                             seed_commitment=commitment, signature=signature, tags=tags)
+
+    def _pairwise(self, peer: int) -> bytes | None:
+        """The key we share with ``peer``'s registered identity (None if its key admits no agreement)."""
+        try:
+            return self._identity.pairwise_key(self.client_id, peer, self._registry)
+        except ValueError:
+            return None
+
+    def _tags(self, recipients, content: bytes) -> tuple[Tag, ...]:
+        out = []
+        for peer in recipients:
+            key = self._pairwise(peer)
+            if key is not None:
+                out.append(Tag(peer, I.tag(key, content, peer)))
+        return tuple(out)
+
+    def _tagged(self, sender: int, content: bytes, value: bytes) -> bool:
+        """Whether ``value`` is ``sender``'s tag of ``content`` for us."""
+        key = self._pairwise(sender)
+        return key is not None and I.check_tag(key, content, self.client_id, value)
 
     # ------------------------------------------------------------------ stage 2
     def share_keys(self, directory: KeyDirectory) -> ShareKeys:
@@ -304,10 +341,11 @@ class ClientSession:
                 if key in public_keys:
                     self._abort(f"duplicate public key (peer {c})")
                 public_keys.add(key)
-            if self.config.malicious and not self._registry.verify(
-                    entry.signature, I.KEYS_PURPOSE, self.config.session_id, c, entry.encryption_key, entry.mask_key,
-                    entry.seed_commitment):
-                self._abort(f"the keys of peer {c} are not signed by its registered identity key (key substitution?)")
+            if self.config.malicious and not self._tagged(c, I.content_digest(
+                    I.KEYS_PURPOSE, self.config.session_id, c, entry.encryption_key, entry.mask_key,
+                    entry.seed_commitment), entry.tag):
+                self._abort(f"the keys of peer {c} do not carry its tag under our pairwise identity key (key "
+                            f"substitution?)")
         if len(seen) + 1 < self.config.threshold:
             self._abort(f"only {len(seen) + 1} live share holders, fewer than the threshold {self.config.threshold}")
         if self.config.malicious:
@@ -399,7 +437,7 @@ class ClientSession:
         self._value = None  # the plain input is no longer needed
         self._next += 1 if self.config.malicious else 2  # the consistency round is the malicious variant's
         payload = masked.tobytes()
-        signature = (I.sign(self._identity, I.INPUT_PURPOSE, self.config.session_id, self.client_id, self._transcript,
+        signature = (I.sign(self._identity.signing_key, I.INPUT_PURPOSE, self.config.session_id, self.client_id, self._transcript,
                             I.digest(payload), I.encode_ids(received)) if self.config.malicious else b"")
         return MaskedInput(session_id=self.config.session_id, sender=self.client_id, masked=payload,
                            signature=signature)
@@ -414,9 +452,15 @@ class ClientSession:
         alive, dropped = self._check_survivors(request.alive, request.dropped)
         self._survivors = (tuple(sorted(alive)), tuple(sorted(dropped)))
         self._next += 1
-        signature = I.sign(self._identity, I.SURVIVORS_PURPOSE, self.config.session_id, self.client_id,
-                           self._transcript, I.encode_ids(alive), I.encode_ids(dropped))
-        return ConsistencySignature(session_id=self.config.session_id, sender=self.client_id, signature=signature)
+        parts = (self._transcript, I.encode_ids(alive), I.encode_ids(dropped))
+        signature = I.sign(self._identity.signing_key, I.SURVIVORS_PURPOSE, self.config.session_id, self.client_id,
+                           *parts)
+        # every survivor that may count us in its check 6: the survivors within two hops of it and their holders
+        readers = sorted((self.config.within(self.client_id, 3) & alive) - {self.client_id})
+        tags = self._tags(readers, I.content_digest(I.SURVIVORS_PURPOSE, self.config.session_id, self.client_id,
+                                                    *parts))
+        return ConsistencySignature(session_id=self.config.session_id, sender=self.client_id, signature=signature,
+                                    tags=tags)
 
     def _check_survivors(self, listed_alive, listed_dropped) -> tuple[set[int], set[int]]:
         roster = set(self.config.client_ids)
@@ -454,7 +498,9 @@ class ClientSession:
     def _check_proof(self, proof: ConsistencyProof) -> None:
         """Check 6 of the module docstring: before revealing anything, every survivor within two hops took part in this
         session with the peers the survivor set implies, and ``threshold`` share holders of each of them (and of each
-        dropped peer we reveal for) signed the very survivor set we signed."""
+        dropped peer we reveal for) tagged for us the very survivor set we signed."""
+        if proof.recipient != self.client_id:
+            self._abort(f"consistency proof addressed to client {proof.recipient}, not to us")
         alive_t, dropped_t = self._survivors
         if tuple(sorted(proof.alive)) != alive_t or tuple(sorted(proof.dropped)) != dropped_t:
             self._abort("the survivor set in the consistency proof differs from the one we signed")
@@ -462,20 +508,20 @@ class ClientSession:
         alive, listed = set(alive_t), set(alive_t) | set(dropped_t)
         alive_ids, dropped_ids = I.encode_ids(alive_t), I.encode_ids(dropped_t)
         offered: dict[int, bytes] = {}
-        for entry in proof.signatures:
+        for entry in proof.tags:
             if entry.client_id in alive and entry.client_id != self.client_id:
-                offered.setdefault(entry.client_id, entry.signature)  # one per signer: the first
+                offered.setdefault(entry.client_id, entry.tag)  # one per signer: the first
         attested = {}
         for entry in proof.inputs:
             if entry.client_id in alive:
                 attested.setdefault(entry.client_id, entry)
         valid: dict[int, bool] = {self.client_id: True}  # signer -> verified (we know we signed)
-        good: set[int] = {self.client_id}  # the signers whose signature verified
+        good: set[int] = {self.client_id}  # the signers whose tag verified
 
         def signed(c: int) -> bool:
             if c not in valid:
-                ok = c in offered and self._registry.verify(offered[c], I.SURVIVORS_PURPOSE, sid, c, transcript,
-                                                             alive_ids, dropped_ids)
+                ok = c in offered and self._tagged(c, I.content_digest(I.SURVIVORS_PURPOSE, sid, c, transcript,
+                                                                       alive_ids, dropped_ids), offered[c])
                 valid[c] = ok
                 if ok:
                     good.add(c)

@@ -5,7 +5,8 @@ Every message names its session; client-to-server messages name their ``sender``
 transport (the in-process runtime, Flower, gRPC, a queue) can carry them. ``message_from_dict`` dispatches on the
 ``"type"`` key. Construction checks shapes (32-byte keys, positive ids); protocol rules are checked by the parties.
 ``signature`` fields (Ed25519, 64 bytes) are empty outside the malicious-server variant, and so are the fields that
-carry the session's transcript (``KeyDirectory.transcript``, ``ConsistencyProof.inputs``).
+carry the session's transcript (``KeyDirectory.transcript``, ``ConsistencyProof.inputs``) and the pairwise tags
+(``Tag``: HMAC-SHA256, 32 bytes, under the key of one sender and one recipient; ``identity.tag``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from .errors import MessageFormatError
 from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
 from .shamir import PRIME
 
-__all__ = ["AdvertiseKeys", "PublicKeys", "BundleDigest", "KeyDirectory", "InputAttestation", "EncryptedShare",
+__all__ = ["Tag", "AdvertiseKeys", "PublicKeys", "BundleDigest", "KeyDirectory", "InputAttestation", "EncryptedShare",
            "ShareKeys", "ShareDelivery",
-           "MaskedInput", "UnmaskRequest", "ConsistencySignature", "SignedBy", "ConsistencyProof", "RevealedShare",
+           "MaskedInput", "UnmaskRequest", "ConsistencySignature", "ConsistencyProof", "RevealedShare",
            "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
 
 
@@ -63,11 +64,31 @@ class _Message:
         return codec.from_json_bytes(cls, raw)
 
 
+def _check_tags(name: str, tags) -> tuple:
+    tags = tuple(tags)
+    if not all(isinstance(t, Tag) for t in tags):
+        raise ValueError(f"{name} must be Tag entries")
+    return tags
+
+
+@dataclass(frozen=True)
+class Tag:
+    """A pairwise tag (``identity.tag``): ``client_id`` is the other party, the recipient in a client's message, the
+    sender in a message the server forwards to the recipient."""
+
+    client_id: int
+    tag: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("tag", self.tag, 32)
+
+
 @dataclass(frozen=True)
 class AdvertiseKeys(_Message):
     """Stage 1, client -> server: the client's two X25519 public keys, a commitment to its self-mask seed (checked after
     reconstruction, so a corrupted share is detected), and (malicious variant) its identity key's signature of all
-    three."""
+    three (which the server checks) and one pairwise tag of them for each neighbour (which the neighbour checks)."""
 
     session_id: bytes
     sender: int
@@ -75,6 +96,7 @@ class AdvertiseKeys(_Message):
     mask_key: bytes
     seed_commitment: bytes = b""
     signature: bytes = b""
+    tags: tuple[Tag, ...] = ()
     stage = ADVERTISE_KEYS
 
     def __post_init__(self):
@@ -84,24 +106,26 @@ class AdvertiseKeys(_Message):
         _check_bytes("mask_key", self.mask_key, 32)
         _check_optional("seed_commitment", self.seed_commitment, 32)
         _check_optional("signature", self.signature, 64)
+        object.__setattr__(self, "tags", _check_tags("tags", self.tags))
 
 
 @dataclass(frozen=True)
 class PublicKeys:
-    """One peer's advertised keys as forwarded by the server (with its signature in the malicious variant)."""
+    """One peer's advertised keys as forwarded by the server (in the malicious variant with the peer's pairwise tag of
+    them for the directory's recipient)."""
 
     client_id: int
     encryption_key: bytes
     mask_key: bytes
     seed_commitment: bytes = b""
-    signature: bytes = b""
+    tag: bytes = b""
 
     def __post_init__(self):
         _check_id("client_id", self.client_id)
         _check_bytes("encryption_key", self.encryption_key, 32)
         _check_bytes("mask_key", self.mask_key, 32)
         _check_optional("seed_commitment", self.seed_commitment, 32)
-        _check_optional("signature", self.signature, 64)
+        _check_optional("tag", self.tag, 32)
 
 
 @dataclass(frozen=True)
@@ -228,27 +252,21 @@ class UnmaskRequest(_Message):
 
 @dataclass(frozen=True)
 class ConsistencySignature(_Message):
-    """Consistency round, client -> server (malicious variant): the sender's signature of the survivor set it saw."""
+    """Consistency round, client -> server (malicious variant): the sender's signature of the survivor set it saw (which
+    the server checks) and its pairwise tag of the same for each survivor that may count it (``tags``: every survivor
+    within three hops of the sender in the neighbour graph)."""
 
     session_id: bytes
     sender: int
     signature: bytes
+    tags: tuple[Tag, ...] = ()
     stage = CONSISTENCY
 
     def __post_init__(self):
         self._check_session()
         _check_id("sender", self.sender)
         _check_bytes("signature", self.signature, 64)
-
-
-@dataclass(frozen=True)
-class SignedBy:
-    client_id: int
-    signature: bytes
-
-    def __post_init__(self):
-        _check_id("client_id", self.client_id)
-        _check_bytes("signature", self.signature, 64)
+        object.__setattr__(self, "tags", _check_tags("tags", self.tags))
 
 
 @dataclass(frozen=True)
@@ -269,27 +287,27 @@ class InputAttestation:
 
 @dataclass(frozen=True)
 class ConsistencyProof(_Message):
-    """Server -> clients after the consistency round: the survivor set, the survivors' signatures of it, and the input
-    attestations of the survivors that did not sign it."""
+    """Server -> one client after the consistency round: the survivor set, the tags of it the survivors made for the
+    recipient (``Tag.client_id``: the signer), and the input attestations of the survivors that did not sign it."""
 
     session_id: bytes
+    recipient: int
     alive: tuple[int, ...]
     dropped: tuple[int, ...]
-    signatures: tuple[SignedBy, ...]
+    tags: tuple[Tag, ...]
     inputs: tuple[InputAttestation, ...] = ()
     stage = CONSISTENCY
 
     def __post_init__(self):
         self._check_session()
+        _check_id("recipient", self.recipient)
         for c in tuple(self.alive) + tuple(self.dropped):
             _check_id("listed id", c)
-        if not all(isinstance(s, SignedBy) for s in self.signatures):
-            raise ValueError("signatures must be SignedBy entries")
         if not all(isinstance(a, InputAttestation) for a in self.inputs):
             raise ValueError("inputs must be InputAttestation entries")
         object.__setattr__(self, "alive", tuple(self.alive))
         object.__setattr__(self, "dropped", tuple(self.dropped))
-        object.__setattr__(self, "signatures", tuple(self.signatures))
+        object.__setattr__(self, "tags", _check_tags("tags", self.tags))
         object.__setattr__(self, "inputs", tuple(self.inputs))
 
 

@@ -3,7 +3,8 @@
 Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their order and names:
 
 1. ``advertise_keys``  each client sends two X25519 public keys (one for share encryption, one for masks) and a
-                       commitment to its self-mask seed, all fresh for this session (signed in the malicious variant);
+                       commitment to its self-mask seed, all fresh for this session (signed, and tagged for each
+                       neighbour, in the malicious variant);
 2. ``share_keys``      each client Shamir-shares its mask private key and a fresh self-mask seed among its
                        neighbours (Bell et al. CCS 2020) and sends each share encrypted to its holder. In the malicious
                        variant the server also sends every client the session's transcript (the digest of every key
@@ -13,13 +14,14 @@ Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their or
                        (malicious variant) together with the transcript hash and the set of peers it masked with;
 4. ``consistency_check`` (malicious-server variant only, ``SessionConfig.malicious``) each survivor checks the
                        survivor set U3 and dropped set the server announces (large enough, its own part of the graph
-                       large enough, exactly its masking peers listed) and signs them with the transcript hash;
+                       large enough, exactly its masking peers listed) and signs them with the transcript hash (and
+                       tags them for each survivor within three hops, ``identity.tag``);
 5. ``unmask``          survivors reveal, for every neighbour, the self-seed share if it is alive or the mask-key share
                        if it dropped - never both - and the server removes all masks. In the malicious variant a
                        client first verifies that every survivor within two hops of it took part in this very session
                        with the neighbours the survivor set implies (its signature of the set, or its input
                        attestation), and that ``threshold`` share holders of each of them, and of each dropped peer,
-                       signed the very same set (``client.ClientSession`` states the argument).
+                       tagged the very same set for it (``client.ClientSession`` states the argument).
 
 ``SessionConfig`` is everything public that all parties must agree on before the round: session id, roster, k, d,
 threshold and the neighbour graph (derived from a public seed). Against an active server a client does not take it on
@@ -171,6 +173,18 @@ class SessionConfig:
 
     def neighbours(self, client_id: int) -> frozenset[int]:
         return self._graph[client_id]
+
+    def within(self, client_id: int, hops: int) -> frozenset[int]:
+        """The clients at most ``hops`` edges from ``client_id`` in the neighbour graph, ``client_id`` included."""
+        if self.degree >= self.n_clients - 1 and hops >= 1:
+            return frozenset(self.client_ids)
+        seen, frontier = {client_id}, {client_id}
+        for _ in range(hops):
+            frontier = {v for c in frontier for v in self._graph[c]} - seen
+            if not frontier:
+                break
+            seen |= frontier
+        return frozenset(seen)
 
     def holders(self, client_id: int) -> frozenset[int]:
         """Who holds shares of ``client_id``'s secrets: its neighbours and itself."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from .client import ClientSession
 from .errors import ProtocolAbort
-from .identity import IdentityRegistry, generate_identity, identity_public_bytes
+from .identity import ClientIdentity, IdentityRegistry, generate_identity
 from .params import ThreatModel
 from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK, SessionConfig
 from .server import ServerSession
@@ -60,7 +60,8 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     number of clients.
 
     ``malicious=True`` runs the malicious-server variant, with the consistency round; ``identities`` maps each client
-    key to its Ed25519 identity key (fresh ones are drawn, and registered, when it is not given: a simulation).
+    key to its identity (a ``ClientIdentity``, whose pairwise keys then carry over to the next round, or a bare Ed25519
+    key; fresh ones are drawn, and registered, when it is not given: a simulation).
     ``dropout``/``corruption`` declare the threat model the degree and threshold are derived from, or checked against
     (``SessionConfig.create``; ``check=False`` is for tests only). With a declared threat model and no explicit degree
     or threshold, every client also derives them itself and refuses a configuration that differs
@@ -97,7 +98,9 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     secret_keys, registry = {}, None
     if malicious:
         secret_keys = {ids[k]: (identities[k] if identities is not None else generate_identity()) for k in keys}
-        registry = IdentityRegistry({c: identity_public_bytes(key) for c, key in secret_keys.items()})
+        secret_keys = {c: key if isinstance(key, ClientIdentity) else ClientIdentity(key)
+                       for c, key in secret_keys.items()}
+        registry = IdentityRegistry({c: key.public_bytes for c, key in secret_keys.items()})
     server = ServerSession(config, registry=registry)
     clients = {ids[k]: ClientSession(config, ids[k], values[k], identity_key=secret_keys.get(ids[k]),
                                      registry=registry, min_inputs=min_inputs, threat_model=threat_model)
@@ -133,13 +136,12 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
         for c in talking(CONSISTENCY):
             if c in request.alive:
                 step(c, clients[c].consistency_check, request)
-        request = server.consistency_proof()
-        signers = {s.client_id for s in request.signatures}
+        proofs = server.consistency_proofs()
     else:
-        signers = set(request.alive)
+        proofs = {c: request for c in request.alive}
     for c in talking(UNMASK):
-        if c in signers:
-            step(c, clients[c].unmask, request)
+        if c in proofs:
+            step(c, clients[c].unmask, proofs[c])
     result = server.finalize()
 
     back = {i: k for k, i in ids.items()}

@@ -16,10 +16,11 @@ its advertised public key, a self-mask seed against its owner's commitment, so a
 Malicious-server variant (``config.malicious``, with the deployment's ``IdentityRegistry``): advertised keys and masked
 inputs whose signature does not verify are ignored (so a forged masked input never enters the sum); the key directories
 carry the session's transcript (the digest of every advertised bundle, ``transcript_hash``), which every later
-signature covers; the consistency round (``consistency_proof``) collects the survivors' signatures of (transcript, U3,
-dropped set) between ``unmask_request`` and ``finalize`` and forwards them with the input attestations of the survivors
-that did not sign, aborting first if some client's holders could not reach ``threshold`` signatures (the clients would
-refuse).
+signature covers, and each neighbour's pairwise tag of its keys for the recipient; the consistency round
+(``consistency_proofs``) collects the survivors' signatures of (transcript, U3, dropped set) between
+``unmask_request`` and ``finalize`` and forwards to each survivor the tags of the same the others made for it, with the
+input attestations of the survivors that did not sign, aborting first if some client's holders could not reach
+``threshold`` signatures (the clients would refuse).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from . import primitives as P
 from . import shamir
 from .errors import ProtocolAbort
 from .messages import (AdvertiseKeys, BundleDigest, ConsistencyProof, ConsistencySignature, InputAttestation,
-                       KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys, SignedBy, UnmaskRequest,
+                       KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys, Tag, UnmaskRequest,
                        UnmaskShares)
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
                                  component_of)
@@ -62,6 +63,7 @@ class ServerSession:
         self.config = config
         self._registry = registry
         self._survivor_signatures: dict[int, bytes] = {}
+        self._survivor_tags: dict[int, dict[int, bytes]] = {}  # signer -> recipient -> tag (malicious variant)
         self._attestations: dict[int, InputAttestation] = {}  # masked-input signatures (malicious variant)
         self._delivered: dict[int, tuple[int, ...]] = {}  # client -> the peers whose shares we forwarded to it
         self.transcript_hash = b""  # fixed when the key directories go out (malicious variant)
@@ -147,6 +149,8 @@ class ServerSession:
                 message.signature, I.KEYS_PURPOSE, self.config.session_id, message.sender, message.encryption_key,
                 message.mask_key, message.seed_commitment)):
             return self._ignore(message, "keys not signed by the sender's registered identity key")
+        if self.config.malicious and {t.client_id for t in message.tags} != set(self.config.neighbours(message.sender)):
+            return self._ignore(message, "key tags not addressed to exactly the sender's neighbours")
         self._seen_public_keys |= keys
         self._keys[message.sender] = message
         return True
@@ -188,6 +192,7 @@ class ServerSession:
                                      self.transcript_hash, I.encode_ids(self.u3), I.encode_ids(self.u2 - self.u3)):
             return self._ignore(message, "signature of the survivor set does not verify")
         self._survivor_signatures[message.sender] = message.signature
+        self._survivor_tags[message.sender] = {t.client_id: t.tag for t in message.tags}
         return True
 
     def _receive_unmask(self, message: UnmaskShares) -> bool:
@@ -227,11 +232,12 @@ class ServerSession:
                                                                self._keys[c].mask_key, self._keys[c].seed_commitment))
                                for c in sorted(self.u1))
             self.transcript_hash = I.transcript_hash(sid, ((e.client_id, e.digest) for e in transcript))
+        tags = {v: {t.client_id: t.tag for t in self._keys[v].tags} for v in self.u1}
         out = {}
         for c in sorted(self.u1):
             entries = tuple(PublicKeys(client_id=v, encryption_key=self._keys[v].encryption_key,
                                        mask_key=self._keys[v].mask_key, seed_commitment=self._keys[v].seed_commitment,
-                                       signature=self._keys[v].signature)
+                                       tag=tags[v].get(c, b""))
                             for v in sorted(self.config.neighbours(c) & self.u1))
             out[c] = KeyDirectory(session_id=self.config.session_id, recipient=c, keys=entries, transcript=transcript)
         return out
@@ -277,9 +283,9 @@ class ServerSession:
         return UnmaskRequest(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
                              dropped=tuple(sorted(self.u2 - self.u3)))
 
-    def consistency_proof(self) -> ConsistencyProof:
-        """Close the consistency round (malicious variant): forward the survivors' signatures of U3 to every signer,
-        with the input attestations of the survivors that did not sign."""
+    def consistency_proofs(self) -> dict[int, ConsistencyProof]:
+        """Close the consistency round (malicious variant): forward to every signer the tags of U3 the others made for
+        it, with the input attestations of the survivors that did not sign."""
         self._close(CONSISTENCY)
         self.u4 = frozenset(self._survivor_signatures)
         self._require(self.u4, "signed the survivor set")
@@ -290,10 +296,13 @@ class ServerSession:
             if signed < t:
                 self._abort(f"only {signed} share holders of client {c} signed the survivor set (threshold {t}): the "
                             f"clients would refuse to unmask")
-        return ConsistencyProof(session_id=self.config.session_id, alive=tuple(sorted(self.u3)),
-                                dropped=tuple(sorted(dropped)),
-                                signatures=tuple(SignedBy(c, self._survivor_signatures[c]) for c in sorted(self.u4)),
-                                inputs=tuple(self._attestations[c] for c in sorted(self.u3 - self.u4)))
+        alive, gone = tuple(sorted(self.u3)), tuple(sorted(dropped))
+        inputs = tuple(self._attestations[c] for c in sorted(self.u3 - self.u4))
+        return {w: ConsistencyProof(session_id=self.config.session_id, recipient=w, alive=alive, dropped=gone,
+                                    tags=tuple(Tag(c, self._survivor_tags[c][w]) for c in sorted(self.u4)
+                                               if w in self._survivor_tags[c]),
+                                    inputs=inputs)
+                for w in sorted(self.u4)}
 
     def finalize(self) -> AggregateResult:
         """Close stage 4: reconstruct the secrets, remove all masks, return the sum of the alive clients' inputs."""

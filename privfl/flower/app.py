@@ -958,8 +958,7 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
                 request = server.unmask_request()
                 outgoing = {c: request for c in request.alive}
             elif stage == "consistency_check":
-                proof = server.consistency_proof()
-                outgoing = {s.client_id: proof for s in proof.signatures}
+                outgoing = server.consistency_proofs()
         result = server.finalize()
     except ProtocolAbort:
         return 0, sat_out, True  # nothing of the round is revealed; the global state stays

@@ -27,6 +27,7 @@ SECAGG_KEYS = {
     "python", "cpus", "n", "d", "bits", "mask_word_bits", "dropout",
     "mask_peers", "mask_repeats", "client_mask_ms", "keystream_bound_ms", "mask_over_bound", "client_mask_median_ms",
     "keystream_bound_median_ms", "degree", "threshold", "input_signature_ms", "signature_verify_us",
+    "pairwise_key_us", "tag_verify_us", "round_first_s", "round_first_sum_exact", "malicious_first_over_semi_honest",
     "round_repeats", "round_s", "round_included", "round_sum_exact", "round_mean_max_abs_error",
     "round_semi_honest_s", "round_semi_honest_sum_exact", "malicious_over_semi_honest", "round_median_s",
     "round_semi_honest_median_s", "round_spread_s", "round_spread_sum_exact",

@@ -33,7 +33,7 @@ RUN_TIMEOUT = 240
 SECURE = SecureAggregation(bits=48, malicious=True, dropout=0.34)
 
 #: The adversary's ServerApp: privfl's own, with one change in its process: every key directory it forwards carries
-#: fresh X25519 keys of the server's in place of organisation 0's (protocol id 1), under organisation 0's signature.
+#: fresh X25519 keys of the server's in place of organisation 0's (protocol id 1), under organisation 0's tags.
 ACTIVE_SERVER_APP = '''"""An active server: privfl's ServerApp substituting organisation 0's keys (a test of issue 26)."""
 
 import dataclasses

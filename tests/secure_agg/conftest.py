@@ -61,11 +61,9 @@ class Harness:
         if self.config.malicious:
             self._talk("consistency_check", self.request.alive,
                        lambda c: self.clients[c].consistency_check(self.request), ())
-            self.request = self.server.consistency_proof()
-            who = [s.client_id for s in self.request.signatures]
-        else:
-            who = self.request.alive
-        return self._talk("unmask", who, lambda c: self.clients[c].unmask(self.request), drop)
+            self.proofs = self.server.consistency_proofs()
+            return self._talk("unmask", self.proofs, lambda c: self.clients[c].unmask(self.proofs[c]), drop)
+        return self._talk("unmask", self.request.alive, lambda c: self.clients[c].unmask(self.request), drop)
 
     def run(self, drops: dict | None = None):
         drops = drops or {}

@@ -114,7 +114,7 @@ class ActiveServer:
                                                           p.advert.seed_commitment))
                         for c, p in sorted(listed.items()))
         keys = tuple(M.PublicKeys(p.id, p.advert.encryption_key, p.advert.mask_key, p.advert.seed_commitment,
-                                  p.advert.signature) for p in peers)
+                                  {t.client_id: t.tag for t in p.advert.tags}.get(inst.id, b"")) for p in peers)
         message = self._call(inst, "share_keys", M.KeyDirectory(session_id=sid, recipient=inst.id, keys=keys,
                                                                  transcript=entries))
         if message is not None:
@@ -147,29 +147,43 @@ class ActiveServer:
         return message
 
     def sign(self, inst: Instance, alive, dropped):
-        """Show ``inst`` a survivor set; returns its signature (or None: it aborted). A corrupt client signs
-        whatever it is shown, under the transcript it has."""
+        """Show ``inst`` a survivor set; returns its ``ConsistencySignature`` (its signature and its tags of the set
+        for the survivors that may count it) or None: it aborted. A corrupt client signs whatever it is shown, under
+        the transcript it has."""
         request = M.UnmaskRequest(session_id=inst.config.session_id, alive=tuple(sorted(alive)),
                                   dropped=tuple(sorted(dropped)))
         if inst.corrupt:
             return self.forge(inst, alive, dropped)
         message = self._call(inst, "consistency_check", request)
         if message is not None:
-            inst.survivor_signature = message.signature
-            return message.signature
+            inst.survivor_signature = message
+            return message
         return None
 
-    def forge(self, inst: Instance, alive, dropped) -> bytes:
-        """A colluding client's signature of any survivor set, under its session's transcript."""
-        return I.sign(self.identities[inst.id], I.SURVIVORS_PURPOSE, inst.config.session_id, inst.id,
-                      inst.session._transcript, I.encode_ids(sorted(alive)), I.encode_ids(sorted(dropped)))
+    def forge(self, inst: Instance, alive, dropped) -> M.ConsistencySignature:
+        """A colluding client's signature and tags (for every other client) of any survivor set, under its session's
+        transcript."""
+        sid, parts = inst.config.session_id, (inst.session._transcript, I.encode_ids(sorted(alive)),
+                                              I.encode_ids(sorted(dropped)))
+        identity = I.ClientIdentity(self.identities[inst.id])
+        content = I.content_digest(I.SURVIVORS_PURPOSE, sid, inst.id, *parts)
+        tags = tuple(M.Tag(w, I.tag(identity.pairwise_key(inst.id, w, self.registry), content, w))
+                     for w in inst.config.client_ids if w != inst.id)
+        return M.ConsistencySignature(session_id=sid, sender=inst.id, tags=tags, signature=I.sign(
+            self.identities[inst.id], I.SURVIVORS_PURPOSE, sid, inst.id, *parts))
 
-    def unmask(self, inst: Instance, alive, dropped, signatures: Iterable[tuple[int, bytes]],
+    def unmask(self, inst: Instance, alive, dropped, signatures: Iterable[tuple[int, M.ConsistencySignature]],
                attested: Iterable[Instance] = ()):
-        """Send ``inst`` a consistency proof with any signatures and input attestations; returns its shares."""
+        """Send ``inst`` a consistency proof with any survivor-set signatures (the tags they hold for ``inst``'s id,
+        from whichever session) and input attestations; returns its shares."""
+        tags = []
+        for c, message in signatures:
+            mine = {t.client_id: t.tag for t in message.tags}.get(inst.id)
+            if mine is not None:
+                tags.append(M.Tag(c, mine))
         proof = M.ConsistencyProof(
-            session_id=inst.config.session_id, alive=tuple(sorted(alive)), dropped=tuple(sorted(dropped)),
-            signatures=tuple(M.SignedBy(c, s) for c, s in signatures),
+            session_id=inst.config.session_id, recipient=inst.id, alive=tuple(sorted(alive)),
+            dropped=tuple(sorted(dropped)), tags=tuple(tags),
             inputs=tuple(M.InputAttestation(a.id, I.digest(a.masked.masked), a.masked.signature)
                          for a in attested if a.masked is not None))
         if inst.corrupt:
@@ -342,8 +356,9 @@ def issue14_check(self, proof):
     if tuple(sorted(proof.alive)) != alive or tuple(sorted(proof.dropped)) != dropped:
         self._abort("the survivor set in the consistency proof differs from the one we signed")
     parts = (self._transcript, I.encode_ids(alive), I.encode_ids(dropped))
-    ok = {e.client_id for e in proof.signatures
-          if self._registry.verify(e.signature, I.SURVIVORS_PURPOSE, self.config.session_id, e.client_id, *parts)}
+    ok = {e.client_id for e in proof.tags
+          if self._tagged(e.client_id, I.content_digest(I.SURVIVORS_PURPOSE, self.config.session_id, e.client_id,
+                                                        *parts), e.tag)}
     for peer in set(self._received) | {self.client_id}:
         if len(self.config.holders(peer) & (ok | {self.client_id})) < self.config.threshold:
             self._abort("too few of a peer's holders signed this survivor set")

@@ -123,11 +123,11 @@ def test_divergent_survivor_lists_abort_in_the_malicious_variant(harness):
         alive = tuple(sorted(set(h.config.client_ids) - dropped))
         requests[c] = M.UnmaskRequest(session_id=h.config.session_id, alive=alive, dropped=tuple(sorted(dropped)))
         signatures[c] = h.clients[c].consistency_check(requests[c])  # each view is locally plausible: signed
-    every = tuple(M.SignedBy(c, s.signature) for c, s in sorted(signatures.items()))
     revealed = 0
-    for c in askers:
-        proof = M.ConsistencyProof(session_id=h.config.session_id, alive=requests[c].alive,
-                                   dropped=requests[c].dropped, signatures=every)
+    for c in askers:  # every signer's tag for c, whichever view it signed
+        every = tuple(M.Tag(s, t.tag) for s, m in sorted(signatures.items()) for t in m.tags if t.client_id == c)
+        proof = M.ConsistencyProof(session_id=h.config.session_id, recipient=c, alive=requests[c].alive,
+                                   dropped=requests[c].dropped, tags=every)
         with pytest.raises(ProtocolAbort, match="signed this survivor set"):
             revealed += len(h.clients[c].unmask(proof).self_mask_shares)
     assert revealed == 0 and all(h.clients[c].stage == "aborted" for c in askers)
@@ -139,7 +139,7 @@ def test_a_proof_for_another_set_than_the_one_signed_aborts(harness):
     request = h.server.unmask_request()
     for c in request.alive:
         h.server.receive(h.clients[c].consistency_check(request))
-    proof = h.server.consistency_proof()
+    proof = h.server.consistency_proofs()[1]
     tampered = dataclasses.replace(proof, alive=proof.alive[:-1], dropped=proof.alive[-1:])
     with pytest.raises(ProtocolAbort, match="differs from the one we signed"):
         h.clients[1].unmask(tampered)
@@ -165,7 +165,7 @@ def test_key_substitution_reveals_the_victims_secrets_unless_keys_are_signed(har
     victim = 1
     own, forged = _substitute(h, victim)
     if malicious:
-        with pytest.raises(ProtocolAbort, match="not signed by its registered identity key"):
+        with pytest.raises(ProtocolAbort, match="do not carry its tag .*key substitution"):
             h.clients[victim].share_keys(forged)
         assert h.clients[victim].stage == "aborted"
         return

@@ -69,3 +69,50 @@ def test_a_saved_state_is_bound_to_its_session():
         ClientSession.from_state(config, state[:-5])
     restored = ClientSession.from_state(config, state)
     assert restored.stage == s.stage == "share_keys"
+
+
+def test_a_restored_malicious_session_derives_each_pairwise_key_once(monkeypatch):
+    """The malicious variant, every client restored from its saved state at every stage with its bare identity key
+    (a Flower ClientApp): the sum is exact, and the pairwise keys a client derived travel in its state, so it derives
+    each one once in the session, not once per stage."""
+    from privfl.secure_agg import identity as I
+
+    derived = []
+    real = I.hkdf
+
+    def counting(secret, **kwargs):
+        if kwargs.get("info", b"").startswith(I.PROTOCOL_LABEL + b"/pairwise-key"):
+            derived.append(kwargs["info"])
+        return real(secret, **kwargs)
+
+    monkeypatch.setattr(I, "hkdf", counting)
+    n, dim = 7, 6
+    config = SessionConfig.create(list(range(1, n + 1)), bits=32, dimension=dim, malicious=True)
+    keys = {c: I.generate_identity() for c in config.client_ids}
+    registry = I.IdentityRegistry({c: I.identity_public_bytes(k) for c, k in keys.items()})
+    rng = np.random.default_rng(3)
+    values = {c: rng.integers(0, 2 ** 20, size=dim, dtype=np.uint64) for c in config.client_ids}
+    server = ServerSession(config, registry=registry)
+    saved = {}
+    for c in config.client_ids:
+        s = ClientSession(config, c, values[c], identity_key=keys[c], registry=registry)
+        server.receive(s.advertise_keys())
+        saved[c] = s.to_state()
+
+    def stage(out, call):
+        for c, message in out.items():
+            s = ClientSession.from_state(config, saved[c], identity_key=keys[c], registry=registry)
+            server.receive(getattr(s, call)(message))
+            if s.stage != "done":
+                saved[c] = s.to_state()
+
+    stage(server.key_directories(), "share_keys")
+    stage(server.share_deliveries(), "masked_input")
+    request = server.unmask_request()
+    stage({c: request for c in request.alive}, "consistency_check")
+    stage(server.consistency_proofs(), "unmask")
+    result = server.finalize()
+    assert result.included == config.client_ids
+    np.testing.assert_array_equal(result.sum, sum(values.values()) % (1 << 32))
+    # complete graph: each client derives its key with each of the n - 1 others once, whatever the number of stages
+    assert len(derived) == n * (n - 1)

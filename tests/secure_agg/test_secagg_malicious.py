@@ -31,10 +31,11 @@ def test_dropouts_at_each_stage_give_the_exact_sum(harness, stage):
         for c in request.alive:
             if c not in (2, 5):
                 h.server.receive(h.clients[c].consistency_check(request))
-        proof = h.server.consistency_proof()
-        assert {s.client_id for s in proof.signatures} == {1, 3, 4, 6, 7}
-        for s in proof.signatures:
-            h.server.receive(h.clients[s.client_id].unmask(proof))
+        proofs = h.server.consistency_proofs()
+        assert set(proofs) == {1, 3, 4, 6, 7}
+        for c, proof in proofs.items():
+            assert {t.client_id for t in proof.tags} == {1, 3, 4, 6, 7} - {c}
+            h.server.receive(h.clients[c].unmask(proof))
         result = h.server.finalize()
         expected = h.config.client_ids  # their inputs are in U3: only their unmasking help is missing
     else:
@@ -56,11 +57,13 @@ def test_run_round_malicious_with_serialisation(n, degree):
 
 def test_new_messages_round_trip_and_old_messages_still_load():
     sid = bytes(32)
-    proof = M.ConsistencyProof(session_id=sid, alive=(1, 2), dropped=(3,), signatures=(M.SignedBy(1, b"s" * 64),))
+    proof = M.ConsistencyProof(session_id=sid, recipient=1, alive=(1, 2), dropped=(3,), tags=(M.Tag(2, b"s" * 32),))
     assert M.message_from_dict(proof.to_dict()) == proof
     assert M.ConsistencyProof.from_bytes(proof.to_bytes()) == proof
-    sig = M.ConsistencySignature(session_id=sid, sender=2, signature=b"t" * 64)
+    sig = M.ConsistencySignature(session_id=sid, sender=2, signature=b"t" * 64, tags=(M.Tag(1, b"u" * 32),))
     assert M.ConsistencySignature.from_bytes(sig.to_bytes()) == sig
+    with pytest.raises(ValueError, match="tag must be 32 bytes"):
+        M.Tag(1, b"u" * 64)
     old = {"type": "MaskedInput", "session_id": "AAAAAAAAAAAAAAAAAAAAAA==", "sender": 1, "masked": "AAAA"}
     assert M.message_from_dict(old).signature == b""
     with pytest.raises(ValueError, match="signature must be empty or 64 bytes"):
@@ -97,29 +100,35 @@ def _at_proof(harness):
     request = h.server.unmask_request()
     for c in request.alive:
         h.server.receive(h.clients[c].consistency_check(request))
-    return h, h.server.consistency_proof()
+    return h, h.server.consistency_proofs()
 
 
 def test_a_proof_with_fewer_than_threshold_signatures_aborts(harness):
-    h, proof = _at_proof(harness)
-    short = dataclasses.replace(proof, signatures=proof.signatures[:3])  # threshold is 4
+    h, proofs = _at_proof(harness)
+    proof = proofs[1]
+    short = dataclasses.replace(proof, tags=proof.tags[:2])  # threshold is 4: client 1 and two tags
     with pytest.raises(ProtocolAbort, match="only 3 of peer"):
         h.clients[1].unmask(short)
 
 
 def test_signatures_the_server_makes_itself_do_not_count(harness):
-    h, proof = _at_proof(harness)
-    server_key = generate_identity()
+    h, proofs = _at_proof(harness)
+    proof = proofs[1]
     from privfl.secure_agg import identity as I
 
-    content = I.encode_ids(proof.alive)
-    fakes = tuple(M.SignedBy(c, I.sign(server_key, I.SURVIVORS_PURPOSE, h.config.session_id, c, content))
-                  for c in proof.alive)
-    forged = dataclasses.replace(proof, signatures=proof.signatures[:1] + fakes[1:])
+    # the best the server can do: tags under its own agreement with client 1's registered key, of the right content
+    server = I.ClientIdentity(generate_identity())
+    parts = (h.clients[1]._transcript, I.encode_ids(proof.alive), I.encode_ids(proof.dropped))
+    fakes = tuple(M.Tag(c, I.tag(server.pairwise_key(c, 1, h.registry), I.content_digest(
+        I.SURVIVORS_PURPOSE, h.config.session_id, c, *parts), 1)) for c in proof.alive if c != 1)
+    forged = dataclasses.replace(proof, tags=proof.tags[:1] + fakes[1:])
     with pytest.raises(ProtocolAbort, match="signed this survivor set"):
         h.clients[1].unmask(forged)
+    # another client's proof does not verify for us either
+    with pytest.raises(ProtocolAbort, match="addressed to client 3"):
+        h.clients[2].unmask(proofs[3])
     # the genuine proof works
-    assert h.clients[2].unmask(proof).sender == 2
+    assert h.clients[4].unmask(proofs[4]).sender == 4
 
 
 def test_the_server_ignores_survivor_signatures_of_another_set(harness):
@@ -208,6 +217,12 @@ def test_every_signature_after_the_keys_covers_the_transcript_hash():
     for c in config.client_ids:
         assert registry.verify(sig_a[c].signature, I.SURVIVORS_PURPOSE, sid, c, ta, *ids)
         assert not registry.verify(sig_b[c].signature, I.SURVIVORS_PURPOSE, sid, c, ta, *ids)
+        content = I.content_digest(I.SURVIVORS_PURPOSE, sid, c, ta, *ids)
+        tags_a, tags_b = ({t.client_id: t.tag for t in sig.tags} for sig in (sig_a[c], sig_b[c]))
+        assert set(tags_a) == set(tags_b) == set(config.client_ids) - {c}
+        for w in tags_a:  # the tags c made for w: those of session a verify there, those of session b do not
+            key = I.ClientIdentity(keys[w]).pairwise_key(w, c, registry)
+            assert I.check_tag(key, content, w, tags_a[w]) and not I.check_tag(key, content, w, tags_b[w])
         senders = I.encode_ids(s.sender for s in deliveries[c].shares)
         assert registry.verify(inputs_a[c].signature, I.INPUT_PURPOSE, sid, c, ta, I.digest(inputs_a[c].masked),
                                senders)
@@ -228,7 +243,7 @@ def test_the_server_aborts_when_too_few_holders_of_a_survivor_sign():
         if c not in silent:
             server.receive(clients[c].consistency_check(request))
     with pytest.raises(ProtocolAbort, match="share holders of client 1 signed the survivor set"):
-        server.consistency_proof()
+        server.consistency_proofs()
 
 
 def test_run_round_clients_check_the_configuration_against_the_declared_threat_model(monkeypatch):

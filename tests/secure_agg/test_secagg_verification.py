@@ -1,10 +1,11 @@
-"""What each client verifies in the malicious-server variant, now that the consistency check verifies fewer signatures.
+"""What each client verifies in the malicious-server variant.
 
-``ClientSession._check_proof`` counts a peer's signing holders by verifying, among the holders not yet decided, first
-the survivors its two-hop check needs anyway and stops at ``threshold``. That ordering may only change how many
-signatures a client verifies, never what it decides: here every tampered proof gets exactly the verdict (and the
-reason) of a reference check that verifies every signature offered, and on an honest round every client still
-verifies the bundle of every neighbour it shares with and the signature of every survivor within two hops, each once.
+``ClientSession._check_proof`` counts a peer's signing holders by verifying (the pairwise tags the signers made for
+it), among the holders not yet decided, first the survivors its two-hop check needs anyway and stops at ``threshold``.
+That ordering may only change how many tags a client verifies, never what it decides: here every tampered proof gets
+exactly the verdict (and the reason) of a reference check that verifies every tag offered, and on an honest round
+every client still verifies the bundle tag of every neighbour it shares with and the survivor-set tag of every survivor
+within two hops, each once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def reference_reason(session: ClientSession, proof: M.ConsistencyProof) -> str |
     """Check 6 of ``client``'s docstring with every offered signature verified up front: the start of the reason a
     client must abort with, or None."""
     cfg, me, registry = session.config, session.client_id, session._registry
+    if proof.recipient != me:
+        return f"consistency proof addressed to client {proof.recipient}"
     sid, t = cfg.session_id, cfg.threshold
     alive_t, dropped_t = session._survivors
     if tuple(sorted(proof.alive)) != alive_t or tuple(sorted(proof.dropped)) != dropped_t:
@@ -36,10 +39,11 @@ def reference_reason(session: ClientSession, proof: M.ConsistencyProof) -> str |
     alive, listed = set(alive_t), set(alive_t) | set(dropped_t)
     parts = (session._transcript, I.encode_ids(alive_t), I.encode_ids(dropped_t))
     first: dict[int, bytes] = {}
-    for e in proof.signatures:
+    for e in proof.tags:
         if e.client_id in alive and e.client_id != me:
-            first.setdefault(e.client_id, e.signature)
-    ok = {c for c, s in first.items() if registry.verify(s, I.SURVIVORS_PURPOSE, sid, c, *parts)} | {me}
+            first.setdefault(e.client_id, e.tag)
+    ok = {c for c, tag in first.items()
+          if session._tagged(c, I.content_digest(I.SURVIVORS_PURPOSE, sid, c, *parts), tag)} | {me}
     attested: dict[int, M.InputAttestation] = {}
     for e in proof.inputs:
         if e.client_id in alive:
@@ -78,7 +82,7 @@ def _at_proof(harness, n=14, degree=6, threshold=4, drop=(3, 9)):
     request = h.server.unmask_request()
     for c in request.alive:
         h.server.receive(h.clients[c].consistency_check(request))
-    return h, h.server.consistency_proof()
+    return h, h.server.consistency_proofs()
 
 
 def _clone(h, c: int) -> ClientSession:
@@ -86,19 +90,25 @@ def _clone(h, c: int) -> ClientSession:
                                     registry=h.registry)
 
 
-def _tamper(rng: random.Random, h, proof: M.ConsistencyProof) -> M.ConsistencyProof:
-    """A proof the server may send: signatures left out, corrupted, attributed to another signer, preceded by a
-    bad duplicate (the first one counts), survivors' attestations added or left out."""
+def _tamper(rng: random.Random, h, proof: M.ConsistencyProof, proofs: dict) -> M.ConsistencyProof:
+    """A proof the server may send: tags left out, corrupted, taken from another client's proof, preceded by a bad
+    duplicate (the first one counts), survivors' attestations added or left out."""
     sigs = []
-    for s in proof.signatures:
+    others = [p for p in proofs.values() if p.recipient != proof.recipient]
+    for s in proof.tags:
         roll = rng.random()
         if roll < 0.12:
             continue  # left out
         if roll < 0.2:
-            sigs.append(M.SignedBy(s.client_id, bytes([s.signature[0] ^ 1]) + s.signature[1:]))
+            sigs.append(M.Tag(s.client_id, bytes([s.tag[0] ^ 1]) + s.tag[1:]))
             continue
         if roll < 0.25:
-            sigs.append(M.SignedBy(s.client_id, bytes(64)))  # a bad duplicate first
+            sigs.append(M.Tag(s.client_id, bytes(32)))  # a bad duplicate first
+        if roll < 0.3:  # the same signer's tag for another client
+            other = {t.client_id: t for t in rng.choice(others).tags}.get(s.client_id)
+            if other is not None:
+                sigs.append(other)
+                continue
         sigs.append(s)
     rng.shuffle(sigs)
     inputs = [a for a in proof.inputs if rng.random() < 0.7]
@@ -108,17 +118,18 @@ def _tamper(rng: random.Random, h, proof: M.ConsistencyProof) -> M.ConsistencyPr
             masked = h.sent["masked_input"][c]
             digest = I.digest(masked.masked) if rng.random() < 0.7 else bytes(32)
             inputs.append(M.InputAttestation(c, digest, masked.signature))
-    return dataclasses.replace(proof, signatures=tuple(sigs), inputs=tuple(inputs))
+    return dataclasses.replace(proof, tags=tuple(sigs), inputs=tuple(inputs))
 
 
 def test_the_proof_check_decides_as_if_it_verified_every_signature(harness):
-    h, proof = _at_proof(harness)
+    h, proofs = _at_proof(harness)
     rng = random.Random(26)
     verdicts = collections.Counter()
-    signers = [s.client_id for s in proof.signatures]
+    signers = sorted(proofs)
     for trial in range(160):
         c = signers[trial % len(signers)]
-        tampered = proof if trial < len(signers) else _tamper(rng, h, proof)
+        proof = proofs[c]
+        tampered = proof if trial < len(signers) else _tamper(rng, h, proof, proofs)
         expected = reference_reason(_clone(h, c), tampered)
         client = _clone(h, c)
         try:
@@ -136,29 +147,36 @@ def test_the_proof_check_decides_as_if_it_verified_every_signature(harness):
 
 def test_every_client_verifies_each_signature_it_relies_on_once(harness, monkeypatch):
     """An honest round at N = 40 with the parameters derived for dropout 0.2 (degree 18, threshold 10), 8 clients gone
-    before masking: each client verifies the bundle signature of every neighbour in its key directory and the
-    survivor-set signature of every survivor within two hops of it, no signature twice, and few others."""
+    before masking: each client verifies the bundle tag of every neighbour in its key directory and the survivor-set
+    tag of every survivor within two hops of it, no tag twice, and few others; and no Ed25519 signature at all (the
+    input attestations are needed only for survivors that did not sign)."""
     calls: dict[object, list] = collections.defaultdict(list)
-    who = {"party": "server"}
-    verify = I.IdentityRegistry.verify
+    who = {"party": "server", "stage": None}
+    tagged, verify = ClientSession._tagged, I.IdentityRegistry.verify
+    purposes = {"share_keys": I.KEYS_PURPOSE, "unmask": I.SURVIVORS_PURPOSE}
+
+    def recording_tag(self, sender, content, value):
+        calls[self.client_id].append((purposes[who["stage"]], sender, value))
+        return tagged(self, sender, content, value)
 
     def recording(self, signature, purpose, session_id, signer, *parts):
-        calls[who["party"]].append((purpose, signer, signature))
+        calls[who["party"]].append((b"ed25519:" + purpose, signer, signature))
         return verify(self, signature, purpose, session_id, signer, *parts)
 
     def as_client(name):
         method = getattr(ClientSession, name)
 
         def run(self, *args):
-            who["party"] = self.client_id
+            who["party"], who["stage"] = self.client_id, name
             try:
                 return method(self, *args)
             finally:
-                who["party"] = "server"
+                who["party"], who["stage"] = "server", None
         monkeypatch.setattr(ClientSession, name, run)
 
     for name in ("share_keys", "masked_input", "consistency_check", "unmask"):
         as_client(name)
+    monkeypatch.setattr(ClientSession, "_tagged", recording_tag)
     monkeypatch.setattr(I.IdentityRegistry, "verify", recording)
     params = derive_parameters(40, dropout=0.2, malicious=True)
     h = harness(n=40, d=4, bits=16, degree=params.degree, threshold=params.threshold, malicious=True,
@@ -169,7 +187,8 @@ def test_every_client_verifies_each_signature_it_relies_on_once(harness, monkeyp
     extra = 0
     for c, session in h.clients.items():
         made = calls[c]
-        assert len(made) == len(set(made)), f"client {c} verified a signature twice"
+        assert len(made) == len(set(made)), f"client {c} verified a tag twice"
+        assert not [m for m in made if m[0].startswith(b"ed25519:")], f"client {c} verified a signature"
         bundles = {signer for purpose, signer, _ in made if purpose == I.KEYS_PURPOSE}
         assert bundles == cfg.neighbours(c)  # everyone advertised: every neighbour's bundle
         if c not in alive:
