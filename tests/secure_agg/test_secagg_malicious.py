@@ -280,3 +280,36 @@ def test_a_deeply_nested_saved_state_is_refused_cleanly():
     config = SessionConfig.create((1, 2, 3), bits=8, dimension=2)
     with pytest.raises(ProtocolAbort, match="cannot be restored"):
         ClientSession.from_state(config, b"[" * 100_000)
+
+
+def test_an_identity_has_one_x25519_form_and_each_pair_one_key():
+    """The X25519 form of an identity (RFC 7748's map of its Ed25519 point) is the public key of the scalar Ed25519
+    derives from the seed, as cryptography's own X25519 computes it; both ends of a pair derive the same key, and no
+    third identity does; a registry refuses two keys of one X25519 form (a point and its negative) and the neutral
+    point."""
+    from privfl.secure_agg import identity as I
+
+    keys = {c: generate_identity() for c in range(1, 9)}
+    registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
+    ids = {c: I.ClientIdentity(k) for c, k in keys.items()}  # each checks its X25519 form against the map
+    for c in keys:
+        assert registry.agreement_key(c) == I.montgomery_public_bytes(identity_public_bytes(keys[c]))
+    assert ids[1].pairwise_key(1, 2, registry) == ids[2].pairwise_key(2, 1, registry)
+    assert ids[1].pairwise_key(1, 2, registry) != ids[1].pairwise_key(1, 3, registry)
+    assert ids[3].pairwise_key(3, 2, registry) != ids[1].pairwise_key(1, 2, registry)
+    # a tag verifies for its recipient, from its sender, for its content only
+    content = I.content_digest(I.SURVIVORS_PURPOSE, bytes(16), 1, b"transcript", b"ids")
+    tag = I.tag(ids[1].pairwise_key(1, 2, registry), content, 2)
+    assert I.check_tag(ids[2].pairwise_key(2, 1, registry), content, 2, tag)
+    assert not I.check_tag(ids[2].pairwise_key(2, 1, registry), content, 1, tag)  # reflected
+    assert not I.check_tag(ids[3].pairwise_key(3, 1, registry), content, 3, tag)  # another recipient
+    other = I.content_digest(I.SURVIVORS_PURPOSE, bytes(16), 1, b"transcript", b"idz")
+    assert not I.check_tag(ids[2].pairwise_key(2, 1, registry), other, 2, tag)
+    raw = identity_public_bytes(keys[1])
+    negative = raw[:31] + bytes([raw[31] ^ 0x80])  # -P: same y, other sign of x
+    with pytest.raises(ValueError, match="differ only in sign"):
+        IdentityRegistry({1: raw, 2: negative})
+    with pytest.raises(ValueError, match="not a usable curve point"):
+        I.montgomery_public_bytes((1).to_bytes(32, "little"))
+    with pytest.raises(ValueError, match="not in the identity registry"):
+        registry.agreement_key(99)
