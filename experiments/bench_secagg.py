@@ -18,7 +18,8 @@ Measured side by side in one run on this machine:
   ``--round-repeats`` times, each key the best run (``round_median_s``, ``round_semi_honest_median_s``: the medians).
   The clients keep their identities (``ClientIdentity``) from round to round, as a deployment's do, so a pairwise key
   is derived once per pair of clients: ``round_first_s`` is the first round of those identities, which derives them
-  (a pairwise key is one X25519 agreement and one HKDF, ``pairwise_key_us``), and ``malicious_first_over_semi_honest``
+  (a pairwise key is one X25519 agreement and one HKDF, ``pairwise_key_us``; one run, after an untimed semi-honest
+  round), and ``malicious_first_over_semi_honest``
   = round_first_s / round_semi_honest_s; it is also what every round costs where a client keeps no state between
   rounds (a Flower ClientApp). Every party runs in this one process, one after the other, so a round time is the work
   of all N clients and the server together: a client's share of the malicious variant's extra work is checking the
@@ -342,7 +343,9 @@ def main(argv=None) -> None:
     drop = _dropouts(keys, args.dropout, spread=False)
     common = (args.bits, args.clip)
     params = dict(degree=probe.degree, threshold=probe.threshold, dropout=args.dropout)
-    # the deployment's identities, kept from round to round: their first round derives the pairwise keys
+    # the deployment's identities, kept from round to round: their first round derives the pairwise keys (after one
+    # untimed semi-honest round, so that it does not also carry the process's own first-round warm-up)
+    privfl_round(vectors, *common, drop, **params, malicious=False)
     identities = {k: ClientIdentity(generate_identity()) for k in keys}
     first = privfl_round(vectors, *common, drop, **params, identities=identities)
     # the two variants interleaved, best of --round-repeats each (the least-disturbed run, as for the masking)

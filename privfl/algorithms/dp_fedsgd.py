@@ -13,6 +13,10 @@ One round is one DP-SGD step on the pooled data, computed where the data lives:
 5. the server divides the (noisy) sum by the public expected lot L = q N and takes one optimiser step (SGD with
    momentum, or Adam): post-processing.
 
+``class_weights`` (public, one per class; add/remove adjacency): a record is sampled at q * w[y] / max(w) instead of
+q, so a rare class keeps its weight through the clipping (``privfl.privacy.record_level.class_sampling_rates``: every
+rate is at most q, so the round's event still bounds every record's loss).
+
 Public facts only (``privfl.core.public``): with N the public record total (the design size times the number of clients,
 or the declared sizes), q = min(1, lot_size / N) and L = q N, as DP-SGD FedAvg derives its rate from the design
 size; a client's true count changes how many of its records a step sees on average, never q, L, B or the noise.
@@ -45,7 +49,7 @@ import torch
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import SAMPLED_ACCOUNTANTS
+from privfl.privacy.record_level import SAMPLED_ACCOUNTANTS, class_sampling_rates
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import Channel, ClippedValue, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
@@ -77,8 +81,10 @@ class DPFedSGD(FedAvg):
 
     def __init__(self, fed, privacy, model=None, metrics=None, lot_size: int | None = None,
                  coordinate_bound: float | None = None, server_optimizer: str = "sgd",
-                 betas: tuple[float, float] = (0.9, 0.999)):
+                 betas: tuple[float, float] = (0.9, 0.999), class_weights=None):
         super().__init__(fed, privacy, model=model, metrics=metrics)
+        #: public per-class weights, as sampling rates q * w[y] / max(w) (``record_level.class_sampling_rates``)
+        self.class_weights = None if class_weights is None else tuple(float(w) for w in class_weights)
         if lot_size is not None and (isinstance(lot_size, bool) or not isinstance(lot_size, int) or lot_size < 1):
             raise ConfigurationError(f"dp_fedsgd: lot_size must be an integer >= 1 or None (the run's batch_size), "
                                      f"got {lot_size!r}")
@@ -121,6 +127,13 @@ class DPFedSGD(FedAvg):
             self.bound = float(self.privacy.clip * max(1.0, self.sample_rate * public.record_cap))
         self._per_example = PerExampleGradients(self.model)
         self._optimizer_state = None
+        if self.class_weights is not None:
+            if len(self.class_weights) != public.num_classes:
+                raise ConfigurationError(f"dp_fedsgd: class_weights has {len(self.class_weights)} entries for "
+                                         f"{public.num_classes} classes; give one weight per class")
+            relation = self.privacy.adjacency if self.privacy.private else "add_remove"
+            class_sampling_rates(self.class_weights, torch.zeros(1, dtype=torch.long), self.sample_rate, relation,
+                                 "dp_fedsgd")  # refused here, before anything is charged
 
     def channels(self):
         if not self.privacy.private:
@@ -151,6 +164,11 @@ class DPFedSGD(FedAvg):
         leaves the client."""
         generator = private_torch_generator(rng, self.privacy.secure_noise and self.privacy.private)
         n = len(dataset)
+        if self.class_weights is not None:  # each record at q * w[y] / max(w): at most q, so the events still hold
+            rates = class_sampling_rates(self.class_weights, dataset.tensors()[1], self.sample_rate,
+                                         self.privacy.adjacency if self.privacy.private else "add_remove",
+                                         "dp_fedsgd")
+            return (torch.rand(n, generator=generator).double() < rates).nonzero().reshape(-1)
         if self.sample_rate >= 1.0:
             return torch.arange(n)
         return (torch.rand(n, generator=generator) < self.sample_rate).nonzero().reshape(-1)

@@ -36,13 +36,16 @@ import copy
 import math
 
 import numpy as np
+import torch
+from torch import nn
 
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately
 from privfl.core.public import private_torch_generator
 from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
-                                         check_opacus_model, dpsgd_schedule, dpsgd_train)
+                                         check_opacus_model, class_sampling_rates, dpsgd_schedule, dpsgd_train,
+                                         loss_class_weight)
 from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
 from privfl.training.stacked import VectorisedDPSGD, vectorisable
 from privfl.errors import ConfigurationError
@@ -54,7 +57,12 @@ class DPSGDFedAvg(FedAvg):
     default_unit = "example"  # record-level by construction: DP-SGD bounds each example's gradient
 
     def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None,
-                 update_bound: float | None = None):
+                 update_bound: float | None = None, class_weights=None):
+        if class_weights is not None:  # the CLI's and compare's way to a class-weighted loss (public weights)
+            if loss is not None:
+                raise ConfigurationError(f"{self.name}: give the class weights in the loss "
+                                         "(nn.CrossEntropyLoss(weight=...)) or as class_weights, not both")
+            loss = nn.CrossEntropyLoss(weight=torch.tensor([float(w) for w in class_weights]))
         super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
         self.accountant = check_dpsgd_privacy(privacy, self.name) if privacy.private else None
         if update_bound is not None and (isinstance(update_bound, bool) or not isinstance(update_bound, (int, float))
@@ -72,6 +80,12 @@ class DPSGDFedAvg(FedAvg):
         net = super().build_model(public)
         if self.privacy.private and self.user.model is not None:
             check_opacus_model(net, self.name)
+        weight = loss_class_weight(self.user.loss)
+        if self.privacy.private and weight is not None:  # refused now, before anything is charged
+            if weight.numel() != public.num_classes:
+                raise ConfigurationError(f"{self.name}: the loss has {weight.numel()} class weights for "
+                                         f"{public.num_classes} classes; give one weight per class")
+            class_sampling_rates(weight, torch.zeros(1, dtype=torch.long), 1.0, self.privacy.adjacency, self.name)
         return net
 
     def channels(self):

@@ -9,12 +9,14 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
 - :func:`calibrate_dpsgd`: z for a schedule and target, by the one search (``accounting.calibration.calibrate_noise``);
 - :func:`dpsgd_train`: the engine itself, opacus with ghost clipping and Poisson sampling, the user's loss and
   optimizer, noise from the OS CSPRNG unless the run is seeded (``privfl.training.stacked.VectorisedDPSGD`` computes
-  the same steps for many clients at once);
+  the same steps for many clients at once); a class-weighted loss becomes class-weighted sampling
+  (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
 - :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -219,6 +221,59 @@ def _unsupported_layer(exc: Exception, algorithm: str) -> ConfigurationError:
                               "register a grad sampler for it (opacus.grad_sample.register_grad_sampler)")
 
 
+def loss_class_weight(loss) -> torch.Tensor | None:
+    """The per-class weight of a torch classification loss (``nn.CrossEntropyLoss(weight=...)``, ``nn.NLLLoss``), or
+    None."""
+    if isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)) and getattr(loss, "weight", None) is not None:
+        return loss.weight
+    return None
+
+
+def class_sampling_rates(weight, y: torch.Tensor, sample_rate: float, relation: str, algorithm: str) -> torch.Tensor:
+    """Each record's Poisson sampling rate under class weights: ``q * w[y_i] / max(w)``.
+
+    Why: DP-SGD clips each example's gradient to C, so a weight on the loss is undone whenever a gradient is larger
+    than C (under DP noise, most are): a class-weighted loss trains as if unweighted. Sampling a record with a rate
+    proportional to its class weight gives the same expected step as weighting its clipped gradient (E[sum over the
+    batch of clip(g_i)] = sum_i q_i clip(g_i)), and costs no privacy beyond the schedule's: every record's rate is at
+    most q, and a Poisson-subsampled mechanism's privacy loss only shrinks with a smaller rate (the hockey-stick
+    divergence is jointly convex, and a rate q' < q mixes the rate-q mechanism with the one that leaves the record
+    out), so the events at rate q bound every record's loss, under add/remove. A record's rate follows its own label,
+    which its neighbour may not share: under replace-one the two rates differ and that argument does not hold, so the
+    combination is refused. The weights themselves must be public (chosen before the run, never from the clients'
+    labels: a base rate computed from private counts would be a release of its own).
+    """
+    w = torch.as_tensor(weight, dtype=torch.float64).detach().reshape(-1)
+    if w.numel() < 2 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        raise ConfigurationError(f"{algorithm}: class weights must be one finite number > 0 per class, got "
+                                 f"{w.tolist()}")
+    if relation == "replace_one":
+        raise ConfigurationError(f"{algorithm}: class weights under DP-SGD sample each record at a rate set by its own "
+                                 "label, which is sound under add/remove adjacency only; use adjacency='add_remove' "
+                                 "(and no declared client sizes) or drop the class weights")
+    labels = y.long().reshape(-1)
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= w.numel()):
+        raise ConfigurationError(f"{algorithm}: the loss has {w.numel()} class weights but a label is outside "
+                                 f"0..{w.numel() - 1}")
+    return (float(sample_rate) * w / w.max())[labels]
+
+
+class _ClassWeightedPoissonSampler:
+    """Poisson batches with one rate per record: a step's batch holds record i with probability ``rates[i]``,
+    independently (opacus's ``UniformWithReplacementSampler`` when every rate is the same, drawn the same way)."""
+
+    def __init__(self, rates: torch.Tensor, steps: int, generator):
+        self.rates, self.steps, self.generator = rates, int(steps), generator
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for _ in range(self.steps):
+            mask = torch.rand(len(self.rates), generator=self.generator).double() < self.rates
+            yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
+
+
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
                 noise_multiplier: float, clip: float, lr: float, momentum: float, rng: np.random.Generator,
                 secure_noise: bool = False, before_step: Callable[[int, int], None] | None = None,
@@ -236,7 +291,9 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
     ``loss``: the criterion (default cross-entropy for integer labels, mean squared error for float targets), used
     per example through :class:`privfl.training.local.TaskLoss` (reduction ``"none"``, then opacus's mean over the
-    expected batch): each example's gradient is clipped whatever the loss. ``optimizer``: a factory of parameters
+    expected batch): each example's gradient is clipped whatever the loss. A class weight on the loss
+    (``nn.CrossEntropyLoss(weight=w)``, ``nn.NLLLoss(weight=w)``; public) becomes the records' sampling rates
+    (:func:`class_sampling_rates`) and the loss is applied unweighted, so the weight survives the clipping. ``optimizer``: a factory of parameters
     (default SGD with ``lr`` and ``momentum``) that opacus wraps; it only sees clipped, noised gradients, so it is
     post-processing.
     """
@@ -246,6 +303,12 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     n = len(x)
+    class_weight = loss_class_weight(loss)
+    rates = None
+    if class_weight is not None:
+        rates = class_sampling_rates(class_weight, y, schedule.sample_rate, schedule.relation, algorithm)
+        loss = copy.deepcopy(loss)
+        loss.weight = None  # the weight is in the sampling now: weighting the loss too would count it twice
     criterion_fn = TaskLoss(loss if loss is not None else (nn.MSELoss() if y.is_floating_point()
                                                            else nn.CrossEntropyLoss()))
     criterion_fn.require_per_example(algorithm)
@@ -279,9 +342,13 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     if own_noise or extra_gradient is not None:
         optimizer.attach_step_hook(step_hook)
     criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
-    sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
-                                            generator=private_torch_generator(rng, secure_noise),
-                                            steps=schedule.steps_per_epoch)
+    if rates is None:
+        sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
+                                                generator=private_torch_generator(rng, secure_noise),
+                                                steps=schedule.steps_per_epoch)
+    else:
+        sampler = _ClassWeightedPoissonSampler(rates, schedule.steps_per_epoch,
+                                               private_torch_generator(rng, secure_noise))
     gsm.train()
     loss_total, seen, steps = 0.0, 0, 0
     try:
@@ -322,5 +389,5 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     return {"train_loss": loss_total / max(seen, 1), "dpsgd_steps": float(steps)}
 
 
-__all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_dpsgd_privacy", "check_opacus_model",
+__all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "class_sampling_rates", "loss_class_weight", "check_dpsgd_privacy", "check_opacus_model",
            "dpsgd_schedule", "dpsgd_train", "other_round_events"]
