@@ -168,12 +168,13 @@ def test_dp_fedsgd_samples_classes_at_their_rates_and_refuses_what_it_cannot_acc
                  model=nn.Linear(4, 2), class_weights=(0.1, 1.0)).setup(data, np.random.default_rng(0))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("algorithm", ["dpsgd_fedavg", "dp_fedsgd"])
 def test_a_black_box_audit_of_the_weighted_release_stays_below_the_claim(algorithm):
     """D against D plus a canary of the most-weighted class (sampled at the schedule's full rate), epsilon 1, one
-    round through ``privfl.federate``; the score is the update's move in the canary's direction."""
+    round through ``privfl.federate``; the score is the update's move in the canary's direction. 300 trials per world
+    take about 8 s; measured on this machine the bound is 0 for both algorithms (the canary's mean move is about a
+    fifth of the noise's spread), so this audit catches only a gross failure, as any black-box audit of this size."""
     d, d2 = _worlds()
     trials = int(os.environ.get("PRIVFL_AUDIT_TRIALS", "300"))
     out = np.array([_federate(d, s, algorithm) for s in range(trials)])

@@ -1,0 +1,22 @@
+"""``experiments/run_rare_class.py --smoke`` runs every method of the rare-class comparison to the end (one seed, one
+setting, two rounds: not a measurement) and prints its summary, so the committed script does not rot."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "run_rare_class.py"
+
+
+@pytest.mark.timeout(300)
+def test_the_rare_class_comparison_runs_every_method(capsys):
+    spec = importlib.util.spec_from_file_location("run_rare_class", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--smoke"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert {line.split(" ")[0] for line in lines[:-1]} == set(module.METHODS)
+    summary = json.loads(lines[-1])
+    assert summary["best_private"] in module.METHODS and "gap_to_weighted_fedavg" in summary
