@@ -18,7 +18,8 @@ import numpy as np
 
 from privfl.data.dataset import TASKS, ArrayDataset, FederatedData
 from privfl.data.errors import DatasetError, PartitionError
-from privfl.data.offline import load_diabetes, load_digits, load_fair, load_mnist5k, load_star98, synthetic1d
+from privfl.data.offline import (load_autompg, load_diabetes, load_digits, load_fair, load_grunfeld, load_macrodata,
+                                 load_mnist5k, load_randhie, load_star98, synthetic1d)
 from privfl.data.partition import (PARTITIONS, dirichlet_partition, disjoint_class_partition, iid_partition,
                                    most_correlated_feature, sorted_chunk_partition)
 from privfl.data.split import Standardizer, train_test_split_indices
@@ -59,6 +60,10 @@ _SOURCES: dict[str, _Source] = {
     "diabetes": _Source("regression", (), lambda rng: load_diabetes(standardized=False), "public"),
     "star98": _Source("regression", (), lambda rng: load_star98(standardized=False), "public"),
     "fair": _Source("regression", (), lambda rng: load_fair(standardized=False), "public"),
+    "autompg": _Source("regression", (), lambda rng: load_autompg(standardized=False), "public"),
+    "grunfeld": _Source("regression", (), lambda rng: load_grunfeld(standardized=False), "public"),
+    "macrodata": _Source("regression", (), lambda rng: load_macrodata(standardized=False), "public"),
+    "randhie": _Source("regression", (), lambda rng: load_randhie(standardized=False), "public"),
     "synthetic1d": _Source("regression", ("n", "noise_std", "low", "high"), _offline_synthetic, None),
 }
 for _name in TORCHVISION_DATASETS:

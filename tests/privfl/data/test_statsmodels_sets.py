@@ -1,4 +1,5 @@
-"""star98 and fair: real regression sets shipped inside statsmodels (no download), federated like diabetes."""
+"""star98, fair, grunfeld, macrodata and randhie (statsmodels) and autompg (mlxtend): real regression sets shipped
+inside their packages (no download), federated like diabetes."""
 
 import numpy as np
 import pytest
@@ -6,9 +7,14 @@ import pytest
 pytest.importorskip("statsmodels")
 
 from privfl.data import DATASETS, make_federated  # noqa: E402
-from privfl.data.offline import FAIR_FEATURES, STAR98_FEATURES, load_fair, load_star98  # noqa: E402
+from privfl.data.offline import (FAIR_FEATURES, GRUNFELD_FEATURES, MACRODATA_FEATURES, RANDHIE_FEATURES,  # noqa: E402
+                                 RANDHIE_ROWS, STAR98_FEATURES, load_autompg, load_fair, load_grunfeld,
+                                 load_macrodata, load_randhie, load_star98)
 
-SETS = {"star98": (load_star98, 303, len(STAR98_FEATURES)), "fair": (load_fair, 6366, len(FAIR_FEATURES))}
+SETS = {"star98": (load_star98, 303, len(STAR98_FEATURES)), "fair": (load_fair, 6366, len(FAIR_FEATURES)),
+        "grunfeld": (load_grunfeld, 220, len(GRUNFELD_FEATURES)),
+        "macrodata": (load_macrodata, 203, len(MACRODATA_FEATURES)),
+        "randhie": (load_randhie, RANDHIE_ROWS, len(RANDHIE_FEATURES)), "autompg": (load_autompg, 392, 7)}
 
 
 @pytest.mark.parametrize("name", sorted(SETS))
@@ -26,6 +32,12 @@ def test_targets_are_in_their_documented_ranges():
     assert 0.0 < star.min() and star.max() < 1.0  # a share of students above the national median
     affairs = load_fair(standardized=False).y
     assert affairs.min() == 0.0 and affairs.max() > 50.0
+    mpg = load_autompg(standardized=False).y
+    assert 9.0 <= mpg.min() and mpg.max() <= 46.6 + 1e-4
+    visits = load_randhie(standardized=False).y
+    assert visits.min() == 0.0 and np.all(visits == np.round(visits))  # a count
+    # the randhie subsample is fixed: the same rows on every call
+    np.testing.assert_array_equal(load_randhie(standardized=False).x, load_randhie(standardized=False).x)
 
 
 @pytest.mark.parametrize("name", sorted(SETS))
