@@ -437,6 +437,18 @@ def verdicts(selected: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
+def acceptance_lines(checks: list[dict], title: str) -> list[str]:
+    """The acceptance table of :func:`verdicts` as markdown lines, under ``title``."""
+    lines = ["", title, "",
+             "| set | FedBNR / FedAvg MLP test RMSE, no DP (≤ 1.1?) | FedBNR vs DP-SGD FedAvg MLP test RMSE at ε = 3 "
+             "(lower?) | phase 2 = central BLR (max RMSE gap over seeds) |", "|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['dataset']} | {c['ratio_no_dp']:.3f} ({'yes' if c['within_1_1x'] else 'NO'}) | "
+                     f"{c['fedbnr_eps3']:.4g} vs {c['fedavg_eps3']:.4g} ({'yes' if c['beats_dpsgd'] else 'NO'}) | "
+                     f"{'yes' if c['phase2_exact'] else 'NO'} ({c['phase2_max_abs_rmse_gap_vs_central_blr']:.1e}) |")
+    return lines
+
+
 def _extension(row: dict) -> bool:
     """Whether a row is one of the candidates added after the first selection (RFF_GRID_SMOOTH, phase 1 with B_y)."""
     return "lengthscale" in row["config"] or row["config"].startswith("FedBNR (+phase 1: hyperparameters, ")
@@ -463,13 +475,7 @@ def sets_markdown(selected: list[dict], checks: list[dict], rows: list[dict], se
         name = "FedBNR" if s["family"] == "FedBNR" else ("DP-SGD FedAvg MLP" if s["private"] else "FedAvg MLP")
         lines.append(f"| {s['dataset']} | {name} | {eps} | {s['chosen']} | {s['val_rmse'][s['chosen']]:.4g} | "
                      f"{s['rmse']:.4g} ± {s['rmse_std']:.2g} | {s['nll']:.3f} | {len(s['val_rmse'])} |")
-    lines += ["", "Acceptance (issue 16):", "",
-              "| set | FedBNR / FedAvg MLP test RMSE, no DP (≤ 1.1?) | FedBNR vs DP-SGD FedAvg MLP test RMSE at ε = 3 "
-              "(lower?) | phase 2 = central BLR (max RMSE gap over seeds) |", "|---|---|---|---|"]
-    for c in checks:
-        lines.append(f"| {c['dataset']} | {c['ratio_no_dp']:.3f} ({'yes' if c['within_1_1x'] else 'NO'}) | "
-                     f"{c['fedbnr_eps3']:.4g} vs {c['fedavg_eps3']:.4g} ({'yes' if c['beats_dpsgd'] else 'NO'}) | "
-                     f"{'yes' if c['phase2_exact'] else 'NO'} ({c['phase2_max_abs_rmse_gap_vs_central_blr']:.1e}) |")
+    lines += acceptance_lines(checks, "Acceptance (issue 16):")
     all_sets = list(dict.fromkeys(r["dataset"] for r in rows))
 
     def where(test) -> str:
@@ -552,14 +558,8 @@ def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict]
         name = "FedBNR" if s["family"] == "FedBNR" else ("DP-SGD FedAvg MLP" if s["private"] else "FedAvg MLP")
         lines.append(f"| {s['dataset']} | {name} | {eps} | {s['chosen']} | {s['val_rmse'][s['chosen']]:.4g} | "
                      f"{s['rmse']:.4g} ± {s['rmse_std']:.2g} | {s['nll']:.3f} |")
-    lines += ["", "Acceptance (issue 28: within 1.1x of FedAvg MLP without DP, below DP-SGD FedAvg MLP at ε = 3, phase 2 "
-              "exact):", "",
-              "| set | FedBNR / FedAvg MLP test RMSE, no DP (≤ 1.1?) | FedBNR vs DP-SGD FedAvg MLP test RMSE at ε = 3 "
-              "(lower?) | phase 2 = central BLR (max RMSE gap over seeds) |", "|---|---|---|---|"]
-    for c in checks:
-        lines.append(f"| {c['dataset']} | {c['ratio_no_dp']:.3f} ({'yes' if c['within_1_1x'] else 'NO'}) | "
-                     f"{c['fedbnr_eps3']:.4g} vs {c['fedavg_eps3']:.4g} ({'yes' if c['beats_dpsgd'] else 'NO'}) | "
-                     f"{'yes' if c['phase2_exact'] else 'NO'} ({c['phase2_max_abs_rmse_gap_vs_central_blr']:.1e}) |")
+    lines += acceptance_lines(checks, "Acceptance (issue 28: within 1.1x of FedAvg MLP without DP, below DP-SGD "
+                                      "FedAvg MLP at ε = 3, phase 2 exact):")
     lines += ["", "Data (all shipped inside their packages): autompg (mlxtend; 392 cars, 7 features, miles per gallon), "
               "grunfeld (statsmodels; 220 firm-years, 3 features, gross investment), macrodata (statsmodels; 203 US "
               "quarters, 11 features, real private investment), randhie (statsmodels; a fixed 3,000-row subsample of "
