@@ -300,9 +300,12 @@ OVERRIDE_KEYS = ("rounds", "epsilon", "run-id")
 def import_algorithm_modules(run_config) -> None:
     """Import the files that register the run's own algorithms (``write_app(modules=...)``), once per process:
     the app module imports them where Flower loads it (a SuperNode of the Deployment Engine), but the Simulation
-    Engine loads the ClientApp once and hands the object to its Ray workers, which then only import privfl. A file
-    is found in the written app's folder, else as a module on the path."""
-    import importlib
+    Engine loads the ClientApp once and hands the object to its Ray workers, which then only import privfl.
+
+    The run config comes from whoever starts the run, so it may name only what the app itself brought: a module the
+    app module already imported (by its name), or a ``.py`` file in a folder that holds the app module
+    (``privfl_flower_app.py``, which ``write_app`` writes beside its copies). Anything else, such as a script elsewhere
+    on a SuperNode's disk or an installed module the app never imported, is refused, not imported."""
     import importlib.util
     import sys
 
@@ -317,21 +320,20 @@ def import_algorithm_modules(run_config) -> None:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in sys.modules:
             continue
-        if os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not (path.endswith(".py") and os.path.isfile(path)
+                and os.path.isfile(os.path.join(folder, f"{APP_MODULE}.py"))):
+            raise ConfigurationError(f"the run's algorithm module {path!r} is neither imported by the app nor a .py "
+                                     f"file inside a privfl app folder (beside {APP_MODULE}.py); refusing to import "
+                                     "it (write the app with write_app(modules=[...]))")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
         try:
-            importlib.import_module(name)
-        except ImportError:
-            raise ConfigurationError(f"the run's algorithm module {name!r} is neither at {path} nor importable "
-                                     "here") from None
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
 
 
 def read_run_spec(run_config) -> "RunSpec":
