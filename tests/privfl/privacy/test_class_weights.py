@@ -214,3 +214,24 @@ def test_the_cli_takes_class_weights_as_an_option_and_refuses_what_it_cannot_acc
         assert main([*common, "--algorithm", algorithm, "--option", "class_weights=[0.2,1.0]", "--adjacency",
                      "replace_one", "--accountant", "pld"]) == 2
         assert "add/remove adjacency only" in capsys.readouterr().err
+
+
+def test_a_compare_toml_takes_class_weights_through_overrides(tmp_path):
+    """``[overrides.dp_fedsgd] class_weights = [...]`` in a compare TOML reaches the algorithm; its ledger stays within
+    the target."""
+    import json
+
+    from privfl.apps.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('dataset = "digits"\nclients = 3\npartition = "iid"\nepsilons = [2.0]\nseeds = [0]\nrounds = 2\n'
+                   f'algorithms = ["dp_fedsgd"]\nout_dir = "{tmp_path / "o"}"\n'
+                   '[overrides.dp_fedsgd]\nhidden = []\npool = 2\n'
+                   'class_weights = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]\n')
+    assert main(["compare", str(cfg), "--json", str(tmp_path / "r.json"), "--quiet"]) == 0
+    row = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert row["algorithm"] == "dp_fedsgd" and row["epsilon_spent_max"] <= 2.0 * (1 + 1e-9)
+    bad = cfg.read_text().replace("class_weights = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]",
+                                  "class_weights = [0.5, 1.0]")
+    cfg.write_text(bad.replace(str(tmp_path / "o"), str(tmp_path / "o2")))
+    assert main(["compare", str(cfg), "--quiet"]) == 2
