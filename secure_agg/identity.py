@@ -27,8 +27,10 @@ registry needs nothing new. Two clients' X25519 agreement, through HKDF with bot
 **tag** (``tag``) is HMAC-SHA256 under it of the signed content's digest, the sender and the recipient: it verifies
 only for that recipient, only from that sender, for that purpose, session and transcript. A corrupt client knows the
 keys it shares with others, so it can forge tags to itself or from itself only, as it could sign its own messages.
-Using one key pair for Ed25519 signatures and X25519 agreement is the construction Thormarker (2021, "On using the
-same key pair for Ed25519 and an X25519 based KEM") proves secure; we write the map ourselves (a dozen lines) because
+Using one key pair for Ed25519 signatures and static X25519 agreement is an assumption of the threat model:
+Thormarker (2021, "On using the same key pair for Ed25519 and an X25519 based KEM") proves the joint security of
+Ed25519 and an X25519-based KEM in the random-oracle model, the same kind of reuse though not exactly this static
+Diffie-Hellman (libsodium's conversion functions exist for it). We write the map ourselves (a dozen lines) because
 ``cryptography`` does not expose it, and check it against ``cryptography``'s own X25519 on every identity we build.
 """
 
