@@ -49,7 +49,8 @@ import torch
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import SAMPLED_ACCOUNTANTS, class_sampling_rates
+from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, check_class_weights, class_sampling_rates,
+                                         poisson_lot)
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import Channel, ClippedValue, PreClipped, Unclipped
 from privfl.errors import ConfigurationError
@@ -127,13 +128,10 @@ class DPFedSGD(FedAvg):
             self.bound = float(self.privacy.clip * max(1.0, self.sample_rate * public.record_cap))
         self._per_example = PerExampleGradients(self.model)
         self._optimizer_state = None
-        if self.class_weights is not None:
-            if len(self.class_weights) != public.num_classes:
-                raise ConfigurationError(f"dp_fedsgd: class_weights has {len(self.class_weights)} entries for "
-                                         f"{public.num_classes} classes; give one weight per class")
-            relation = self.privacy.adjacency if self.privacy.private else "add_remove"
-            class_sampling_rates(self.class_weights, torch.zeros(1, dtype=torch.long), self.sample_rate, relation,
-                                 "dp_fedsgd")  # refused here, before anything is charged
+        #: the accounting's relation (class-weighted sampling is sound under add/remove only)
+        self._relation = self.privacy.adjacency if self.privacy.private else "add_remove"
+        if self.class_weights is not None:  # refused here, before anything is charged
+            check_class_weights(self.class_weights, public.num_classes, self._relation, "dp_fedsgd")
 
     def channels(self):
         if not self.privacy.private:
@@ -165,13 +163,11 @@ class DPFedSGD(FedAvg):
         generator = private_torch_generator(rng, self.privacy.secure_noise and self.privacy.private)
         n = len(dataset)
         if self.class_weights is not None:  # each record at q * w[y] / max(w): at most q, so the events still hold
-            rates = class_sampling_rates(self.class_weights, dataset.tensors()[1], self.sample_rate,
-                                         self.privacy.adjacency if self.privacy.private else "add_remove",
-                                         "dp_fedsgd")
-            return (torch.rand(n, generator=generator).double() < rates).nonzero().reshape(-1)
+            return poisson_lot(class_sampling_rates(self.class_weights, dataset.tensors()[1], self.sample_rate,
+                                                    self._relation, "dp_fedsgd"), n, generator)
         if self.sample_rate >= 1.0:
             return torch.arange(n)
-        return (torch.rand(n, generator=generator) < self.sample_rate).nonzero().reshape(-1)
+        return poisson_lot(float(self.sample_rate), n, generator)
 
     def _gradient_sums(self, lots) -> np.ndarray:
         """One row per client: the sum of its lot's per-example gradients at the broadcast model, each clipped to C

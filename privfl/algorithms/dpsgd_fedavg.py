@@ -44,7 +44,7 @@ from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately
 from privfl.core.public import private_torch_generator
 from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
-                                         check_opacus_model, class_sampling_rates, dpsgd_schedule, dpsgd_train,
+                                         check_class_weights, check_opacus_model, dpsgd_schedule, dpsgd_train,
                                          loss_class_weight)
 from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
 from privfl.training.stacked import VectorisedDPSGD, vectorisable
@@ -82,10 +82,7 @@ class DPSGDFedAvg(FedAvg):
             check_opacus_model(net, self.name)
         weight = loss_class_weight(self.user.loss)
         if self.privacy.private and weight is not None:  # refused now, before anything is charged
-            if weight.numel() != public.num_classes:
-                raise ConfigurationError(f"{self.name}: the loss has {weight.numel()} class weights for "
-                                         f"{public.num_classes} classes; give one weight per class")
-            class_sampling_rates(weight, torch.zeros(1, dtype=torch.long), 1.0, self.privacy.adjacency, self.name)
+            check_class_weights(weight, public.num_classes, self.privacy.adjacency, self.name)
         return net
 
     def channels(self):

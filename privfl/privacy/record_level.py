@@ -243,19 +243,38 @@ def class_sampling_rates(weight, y: torch.Tensor, sample_rate: float, relation: 
     combination is refused. The weights themselves must be public (chosen before the run, never from the clients'
     labels: a base rate computed from private counts would be a release of its own).
     """
-    w = torch.as_tensor(weight, dtype=torch.float64).detach().reshape(-1)
-    if w.numel() < 2 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
-        raise ConfigurationError(f"{algorithm}: class weights must be one finite number > 0 per class, got "
-                                 f"{w.tolist()}")
-    if relation == "replace_one":
-        raise ConfigurationError(f"{algorithm}: class weights under DP-SGD sample each record at a rate set by its own "
-                                 "label, which is sound under add/remove adjacency only; use adjacency='add_remove' "
-                                 "(and no declared client sizes) or drop the class weights")
+    w = check_class_weights(weight, None, relation, algorithm)
     labels = y.long().reshape(-1)
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= w.numel()):
         raise ConfigurationError(f"{algorithm}: the loss has {w.numel()} class weights but a label is outside "
                                  f"0..{w.numel() - 1}")
     return (float(sample_rate) * w / w.max())[labels]
+
+
+def check_class_weights(weight, num_classes: int | None, relation: str, algorithm: str) -> torch.Tensor:
+    """The class weights as a float64 vector, after the checks :func:`class_sampling_rates` relies on: one finite
+    weight > 0 per class (``num_classes``, when known: the public label set), and add/remove adjacency. An algorithm
+    calls it at setup, so that a configuration it cannot account is refused before anything is charged."""
+    w = torch.as_tensor(weight, dtype=torch.float64).detach().reshape(-1)
+    if w.numel() < 2 or not bool(torch.isfinite(w).all()) or bool((w <= 0).any()):
+        raise ConfigurationError(f"{algorithm}: class weights must be one finite number > 0 per class, got "
+                                 f"{w.tolist()}")
+    if num_classes is not None and w.numel() != num_classes:
+        raise ConfigurationError(f"{algorithm}: {w.numel()} class weights for {num_classes} classes; give one weight "
+                                 "per class")
+    if relation == "replace_one":
+        raise ConfigurationError(f"{algorithm}: class weights under DP-SGD sample each record at a rate set by its own "
+                                 "label, which is sound under add/remove adjacency only; use adjacency='add_remove' "
+                                 "(and no declared client sizes) or drop the class weights")
+    return w
+
+
+def poisson_lot(rates, n: int, generator) -> torch.Tensor:
+    """One Poisson lot: the indices of ``n`` records, each in with its own probability (``rates``: a number, or one
+    per record), coins from ``generator``; drawn as opacus's ``UniformWithReplacementSampler`` draws them."""
+    coins = torch.rand(n, generator=generator)
+    mask = coins < rates if isinstance(rates, float) else coins.double() < rates
+    return mask.nonzero(as_tuple=False).reshape(-1)
 
 
 class _ClassWeightedPoissonSampler:
@@ -270,8 +289,7 @@ class _ClassWeightedPoissonSampler:
 
     def __iter__(self):
         for _ in range(self.steps):
-            mask = torch.rand(len(self.rates), generator=self.generator).double() < self.rates
-            yield mask.nonzero(as_tuple=False).reshape(-1).tolist()
+            yield poisson_lot(self.rates, len(self.rates), self.generator).tolist()
 
 
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
@@ -389,5 +407,6 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     return {"train_loss": loss_total / max(seen, 1), "dpsgd_steps": float(steps)}
 
 
-__all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "class_sampling_rates", "loss_class_weight", "check_dpsgd_privacy", "check_opacus_model",
-           "dpsgd_schedule", "dpsgd_train", "other_round_events"]
+__all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
+           "check_opacus_model", "class_sampling_rates", "dpsgd_schedule", "dpsgd_train", "loss_class_weight",
+           "other_round_events", "poisson_lot"]
