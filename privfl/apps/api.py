@@ -318,7 +318,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     rows = [{"client": name_of(cid), "round": int(rnd), "epsilon": float(eps)}
             for cid, series in sim.ledger.epsilon_by_round().items() for rnd, eps in series]
     history = [{"round": r.round, "metrics": dict(r.metrics), "participants": r.participants,
-                "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds}
+                "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds,
+                "snr": dict(r.snr)}
                for r in run.history]
     from privfl.metrics.report import one_class_warning
 

@@ -406,6 +406,7 @@ def cmd_run(args) -> int:
         print(f"round {rec.round + 1:3d}/{total_rounds}{phase}  {utility}  "
               f"nll {m.get('nll', float('nan')):.4f}  epsilon spent (max) {rec.epsilon_max:.4g}  "
               f"clients {rec.participants}" + (f"  sat out {len(rec.sat_out)}" if rec.sat_out else "")
+              + ("  snr " + " ".join(f"{k} {v:.3g}" for k, v in sorted(rec.snr.items())) if rec.snr else "")
               + ("  ABORTED (secure aggregation: nothing revealed)" if rec.aborted else ""),
               file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
 
@@ -443,6 +444,7 @@ def cmd_run(args) -> int:
         "accuracy": result.final.get("accuracy"), "final": result.final,
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
         "epsilon_spent_per_round": [r.epsilon_max for r in result.history],
+        "snr_per_round": [dict(r.snr) for r in result.history],
         "epsilon_spent_max": result.audit["max_epsilon"],
         "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
         "ledger": result.ledger, "run_id": result.run_id, "noise": result.noise,

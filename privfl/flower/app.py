@@ -597,54 +597,75 @@ def server_main(grid, context) -> None:
 
 def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None):
     """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
-    and handed-over states every message of the phase carries): the plan, the seed streams and the rounds, as the
-    in-process runtime runs them. Returns (the rounds' history, the plan's noise multipliers)."""
+    and handed-over states every message of the phase carries): the plan and the seed streams as the in-process
+    runtime builds them, and its round loop (:func:`privfl.runtime.rounds.run_rounds`) over Flower's messages
+    (:class:`FlowerRounds`). Returns (the rounds' history, the plan's noise multipliers)."""
     from privfl.core.plan import seed_stream
+    from privfl.runtime.rounds import run_rounds
 
     plan = _run_plan(alg, spec)
-    by_name, multipliers = {c.name: c for c in plan.channels}, plan.noise_multipliers
-    server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
-    history = []
-    sampled = spec.privacy.sampling_rate < 1
-    if sampled:  # the CSPRNG unless seeded on purpose: then the run plan's stream, as the in-process runtime draws it
+    transport = FlowerRounds(grid, spec, alg, plan, nodes, node_of, node_client, audits, phase)
+    sampler = None
+    if spec.privacy.sampling_rate < 1:  # the CSPRNG unless seeded on purpose: then the run plan's stream
         secure = spec.privacy.secure_noise and spec.privacy.private  # a non-private run claims nothing: seeded
         sampler = client_sampler(seed_stream(spec.fed.seed, "sample"), secure)
-        if not secure:
-            for _ in range(first_round):  # a resumed seeded run draws its rounds' samples where the first left off
-                sampler.random(spec.n_clients)
-    exhausted: set[str] = set()  # clients whose budget is spent take no further part, charged or not
-    for rnd in range(first_round, spec.fed.rounds):
-        start = time.perf_counter()
-        broadcast = {"round": rnd, "noise_multipliers": multipliers, "values": dict(alg.broadcast(rnd).values),
-                     "phase": phase}
-        if sampled:
-            chosen = {str(k) for k in np.flatnonzero(sampler.random(spec.n_clients) < spec.privacy.sampling_rate)}
-            live = sorted((c for c in node_of if c not in exhausted), key=int)
-            refused = _charge_round(grid, spec, rnd, [node_of[c] for c in live if c not in chosen], audits,
-                                    node_client, phase) if plan.amplified else []
-            exhausted.update(refused)
-            participants, sat_out = _plain_round(grid, spec, alg, rnd, [node_of[c] for c in live if c in chosen],
-                                                 broadcast, by_name, server_noise, audits, node_client,
-                                                 all_nodes=False)
-            exhausted.update(sat_out)
-            sat_out = sorted(set(sat_out) | exhausted, key=int)
-            aborted = False
-        elif spec.secure is None:
-            live = [n for n in nodes if node_client.get(n) not in exhausted]
-            participants, sat_out = _plain_round(grid, spec, alg, rnd, live, broadcast, by_name, server_noise,
-                                                 audits, node_client, all_nodes=len(live) == len(nodes))
-            exhausted.update(sat_out)
-            sat_out = sorted(set(sat_out) | exhausted, key=int)
-            aborted = False
-        else:
-            participants, sat_out, aborted = _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name,
-                                                           server_noise, audits, node_client)
-        metrics = alg.evaluate(test) if test is not None else {}
-        history.append({"round": rnd, "participants": participants, "aborted": aborted,
-                        "sat_out": sorted(sat_out, key=int), "metrics": metrics,
-                        "seconds": time.perf_counter() - start})
+    history = []
+
+    def on_round(record) -> None:
+        history.append({"round": record.round, "participants": record.participants, "aborted": record.aborted,
+                        "sat_out": list(record.sat_out), "metrics": record.metrics, "seconds": record.seconds,
+                        "snr": dict(record.snr)})
         _log_round(spec, history[-1], audits, phase)
-    return history, multipliers
+
+    run_rounds(alg, transport, n_clients=spec.n_clients, rounds=spec.fed.rounds, first_round=first_round,
+               sampling_rate=spec.privacy.sampling_rate, sampler=sampler,
+               evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round)
+    return history, plan.noise_multipliers
+
+
+class FlowerRounds:
+    """The Flower transport of :func:`privfl.runtime.rounds.run_rounds` (Deployment Engine and Simulation Engine
+    alike): a round is the broadcast sent as Flower messages to the SuperNodes of the sampled clients, each of which
+    trains, charges its own ledger and replies with its releases (:func:`_plain_round`), or the stages of secure
+    aggregation as message rounds (:func:`_secure_round`); under amplification by sampling the SuperNodes of the
+    clients left out charge their round first (:func:`_charge_round`)."""
+
+    def __init__(self, grid, spec, alg, plan, nodes, node_of, node_client, audits, phase=None):
+        from privfl.core.plan import seed_stream
+
+        self.grid, self.spec, self.alg, self.plan = grid, spec, alg, plan
+        self.nodes, self.node_of, self.node_client, self.audits, self.phase = nodes, node_of, node_client, audits, phase
+        self.by_name = {c.name: c for c in plan.channels}
+        self.server_noise = _noise(spec.privacy, seed_stream(spec.fed.seed, "server"))
+
+    def _nodes(self, clients) -> list[int]:
+        return [self.node_of[str(k)] for k in clients]
+
+    def round(self, rnd, chosen, left_out):
+        from privfl.runtime.rounds import RoundOutcome
+
+        spec, alg = self.spec, self.alg
+        broadcast = {"round": rnd, "noise_multipliers": self.plan.noise_multipliers,
+                     "values": dict(alg.broadcast(rnd).values), "phase": self.phase}
+        refused = []
+        if left_out and self.plan.amplified:
+            refused = _charge_round(self.grid, spec, rnd, self._nodes(left_out), self.audits, self.node_client,
+                                    self.phase)
+        aborted = False
+        if spec.secure is None:
+            whole = not left_out and len(chosen) == spec.n_clients
+            aggregates, participants, sat_out = _plain_round(
+                self.grid, spec, rnd, self._nodes(chosen), broadcast, self.by_name, self.server_noise, self.audits,
+                self.node_client, all_nodes=whole)
+        else:
+            aggregates, participants, sat_out, aborted = _secure_round(
+                self.grid, spec, rnd, self._nodes(chosen), broadcast, self.plan, self.by_name, self.server_noise,
+                self.audits, self.node_client)
+        return RoundOutcome(aggregates, participants, tuple(int(c) for c in [*refused, *sat_out]), aborted)
+
+    def epsilons(self) -> list[float]:
+        """The epsilon each organisation's ledger reported with its last reply."""
+        return [float(a["epsilon"]) for a in self.audits.values() if a and a.get("epsilon") is not None]
 
 
 def _log_round(spec: RunSpec, record: dict, audits: dict, phase=None) -> None:
@@ -791,10 +812,11 @@ def _charge_round(grid, spec, rnd, nodes, audits, node_client, phase=None) -> li
                                               what="charge its round") if reply["sat_out"]]
 
 
-def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, audits, node_client,
+def _plain_round(grid, spec, rnd, nodes, broadcast, by_name, server_noise, audits, node_client,
                  all_nodes: bool = True):
     """One round without secure aggregation: every SuperNode of ``nodes`` replies with its releases in the clear
-    (``all_nodes``: they are the whole federation, whose partition ids are checked)."""
+    (``all_nodes``: they are the whole federation, whose partition ids are checked). Returns (the weighted sums or
+    None when nobody released, the clients that released, the clients whose budget refused the round)."""
     from flwr.app import Message
 
     from privfl.core.aggregation import weighted_sums
@@ -829,9 +851,8 @@ def _plain_round(grid, spec, alg, rnd, nodes, broadcast, by_name, server_noise, 
     if all_nodes:
         _check_partitions({cid for cid, _, _ in replies}, spec)
     releases.sort(key=lambda r: int(r.client_id))  # the in-process runtime's summation order
-    if releases:
-        alg.server_update(weighted_sums(releases, by_name, server_noise), rnd)
-    return len({r.client_id for r in releases}), sat_out
+    aggregates = weighted_sums(releases, by_name, server_noise) if releases else None
+    return aggregates, len({r.client_id for r in releases}), sat_out
 
 
 def _log_missing(spec, rnd: int, missing, node_client) -> None:
@@ -886,7 +907,7 @@ def _stage_messages(malicious: bool = False):
             "unmask": (UnmaskRequest, UnmaskShares)}, AdvertiseKeys
 
 
-def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_noise, audits, node_client):
+def _secure_round(grid, spec, rnd, nodes, broadcast, plan, by_name, server_noise, audits, node_client):
     """One round under secure aggregation, secure_agg's stages as Flower message rounds:
 
     1. ``train`` (advertise keys): the broadcast and the round's public session configuration go out; each client
@@ -963,10 +984,9 @@ def _secure_round(grid, spec, alg, rnd, nodes, broadcast, plan, by_name, server_
                 outgoing = server.consistency_proofs()
         result = server.finalize()
     except ProtocolAbort:
-        return 0, sat_out, True  # nothing of the round is revealed; the global state stays
+        return None, 0, sat_out, True  # nothing of the round is revealed; the global state stays
     included = [headers[c] for c in result.included]
-    alg.server_update(decode_secure_sum(result.sum, encodings, by_name, included, server_noise), rnd)
-    return len(included), sat_out, False
+    return decode_secure_sum(result.sum, encodings, by_name, included, server_noise), len(included), sat_out, False
 
 
 def _exchange(grid, spec, rnd, stage, outgoing, node_of, answer_type, audits, phase=None):

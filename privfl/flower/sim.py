@@ -248,7 +248,8 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
     modules = algorithm_modules(algorithm, modules)
     from privfl.flower.local import LocalDeployment
     from privfl.core.public import SEEDED_NOISE_WARNING
-    from privfl.runtime.engine import RoundRecord, RunResult
+    from privfl.runtime.engine import RunResult
+    from privfl.runtime.rounds import RoundRecord
 
     n_clients = len(data.train_parts)
     out_dir = os.path.abspath(out_dir)
@@ -307,7 +308,8 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
             eps = [math.inf] if released_any else [0.0]
         result.history.append(RoundRecord(rnd, bool(h["aborted"]), int(h["participants"]),
                                           [str(c) for c in h["sat_out"]], dict(h["metrics"]), float(max(eps)),
-                                          float(np.mean(eps)), float(h["seconds"])))
+                                          float(np.mean(eps)), float(h["seconds"]),
+                                          snr={str(k): float(v) for k, v in dict(h.get("snr") or {}).items()}))
     run = SimulationEngineRun(result, paths, dict(published["state"]), spec, out_dir, published)
     test = data.test
     if (history and test is not None and test.task == "regression"

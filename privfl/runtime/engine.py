@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping
 
@@ -48,26 +47,13 @@ from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.core.plan import RunPlan, seed_stream
 from privfl.core.release import Release, mark_round_released
 from privfl.core.plan import noise_multipliers_for as plan_multipliers
-from privfl.errors import DIVERGENCE_CAUSES, ConfigurationError, TrainingDiverged
+from privfl.errors import ConfigurationError
 from privfl.runtime.phase_ledgers import composed_audit, composed_epsilon, phase_ledger_meta, phase_run_id
 from privfl.runtime.phases import run_phases
+from privfl.runtime.rounds import RoundOutcome, RoundRecord, run_rounds
 from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 from privfl.privacy.secure import SecureAggregation, local_noise_stds, public_weight_bound, secure_weighted_sums
 from privfl.secure_agg import ProtocolAbort
-
-
-@dataclass
-class RoundRecord:
-    round: int
-    aborted: bool
-    participants: int
-    sat_out: list[str]
-    metrics: dict[str, float]
-    epsilon_max: float
-    epsilon_mean: float
-    seconds: float
-    #: the phase of a multi-phase run (``privfl.runtime.phases``) this round belongs to; None in a one-phase run
-    phase: str | None = None
 
 
 @dataclass
@@ -105,11 +91,6 @@ def noise_multipliers_for(algorithm: FederatedAlgorithm, privacy: PrivacyConfig,
 
 
 EXECUTORS = ("auto", "vectorised", "per_client")
-
-#: a regression run whose test RMSE exceeds this many standard deviations of the test targets has diverged (its
-#: predictions are worse than predicting the test mean by a factor of this squared in mean squared error)
-EXPLODED_RMSE = 100.0
-
 
 def _client_names(data, n_clients: int) -> list[str]:
     """The clients' names where the data records them (own data, ``privfl.federate``), else their indices."""
@@ -155,37 +136,6 @@ def check_schedules_fit(algorithm: FederatedAlgorithm, data) -> None:
             f"records (ceil(client_size / batch_size)). Declare a smaller design size (client_size=, --client-size) "
             f"close to your smallest client's, raise batch_size (--batch-size), declare the record counts public (--adjacency replace_one, "
             f"PrivacyConfig(adjacency='replace_one')), or leave this client out; nothing was charged")
-
-
-def divergence(algorithm: FederatedAlgorithm, metrics: dict, test, spread: float | None = None) -> str | None:
-    """What shows that a run diverged after a round, or None: the global model's parameters are not finite; a
-    classifier's test predictions are not finite (its NLL is NaN); or a regression's test RMSE is not finite or
-    exceeds :data:`EXPLODED_RMSE` standard deviations of the test targets (``spread``, in the targets' own units;
-    computed from ``test`` when None)."""
-    params = getattr(algorithm, "global_params", None)
-    if isinstance(params, np.ndarray) and params.size and not np.all(np.isfinite(params)):
-        return "the global model's parameters are not finite (NaN or Inf)"
-    if test is None or not len(test):
-        return None
-    if "rmse" in metrics:
-        rmse = float(metrics["rmse"])
-        if not math.isfinite(rmse):
-            return f"the global model's test RMSE is {rmse} (its predictions are not finite)"
-        if spread is None:
-            spread = target_spread(test)
-        if spread > 0 and rmse > EXPLODED_RMSE * spread:
-            return (f"the global model's test RMSE {rmse:.3g} is {rmse / spread:.3g} times the standard deviation "
-                    f"of the test targets ({spread:.3g}): its predictions exploded")
-    elif "nll" in metrics and math.isnan(float(metrics["nll"])):
-        return "the global model's test predictions are not finite (NaN)"
-    return None
-
-
-def target_spread(test) -> float:
-    """The standard deviation of a regression test set's targets in their own units (0 for classification)."""
-    if getattr(test, "task", None) != "regression" or not len(test):
-        return 0.0
-    return float(np.std(test.to_original_units(test.y)))
 
 
 def _blas_limit(threads: int | None):
@@ -271,7 +221,6 @@ class Simulation:
         self.sampler = client_sampler(plan.stream("sample"), self.privacy.secure_noise and self.privacy.private)
         self.channels, self.plans, self.multipliers = list(plan.channels), plan.distributed, plan.noise_multipliers
         check_schedules_fit(alg, self.data)  # before anything is charged: every client can fill its schedule
-        self._spread = target_spread(self.data.test)
         self._prepared = True
 
     def client_step(self, k: int, rnd: int) -> dict[str, Release]:
@@ -370,81 +319,77 @@ class Simulation:
     def _run(self) -> RunResult:
         fed, privacy, alg = self.fed, self.privacy, self.algorithm
         self.prepare()
-        n_clients, pipelines, sampler = self.public.n_clients, self.pipelines, self.sampler
-        channels, plans, multipliers = self.channels, self.plans, self.multipliers
-        result = RunResult(alg.name, getattr(self.data, "name", "?"), n_clients, fed.rounds, privacy.epsilon,
-                           privacy.delta, privacy.resolved_accountant, multipliers, ledger=self.ledger_path,
-                           run_id=self.run_id, noise="secure" if privacy.secure_noise else "seeded")
-        by_name = {c.name: c for c in channels}
-        exhausted: set[int] = set()  # clients whose budget is spent take no further part, charged or not
-        released_any = False
-        for rnd in range(fed.rounds):
-            start = time.perf_counter()
-            if privacy.sampling_rate < 1:
-                selected = np.flatnonzero(sampler.random(n_clients) < privacy.sampling_rate)
-            else:
-                selected = np.arange(n_clients)
-            chosen = set(selected.tolist())
-            releases, sat_out, aborted = [], [], False
-            training = []
-            # The round's charges and release marks share one durable commit; nothing reaches the server (the sums
-            # below) before it, so no release leaves without its row.
-            with self.ledger.transaction():
-                for k in range(n_clients):
-                    if k in exhausted:
-                        sat_out.append(str(k))
-                        continue
-                    if k in chosen:
-                        training.append(k)
-                        continue
-                    try:
-                        pipelines[k].charge_only(rnd)
-                    except PrivacyBudgetExceeded:
-                        exhausted.add(k)
-                        sat_out.append(str(k))
-                for k, sent in self.client_steps(training, rnd):
-                    if isinstance(sent, PrivacyBudgetExceeded):
-                        exhausted.add(k)
-                        sat_out.append(str(k))
-                    else:
-                        releases.extend(sent.values())
-            sat_out.sort(key=int)
-            releases.sort(key=lambda r: int(r.client_id))  # sums in client order, whichever executor trained them
-            if releases:
-                try:
-                    if self.secure is not None:
-                        aggregates = secure_weighted_sums(
-                            releases, by_name, self.secure, self.secure_rng, self.server_noise, distributed=plans,
-                            secure_noise=privacy.secure_noise, client_rngs=self.secure_rngs,
-                            weight_bound=public_weight_bound(privacy, self.public), n_clients=n_clients,
-                            local_stds=local_noise_stds(channels, self.plan.placement, multipliers),
-                            on_masked_input=lambda sent, rnd=rnd: self._mark_sent(sent, rnd))
-                    else:
-                        aggregates = weighted_sums(releases, by_name, self.server_noise)
-                    alg.server_update(aggregates, rnd)
-                except ProtocolAbort:
-                    aborted = True  # the round could not be aggregated safely: nothing is revealed, the global state stays
-            metrics = {**alg.evaluate(self.data.test), **self.local_metrics(self.data.test)}
-            diverged = divergence(alg, metrics, self.data.test, self._spread)
-            if diverged is not None:
-                raise TrainingDiverged(f"{alg.name} diverged in round {rnd + 1} of {fed.rounds}: {diverged}; "
-                                       f"{DIVERGENCE_CAUSES}. The run stopped there: the rounds it ran, this one "
-                                       "included, stay charged in the ledger")
-            if privacy.private:
-                audit = self.ledger.audit()
-                eps = [v["epsilon"] for v in audit["clients"].values()] or [0.0]
-            else:  # every release of a non-private run is charged NonPrivateEvent: epsilon = inf once one is made
-                released_any = released_any or bool(releases)
-                eps = [math.inf] if released_any else [0.0]
-            record = RoundRecord(rnd, aborted, len({r.client_id for r in releases}), sat_out, metrics,
-                                 float(max(eps)), float(np.mean(eps)), time.perf_counter() - start)
+        result = RunResult(alg.name, getattr(self.data, "name", "?"), self.public.n_clients, fed.rounds,
+                           privacy.epsilon, privacy.delta, privacy.resolved_accountant, self.multipliers,
+                           ledger=self.ledger_path, run_id=self.run_id,
+                           noise="secure" if privacy.secure_noise else "seeded")
+
+        def on_round(record: RoundRecord) -> None:
             result.history.append(record)
             if self.progress is not None:
                 self.progress(record)
+
+        test = self.data.test
+        run_rounds(alg, InProcess(self), n_clients=self.public.n_clients, rounds=fed.rounds,
+                   sampling_rate=privacy.sampling_rate, sampler=self.sampler,
+                   evaluate=lambda: {**alg.evaluate(test), **self.local_metrics(test)}, test=test,
+                   on_round=on_round)
         result.audit = self.ledger.audit()
         if privacy.private and not privacy.secure_noise:
             result.audit["warning"] = SEEDED_NOISE_WARNING
         return result
+
+
+class InProcess:
+    """The in-process transport of :func:`privfl.runtime.rounds.run_rounds`: each client's local work and release
+    pipeline run here (:meth:`Simulation.client_steps`), the sums are made here (in the clear, or through secure
+    aggregation's protocol run in memory)."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self._released_any = False
+
+    def round(self, rnd: int, chosen, left_out) -> RoundOutcome:
+        sim, privacy = self.sim, self.sim.privacy
+        releases, sat_out = [], []
+        # The round's charges and release marks share one durable commit; nothing reaches the server (the sums
+        # below) before it, so no release leaves without its row.
+        with sim.ledger.transaction():
+            for k in left_out:
+                try:
+                    sim.pipelines[k].charge_only(rnd)
+                except PrivacyBudgetExceeded:
+                    sat_out.append(k)
+            for k, sent in sim.client_steps(chosen, rnd):
+                if isinstance(sent, PrivacyBudgetExceeded):
+                    sat_out.append(k)
+                else:
+                    releases.extend(sent.values())
+        releases.sort(key=lambda r: int(r.client_id))  # sums in client order, whichever executor trained them
+        participants = len({r.client_id for r in releases})
+        self._released_any = self._released_any or bool(releases)
+        if not releases:
+            return RoundOutcome(None, participants, tuple(sat_out))
+        by_name = {c.name: c for c in sim.channels}
+        try:
+            if sim.secure is not None:
+                aggregates = secure_weighted_sums(
+                    releases, by_name, sim.secure, sim.secure_rng, sim.server_noise, distributed=sim.plans,
+                    secure_noise=privacy.secure_noise, client_rngs=sim.secure_rngs,
+                    weight_bound=public_weight_bound(privacy, sim.public), n_clients=sim.public.n_clients,
+                    local_stds=local_noise_stds(sim.channels, sim.plan.placement, sim.multipliers),
+                    on_masked_input=lambda sent: sim._mark_sent(sent, rnd))
+            else:
+                aggregates = weighted_sums(releases, by_name, sim.server_noise)
+        except ProtocolAbort:  # the round could not be aggregated safely: nothing is revealed, the global state stays
+            return RoundOutcome(None, participants, tuple(sat_out), aborted=True)
+        return RoundOutcome(aggregates, participants, tuple(sat_out))
+
+    def epsilons(self) -> list[float]:
+        if self.sim.privacy.private:
+            return [v["epsilon"] for v in self.sim.ledger.audit()["clients"].values()]
+        # every release of a non-private run is charged NonPrivateEvent: epsilon = inf once one is made
+        return [math.inf] if self._released_any else [0.0]
 
 
 # -- multi-phase runs (privfl.runtime.phases) -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import privfl
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.apps.cli import main
 from privfl.errors import ConfigurationError, InvalidRelease, TrainingDiverged
-from privfl.runtime.engine import EXPLODED_RMSE, divergence
+from privfl.runtime.rounds import EXPLODED_RMSE, divergence
 
 QUIET = {"rounds": 1, "secure_noise": False, "seed": 0}
 
