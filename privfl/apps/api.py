@@ -48,7 +48,9 @@ class FederatedResult:
     targets' units for regression; and your ``metrics``), the participants and the largest epsilon so far.
     ``audit``: client name -> ``{"epsilon", "releases", ...}`` from the ledger. ``audit_rows``: one row per client per
     round it was charged in, ``{"client", "round", "epsilon"}`` (cumulative). ``run``: the underlying
-    :class:`privfl.runtime.engine.RunResult`.
+    :class:`privfl.runtime.engine.RunResult`. With ``class_prior``: ``decision``, the prior-corrected decision rule
+    (:class:`privfl.metrics.decision.PriorCorrection`), and ``prior_corrected``, the rule and its decision metrics on
+    the test data (balanced accuracy, accuracy, recall, positive rate); :meth:`predict` decides with it.
     """
 
     model: Any
@@ -60,11 +62,27 @@ class FederatedResult:
     algorithm: str
     clients: list[str]
     run: Any = field(repr=False, default=None)
+    decision: Any = None
+    prior_corrected: dict | None = None
 
     @property
     def final(self) -> dict:
         """The last round's test metrics."""
         return self.history[-1]["metrics"] if self.history else {}
+
+    def predict(self, x) -> np.ndarray:
+        """The predicted class (its position in the model's outputs) of each record of ``x`` (an array or tensor of
+        records): the argmax of the trained model's class probabilities, times the prior correction's factors when
+        the run declared ``class_prior`` (pure post-processing of the model: no privacy cost)."""
+        import torch
+
+        from privfl.training.local import predict_proba
+
+        if not isinstance(self.model, torch.nn.Module):
+            raise ConfigurationError(f"{self.algorithm}: predict decides between classes with one global classifier; "
+                                     "this run has none")
+        proba = predict_proba(self.model, torch.as_tensor(np.asarray(x, dtype=np.float32)))
+        return proba.argmax(axis=1) if self.decision is None else self.decision.decide(proba)
 
 
 def own_model_algorithms() -> list[str]:
@@ -174,7 +192,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
              clip: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
              secure_noise: bool = True, ledger: str = ":memory:", run_id: str | None = None,
              sampling_rate: float = 1.0, placement: str = "central", secure_agg=False,
-             **options) -> FederatedResult:
+             class_prior: Sequence[float] | None = None, **options) -> FederatedResult:
     """Train ``model`` over ``clients`` with ``algorithm`` under (``epsilon``, ``delta``) per client.
 
     - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
@@ -211,6 +229,12 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       ``"central"`` (the aggregator), ``"local"`` (each client) or ``"distributed"`` (each client a share, under secure
       aggregation); ``secure_agg``: True (or a :class:`privfl.SecureAggregation`) to hide every upload from the
       server under secure aggregation.
+    - ``class_prior``: the classes' base rates in the clients' data as a public fact you declare (a published
+      prevalence, a public reference sample, a design share; never counted from the clients' labels or the test
+      set), e.g. ``[0.96, 0.04]``: the result then decides with the balanced, prior-corrected rule ``argmax_y
+      p(y|x) * r_y`` that accounts for the class weights the run trained with
+      (:class:`privfl.metrics.decision.PriorCorrection`; post-processing, free of privacy cost):
+      ``result.predict(x)``, and ``result.prior_corrected`` with its test metrics.
 
     Refused before anything is charged (:class:`ConfigurationError`): besides bad arguments, a client too small for
     its DP-SGD schedule (fewer than ``ceil(client_size / batch_size)`` training records: less than one record per
@@ -221,7 +245,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     :class:`privfl.errors.TrainingDiverged` naming the round. The rounds run before stay charged.
     """
     from privfl.algorithms import ALGORITHMS, algorithm_options, make_algorithm
-    from privfl.apps.settings import resolve_settings, resolve_unit
+    from privfl.apps.settings import resolve_prior_correction, resolve_settings, resolve_unit
     from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.data.federated import federated_from_arrays
     from privfl.data.inputs import as_arrays
@@ -306,6 +330,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                                  f"{type(secure_agg).__name__}")
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
+    rule = resolve_prior_correction(class_prior, alg, task=task, num_classes=num_classes, loss=loss)
     sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id, secure=secure_agg)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
@@ -324,12 +349,17 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     from privfl.metrics.report import one_class_warning
 
     one_class = one_class_warning(run.final)
-    if one_class:
+    if one_class and rule is None:  # with a declared prior the result already decides by the corrected rule
         warnings.warn(one_class, RuntimeWarning, stacklevel=2)
     trained = _trained_model(sim, alg, data.test)
+    from privfl.metrics.report import prior_corrected
+
+    corrected = (prior_corrected(rule, sim.diagnostic_algorithm().predict_proba(data.test), data.test.y)
+                 if rule is not None else None)
     return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
                            epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),
-                           delta=delta, algorithm=algorithm, clients=names, run=run)
+                           delta=delta, algorithm=algorithm, clients=names, run=run, decision=rule,
+                           prior_corrected=corrected)
 
 
 __all__ = ["FederatedResult", "OWN_MODEL_ALGORITHMS", "federate", "own_model_algorithms"]

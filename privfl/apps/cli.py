@@ -31,6 +31,13 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.96,0.04, got {text!r}") from None
+
+
 def _widths(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.split(",") if t.strip())
@@ -368,6 +375,11 @@ def cmd_run(args) -> int:
     elif args.alignment_size is not None or uses_alignment:
         raise ConfigurationError(f"{args.algorithm} needs a public alignment set carved from a built-in data set "
                                  "(--alignment-size); with --data or --entry choose another algorithm")
+    from privfl.apps.settings import resolve_prior_correction
+
+    rule = resolve_prior_correction(args.class_prior, algorithm, task=data.test.task, num_classes=data.num_classes,
+                                    loss=(getattr(args, "entry_training", None) or {}).get("loss"),
+                                    what="--class-prior")
     if args.run_id is None:
         args.run_id = default_run_id(args, fed, privacy)
     if flower:
@@ -463,6 +475,10 @@ def cmd_run(args) -> int:
         out.update({f"{p.name}_final": p.result.final for p in runs[:-1]})
     if args.save_model:
         out["model_path"] = save_model(diagnostic(), args.save_model)
+    if rule is not None:  # the declared prior's decisions on the test set (post-processing, nothing charged)
+        from privfl.metrics.report import prior_corrected
+
+        out["prior_corrected"] = prior_corrected(rule, diagnostic().predict_proba(data.test), data.test.y)
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
     aborted = _aborted_rounds(out, secure, result.history)
@@ -474,10 +490,15 @@ def cmd_run(args) -> int:
     from privfl.metrics.report import one_class_warning
 
     one_class = one_class_warning(result.final)
-    if one_class:
+    if one_class and rule is None:  # with --class-prior the corrected decisions are reported below
         print(f"warning: {one_class}", file=sys.stderr)
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
              else f"final accuracy {out['accuracy']:.4f}")
+    if out.get("prior_corrected"):
+        corrected = out["prior_corrected"]["metrics"]
+        print(f"prior-corrected (--class-prior): balanced accuracy {corrected['balanced_accuracy']:.4f}"
+              + (f", recall {corrected['recall']:.4f}, positive rate {corrected['positive_rate']:.4f}"
+                 if "recall" in corrected else ""), file=sys.stderr if args.json == "-" else sys.stdout)
     spent = f"max epsilon spent over its {len(phase_runs)} phases" if phased else "max epsilon spent"
     print(f"{final}; {spent} {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
@@ -929,6 +950,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--classes", default=None, metavar="A,B,...",
                    help="with --data/--entry: the public label set, comma-separated (never read from the clients' "
                         "labels; default: the labels of --test-data)")
+    r.add_argument("--class-prior", type=_floats, default=None, metavar="P0,P1,...",
+                   help="the classes' base rates in the clients' data, a public fact you declare (a published "
+                        "prevalence, a public reference sample), comma-separated in label order, e.g. 0.96,0.04: the "
+                        "run also reports the balanced, prior-corrected decisions of its final model (argmax of "
+                        "p(y|x) / the training prior, class weights included; post-processing, no privacy cost) "
+                        "under prior_corrected (default: none, the argmax)")
     r.add_argument("--task", choices=["classification", "regression"], default=None,
                    help="with --data/--entry: the task (default classification)")
     r.add_argument("--public-data", default=None, metavar="FILE",

@@ -13,7 +13,10 @@ Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``e
 the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``. With ``val_fraction`` > 0 a
 validation split is carved from the training data before partitioning (held by no client, disjoint from the test
 set) and each row also reports ``val_accuracy``, ``val_balanced_accuracy``, ``val_auroc``, ``val_nll``, ``val_ece``
-and ``val_final`` of the same final model: the numbers to choose settings on, never the test set's.
+and ``val_final`` of the same final model: the numbers to choose settings on, never the test set's. With
+``class_prior`` (the classes' public base rates) each row with a global model also reports the balanced,
+prior-corrected decisions of its final model (``prior_corrected``, ``prior_balanced_accuracy``;
+:mod:`privfl.metrics.decision`).
 
 Non-private baselines (fedavg, fedprox) run once per seed at epsilon = inf; private algorithms run at every target
 (at inf without noise). Client-level DP (dp_fedavg) implies record-level DP at the same epsilon, so it is a valid
@@ -111,6 +114,11 @@ class CompareConfig:
     # share of a built-in data set carved, before partitioning, as a validation split no client holds (0: none); rows
     # then report val_* metrics, to tune settings on without looking at the test set
     val_fraction: float = 0.0
+    # the classes' base rates in the clients' data, a public fact the user declares (never counted from the data):
+    # each row with a global model also reports the balanced, prior-corrected decisions of its final model
+    # (``prior_corrected``, ``prior_balanced_accuracy``; ``val_`` ones with a validation split), class weights
+    # included (privfl.metrics.decision; post-processing, nothing charged)
+    class_prior: tuple[float, ...] | None = None
 
     def _check_types(self) -> None:
         """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
@@ -158,6 +166,13 @@ class CompareConfig:
             raise ConfigurationError("seeds must not be empty")
         if self.classes is not None:
             object.__setattr__(self, "classes", tuple(self.classes))
+        if self.class_prior is not None:
+            prior = self.class_prior
+            if (isinstance(prior, (str, bytes)) or not hasattr(prior, "__iter__")
+                    or not all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in prior)):
+                raise ConfigurationError(f"class_prior must be a list of numbers, one base rate per class (e.g. "
+                                         f"[0.96, 0.04]), got {prior!r}")
+            object.__setattr__(self, "class_prior", tuple(float(p) for p in prior))
         object.__setattr__(self, "references", tuple(self.references))
         bad_refs = sorted(set(self.references) - set(REFERENCES))
         if bad_refs:
@@ -353,9 +368,14 @@ def _data_settings(config: CompareConfig) -> dict:
                "alpha": config.alpha if config.partition == "dirichlet" else None}
         if config.val_fraction:  # only when set, so runs finished before the key existed still resume
             out["val_fraction"] = float(config.val_fraction)
+        if config.class_prior is not None:  # likewise
+            out["class_prior"] = list(config.class_prior)
         return out
     keys = ("data", "target", "client_column", "entry", "test_data", "test_fraction", "classes", "task", "public_data")
-    return {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
+    out = {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
+    if config.class_prior is not None:
+        out["class_prior"] = list(config.class_prior)
+    return out
 
 
 _ENTRIES: dict[str, Any] = {}
@@ -417,6 +437,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         if os.path.exists(ledger + suffix):
             os.remove(ledger + suffix)
     algorithm = make_algorithm(spec.algorithm, fed, privacy, **_options(config, spec.algorithm))
+    rule = _prior_rule(config, algorithm, data)  # refused here, before the run charges anything
     start = time.perf_counter()
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=ledger, run_id=spec.key, progress=progress)
     result = sim.run()
@@ -449,7 +470,36 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         row["reliability"] = reliability_bins(*calibration)
     if validation is not None:
         row.update(_val_columns(validation))
+    if rule is not None:
+        row.update(_prior_columns(rule, diagnostic, data))
     return row
+
+
+def _prior_rule(config: CompareConfig, algorithm, data):
+    """The run's prior-corrected decision rule (``class_prior``, checked against the data's public label set, with
+    the class weights ``algorithm`` trains with), or None: no ``class_prior``, or an algorithm without a global
+    model's probabilities (FedBNN), whose rows report without it."""
+    from privfl.algorithms.base import FederatedAlgorithm
+    from privfl.apps.settings import resolve_prior_correction
+
+    if config.class_prior is None or type(algorithm).predict_proba is FederatedAlgorithm.predict_proba:
+        return None
+    return resolve_prior_correction(config.class_prior, algorithm, task=data.test.task,
+                                    num_classes=data.num_classes, what="class_prior")
+
+
+def _prior_columns(rule, diagnostic, data) -> dict[str, Any]:
+    """``prior_corrected`` (the rule and its decision metrics on the test split), ``prior_balanced_accuracy``, and
+    their ``val_`` twins on the validation split when there is one."""
+    from privfl.metrics.report import prior_corrected
+
+    out = {}
+    for prefix, split in (("", data.test), ("val_", getattr(data, "val", None))):
+        corrected = None if split is None else prior_corrected(rule, diagnostic.predict_proba(split), split.y)
+        if corrected is not None:
+            out[f"{prefix}prior_corrected"] = corrected
+            out[f"{prefix}prior_balanced_accuracy"] = corrected["metrics"]["balanced_accuracy"]
+    return out
 
 
 #: the validation columns a row carries when the grid has a validation split (``val_fraction`` > 0)
@@ -530,7 +580,8 @@ def _revive(obj, key: str | None = None):
 
 
 _NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confidence", "epsilon_spent_max",
-                 "epsilon_spent_mean", "epsilon_target", *VAL_KEYS}
+                 "epsilon_spent_mean", "epsilon_target", "prior_balanced_accuracy", "val_prior_balanced_accuracy",
+                 *VAL_KEYS}
 
 
 def _epsilon_series(ledger_path: str, delta: float) -> dict[str, list[tuple[int, float]]]:
@@ -714,6 +765,8 @@ def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
         json.dump(strict_json({"results": rows}), f, indent=1, allow_nan=False)
     with open(os.path.join(config.out_dir, "results.csv"), "w", newline="") as f:
         keys = SUMMARY_KEYS + (VAL_KEYS if config.val_fraction else ())  # validation columns last, when there are any
+        if config.class_prior is not None:
+            keys += ("prior_balanced_accuracy",) + (("val_prior_balanced_accuracy",) if config.val_fraction else ())
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

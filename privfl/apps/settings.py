@@ -55,4 +55,30 @@ def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
     return fed, privacy
 
 
-__all__ = ["FALLBACKS", "FED_FIELDS", "PRIVACY_FIELDS", "resolve_settings", "resolve_unit", "split_settings"]
+def resolve_prior_correction(class_prior, algorithm, *, task: str, num_classes: int, loss=None,
+                             what: str = "class_prior"):
+    """The prior-corrected decision rule of a run (:class:`privfl.metrics.decision.PriorCorrection`), or None without
+    ``class_prior``: the user's declared base rates (a public fact), checked against the public label set
+    (``num_classes``), and the class weights the built ``algorithm`` trains with (its ``class_weights``, DP-FedSGD's
+    sampling weights, else the weight of its loss, or of ``loss``), so the correction undoes the tilt they give the
+    training prior. Nothing here reads the clients' data. Refused (before anything is charged) for a regression task
+    and for an algorithm with no global model's probabilities to correct (FedBNN's models are the clients' own)."""
+    if class_prior is None:
+        return None
+    from privfl.algorithms.base import FederatedAlgorithm
+    from privfl.errors import ConfigurationError
+    from privfl.metrics.decision import PriorCorrection, run_class_weights
+
+    if task != "classification":
+        raise ConfigurationError(f"{what} is a decision rule over classes; a {task} run has none: drop it")
+    if type(algorithm).predict_proba is FederatedAlgorithm.predict_proba:
+        raise ConfigurationError(f"{what}: {algorithm.name} has no global model whose class probabilities the "
+                                 "prior could correct; drop it or choose another algorithm")
+    if loss is None:
+        loss = getattr(getattr(algorithm, "user", None), "loss", None)
+    weights = run_class_weights(getattr(algorithm, "class_weights", None), loss)
+    return PriorCorrection.of(class_prior, num_classes, weights, what=what)
+
+
+__all__ = ["FALLBACKS", "FED_FIELDS", "PRIVACY_FIELDS", "resolve_prior_correction", "resolve_settings",
+           "resolve_unit", "split_settings"]

@@ -70,7 +70,16 @@ def applied_noise(charges) -> dict[str, list[dict[str, float]]]:
                  for z, s, c, n, q in sorted(v)] for ch, v in sorted(out.items())}
 
 
-__all__ = ["applied_noise", "from_strict_number", "one_class_warning", "strict_json"]
+def prior_corrected(rule, proba, y) -> dict | None:
+    """What a run reports of its prior-corrected decision rule (:class:`privfl.metrics.decision.PriorCorrection`):
+    the rule (declared prior, weights, training prior, factors, binary threshold) and its decision metrics on the
+    labelled data (``proba``: the final model's class probabilities on it). None without a rule or probabilities."""
+    if rule is None or proba is None:
+        return None
+    return {**rule.describe(), "metrics": rule.metrics(proba, y)}
+
+
+__all__ = ["applied_noise", "from_strict_number", "one_class_warning", "prior_corrected", "strict_json"]
 
 
 def one_class_warning(metrics) -> str | None:
@@ -83,5 +92,6 @@ def one_class_warning(metrics) -> str | None:
     return ("the final model predicts one class for every test point (balanced accuracy "
             f"{metrics.get('balanced_accuracy', float('nan')):.3f}, AUROC {metrics.get('auroc', float('nan')):.3f}): "
             "a rare class may never win the argmax under DP noise; look at recall and average precision, and "
-            "consider a decision threshold chosen on public data")
+            "consider a decision rule from a public base rate (class_prior=, --class-prior: "
+            "privfl.metrics.decision)")
 

@@ -1,5 +1,6 @@
 """``experiments/run_rare_class.py --smoke`` runs every method of the rare-class comparison to the end (one seed, one
-setting, two rounds: not a measurement) and prints its summary, so the committed script does not rot."""
+setting, two rounds: not a measurement) and prints its summary, ``+prior`` (prior-corrected) variants included, so the
+committed script does not rot."""
 
 import importlib.util
 import json
@@ -19,4 +20,6 @@ def test_the_rare_class_comparison_runs_every_method(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert {line.split(" ")[0] for line in lines[:-1]} == set(module.METHODS)
     summary = json.loads(lines[-1])
-    assert summary["best_private"] in module.METHODS and "gap_to_weighted_fedavg" in summary
+    method, _, rule = summary["best_private"].partition("+")
+    assert method in module.METHODS and rule in ("", "prior") and "gap_to_weighted_fedavg" in summary
+    assert summary["best_private_without_prior"] in module.METHODS and "gap_without_prior" in summary
