@@ -97,6 +97,12 @@ class FederatedAlgorithm(abc.ABC):
     client_state: tuple[str, ...] = ()
     #: whether the client step reads only ``broadcast_state`` and its own ``client_state`` (see the module docstring)
     splittable: bool = True
+    #: attributes of the server half beyond its broadcast that the server step carries from round to round (an
+    #: optimiser's moments): with ``broadcast_state`` they are the server's :meth:`checkpoint`
+    server_only_state: tuple[str, ...] = ()
+    #: whether :meth:`checkpoint` holds everything the server half carries between rounds (a run on Flower then
+    #: resumes from it); an algorithm whose server keeps more (FedBNR's running sums) says False
+    checkpointable: bool = True
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
@@ -146,6 +152,25 @@ class FederatedAlgorithm(abc.ABC):
     def broadcast(self, round: int) -> Broadcast:
         """The round's :class:`Broadcast`: copies of the ``broadcast_state`` attributes (available after setup)."""
         return Broadcast(int(round), {name: _detached(getattr(self, name)) for name in self.broadcast_state})
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The server half's state after a round: copies of the ``broadcast_state`` and ``server_only_state``
+        attributes (message values, :mod:`privfl.core.messages`). :meth:`restore` of it on a freshly set-up
+        instance continues the run exactly."""
+        if not self.checkpointable:
+            raise NotImplementedError(f"{self.name}: its server half keeps more than it declares; it is not "
+                                      "checkpointed")
+        return {name: _detached(getattr(self, name)) for name in (*self.broadcast_state, *self.server_only_state)}
+
+    def restore(self, values: Mapping[str, Any]) -> None:
+        """Take the server state of a :meth:`checkpoint` (exactly its attributes)."""
+        names = {*self.broadcast_state, *self.server_only_state}
+        if not self.checkpointable or set(values) != names:
+            from privfl.errors import CorruptMessage
+
+            raise CorruptMessage(f"{self.name}: a checkpoint holds {sorted(names)}, got {sorted(values)}")
+        for name in (*self.broadcast_state, *self.server_only_state):
+            setattr(self, name, _detached(values[name]))
 
     def client_half(self, public: PublicFacts | None = None, rng: np.random.Generator | None = None) -> "ClientHalf":
         """A client half of this algorithm: a new instance built from the same constructor arguments and set up from

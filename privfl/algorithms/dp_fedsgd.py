@@ -77,6 +77,7 @@ class DPFedSGD(FedAvg):
     units = ("example",)
     default_unit = "example"  # record-level by construction: every example's gradient is clipped
     broadcast_state = ("global_params",)
+    server_only_state = ("_optimizer_state",)  # the server optimiser's momentum or moments
     # logistic regression on 2x2-pooled images (fewer weights, less total noise); lr is the server's step size
     defaults = {"hidden": (), "pool": 2, "lr": 0.5, "clip": 1.0}
 

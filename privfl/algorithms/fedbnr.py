@@ -380,6 +380,8 @@ class FedBNR(FederatedAlgorithm):
     defaults = {"clip": 1.0}
     #: the privacy unit a run uses unless told: record level (the scatter channels are sums over records)
     default_unit = "example"
+    #: the server accumulates the rounds' sums into its posterior: not checkpointed (a run is not resumed)
+    checkpointable = False
     #: at ``unit="client"`` each client's sums are clipped as if it held at most the public record cap
     clips_to_record_cap = True
     #: whether the run needs a server-held labelled set (``data.alignment``): FedBNR-KD's phase 1 (per instance)
@@ -792,6 +794,7 @@ class FedBNRKernel(FederatedAlgorithm):
     #: what a client step reads of the server half (``privfl.algorithms.base``): the global network's weights, and
     #: under distillation the global Gram on X_kd (None under FedAvg)
     broadcast_state = ("global_params", "global_gram")
+    checkpointable = False  # the server keeps the distillation's Adam steps and losses beyond its broadcast
 
     def __init__(self, fed, privacy, *, model=None, hidden: tuple[int, ...] | None = None,
                  latent_dim: int | None = None, num_samples: int = 50,

@@ -11,8 +11,13 @@ Restart and resume: every run starts by asking each SuperNode which rounds of th
 SuperNode was killed and restarted with the same ledger) never asks for a round twice; a client refuses a round its
 ledger has released, and each ledger refuses the rounds that would take it past its budget (the client sits out).
 A run id whose rounds are all released is refused with a message naming it, and so is a resume with seeded noise
-(its generators would redraw noise already used). The global model is not checkpointed: a resumed run continues the
-rounds and the budget, from the algorithm's initial server state.
+(its generators would redraw noise already used). After every round the ServerApp checkpoints the server half's
+state (:meth:`privfl.algorithms.base.FederatedAlgorithm.checkpoint`: the broadcast state and what the server step
+carries beyond it) to the run config's ``checkpoint-path`` (default: the result path with ".checkpoint" added), and
+each ClientApp keeps its generators and its client's own state in a client-state file beside its ledger: a resumed
+run id continues from the last aggregated global state (:func:`_resume_from`; rounds released after it but never
+aggregated stay charged) with the clients' generators where they left them, so a resumed seeded non-private run
+equals the uninterrupted one. An algorithm whose server keeps more than it declares (FedBNR) is not resumed.
 
 The server half (:func:`server_main`) sets the algorithm up from the run's public facts, builds the run plan
 (``privfl.core.plan.RunPlan``), and each round sends the algorithm's :class:`privfl.algorithms.base.Broadcast`, receives
@@ -55,7 +60,7 @@ and serves its client half. A multi-phase run is not resumed (the earlier phases
 checkpointed): a run id with released rounds is refused.
 
 Not yet here (issue 13): client sampling under secure aggregation, FedBNR-KD (its server-held labelled distillation set is
-not in the spec), and a checkpoint of the server's state for resumed runs.
+not in the spec).
 """
 
 from __future__ import annotations
@@ -113,6 +118,9 @@ def _file_digest(path: str) -> str:
     return digest.hexdigest()
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
+#: run-config key: where the ServerApp keeps the global state after each aggregated round (default: the result path
+#: with ".checkpoint" added); a resumed run id continues from it
+CHECKPOINT_KEY = "checkpoint-path"
 #: run-config key: JSON list of the files (in the written app) that register the run's own algorithms
 MODULES_KEY = "algorithm-modules"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
@@ -122,6 +130,7 @@ TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-templa
 #: Flower message type of a round and privfl message kinds
 TRAIN = "train"
 BROADCAST, REPLY, RESULT, CLIENT_STATE = "privfl.broadcast", "privfl.reply", "privfl.result", "privfl.client-state"
+CHECKPOINT, CLIENT_STATE_FILE = "privfl.checkpoint", "privfl.client-state-file"
 #: the Flower message types of "which client are you, and which rounds of this run has your ledger released" (the
 #: start of every run) and of a left-out member's charge under client sampling, and their kinds
 QUERY, CHARGE_TYPE = "query", "train.charge"
@@ -176,6 +185,11 @@ class RunSpec:
     #: round); None: every organisation must reply, and a missing one stops the run. Under secure aggregation the
     #: protocol's own dropout recovery decides.
     min_replies: int | None = None
+    #: SuperNode authentication (Flower's ``--enable-supernode-auth``): each organisation's registered key, as
+    #: (partition id, :func:`privfl.flower.identity.node_key_digest`) pairs naming every partition. The ServerApp
+    #: then asks only the SuperNodes whose authenticated key is declared, and refuses one whose node config claims
+    #: another partition than its key's (before anything is charged); () trusts each node config's partition-id.
+    node_keys: tuple = ()
 
     def __post_init__(self):
         from privfl.algorithms import ALGORITHMS, algorithm_options
@@ -199,6 +213,19 @@ class RunSpec:
             raise ConfigurationError(f"identities must be (partition id, public key hex) pairs, got "
                                      f"{self.identities!r}") from None
         object.__setattr__(self, "identities", identities)
+        try:
+            node_keys = tuple(sorted((int(p), str(k).lower()) for p, k in (self.node_keys.items() if isinstance(
+                self.node_keys, dict) else self.node_keys)))
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"node_keys must be (partition id, SHA-256 hex of the SuperNode's public key) "
+                                     f"pairs, got {self.node_keys!r}") from None
+        if node_keys and ([p for p, _ in node_keys] != list(range(self.n_clients))
+                          or len({k for _, k in node_keys}) != len(node_keys)
+                          or not all(len(k) == 64 and all(c in "0123456789abcdef" for c in k) for _, k in node_keys)):
+            raise ConfigurationError(f"node_keys must name each partition 0..{self.n_clients - 1} once, each with its "
+                                     f"own key's SHA-256 (privfl.flower.identity.node_key_digest), got "
+                                     f"{list(node_keys)}")
+        object.__setattr__(self, "node_keys", node_keys)
         bad = sorted({k for k, _ in options} - set(algorithm_options(self.algorithm)))
         if bad or len({k for k, _ in options}) != len(options):
             raise ConfigurationError(f"{self.algorithm} takes no option {bad} (or an option twice); its options are "
@@ -281,6 +308,7 @@ class RunSpec:
                 d["client_sizes"] = tuple(d["client_sizes"])
             d["options"] = tuple((k, v) for k, v in d.get("options", ()))
             d["identities"] = tuple((p, k) for p, k in d.get("identities", ()))
+            d["node_keys"] = tuple((p, k) for p, k in d.get("node_keys", ()))
             if d.get("secure") is not None:
                 from privfl.privacy.secure import SecureAggregation
 
@@ -554,8 +582,11 @@ def server_main(grid, context) -> None:
     top = _algorithm(spec)
     phased = is_phased(top)
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
+    bound = _bind_nodes(grid, spec)
+    if bound is not None:
+        nodes = sorted(bound)  # only the SuperNodes whose authenticated key the spec declares are asked anything
     audits, node_client = {}, {}
-    node_of, first_round = _identify(grid, spec, nodes, node_client)
+    node_of, first_round = _identify(grid, spec, nodes, node_client, bound)
     _check_resume(spec, first_round, phased=phased)
     if phased:
         from privfl.runtime.phases import final_state, run_phases, setup_phase
@@ -581,7 +612,11 @@ def server_main(grid, context) -> None:
         state, multipliers = handed_over[-1], {p["name"]: p["noise_multipliers"] for p in phases}
     else:
         alg = _setup(spec, test)
-        history, multipliers = _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits)
+        checkpoint = checkpoint_path(context.run_config)
+        if first_round:
+            _resume_from(checkpoint, spec, alg, first_round)
+        history, multipliers = _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits,
+                                      checkpoint=checkpoint)
         state, phases = dict(alg.broadcast(spec.fed.rounds).values), None
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
     if result_path:
@@ -595,11 +630,12 @@ def server_main(grid, context) -> None:
         os.replace(tmp, result_path)  # the result appears whole or not at all
 
 
-def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None):
+def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None, checkpoint=""):
     """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
     and handed-over states every message of the phase carries): the plan and the seed streams as the in-process
     runtime builds them, and its round loop (:func:`privfl.runtime.rounds.run_rounds`) over Flower's messages
-    (:class:`FlowerRounds`). Returns (the rounds' history, the plan's noise multipliers)."""
+    (:class:`FlowerRounds`). With ``checkpoint`` (a path) the server's state is written there after every round
+    (:func:`write_checkpoint`). Returns (the rounds' history, the plan's noise multipliers)."""
     from privfl.core.plan import seed_stream
     from privfl.runtime.rounds import run_rounds
 
@@ -616,6 +652,8 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
                         "sat_out": list(record.sat_out), "metrics": record.metrics, "seconds": record.seconds,
                         "snr": dict(record.snr)})
         _log_round(spec, history[-1], audits, phase)
+        if checkpoint:
+            write_checkpoint(checkpoint, spec, alg, record.round)
 
     run_rounds(alg, transport, n_clients=spec.n_clients, rounds=spec.fed.rounds, first_round=first_round,
                sampling_rate=spec.privacy.sampling_rate, sampler=sampler,
@@ -666,6 +704,76 @@ class FlowerRounds:
     def epsilons(self) -> list[float]:
         """The epsilon each organisation's ledger reported with its last reply."""
         return [float(a["epsilon"]) for a in self.audits.values() if a and a.get("epsilon") is not None]
+
+
+def checkpoint_path(run_config) -> str:
+    """The run's checkpoint path: the run config's ``checkpoint-path``, else its ``result-path`` with ".checkpoint"
+    added, else none ("")."""
+    path = str(run_config.get(CHECKPOINT_KEY, "") or "")
+    if path:
+        return path
+    result = str(run_config.get(RESULT_KEY, "") or "")
+    return f"{result}.checkpoint" if result else ""
+
+
+def write_checkpoint(path: str, spec: RunSpec, alg, rnd: int) -> None:
+    """Write the server half's state after round ``rnd`` (:meth:`FederatedAlgorithm.checkpoint`) to ``path``,
+    whole or not at all, with the run id and algorithm it belongs to. Nothing in it is private: the global state
+    is what every client is broadcast (and the server's own post-processing of the released sums)."""
+    if not alg.checkpointable:
+        return
+    payload = {"run_id": spec.run_id, "algorithm": spec.algorithm, "round": int(rnd), "state": alg.checkpoint()}
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(to_bytes(payload, CHECKPOINT))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: str) -> dict:
+    """A checkpoint :func:`write_checkpoint` wrote."""
+    with open(path, "rb") as f:
+        return from_bytes(f.read(), CHECKPOINT)
+
+
+def _resume_from(path: str, spec: RunSpec, alg, first_round: int) -> None:
+    """Restore the global state a resumed run continues from: the server's state after the last round it
+    aggregated (its checkpoint), which may be older than the last round the ledgers released (a run that failed
+    after the clients released a round and before the server aggregated it: that round's privacy cost stays spent,
+    its aggregate is lost). Refused when the state cannot be known."""
+    from flwr.common.logger import log
+    import logging
+
+    if not alg.checkpointable:
+        raise DeploymentError(f"run {spec.run_id!r}: the ledgers have released rounds up to {first_round - 1}, and "
+                              f"{spec.algorithm}'s server state is not checkpointed, so it cannot be resumed; give "
+                              f"a new run a new run_id")
+    if not path:
+        raise DeploymentError(f"run {spec.run_id!r}: the ledgers have released rounds up to {first_round - 1}; "
+                              f"resuming continues from the server's checkpoint, and this run has none (set "
+                              f"result-path or checkpoint-path in the run config, as the first run did)")
+    if not os.path.exists(path):
+        log(logging.WARNING, "privfl %s: resuming at round %d from the initial global state: no round was "
+            "aggregated before (no checkpoint at %s)", spec.run_id, first_round + 1, path)
+        return
+    try:
+        saved = read_checkpoint(path)
+    except (OSError, MessageError) as exc:
+        raise DeploymentError(f"run {spec.run_id!r}: the checkpoint {path} cannot be read ({exc}); give a new run "
+                              f"a new run_id") from exc
+    if saved.get("run_id") != spec.run_id or saved.get("algorithm") != spec.algorithm:
+        raise DeploymentError(f"run {spec.run_id!r}: the checkpoint {path} belongs to run {saved.get('run_id')!r} "
+                              f"of {saved.get('algorithm')!r}; point checkpoint-path at this run's")
+    last = int(saved["round"])
+    if last >= first_round:
+        raise DeploymentError(f"run {spec.run_id!r}: the checkpoint {path} is of round {last}, after the last round "
+                              f"the ledgers released ({first_round - 1}): it is not this run's")
+    alg.restore(saved["state"])
+    if last < first_round - 1:
+        log(logging.WARNING, "privfl %s: resuming at round %d from the global state after round %d; rounds %d..%d "
+            "were released but never aggregated (their privacy cost stays spent)", spec.run_id, first_round + 1,
+            last + 1, last + 2, first_round)
 
 
 def _log_round(spec: RunSpec, record: dict, audits: dict, phase=None) -> None:
@@ -767,7 +875,44 @@ def _organisation(node: int, node_client: dict) -> str:
     return f"partition {cid}" if cid is not None else "partition not known yet"
 
 
-def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:
+def _bind_nodes(grid, spec: RunSpec) -> dict[int, int] | None:
+    """With ``spec.node_keys``: node id -> partition id of every connected SuperNode whose authenticated key (Flower's
+    ``Grid.get_nodes()``: the key the coordinator registered for that node id, each request of the node signed with
+    it) the spec declares, once every declared partition has one (waiting up to ``spec.node_wait`` s); SuperNodes of
+    other keys are left out. None without node_keys. Refused when the SuperLink authenticates no keys (they are then
+    the nodes' own, proving nothing) or a declared partition's SuperNode does not connect in time."""
+    if not spec.node_keys:
+        return None
+    from privfl.flower.identity import node_key_digest
+
+    partition_of = {digest: p for p, digest in spec.node_keys}
+    deadline = time.monotonic() + spec.node_wait
+    while True:
+        infos = list(grid.get_nodes())
+        bound = {}
+        for info in infos:
+            raw = bytes(getattr(info, "public_key", b"") or b"")
+            if not raw:
+                raise DeploymentError("the run's spec binds partitions to SuperNode keys (node_keys), but the "
+                                      f"SuperLink reports no key for node {info.node_id}: start it with "
+                                      "--enable-supernode-auth and register each organisation's key")
+            try:
+                digest = node_key_digest(raw)
+            except ConfigurationError:
+                continue
+            if digest in partition_of:
+                bound[int(info.node_id)] = partition_of[digest]
+        if set(bound.values()) == set(range(spec.n_clients)):
+            return bound
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(spec.n_clients)) - set(bound.values()))
+            raise DeploymentError(f"no SuperNode with the registered key of partition(s) {missing} connected within "
+                                  f"{spec.node_wait:g} s (node_keys); start each organisation's SuperNode with its "
+                                  f"registered key")
+        time.sleep(0.5)
+
+
+def _identify(grid, spec, nodes, node_client, bound: dict[int, int] | None = None) -> tuple[dict[str, int], int]:
     """Ask every SuperNode which organisation (partition id) it speaks for (client sampling draws clients, and the
     server must know which node to send a sampled client's round to) and which rounds of this run id its own ledger
     has already released. Returns (client id -> node id, the first round after every released one): a second
@@ -780,6 +925,11 @@ def _identify(grid, spec, nodes, node_client) -> tuple[dict[str, int], int]:
     for _, _, reply in _replies(grid, spec, messages, -1, IDENTIFY, node_client, {}, what="identify itself",
                                 where="the start of the run"):
         start = max([start, *(int(r) + 1 for r in reply.get("released", []))])
+    for node in nodes if bound is not None else ():
+        if int(node_client[node]) != bound[node]:
+            raise DeploymentError(f"SuperNode {node}, authenticated with the registered key of partition "
+                                  f"{bound[node]}, claims partition-id {node_client[node]} in its node config; "
+                                  f"nothing was charged: give each SuperNode its own organisation's partition-id")
     _check_partitions({node_client[n] for n in nodes}, spec)
     return {c: n for n, c in node_client.items()}, start
 
@@ -1102,9 +1252,10 @@ def client_train(msg, context):
     secure = spec.secure is not None
     # read once, before anything is charged: a run this SuperNode's federation file did not agree to is refused here
     identity = _client_identity(context, spec, None) if secure else {}
+    state_key = _state_key(ALGORITHM_STATE, phased)
+    _recover_client_state(context, spec, phased, rnd)
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
     ledger = _ledger(spec, context, phased, plan)
-    state_key = _state_key(ALGORITHM_STATE, phased)
     try:
         if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
             raise DeploymentError(f"run {spec.run_id!r}: this SuperNode's ledger has already released round {rnd}; "
@@ -1131,10 +1282,62 @@ def client_train(msg, context):
         elif not secure:
             reply["releases"] = [encode_release(r) for r in released.values()]
         save()
+        _persist_client_state(context, spec, phased, rnd)
         reply["audit"] = _audit(context, ledger, client, _composition(run_spec, phased))
     finally:
         ledger.close()
     return Message(to_record(reply, REPLY), reply_to=msg)
+
+
+def _client_state_file(context) -> str:
+    """Where this SuperNode keeps its clients' states between runs: beside its ledger, on its own machine."""
+    return f"{_node_value(context, LEDGER_KEY)}.client-state"
+
+
+def _client_state_entry(spec: RunSpec, phased: PhaseOf | None) -> str:
+    return json.dumps([spec.run_id, phased.name if phased is not None else None])
+
+
+def _recover_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> None:
+    """A SuperNode that holds no state of this run in its Context (a resumed run id is a new Flower run; a restarted
+    SuperNode starts empty) takes it from its client-state file: its generators where the last round it answered
+    left them, and the algorithm's state of its client (HBFL's local model, FedBNN's posterior), so a resumed run
+    goes on as the uninterrupted one would. A state saved at round ``rnd`` or later is not this run's past (the run
+    id launched again from the start): it is ignored."""
+    key = _state_key(CLIENT_STATE, phased)
+    if key in context.state:
+        return
+    path = _client_state_file(context)
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        saved = from_bytes(f.read(), CLIENT_STATE_FILE)
+    entry = saved.get(_client_state_entry(spec, phased))
+    if entry is None or int(entry["round"]) >= rnd:
+        return
+    for name in (CLIENT_STATE, ALGORITHM_STATE):
+        if name in entry:
+            _keep(context, _state_key(name, phased), entry[name])
+
+
+def _persist_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> None:
+    """Write this run's Context state of the client (generators, algorithm state) to its client-state file, whole
+    or not at all (see :func:`_recover_client_state`)."""
+    path = _client_state_file(context)
+    saved = {}
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            saved = dict(from_bytes(f.read(), CLIENT_STATE_FILE))
+    entry = {"round": int(rnd)}
+    for name in (CLIENT_STATE, ALGORITHM_STATE):
+        key = _state_key(name, phased)
+        if key in context.state:
+            entry[name] = bytes(context.state[key]["envelope"])
+    saved[_client_state_entry(spec, phased)] = entry
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(to_bytes(saved, CLIENT_STATE_FILE))
+    os.replace(tmp, path)
 
 
 def _keep(context, key: str, envelope: bytes) -> None:
@@ -1496,13 +1699,16 @@ def algorithm_modules(algorithm: str, modules=()) -> list[str]:
 
 
 def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path: str = "",
-              data_path_template: str = "", ledger_path_template: str = "", modules=()) -> str:
+              data_path_template: str = "", ledger_path_template: str = "", modules=(),
+              checkpoint_path: str = "") -> str:
     """Write a Flower app (``pyproject.toml`` and a two-line module) that runs ``spec`` with privfl's ServerApp and
     ClientApp; ``flwr run DIRECTORY CONNECTION`` ships it to the SuperLink. privfl must be installed where the
     SuperLink and SuperNodes run (the app declares no dependencies, so nothing is installed at run time).
     The path templates (``{partition-id}`` in them) serve SuperNodes without data-path / ledger-path in their node
     config: the Simulation Engine's. ``modules``: Python files that register the run's own algorithms
-    (``privfl.register_algorithm``), copied into the app, which imports them before the ServerApp and ClientApp run."""
+    (``privfl.register_algorithm``), copied into the app, which imports them before the ServerApp and ClientApp run.
+    ``checkpoint_path``: where the ServerApp keeps the global state after each round (default: ``result_path`` with
+    ".checkpoint" added), which a resumed run id continues from."""
     import shutil
 
     paths = algorithm_modules(spec.algorithm, modules)
@@ -1512,7 +1718,7 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
         copies.append(os.path.join(os.path.abspath(directory), os.path.basename(path)))
         shutil.copyfile(path, copies[-1])
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
-    config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path,
+    config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path, CHECKPOINT_KEY: checkpoint_path,
               TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
               "rounds": 0, "epsilon": 0.0, "run-id": "",  # OVERRIDE_KEYS: 0 and "" keep the spec's
               MODULES_KEY: json.dumps(copies)}

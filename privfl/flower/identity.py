@@ -33,6 +33,31 @@ IDENTITY_KEY, FEDERATION_KEY = "identity-key", "federation"
 AGREED = ("bits", "dropout", "min_survivors", "malicious", "corruption")
 
 
+def node_key_digest(key) -> str:
+    """The SHA-256 (hex) of a SuperNode authentication public key in DER SubjectPublicKeyInfo form: what
+    ``RunSpec.node_keys`` pairs with an organisation's partition id. ``key``: the organisation's public key file
+    (OpenSSH, as ``ssh-keygen`` and ``flwr supernode register`` use it, or PEM), or its bytes or text."""
+    import hashlib
+
+    from cryptography.hazmat.primitives import serialization
+
+    data = key
+    if isinstance(key, str) and not key.lstrip().startswith(("-----BEGIN", "ecdsa-", "ssh-")):
+        with open(key, "rb") as f:
+            data = f.read()
+    if isinstance(data, str):
+        data = data.encode("ascii")
+    try:
+        if data.lstrip().startswith(b"-----BEGIN"):
+            public = serialization.load_pem_public_key(data)
+        else:
+            public = serialization.load_ssh_public_key(data.strip())
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"not a SuperNode public key (OpenSSH or PEM): {exc}") from None
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
 def write_identity(path: str) -> str:
     """Draw a fresh Ed25519 identity key, write its 32 private bytes (hex) to ``path`` (mode 0600, never
     overwritten) and return the public key (hex) to put in the federation file."""

@@ -109,6 +109,8 @@ class PrivateAlgorithm(FedAvg):
     units = ("client", "example")
     #: the client step reads the algorithm's broadcast only
     broadcast_state = ("broadcast_values",)
+    #: the algorithm's whole server state (broadcast_values is derived from it): what a checkpoint holds
+    server_only_state = ("server_state",)
     #: each client's own state, kept on its side
     client_state = ("client_states",)
 
@@ -240,6 +242,17 @@ class PrivateAlgorithm(FedAvg):
                 value = np.clip(value, -self.update_bound, self.update_bound)
             vectors[name] = PrivatizedValue(value, data.event)
         return ClientOutput(vectors, weight=self.release_weight(dataset, client), metrics=dict(data.metrics))
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The algorithm's server state (its broadcast and global parameters follow from it)."""
+        return {"server_state": copy.deepcopy(dict(self.server_state))}
+
+    def restore(self, values) -> None:
+        if set(values) != {"server_state"}:
+            from privfl.errors import CorruptMessage
+
+            raise CorruptMessage(f"{self.name}: a checkpoint holds ['server_state'], got {sorted(values)}")
+        self._set_server(values["server_state"], "restore")
 
     def server_update(self, aggregates, round):
         means = {name: np.asarray(agg.total, dtype=np.float64) / agg.total_weight for name, agg in aggregates.items()}

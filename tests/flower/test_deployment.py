@@ -98,6 +98,28 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
 
 
+def test_a_resumed_run_continues_from_the_checkpoint_and_equals_an_uninterrupted_run(deployment, federation,
+                                                                                   in_process_reference, _deploy):
+    """Resume (issue 31): a run id launched with 2 rounds, then again with 3. The second ``flwr run`` resumes at round
+    2 (the ledgers released rounds 0 and 1) from the ServerApp's checkpoint of round 1 (``<result>.checkpoint``), and
+    each SuperNode's ClientApp (a new Flower run: an empty Context) takes its generators from the client-state file
+    beside its ledger, so the model after round 3 is the uninterrupted 3-round run's, bit for bit."""
+    import dataclasses
+
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=19)
+    spec = _spec("fedavg", federation, fed, PrivacyConfig(), "resume")
+    expected = in_process_reference(spec, deployment.workdir)["global_params"]
+    first = _deploy(deployment, dataclasses.replace(spec, fed=dataclasses.replace(fed, rounds=2)), "resume")
+    assert first["start_round"] == 0 and [h["round"] for h in first["history"]] == [0, 1]
+    os.remove(os.path.join(deployment.workdir, "resume-result.bin"))  # the second launch must write its own
+    second = _deploy(deployment, spec, "resume")
+    assert second["start_round"] == 2 and [h["round"] for h in second["history"]] == [2]
+    got = second["state"]["global_params"]
+    assert np.array_equal(got, expected), f"max abs difference {np.max(np.abs(got - expected))}"
+    for audit in _ledgers(deployment, spec).values():
+        assert audit["releases"] == 3  # each round released once over the two launches
+
+
 # Each deployment takes a minute or more (every ClientApp call is a fresh process): these are `slow`, outside the
 # default run (CI's 20-minute budget), run by `make test-all`. FOLA under secure aggregation stays in the default run
 # (tests/flower/test_secure_deployment.py).

@@ -4,6 +4,8 @@ refuses a resume that has nothing left to run or that would redraw seeded noise.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -84,3 +86,71 @@ def test_the_server_refuses_a_resume_with_nothing_left_or_with_seeded_noise(sett
     flower_app._check_resume(seeded, 0)
     with pytest.raises(DeploymentError, match="seeded noise"):
         flower_app._check_resume(seeded, 1)
+
+
+def _checkpointed(spec, path, rnd):
+    """The server half after ``rnd + 1`` rounds of made-up sums, checkpointed at ``path``."""
+    alg = flower_app._setup(spec)
+    alg.global_params = alg.global_params + 0.25 * (rnd + 1)
+    flower_app.write_checkpoint(str(path), spec, alg, rnd)
+    return alg
+
+
+def test_the_server_resumes_from_its_checkpoint_and_refuses_one_it_cannot_trust(setting, tmp_path):
+    """Resume continues from the server's state after the last round it aggregated (issue 31), which may be older
+    than the last round the ledgers released (a run that failed in between: that round stays charged, its sum is
+    lost); a checkpoint of another run, of a later round, or none where one is needed is refused before any round."""
+    spec, _ = setting
+    path = tmp_path / "run.checkpoint"
+    saved = _checkpointed(spec, path, 1)
+    fresh = flower_app._setup(spec)
+    assert not np.array_equal(fresh.global_params, saved.global_params)
+    flower_app._resume_from(str(path), spec, fresh, 2)
+    assert np.array_equal(fresh.global_params, saved.global_params)
+    older = flower_app._setup(spec)
+    flower_app._resume_from(str(path), spec, older, 3)  # round 2 released, never aggregated: from round 1's state
+    assert np.array_equal(older.global_params, saved.global_params)
+    with pytest.raises(DeploymentError, match="of round 1, after the last round the ledgers released"):
+        flower_app._resume_from(str(path), spec, flower_app._setup(spec), 1)
+    other = RunSpec.from_json(spec.to_json().replace('"resume-unit"', '"another-run"'))
+    with pytest.raises(DeploymentError, match="belongs to run 'resume-unit'"):
+        flower_app._resume_from(str(path), other, flower_app._setup(other), 2)
+    with pytest.raises(DeploymentError, match="this run has none"):
+        flower_app._resume_from("", spec, flower_app._setup(spec), 2)
+    untouched = flower_app._setup(spec)  # nothing aggregated before: the initial state, said in the log
+    flower_app._resume_from(str(tmp_path / "absent.checkpoint"), spec, untouched, 1)
+    assert np.array_equal(untouched.global_params, flower_app._setup(spec).global_params)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(DeploymentError, match="cannot be read"):
+        flower_app._resume_from(str(path), spec, flower_app._setup(spec), 2)
+
+
+def test_a_client_resumed_in_a_new_flower_run_continues_its_generators_from_its_state_file(setting):
+    """A resumed run id is a new Flower run (a fresh Context.state): the client takes its generators from the
+    client-state file beside its ledger, so round 1 of the second launch releases what round 1 of an uninterrupted
+    run releases; a state saved at the round asked or later (the run id started again) is ignored."""
+    import dataclasses
+
+    spec, node = setting
+    seeded = dataclasses.replace(spec, privacy=dataclasses.replace(spec.privacy, secure_noise=False),
+                                 run_id="resume-seeded")
+    context = _context(seeded, node)  # one Flower run: the Context keeps the generators between rounds
+    alg = flower_app._setup(seeded)
+    plan = flower_app._run_plan(alg, seeded)
+
+    def train(ctx, rnd):
+        broadcast = {"round": rnd, "noise_multipliers": plan.noise_multipliers,
+                     "values": dict(alg.broadcast(rnd).values)}
+        msg = Message(to_record(broadcast, BROADCAST), dst_node_id=1, message_type="train")
+        return from_record(client_train(msg, ctx).content, REPLY)["releases"][0]["value"]
+
+    train(context, 0)
+    uninterrupted = train(context, 1)
+    other = dict(node, **{"ledger-path": node["ledger-path"] + ".b"})
+    train(_context(seeded, other), 0)  # a first launch answers round 0, then stops
+    resumed = train(_context(seeded, other), 1)  # a second launch: a fresh Context, generators from the file
+    assert np.array_equal(resumed, uninterrupted)
+    third = dict(node, **{"ledger-path": node["ledger-path"] + ".c"})
+    train(_context(seeded, third), 0)
+    os.remove(third["ledger-path"] + ".client-state")  # without the file the generators restart from the seed
+    assert not np.array_equal(train(_context(seeded, third), 1), uninterrupted)

@@ -34,6 +34,7 @@ pytest.importorskip("flwr")
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec  # noqa: E402
+from privfl.flower.identity import node_key_digest  # noqa: E402
 from privfl.flower.local import (  # noqa: E402
     LocalDeployment,
     free_ports,
@@ -143,8 +144,10 @@ def test_the_deployment_runs_over_tls_with_registered_keys_only(deployment):
 def test_dp_fedavg_over_tls_and_auth_equals_in_process(deployment, federation, in_process_reference, deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
+    # each partition bound to its organisation's registered key (node_keys): the ServerApp asks only those nodes
+    keys = [(k, node_key_digest(path)) for k, path in enumerate(deployment.credentials.node_public_keys)]
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dp_fedavg-tls", node_wait=60,
-                      round_timeout=120)
+                      round_timeout=120, node_keys=keys)
     reference = in_process_reference(spec, deployment.workdir)
     result = deploy(deployment, spec, "tls", RUN_TIMEOUT)
     got, expected = result["state"]["global_params"], reference["global_params"]
@@ -163,6 +166,28 @@ def test_dp_fedavg_over_tls_and_auth_equals_in_process(deployment, federation, i
         assert audit["clients"][str(k)]["releases"] == ROUNDS
         assert audit["clients"][str(k)]["epsilon"] <= privacy.epsilon * (1 + 1e-9)
         assert math.isclose(audit["clients"][str(k)]["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
+
+
+def test_a_supernode_claiming_another_partition_than_its_key_is_refused_before_any_charge(deployment, federation):
+    """Partition ids bound to authenticated identities: the spec declares organisation 0's registered key as
+    partition 1's and the other way round, so each SuperNode's node config (partition-id k, its own data and ledger)
+    now claims a partition its authenticated key does not hold, as a SuperNode lying about its partition would. The
+    ServerApp refuses at the start of the run, before any round: no ledger holds a row of the run."""
+    from privfl.flower.app import write_app
+
+    keys = [(1 - k, node_key_digest(path)) for k, path in enumerate(deployment.credentials.node_public_keys)]
+    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=3)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local")
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="swapped-keys", node_wait=30,
+                      round_timeout=60, node_keys=keys)
+    result = os.path.join(deployment.workdir, "swapped-result.bin")
+    deployment.run(write_app(os.path.join(deployment.workdir, "app-swapped"), spec, result_path=result),
+                   timeout=RUN_TIMEOUT)
+    assert not os.path.exists(result)
+    log = _log(deployment, "flwr-run")
+    assert "authenticated with the registered key of partition" in log and "claims partition-id" in log, log[-3000:]
+    for config in deployment.node_configs:
+        assert "swapped-keys" not in PrivacyLedger.run_ids(config["ledger-path"])
 
 
 _PROBE = '''"""A ServerApp that writes what Grid.get_nodes() says about each node (no ClientApp work)."""

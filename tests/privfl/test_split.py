@@ -331,3 +331,50 @@ def test_client_state_messages_refuse_tampering_and_another_clients_state():
     with pytest.raises(CorruptMessage, match="client 1"):
         half.decode_state(1, data)
     assert half.decode_state(3, half.encode_state(3, None)) is None  # a client that has not stepped yet
+
+
+@pytest.mark.parametrize("name, privacy", SPLIT, ids=IDS)
+def test_a_server_half_restored_from_its_checkpoint_continues_exactly(name, privacy):
+    """What a Flower run resumes from (``FederatedAlgorithm.checkpoint``, issue 31) is all the server half carries
+    between rounds: a fresh instance set up from the public facts, given round 0's checkpoint (through its bytes, as
+    the ServerApp writes it) and round 1's sums, ends where the uninterrupted server does (DP-FedSGD's server
+    momentum included)."""
+    from privfl.core.messages import from_bytes, to_bytes
+
+    sim = _simulation(name, privacy)
+    alg = sim.algorithm
+    seen = []
+    update = alg.server_update
+
+    def recording(aggregates, rnd):
+        seen.append((rnd, alg.checkpoint(), aggregates))
+        update(aggregates, rnd)
+
+    alg.server_update = recording
+    sim.run()
+    (_, before_0, _), (_, after_0, sums_1) = seen
+    fresh = ALGORITHMS[name](FED, privacy, **OPTIONS.get(name, {}))
+    fresh.setup(sim.public, np.random.default_rng(0))
+    fresh.restore(from_bytes(to_bytes(after_0, "checkpoint"), "checkpoint"))
+    fresh.server_update(sums_1, 1)
+    final, got = alg.checkpoint(), fresh.checkpoint()
+    assert set(got) == set(final)
+    for key in final:
+        assert _same(got[key], final[key]), key
+    assert not all(_same(before_0[k], final[k]) for k in final)  # the rounds did change the server's state
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["fedbnr"])
+def test_an_algorithm_whose_server_keeps_more_is_not_checkpointed(name):
+    alg = ALGORITHMS[name](FED, NON_PRIVATE)
+    assert not alg.checkpointable
+    with pytest.raises(NotImplementedError, match="not checkpointed"):
+        alg.checkpoint()

@@ -269,3 +269,39 @@ def test_fedadam_on_the_simulation_engine_with_distributed_noise(fedadam_file, t
     assert (tmp_path / "sim" / "app" / "fedadam.py").read_text() == path.read_text()
     params = np.asarray(run.state["broadcast_values"]["params"])
     assert params.shape == (650,) and np.all(np.isfinite(params))
+
+
+def test_a_registered_algorithms_checkpoint_is_its_whole_server_state(fedadam_file):
+    """A Flower run resumes a registered algorithm from its checkpoint (issue 31): the algorithm's server state,
+    FedAdam's moments included, from which the wrapper rebuilds the broadcast and the global parameters. A fresh
+    instance given round 0's checkpoint (through its bytes) and round 1's sums ends where the uninterrupted one does."""
+    from privfl.algorithms import make_algorithm
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.core.messages import from_bytes, to_bytes
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+
+    clients, test = _clients()
+    data = federated_from_arrays(list(clients.values()), test, task="classification", num_classes=10, name="digits",
+                                 design_size=300)
+    fed, privacy = FederationConfig(rounds=2, lr=0.1, seed=3), PrivacyConfig()
+    alg = make_algorithm("fedadam", fed, privacy, model=_model(), server_lr=0.02)
+    seen, update = [], alg.server_update
+
+    def recording(aggregates, rnd):
+        update(aggregates, rnd)
+        seen.append((alg.checkpoint(), aggregates))
+
+    alg.server_update = recording
+    sim = Simulation(alg, data, fed, privacy)
+    sim.run()
+    (after_0, _), (final, _) = seen
+    assert set(after_0) == {"server_state"} and {"params", "m", "v"} <= set(after_0["server_state"])
+    fresh = make_algorithm("fedadam", fed, privacy, model=_model(), server_lr=0.02)
+    fresh.setup(sim.public, np.random.default_rng(0))
+    fresh.restore(from_bytes(to_bytes(after_0, "checkpoint"), "checkpoint"))
+    assert np.array_equal(fresh.global_params, np.asarray(after_0["server_state"]["params"], dtype=np.float32))
+    fresh.server_update(seen[1][1], 1)
+    for key, value in final["server_state"].items():
+        assert np.array_equal(np.asarray(fresh.server_state[key]), np.asarray(value)), key
+    assert np.array_equal(fresh.global_params, alg.global_params)
