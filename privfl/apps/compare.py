@@ -9,7 +9,9 @@ reused. Outputs, in ``out_dir``: ``results.json`` (``{"results": [...]}``), ``re
 the comparison was started from), ``config.json`` (the resolved grid) and ``models/<key>.pt`` (each run's trained
 model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
 
-Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, the noise
+Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, each round's
+privacy signal-to-noise ratio (``snr_per_round``, per noised channel) and its median over the rounds (``snr_median``;
+None where the server's sums carry no noise it knows of), the noise
 the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``. With ``val_fraction`` > 0 a
 validation split is carved from the training data before partitioning (held by no client, disjoint from the test
 set) and each row also reports ``val_accuracy``, ``val_balanced_accuracy``, ``val_auroc``, ``val_nll``, ``val_ece``
@@ -456,6 +458,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         "clients": config.clients, "dataset": data.name if config.own_data else config.dataset, "seconds": seconds,
         "ledger": ledger,
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
+        "snr_per_round": [dict(r.snr) for r in result.history], "snr_median": snr_median(result.history),
         "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in (
             sim.epsilon_by_round(config.delta) if result.phases else _epsilon_series(ledger, config.delta)).items()},
         "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
@@ -755,7 +758,7 @@ def _version() -> str:
 
 SUMMARY_KEYS = ("algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max",
                 "epsilon_spent_mean", "delta", "unit", "accountant", "rounds", "clients", "dataset", "seconds",
-                "balanced_accuracy", "auroc", "config_hash", "privfl_version")
+                "balanced_accuracy", "auroc", "snr_median", "config_hash", "privfl_version")
 
 
 def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
@@ -775,6 +778,14 @@ def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
     plot_reliability(rows, os.path.join(config.out_dir, "reliability.png"))
 
 
+def snr_median(history) -> float | None:
+    """The median over a run's rounds of each round's privacy SNR (``privfl.runtime.rounds.privacy_snr``; the mean
+    over the round's noised channels); None when no round's sums carried noise the server knows of (a non-private
+    run, DP-SGD-trained uploads)."""
+    per_round = [float(np.mean(list(r.snr.values()))) for r in history if r.snr]
+    return float(np.median(per_round)) if per_round else None
+
+
 def summary_table(rows: list[dict]) -> list[dict]:
     """Mean (and std over seeds) per (algorithm, epsilon target)."""
     groups: dict[tuple[str, float], list[dict]] = {}
@@ -791,6 +802,7 @@ def summary_table(rows: list[dict]) -> list[dict]:
                     "ece": float(np.mean([r["ece"] for r in rs])),
                     "epsilon_spent_max": float(max(r["epsilon_spent_max"] for r in rs)),
                     "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs])),
+                    "snr_median": _mean(rs, "snr_median"),
                     **({"val_accuracy": _mean(rs, "val_accuracy")} if any("val_accuracy" in r for r in rs) else {})})
     return out
 

@@ -42,6 +42,11 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
             led = PrivacyLedger.open_existing(r["ledger"])
             assert led.audit()["max_epsilon"] <= r["epsilon_target"] * (1 + 1e-9)
             assert r["epsilon_spent_max"] <= r["epsilon_target"] * (1 + 1e-9)
+            # issue 29: each round's privacy SNR of the noised update, and its median in the row
+            assert len(r["snr_per_round"]) == 2 and all(set(x) == {"update"} for x in r["snr_per_round"])
+            assert r["snr_median"] >= 0
+        else:
+            assert r["snr_per_round"] == [{}, {}] and r["snr_median"] is None
     assert "Infinity" not in (out / "results.json").read_text() and "NaN" not in (out / "results.json").read_text()
     assert (out / "results.csv").read_text().startswith("algorithm,epsilon_target,seed,accuracy")
     assert json.loads((out / "config.json").read_text())["rounds"] == 2
@@ -78,7 +83,8 @@ def test_cli_compare_json(tmp_path, capsys):
     assert code == 0
     res = json.loads((tmp_path / "r.json").read_text())["results"]
     assert res[0]["algorithm"] == "dp_fedavg" and res[0]["epsilon_spent_max"] <= 2.0 * (1 + 1e-9)
-    assert "dp_fedavg" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dp_fedavg" in out and "SNR" in out  # the table's privacy signal-to-noise column
 
 
 def test_bad_configs(tmp_path):
