@@ -313,15 +313,16 @@ def _image_input(args, data) -> bool:
     return is_image_dataset(args.dataset or "mnist5k")
 
 
-def cmd_run(args) -> int:
+def _build_run(args):
+    """What ``privfl run``'s flags describe, resolved and checked before anything is charged: (data, fed, privacy,
+    algorithm, whether it runs on Flower's Simulation Engine, whether it is multi-phase, the prior-corrected decision
+    rule or None). ``privfl audit-run`` builds its run with it too."""
     from privfl.algorithms import ALGORITHMS, make_algorithm
     from privfl.algorithms.base import is_phased
     from privfl.apps.settings import resolve_settings, resolve_unit
     from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.data import make_federated
     from privfl.errors import ConfigurationError
-    from privfl.runtime.engine import Simulation
-    from privfl.apps.trained_model import save_model, trained_model_description
 
     data = _own_data(args)  # None for a built-in data set
     _refuse_ignored_input(args)
@@ -380,6 +381,15 @@ def cmd_run(args) -> int:
     rule = resolve_prior_correction(args.class_prior, algorithm, task=data.test.task, num_classes=data.num_classes,
                                     loss=(getattr(args, "entry_training", None) or {}).get("loss"),
                                     what="--class-prior")
+    return data, fed, privacy, algorithm, flower, phased, rule
+
+
+def cmd_run(args) -> int:
+    from privfl.errors import ConfigurationError
+    from privfl.runtime.engine import Simulation
+    from privfl.apps.trained_model import save_model, trained_model_description
+
+    data, fed, privacy, algorithm, flower, phased, rule = _build_run(args)
     if args.run_id is None:
         args.run_id = default_run_id(args, fed, privacy)
     if flower:
@@ -887,6 +897,33 @@ def cmd_audit_mechanism(args) -> int:
     return 0 if result.passed or args.mutation != "none" else 1
 
 
+def cmd_audit_run(args) -> int:
+    """``privfl audit-run``: the run ``privfl run`` would make with these flags, with client canaries in it, and the
+    one-run lower bound on epsilon beside the ledger's (``privfl.apps.run_audit``)."""
+    from privfl.apps.run_audit import audit_run
+    from privfl.errors import ConfigurationError
+
+    if args.runtime != "inprocess":
+        raise ConfigurationError("audit-run runs in process: drop --runtime (or give --runtime inprocess)")
+    if args.json and args.json != "-":
+        _check_out_path(args.json, "--json")
+    data, fed, privacy, algorithm, _, phased, _ = _build_run(args)
+    if phased:
+        raise ConfigurationError(f"audit-run audits a one-phase run; {args.algorithm} with these options has phases")
+    result = audit_run(algorithm, data, fed, privacy, canaries=args.canaries, fault=args.fault,
+                       significance=args.significance, ledger_path=args.ledger or ":memory:", run_id=args.run_id)
+    out = result.to_dict()
+    if args.json:
+        _dump(out, None if args.json == "-" else args.json)
+    if args.json != "-":
+        verdict = ("ABOVE the ledger's: the run leaked more than it charged" if result.violated
+                   else "below the ledger's, as it must be")
+        print(f"one-run epsilon lower bound {result.epsilon_lower_bound:.4g} ({result.correct} of {result.guesses} "
+              f"guesses right, {result.canaries} canaries, {result.included} included, fault {result.fault}) vs the "
+              f"ledger's epsilon {result.epsilon_ledger:.4g}: {verdict}")
+    return 1 if result.violated and args.fault == "none" else 0
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, except where there is none to show (``None``, a switch's ``False``)."""
 
@@ -900,24 +937,8 @@ def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
     return sub.add_parser(name, formatter_class=_HelpFormatter, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.",
-                                formatter_class=_HelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    c = _parser(sub, "calibrate", help="smallest noise multiplier meeting (epsilon, delta) over R rounds")
-    c.add_argument("--epsilon", type=_float, required=True, help="target epsilon per client (> 0)")
-    c.add_argument("--delta", type=_float, default=1e-5, help="target delta, in (0, 1)")
-    c.add_argument("--rounds", type=int, required=True, help="number of releases composed (one per round)")
-    c.add_argument("--sampling-rate", type=_float, default=1.0,
-                   help="Poisson client sampling rate q in (0, 1]; q < 1 amplifies privacy")
-    c.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,
-                   help="accountant (default: exact without sampling, pld with sampling)")
-    c.add_argument("--json", action="store_true", help="print one JSON object")
-    c.set_defaults(func=cmd_calibrate)
-
-    r = _parser(sub, "run", help="run a federation and write its results and ledger")
+def _add_run_flags(r: argparse.ArgumentParser) -> None:
+    """``privfl run``'s flags (``privfl audit-run`` takes the same)."""
     r.add_argument("--algorithm", default="dp_fedavg", metavar="NAME",
                    help=f"the algorithm, one of {', '.join(ALGORITHM_NAMES)}")
     r.add_argument("--dataset", default=None,
@@ -1064,7 +1085,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs/flower-sim/<run id>)")
     r.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and sampling")
     r.add_argument("--quiet", action="store_true", help="no per-round progress")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="privfl", description="Privacy-first federated learning.",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = _parser(sub, "calibrate", help="smallest noise multiplier meeting (epsilon, delta) over R rounds")
+    c.add_argument("--epsilon", type=_float, required=True, help="target epsilon per client (> 0)")
+    c.add_argument("--delta", type=_float, default=1e-5, help="target delta, in (0, 1)")
+    c.add_argument("--rounds", type=int, required=True, help="number of releases composed (one per round)")
+    c.add_argument("--sampling-rate", type=_float, default=1.0,
+                   help="Poisson client sampling rate q in (0, 1]; q < 1 amplifies privacy")
+    c.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,
+                   help="accountant (default: exact without sampling, pld with sampling)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_calibrate)
+
+    r = _parser(sub, "run", help="run a federation and write its results and ledger")
+    _add_run_flags(r)
     r.set_defaults(func=cmd_run)
+
+    u = _parser(sub, "audit-run", help="audit a real run in that one run: canaries in the training, a lower bound "
+                                       "on epsilon beside the ledger's")
+    _add_run_flags(u)
+    u.add_argument("--canaries", type=int, default=200,
+                   help="client canaries, each included in the run by a fair coin (>= 8)")
+    u.add_argument("--fault", choices=["none", "half_noise", "no_clip"], default="none",
+                   help="inject a fault to see the audit catch it (the ledger still charges the target)")
+    u.add_argument("--significance", type=_float, default=0.05, help="the bound holds with probability 1 - this")
+    u.set_defaults(func=cmd_audit_run)
 
     a = _parser(sub, "audit", help="per-client privacy spent, from a ledger",
                 description="Per-client privacy spent, from a ledger. Columns: epsilon, at --delta, from the run's "

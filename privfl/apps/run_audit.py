@@ -1,0 +1,252 @@
+"""An audit of a real federated run in that one run (``privfl audit-run``): canaries inserted into the actual training,
+each included or not by a fair coin, and a lower bound on epsilon from how well the server's view tells them apart.
+
+The method is Steinke, Nasr and Jagielski's (NeurIPS 2023, "Privacy auditing with one (1) training run"): ``m``
+canaries, each included independently with probability 1/2; after training, an auditor who sees what the server saw
+scores every canary, guesses "included" for the ``k`` highest scores and "excluded" for the ``k`` lowest and counts
+its correct guesses ``v`` of ``r = 2k``; ``k`` is each of 2, 5, 10 and 25 % of the canaries (fixed before the run),
+each tested at a quarter of the significance level (a union bound), and the best bound is reported. Under
+(epsilon, delta)-DP per canary, the probability of ``v`` or more correct guesses is at most
+
+    beta + 2 m delta max_{1 <= i <= v} (P[B >= v - i] - beta) / i,   beta = P[B >= v],  B ~ Binomial(r, e^eps / (1 + e^eps))
+
+(their Theorem 5.2's bound for approximate DP); the reported lower bound is the largest epsilon this rejects at the
+significance level (5 % by default), 0 when even epsilon = 0 is not rejected. It is a statistical lower bound on the
+run's true epsilon: an honest run's bound stays below its ledger's epsilon (with probability at least 1 - significance),
+and a bound above the ledger's epsilon is evidence that the run leaked more than it charged.
+
+Canaries here are **clients** (client level, ``unit="client"``): each included canary is an extra member of the
+federation whose client step releases, every round, its own secret direction ``u_i`` (a random unit vector of the
+channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C u_i``: the largest change one client
+may make. The server's view is the sum over rounds of the channel's noised aggregates, ``S``; a canary's score is
+its coefficient in the least-squares fit of ``S`` on all canaries' directions (:func:`canary_scores`). Everything else is the user's run as ``privfl run`` builds it (algorithm, data, noise placement,
+calibration, ledger), with the canaries' own ledger rows in the same ledger.
+
+``fault`` injects the faults the mechanism audit catches, on the whole run, leaving every charge as calibrated (so
+the ledger still claims the target): ``half_noise`` scales every Gaussian draw of the run by 1/2 (the clients' and the
+server's), ``no_clip`` turns the release pipeline's norm clip off (the canaries' 10 C directions go out whole). They
+exist to show what the audit can see; they are never reachable from ``privfl run``.
+
+What one run can show is limited by the canaries' count: with ``r`` guesses all correct, the bound is at most about
+``log(r / log(1 / significance))``; at the ledger's own epsilon, a clipped canary's per-run signal is what the
+calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
+A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
+Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
+Record-level canaries (records in the clients' data, with DP-SGD) are not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import scipy.optimize
+import scipy.stats
+
+from privfl.core.channels import NormClip
+from privfl.mechanisms import NoiseSource
+from privfl.errors import ConfigurationError
+
+FAULTS = ("none", "half_noise", "no_clip")
+#: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
+CANARY_NORM = 10.0
+#: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
+#: at significance / len(GUESS_FRACTIONS) (a union bound), and reports the best bound
+GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.25)
+#: the spawn key of the auditor's seeded stream (coins, directions), apart from the run plan's streams
+AUDIT_STREAM = 0x61756469
+
+
+@dataclass
+class RunAudit:
+    """The result of :func:`audit_run` (``privfl audit-run --json`` writes :meth:`to_dict`)."""
+
+    epsilon_lower_bound: float
+    epsilon_ledger: float
+    canaries: int
+    fault: str
+    included: int
+    guesses: int
+    correct: int
+    significance: float
+    delta: float
+    rounds: int
+    algorithm: str
+    channel: str
+    #: the bound is above the ledger's epsilon: the run leaked more than it charged (expected only with a fault)
+    violated: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """The probability, under (epsilon, delta)-DP per canary, of at least ``correct`` right guesses out of ``guesses``
+    among ``m`` canaries (the bound of the module docstring)."""
+    if guesses <= 0 or correct <= 0:
+        return 1.0
+    q = 1.0 / (1.0 + math.exp(-epsilon))
+    tail = scipy.stats.binom.sf(correct - 1, guesses, q)  # P[B >= correct]
+    if delta == 0:
+        return float(min(tail, 1.0))
+    i = np.arange(1, correct + 1)
+    slack = np.max((scipy.stats.binom.sf(correct - i - 1, guesses, q) - tail) / i)
+    return float(min(tail + 2 * m * delta * max(slack, 0.0), 1.0))
+
+
+def one_run_lower_bound(m: int, guesses: int, correct: int, delta: float, significance: float = 0.05) -> float:
+    """The largest epsilon whose (epsilon, delta) claim ``correct`` of ``guesses`` right guesses rejects at
+    ``significance`` (0 when epsilon = 0 is not rejected)."""
+    def rejects(eps: float) -> float:  # > 0 while the claim is rejected
+        return significance - one_run_p_value(m, guesses, correct, eps, delta)
+
+    if rejects(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while rejects(hi) > 0:
+        hi *= 2
+        if hi > 1e3:
+            return math.inf
+    return float(scipy.optimize.brentq(rejects, hi / 2 if hi > 1 else 0.0, hi, xtol=1e-6))
+
+
+def canary_scores(directions: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """Each canary's score from the server's view ``seen`` (the sum over rounds of the audited channel's noised
+    aggregates): the least-squares coefficients of ``seen`` on the canaries' directions, which take out what the other
+    canaries' nearly (not exactly) orthogonal directions add to a plain inner product; with more canaries than
+    coordinates, the inner products ``<seen, u_i>``. Fixed before the run, as the bound requires."""
+    m, d = directions.shape
+    if m >= d:
+        return directions @ seen
+    coef, *_ = np.linalg.lstsq(directions.T, seen, rcond=None)
+    return coef
+
+
+class _Scaled(NoiseSource):
+    """A noise source whose standard normals are ``factor`` times its inner source's (the ``half_noise`` fault)."""
+
+    def __init__(self, inner, factor: float):
+        self.inner, self.factor = inner, float(factor)
+
+    def standard_normal(self, shape):
+        return np.asarray(self.inner.standard_normal(shape), dtype=np.float64) * self.factor
+
+
+def _audited_channel(algorithm):
+    """The one channel canaries go into: a private vector channel with a norm clip, at client level."""
+    clipped = [c for c in algorithm.channels() if c.private and isinstance(c.clip, NormClip) and len(c.shape) == 1]
+    if algorithm.privacy.unit != "client" or len(clipped) != 1 or len(
+            [c for c in algorithm.channels() if c.private]) != 1:
+        raise ConfigurationError(
+            f"audit-run inserts client canaries into a client-level run whose one private channel is a norm-clipped "
+            f"vector (dp_fedavg, or an algorithm of yours registered with privfl.register_algorithm, at --unit "
+            f"client); {algorithm.name} at unit={algorithm.privacy.unit!r} releases "
+            f"{[c.name for c in algorithm.channels() if c.private]}. Record-level canaries are not built yet")
+    return clipped[0]
+
+
+def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str = "none",
+              significance: float = 0.05, ledger_path: str = ":memory:", run_id: str | None = None,
+              progress=None) -> RunAudit:
+    """Run ``algorithm`` on ``data`` with ``canaries`` client canaries (each included by a fair coin) and return the
+    one-run lower bound on epsilon beside the ledger's (module docstring). The coins and directions come from the
+    OS CSPRNG, or from the run's seed when the run is seeded on purpose (``secure_noise=False``)."""
+    from privfl.algorithms.base import ClientOutput
+    from privfl.runtime.engine import Simulation
+
+    if fault not in FAULTS:
+        raise ConfigurationError(f"--fault must be one of {FAULTS}, got {fault!r}")
+    if isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < 8:
+        raise ConfigurationError(f"--canaries must be an integer >= 8 (a quarter of them are guessed each way), got "
+                                 f"{canaries!r}")
+    if not 0 < significance < 1:
+        raise ConfigurationError(f"--significance must lie in (0, 1), got {significance!r}")
+    if not privacy.private:
+        raise ConfigurationError("audit-run audits a private run: give a finite --epsilon")
+    if privacy.sampling_rate < 1:
+        raise ConfigurationError("audit-run needs every canary in every round (--sampling-rate 1): the one-run bound "
+                                 "is for canaries the run always includes or always leaves out")
+    if privacy.placement == "distributed" and fault == "half_noise":
+        raise ConfigurationError("--fault half_noise scales Gaussian draws; distributed noise is discrete shares: "
+                                 "audit a central or local run")
+    if privacy.unit != "client":
+        raise ConfigurationError(f"audit-run inserts client canaries into a client-level run (--unit client: "
+                                 f"dp_fedavg, or an algorithm of yours registered with privfl.register_algorithm); "
+                                 f"{algorithm.name} runs at unit={privacy.unit!r}. Record-level canaries are not "
+                                 f"built yet")
+    # the auditor's own stream, apart from every stream of the run plan (privfl.core.plan.seed_stream)
+    rng = (np.random.default_rng(np.random.SeedSequence(fed.seed, spawn_key=(AUDIT_STREAM,)))
+           if not privacy.secure_noise else np.random.default_rng(secrets.randbits(128)))
+    included = np.flatnonzero(rng.random(canaries) < 0.5)
+
+    # the federation: the user's clients, then one client per included canary (its records are a copy of the first
+    # client's, which public facts need; the canary's step never reads them)
+    parts = list(data.train_parts)
+    canary_of = {}
+    for i in included:
+        canary_of[len(parts)] = int(i)
+        parts.append(data.train_parts[0])
+    audited = dataclasses.replace(data, train_parts=parts, name=f"{data.name}+canaries")
+    clip = float(privacy.clip)
+    view = {}  # the audited channel, the canaries' directions and the server's sum over rounds (set after setup)
+    real_update, real_server = algorithm.client_update, algorithm.server_update
+
+    def client_update(k, dataset, rnd, rng_k):
+        if k not in canary_of:
+            return real_update(k, dataset, rnd, rng_k)
+        value = (CANARY_NORM * clip * view["directions"][canary_of[k]]).astype(np.float32)
+        return ClientOutput({view["channel"].name: value}, weight=algorithm.release_weight(dataset, k))
+
+    def server_update(aggregates, rnd):
+        view["seen"] += np.asarray(aggregates[view["channel"].name].total, dtype=np.float64)  # what the server saw
+        real_server(aggregates, rnd)
+
+    algorithm.client_update, algorithm.server_update = client_update, server_update
+    algorithm.splittable = False  # one object plays both halves: the canaries' steps are this object's
+    class Audited(Simulation):
+        def prepare(self) -> None:
+            """The run's own preparation (set-up, plan, pipelines), then the audit's: the canaries' directions in
+            the audited channel, and the injected fault, if any."""
+            super().prepare()
+            channel = view["channel"] = _audited_channel(algorithm)
+            if canaries > channel.shape[0] // 2:
+                raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
+                                         f"{channel.shape[0]} coordinates, too few to tell that many canaries' "
+                                         f"directions apart; give at most {channel.shape[0] // 2} canaries or a "
+                                         f"larger model (nothing was charged)")
+            directions = rng.standard_normal((canaries, channel.shape[0]))
+            view["directions"] = directions / np.linalg.norm(directions, axis=1, keepdims=True)
+            view["seen"] = np.zeros(channel.shape[0])
+            if fault == "half_noise":
+                for pipeline in self.pipelines:
+                    pipeline.noise = _Scaled(pipeline.noise, 0.5)
+                self.server_noise = _Scaled(self.server_noise, 0.5)
+            elif fault == "no_clip":
+                for pipeline in self.pipelines:
+                    pipeline._clip = lambda ch, validated, raw: validated  # noqa: E731  (the fault: no clip)
+
+    sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
+                  executor="per_client")
+    result = sim.run()
+    scores = canary_scores(view["directions"], view["seen"])
+    order = np.argsort(scores)
+    truth = np.zeros(canaries, dtype=bool)
+    truth[included] = True
+    # each guess count of GUESS_FRACTIONS at significance / their number (a union bound: the best of them is valid)
+    best = (0.0, 0, 0)
+    for k in sorted({max(1, int(canaries * f)) for f in GUESS_FRACTIONS}):
+        correct = int(truth[order[-k:]].sum() + (~truth[order[:k]]).sum())
+        bound = one_run_lower_bound(canaries, 2 * k, correct, privacy.delta, significance / len(GUESS_FRACTIONS))
+        if bound >= best[0]:
+            best = (bound, 2 * k, correct)
+    bound, guesses, correct = best
+    ledger_eps = float(result.audit.get("max_epsilon", 0.0))
+    return RunAudit(bound, ledger_eps, canaries, fault, int(len(included)), guesses, correct, float(significance),
+                    float(privacy.delta), fed.rounds, algorithm.name, view["channel"].name,
+                    violated=bool(bound > ledger_eps * (1 + 1e-9)))
+
+
+__all__ = ["CANARY_NORM", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound", "one_run_p_value"]

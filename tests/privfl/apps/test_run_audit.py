@@ -1,0 +1,100 @@
+"""``privfl audit-run`` (issue 29): the one-run audit of a real federated run (privfl.apps.run_audit). The bound's
+arithmetic; from the user's entry point, an honest run's lower bound stays below its ledger's epsilon while a run
+whose pipeline does not clip is caught above it; the half-noise fault is visible (a higher bound on the same seeds)
+but not caught at this size, as the README says; the JSON contract and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from privfl.apps.cli import main
+from privfl.apps.run_audit import audit_run, canary_scores, one_run_lower_bound, one_run_p_value
+from privfl.algorithms import make_algorithm
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.data import make_federated
+from privfl.errors import ConfigurationError
+
+
+def test_the_bound_is_the_binomial_tails_and_delta_only_lowers_it():
+    # all r guesses right, delta = 0: the bound solves q^r = significance, q = e^eps / (1 + e^eps)
+    r, alpha = 100, 0.05
+    q = alpha ** (1 / r)
+    assert one_run_lower_bound(400, r, r, 0.0, alpha) == pytest.approx(math.log(q / (1 - q)), abs=1e-5)
+    assert one_run_p_value(400, r, 60, 0.0, 0.0) == pytest.approx(scipy.stats.binom.sf(59, r, 0.5))
+    for correct in (55, 70, 90, 100):
+        assert one_run_lower_bound(400, r, correct, 1e-5, alpha) <= one_run_lower_bound(400, r, correct, 0.0, alpha)
+    assert one_run_lower_bound(400, r, 50, 1e-5, alpha) == 0.0  # chance: nothing rejected
+    assert one_run_lower_bound(400, r, 70, 0.0, alpha) < one_run_lower_bound(400, r, 90, 0.0, alpha)
+    assert one_run_p_value(400, 0, 0, 1.0, 1e-5) == 1.0
+
+
+def test_least_squares_scores_undo_the_canaries_crosstalk():
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((50, 400))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    included = rng.random(50) < 0.5
+    seen = 7.0 * included @ u  # no noise: the coefficients are exactly the inclusions
+    assert np.allclose(canary_scores(u, seen), 7.0 * included)
+    assert np.allclose(canary_scores(u[:, :30], seen[:30]), u[:, :30] @ seen[:30])  # more canaries than coordinates
+
+
+def _run(fault, canaries=400, epsilon=2.0):
+    data = make_federated("digits", 4, partition="iid", seed=0)
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), pool=1, seed=3)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="client", clip=0.5, placement="central",
+                            secure_noise=False)
+    return audit_run(make_algorithm("dp_fedavg", fed, privacy), data, fed, privacy, canaries=canaries, fault=fault)
+
+
+def test_an_honest_run_stays_below_its_ledger_and_a_run_that_does_not_clip_is_caught():
+    honest, unclipped, half = _run("none"), _run("no_clip"), _run("half_noise")
+    for r in (honest, unclipped, half):
+        assert r.epsilon_ledger == pytest.approx(2.0, rel=1e-3) and r.epsilon_ledger <= 2.0 * (1 + 1e-9)
+        assert r.included == honest.included and r.guesses > 0  # the same seeded coins in each run
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
+    # half the noise is visible on the same seeds, not caught above the claim at this size (the README says why)
+    assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
+
+
+def test_audit_run_writes_its_json_contract_from_the_cli(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    args = ["audit-run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--clients", "4", "--rounds", "2",
+            "--epsilon", "2", "--unit", "client", "--clip", "0.5", "--hidden", "16", "--pool", "1", "--seeded-noise",
+            "--canaries", "200"]
+    assert main([*args, "--fault", "no_clip", "--json", str(out)]) == 0  # a caught fault is what was asked for
+    got = json.loads(out.read_text())
+    assert {"epsilon_lower_bound", "epsilon_ledger", "canaries", "fault"} <= set(got)
+    assert got["canaries"] == 200 and got["fault"] == "no_clip" and got["violated"] is True
+    assert "ABOVE the ledger's" in capsys.readouterr().out
+    assert main([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["violated"] is False
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--canaries", "4"], "--canaries must be an integer >= 8"),
+    (["--canaries", "5000"], "give at most"),
+    (["--unit", "example", "--algorithm", "dpsgd_fedavg"], "Record-level canaries are not built yet"),
+    (["--sampling-rate", "0.5"], "--sampling-rate 1"),
+    (["--epsilon", "inf"], "finite --epsilon"),
+])
+def test_audit_run_refuses_what_it_cannot_audit_with_exit_2(extra, needle, capsys):
+    base = {"--algorithm": "dp_fedavg", "--dataset": "digits", "--clients": "3", "--rounds": "1",
+            "--epsilon": "2", "--unit": "client", "--hidden": "16", "--pool": "1", "--canaries": "40"}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        base[flag] = value
+    code = main(["audit-run", *[x for kv in base.items() for x in kv]])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_the_auditors_settings_are_checked():
+    with pytest.raises(ConfigurationError, match="--fault"):
+        _run("quarter_noise")
+    with pytest.raises(ConfigurationError, match="significance"):
+        audit_run(None, None, FederationConfig(), PrivacyConfig(epsilon=1.0, unit="client"), significance=1.5)
