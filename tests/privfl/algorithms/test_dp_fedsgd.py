@@ -188,3 +188,59 @@ def test_distributed_placement_uses_the_sampled_distributed_plan_or_says_what_is
     for k in range(K):
         assert [c.event for c in sim.ledger.charges(str(k))] == [plan.event] * f.rounds
         assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon
+
+
+def test_the_trajectory_posterior_is_post_processing_of_the_same_run():
+    """posterior="trajectory" (issue 27's free lever): the same seeded run releases and charges exactly what the
+    plain run does, ends at the same global parameters, and predicts with the Gaussian read off its last rounds'
+    iterates (their mean and variance), averaging the class probabilities over draws from it."""
+    import math as _math
+
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import make_federated
+    from privfl.runtime.engine import Simulation
+    from privfl.algorithms import make_algorithm
+
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    fed = FederationConfig(rounds=12, batch_size=64, lr=0.5, momentum=0.9, hidden=(), pool=2, seed=5)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0.5, secure_noise=False)
+    runs = {}
+    for posterior in ("none", "trajectory"):
+        alg = make_algorithm("dp_fedsgd", fed, privacy, lot_size=64, posterior=posterior, posterior_rounds=4)
+        iterates = []
+        update = alg.server_update
+
+        def recording(aggregates, rnd, alg=alg, update=update, iterates=iterates):
+            update(aggregates, rnd)
+            iterates.append(np.asarray(alg.global_params, dtype=np.float64).copy())
+
+        alg.server_update = recording
+        sim = Simulation(alg, data, fed, privacy)
+        result = sim.run()
+        runs[posterior] = (alg, sim, result, iterates)
+    plain, traj = runs["none"], runs["trajectory"]
+    assert np.array_equal(plain[0].global_params, traj[0].global_params)
+    assert [(c.client_id, c.round, c.channel, c.released) for c in plain[1].ledger.charges()] == \
+        [(c.client_id, c.round, c.channel, c.released) for c in traj[1].ledger.charges()]
+    assert plain[2].audit["max_epsilon"] == traj[2].audit["max_epsilon"] <= 3.0 * (1 + 1e-9)
+    mean, var = traj[0].posterior_moments()
+    last = np.stack(traj[3][-4:])
+    assert np.allclose(mean, last.mean(axis=0)) and np.allclose(var, last.var(axis=0, ddof=1))
+    assert plain[0].posterior_moments() is None
+    proba = traj[0].predict_proba(data.test)
+    assert np.allclose(proba.sum(axis=1), 1.0, atol=1e-5)
+    assert not np.allclose(proba, plain[0].predict_proba(data.test))  # averaged over the posterior's draws
+    for key in ("accuracy", "nll", "ece"):
+        assert _math.isfinite(traj[2].final[key])
+
+
+@pytest.mark.parametrize("bad, needle", [({"posterior": "laplace"}, "posterior must be one of"),
+                                         ({"posterior_rounds": 1}, "posterior_rounds must be an integer >= 2"),
+                                         ({"posterior_rounds": 99}, "exceeds the run's"),
+                                         ({"posterior_scale": 0}, "posterior_scale")])
+def test_posterior_options_are_checked(bad, needle):
+    from privfl.algorithms import make_algorithm
+    from privfl.core.config import FederationConfig, PrivacyConfig
+
+    with pytest.raises(ConfigurationError, match=needle):
+        make_algorithm("dp_fedsgd", FederationConfig(rounds=10), PrivacyConfig(), **bad)
