@@ -21,7 +21,7 @@ def _section() -> str:
 
 
 def test_the_readme_flower_python_block_writes_an_app(tmp_path, monkeypatch):
-    code = re.search(r"```python\n(.*?)```", _section(), re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", _section(), re.S).group(1).replace("/data/", f"{tmp_path}/data/")
     monkeypatch.chdir(tmp_path)
     scope: dict = {"__name__": "readme_flower"}
     exec(compile(code, "README.md", "exec"), scope)
