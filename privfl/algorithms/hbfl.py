@@ -86,7 +86,8 @@ from privfl.accounting import NoOpEvent
 from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
-from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule
+from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule,
+                                         privatise_gradient_sum)
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
@@ -486,23 +487,21 @@ def _add_back(changes: Aggregate, reference: np.ndarray) -> Aggregate:
 
 def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
                     expected_batch: float, noise) -> None:
-    """One DP-SGD gradient of the mean cross-entropy into ``p.grad`` (Abadi et al. 2016): per-example gradients
-    (``torch.func``; the Bayesian layers draw their noise independently per example), each clipped to L2 norm
-    ``clip``, summed, plus N(0, (noise_multiplier * clip)^2) per coordinate, divided by the expected batch size."""
+    """One DP-SGD gradient of the mean cross-entropy into ``p.grad``: per-example gradients (``torch.func``; the
+    Bayesian layers draw their noise independently per example), privatised by
+    ``privfl.privacy.record_level.privatise_gradient_sum`` (clipped, summed, noised, divided by the expected batch)."""
     names = [n for n, _ in model.named_parameters()]
     params = {n: p.detach() for n, p in model.named_parameters()}
+    dim = sum(p.numel() for p in params.values())
+    flat = torch.zeros(0, dim)
     if len(x):
         def example_loss(p, xi, yi):
             return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
         per_example = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
         flat = torch.cat([per_example[n].reshape(len(x), -1) for n in names], dim=1)
-        scale = (clip / flat.norm(dim=1).clamp_min(1e-12)).clamp(max=1.0)
-        summed = (flat * scale[:, None]).sum(dim=0)
-    else:
-        summed = torch.zeros(sum(p.numel() for p in params.values()))
-    noisy = summed + noise_multiplier * clip * torch.from_numpy(noise.standard_normal(summed.shape)).to(summed)
-    noisy = noisy / expected_batch
+    noisy = privatise_gradient_sum(flat, dim, clip=clip, noise_multiplier=noise_multiplier,
+                                   expected_batch=expected_batch, noise=noise)
     offset = 0
     for n, p in model.named_parameters():
         k = p.numel()
@@ -771,7 +770,7 @@ class VectorisedHBFL:
         alg = self.alg
         c, width = yb.shape
         clip = alg.privacy.clip
-        summed = torch.zeros(c, self.dim)
+        flat = torch.zeros(c, 0, self.dim)
         if width:
             noises = [torch.zeros(c, width, 1, w) for w in outs]
             for r, (g, i) in enumerate(zip(generators, idx)):
@@ -781,13 +780,9 @@ class VectorisedHBFL:
                         e[r, :len(i)] = d
             per_example = self._example_grads(params, xb, yb, noises)
             flat = torch.cat([per_example[n].reshape(c, width, -1) for n in self.names], dim=2)
-            scale = (clip / flat.norm(dim=2).clamp_min(1e-12)).clamp(max=1.0)
-            for r, i in enumerate(idx):
-                if len(i):
-                    summed[r] = (flat[r, :len(i)] * scale[r, :len(i), None]).sum(dim=0)
-        noisy = torch.stack([summed[r] + z * clip * torch.from_numpy(src.standard_normal((self.dim,))).to(summed)
-                             for r, src in enumerate(noise_sources)])
-        noisy = noisy / plan.expected_batch
+        noisy = torch.stack([privatise_gradient_sum(flat[r, :len(i)], self.dim, clip=clip, noise_multiplier=z,
+                                                    expected_batch=plan.expected_batch, noise=src)
+                             for r, (i, src) in enumerate(zip(idx, noise_sources))])
         grads, offset = {}, 0
         for n in self.names:
             k = self.start[n].numel()
