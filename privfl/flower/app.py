@@ -779,16 +779,18 @@ def _resume_from(path: str, spec: RunSpec, alg, first_round: int) -> None:
 def _log_round(spec: RunSpec, record: dict, audits: dict, phase=None) -> None:
     """One line per round in Flower's log stream (what ``flwr run --stream`` and ``flwr log`` show): round,
     participants, who sat out, whether secure aggregation aborted it, the largest epsilon the organisations report
-    having spent, and the round's seconds."""
+    having spent, each noised channel's privacy SNR (``privfl.runtime.rounds.privacy_snr``) and the round's
+    seconds."""
     from flwr.common.logger import log
     import logging
 
     spent = [float(a["epsilon"]) for a in audits.values() if a and a.get("epsilon") is not None]
     name = f" phase {phase['name']}" if isinstance(phase, dict) and phase.get("name") else ""
-    log(logging.INFO, "privfl %s%s round %d/%d: %d participants, sat out %s%s, epsilon spent max %s (target %g), "
+    snr = "".join(f", SNR {k} {v:.3g}" for k, v in sorted(dict(record.get("snr") or {}).items()))
+    log(logging.INFO, "privfl %s%s round %d/%d: %d participants, sat out %s%s, epsilon spent max %s (target %g)%s, "
         "%.2f s", spec.run_id, name, record["round"] + 1, spec.fed.rounds, record["participants"],
         record["sat_out"] or "none", ", ABORTED (nothing revealed)" if record["aborted"] else "",
-        f"{max(spent):.4g}" if spent else "n/a", spec.privacy.epsilon, record["seconds"])
+        f"{max(spent):.4g}" if spent else "n/a", spec.privacy.epsilon, snr, record["seconds"])
 
 
 #: seconds between two pulls of replies (flwr's ``Grid.send_and_receive`` waits 3 s, a round trip's worth of
