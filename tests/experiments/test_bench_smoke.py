@@ -34,14 +34,21 @@ SECAGG_KEYS = {
     "flower_round_s", "flower_over_privfl",
 }
 FLOWER_INPROCESS = {"parameters", "inprocess_seconds", "inprocess_per_client_seconds"}
-FLOWER_UNAVAILABLE = {"flower_seconds", "flower_over_inprocess", "engine_seconds"}
+FLOWER_UNAVAILABLE = {"flower_seconds", "flower_over_inprocess", "engine_seconds",
+                      "privfl_over_plain_flower", "sim_1000_clients_round_seconds"}
+# privfl's FedAvg and DP-FedAvg against a plain Flower app doing the same job, alternated on one stock deployment
+FLOWER_VS_PLAIN = {"compare_isolation", "compare_repeats", "compare_rounds", "dp_noise_multiplier", "dp_clip",
+                   "privfl_over_plain_flower_fedavg", "privfl_over_plain_flower_dp", "privfl_over_plain_flower",
+                   "privfl_round_seconds", "plain_flower_round_seconds"} | {
+    f"{variant}_{key}" for variant in ("privfl_fedavg", "plain_flower_fedavg", "privfl_dp", "plain_flower_dp")
+    for key in ("seconds", "runs_seconds", "round_seconds")}
 FLOWER_KEYS = FLOWER_INPROCESS | {
     "supernode_poll", "object_backoff", "worker_poll", "reply_poll", "superexec_poll", "superlink_database",
     "flower_seconds", "flower_round_seconds", "flower_after_result_seconds", "flower_equals_inprocess_per_client",
     "flower_over_inprocess_per_client", "flower_rounds_over_inprocess", "worker_task_seconds_max",
     "worker_clientapp_seconds_mean", "worker_tasks", "flower_over_inprocess",
-    "engine_clients", "engine_seconds", "engine_round_seconds",
-}
+    "engine_clients", "engine_seconds", "engine_round_seconds", "sim_1000_clients_round_seconds",
+} | FLOWER_VS_PLAIN
 ACCOUNTING_KEYS = MACHINE | {"commit_ms", "audit_ms_1000x200", "audit_reopen_ms_1000x200"} | {
     key
     for workload in ("tiny_", "")

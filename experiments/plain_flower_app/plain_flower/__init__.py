@@ -1,0 +1,1 @@
+"""A plain Flower app: Flower's FedAvg, optionally under DifferentialPrivacyServerSideFixedClipping."""
