@@ -153,7 +153,9 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
               progress=None) -> RunAudit:
     """Run ``algorithm`` on ``data`` with ``canaries`` client canaries (each included by a fair coin) and return the
     one-run lower bound on epsilon beside the ledger's (module docstring). The coins and directions come from the
-    OS CSPRNG, or from the run's seed when the run is seeded on purpose (``secure_noise=False``)."""
+    OS CSPRNG, or from the run's seed when the run is seeded on purpose (``secure_noise=False``). ``algorithm`` is
+    used up by the audit (its client and server steps are wrapped to play the canaries and record the server's
+    view): give a fresh one, as ``privfl audit-run`` does."""
     from privfl.algorithms.base import ClientOutput
     from privfl.runtime.engine import Simulation
 
