@@ -24,6 +24,7 @@ from privfl.flower.local import LocalDeployment  # noqa: E402
 N_CLIENTS, ROUNDS = 3, 2
 
 
+@pytest.mark.slow  # make test-all (CI time): test_runtime_contract.py checks the same run on the engine
 def test_fedavg_on_the_simulation_engine_equals_in_process(tmp_path, in_process_reference, repro_env):
     digits = load_digits(flatten=True)
     idx = np.random.default_rng(1).permutation(len(digits))

@@ -230,6 +230,7 @@ def _write_probe(directory, out: str, nodes: int) -> str:
     return str(directory)
 
 
+@pytest.mark.slow  # make test-all (CI time): Flower's own TLS and Grid behaviour, pinned for 1.41
 def test_the_server_app_learns_each_node_ids_registered_key(deployment):
     """Flower 1.41's ``Grid.get_nodes()`` gives a ServerApp each node's ``NodeInfo``: under SuperNode
     authentication its ``public_key`` is the key the coordinator registered (PEM) and ``name`` the name it was
@@ -327,6 +328,7 @@ def test_a_client_claiming_a_registered_node_id_with_another_key_gets_nothing(de
     assert list(pull(dep.credentials.node_keys[0]).messages_list) == []  # no run in flight: nothing to take
 
 
+@pytest.mark.slow  # make test-all (CI time): Flower's own TLS and Grid behaviour, pinned for 1.41
 def test_a_client_without_tls_or_trusting_another_ca_is_refused(deployment, tmp_path):
     import ssl
 

@@ -49,6 +49,7 @@ def _served(dep, k) -> list[tuple[int, str, str]]:
             re.findall(r"\[privfl-flower-worker pid=(\d+)\] INFO task \d+ \((\S+)\) (done|FAILED)", text)]
 
 
+@pytest.mark.slow  # make test-all (CI time): test_deployment.py's shared deployment runs on warm workers too
 def test_fedavg_on_warm_workers_equals_in_process(warm, federation, in_process_reference):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=7)
     spec = RunSpec.of("fedavg", federation, fed, PrivacyConfig(), run_id="fedavg-warm", node_wait=60,
