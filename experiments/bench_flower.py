@@ -295,6 +295,17 @@ def dp_noise(data, fed, privacy) -> tuple[float, float]:
     return z, z * channel.sensitivity / privacy.clip
 
 
+def write_organisations(data, work: str) -> list[dict]:
+    """Each client's records as ``work/org<k>.npz`` and its SuperNode's node config (partition id, data path, its own
+    ledger ``work/org<k>.sqlite``)."""
+    configs = []
+    for k, part in enumerate(data.train_parts):
+        path = os.path.join(work, f"org{k}.npz")
+        np.savez(path, x=part.x, y=part.y)
+        configs.append({"partition-id": k, "data-path": path, "ledger-path": os.path.join(work, f"org{k}.sqlite")})
+    return configs
+
+
 def compare_with_plain_flower(data, fed, args) -> None:
     """privfl's FedAvg and DP-FedAvg against the plain Flower app doing the same job, alternated on one stock
     deployment (see the module docstring); prints the comparison's keys."""
@@ -306,11 +317,7 @@ def compare_with_plain_flower(data, fed, args) -> None:
     z_privfl, z_flower = dp_noise(data, dp_fed, dp_privacy)
     warm = args.compare_isolation == "process"
     with tempfile.TemporaryDirectory(prefix="privfl-bench-plain-") as work:
-        configs = []
-        for k, part in enumerate(data.train_parts):
-            path = os.path.join(work, f"org{k}.npz")
-            np.savez(path, x=part.x, y=part.y)
-            configs.append({"partition-id": k, "data-path": path, "ledger-path": os.path.join(work, f"org{k}.sqlite")})
+        configs = write_organisations(data, work)
         runs = {}  # variant -> (kind, app folder, result path, extra options)
         for variant, algorithm, run_fed, privacy in (("privfl_fedavg", "fedavg", fed, PrivacyConfig()),
                                                      ("privfl_dp", "dp_fedavg", dp_fed, dp_privacy)):
@@ -421,11 +428,7 @@ def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | 
     ``reply_poll``: the ServerApp's ``PRIVFL_REPLY_POLL``);
     returns (seconds, the rounds' seconds as the ServerApp timed them, its result, each worker's task totals)."""
     with tempfile.TemporaryDirectory(prefix="privfl-bench-flower-") as work:
-        configs = []
-        for k, part in enumerate(data.train_parts):
-            path = os.path.join(work, f"org{k}.npz")
-            np.savez(path, x=part.x, y=part.y)
-            configs.append({"partition-id": k, "data-path": path, "ledger-path": os.path.join(work, f"org{k}.sqlite")})
+        configs = write_organisations(data, work)
         result_path = os.path.join(work, "result.bin")
         app = write_app(os.path.join(work, "app"), spec, result_path=result_path)
         if server_object_backoff is not None:
