@@ -67,7 +67,7 @@ def resolve_prior_correction(class_prior, algorithm, *, task: str, num_classes: 
         return None
     from privfl.algorithms.base import FederatedAlgorithm
     from privfl.errors import ConfigurationError
-    from privfl.metrics.decision import PriorCorrection, run_class_weights
+    from privfl.metrics.decision import PriorCorrection
 
     if task != "classification":
         raise ConfigurationError(f"{what} is a decision rule over classes; a {task} run has none: drop it")
@@ -80,5 +80,19 @@ def resolve_prior_correction(class_prior, algorithm, *, task: str, num_classes: 
     return PriorCorrection.of(class_prior, num_classes, weights, what=what)
 
 
-__all__ = ["FALLBACKS", "FED_FIELDS", "PRIVACY_FIELDS", "resolve_prior_correction", "resolve_settings",
+def run_class_weights(class_weights=None, loss=None):
+    """The class weights a run trains with, as its options give them (public facts, the user's): the algorithm's
+    ``class_weights`` option, else the weight of a weighted classification loss
+    (``privfl.privacy.record_level.loss_class_weight``, the one reading of it); None when the run is unweighted."""
+    if class_weights is not None:
+        return [float(w) for w in class_weights]
+    if loss is None:
+        return None
+    from privfl.privacy.record_level import loss_class_weight
+
+    weight = loss_class_weight(loss)
+    return None if weight is None else [float(w) for w in weight.detach().cpu().reshape(-1)]
+
+
+__all__ = ["FALLBACKS", "FED_FIELDS", "PRIVACY_FIELDS", "resolve_prior_correction", "run_class_weights", "resolve_settings",
            "resolve_unit", "split_settings"]

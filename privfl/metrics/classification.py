@@ -18,10 +18,16 @@ def balanced_accuracy(proba: np.ndarray, y: np.ndarray) -> float:
     """Mean over the classes present in ``y`` of the recall of the argmax prediction (Brodersen et al. 2010);
     chance level is 1 / (number of classes present) whatever the class balance. (scikit-learn's
     ``balanced_accuracy_score``, computed here in numpy: it runs after every round.)"""
-    y = np.asarray(y)
+    if not len(np.asarray(y)):
+        return float("nan")
+    return balanced_accuracy_of(np.asarray(proba).argmax(axis=1), y)
+
+
+def balanced_accuracy_of(pred: np.ndarray, y: np.ndarray) -> float:
+    """Mean over the classes present in ``y`` of the recall of the class predictions ``pred``."""
+    pred, y = np.asarray(pred), np.asarray(y)
     if not len(y):
         return float("nan")
-    pred = np.asarray(proba).argmax(axis=1)
     classes, index = np.unique(y, return_inverse=True)
     hits = np.bincount(index, weights=(pred == y), minlength=len(classes))
     return float(np.mean(hits / np.bincount(index, minlength=len(classes))))

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from privfl.errors import ConfigurationError
+from privfl.metrics.classification import balanced_accuracy_of
 
 #: how far the declared prior's sum may be from 1 (published rates are rounded: 0.333, 0.333, 0.334)
 PRIOR_SUM_TOLERANCE = 1e-3
@@ -132,10 +133,7 @@ def decision_metrics(pred: np.ndarray, y: np.ndarray, num_classes: int) -> dict[
     pred, y = np.asarray(pred), np.asarray(y)
     if not len(y):
         return {"accuracy": math.nan, "balanced_accuracy": math.nan, "majority_prediction_share": math.nan}
-    classes, index = np.unique(y, return_inverse=True)
-    hits = np.bincount(index, weights=(pred == y), minlength=len(classes))
-    out = {"accuracy": float((pred == y).mean()),
-           "balanced_accuracy": float(np.mean(hits / np.bincount(index, minlength=len(classes)))),
+    out = {"accuracy": float((pred == y).mean()), "balanced_accuracy": balanced_accuracy_of(pred, y),
            "majority_prediction_share": float(np.bincount(pred, minlength=num_classes).max() / len(pred))}
     if num_classes == 2:
         positive = y == 1
@@ -144,18 +142,4 @@ def decision_metrics(pred: np.ndarray, y: np.ndarray, num_classes: int) -> dict[
     return out
 
 
-def run_class_weights(class_weights=None, loss=None):
-    """The class weights a run trains with, as its options give them (public facts, the user's): the algorithm's
-    ``class_weights`` option, else the ``weight`` of a ``nn.CrossEntropyLoss``/``nn.NLLLoss`` loss; None when the run
-    is unweighted. (A loss weighted another way is not seen here: the correction then assumes no weights.)"""
-    if class_weights is not None:
-        return [float(w) for w in class_weights]
-    if loss is None:
-        return None
-    from torch import nn
-
-    weight = getattr(loss, "weight", None) if isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)) else None
-    return None if weight is None else [float(w) for w in weight.detach().cpu().reshape(-1)]
-
-
-__all__ = ["PRIOR_SUM_TOLERANCE", "PriorCorrection", "decision_metrics", "run_class_weights"]
+__all__ = ["PRIOR_SUM_TOLERANCE", "PriorCorrection", "decision_metrics"]

@@ -11,7 +11,8 @@ from sklearn.metrics import balanced_accuracy_score, recall_score
 from torch import nn
 
 from privfl.errors import ConfigurationError
-from privfl.metrics.decision import PriorCorrection, decision_metrics, run_class_weights
+from privfl.apps.settings import run_class_weights
+from privfl.metrics.decision import PriorCorrection, decision_metrics
 
 
 def test_the_rule_on_hand_made_probabilities():
