@@ -27,14 +27,19 @@ demo: $(STAMP)
 	$(PRIVFL) compare experiments/configs/default.toml --out-dir runs/compare --json runs/compare/results.json
 	$(PRIVFL) audit runs/compare/ledgers/fola-eps3-seed0.sqlite --delta 1e-5 --png runs/compare/fola_eps3_audit.png
 
-# pytest exits 5 when it collects no test (e.g. a -k filter that matches nothing): say so and do not fail on it.
+# The tests run in TEST_WORKERS processes (pytest-xdist; work stealing, so that a worker that finishes early takes
+# tests queued on the other: the Flower deployments, which mostly wait on their SuperNodes, overlap the CPU-bound
+# tests). TEST_WORKERS=0 runs them in this process. pytest exits 5 when it collects no test (e.g. a -k filter that
+# matches nothing): say so and do not fail on it.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: $(FLOWER_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "WARNING: pytest collected no tests"; exit 0; fi; exit $$rc
 
-# every test, the slow Flower deployments included (about 6 more minutes on 2 cores)
+# every test, the slow Flower deployments included
 test-all: $(FLOWER_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m 'slow or not slow' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m 'slow or not slow' $(PYTEST_ARGS)
 
 # every benchmark at full size (about 45 minutes on 2 cores, bench_accounting ~30 of them), then the names of those
 # that failed; each one's smallest configuration runs in `make test` (tests/experiments/test_bench_smoke.py)
