@@ -40,6 +40,7 @@ from privfl.core.aggregation import Aggregate
 from privfl.core.channels import Channel, ClippedValue
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.core.public import PublicFacts
+from privfl.privacy.units import check_unit
 
 
 @dataclass
@@ -111,12 +112,17 @@ class FederatedAlgorithm(abc.ABC):
         return self
 
     name: str = "abstract"
+    #: the privacy units the algorithm gives a guarantee at (None: both); another is refused at construction
+    units: tuple[str, ...] | None = None
+    #: what to say to a user who asked for another unit (e.g. the algorithm that offers it)
+    unit_hint: str = ""
     #: whether a finite epsilon is meaningful for this algorithm (non-private baselines refuse one)
     supports_privacy: bool = True
     #: settings ``privfl run`` uses for flags the user leaves out (FederationConfig / PrivacyConfig field names)
     defaults: dict = {"hidden": (100,), "local_epochs": 2, "lr": 0.05, "clip": 1.0}
 
     def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
+        check_unit(self.name, self.units, privacy, self.unit_hint)
         self.fed = fed
         self.privacy = privacy
         self.public: PublicFacts | None = None

@@ -9,29 +9,21 @@ example counts would make a client's influence, and hence the sensitivity, data-
 from __future__ import annotations
 
 from privfl.algorithms.fedavg import FedAvg
-from privfl.core.channels import Channel, NormClip, Unclipped
-from privfl.errors import ConfigurationError
+from privfl.privacy.units import channel as unit_channel
 
 
 class DPFedAvg(FedAvg):
     name = "dp_fedavg"
     units = ("client",)  # the privacy units it gives a guarantee at: client level only
+    unit_hint = "for record-level DP use dpsgd_fedavg"
     supports_privacy = True
     # Client-level noise on the average is z*C/n per coordinate (z ~ 6 for epsilon 3 over 20 rounds, n = 10), so
     # the total noise grows with sqrt(#parameters): a logistic regression on 2x2-pooled images (1,970 weights)
     # with a small clip is what keeps a 10-client federation above chance (see the README's measurements).
     defaults = {"hidden": (), "pool": 2, "local_epochs": 2, "lr": 0.1, "clip": 0.1}
 
-    def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None):
-        super().__init__(fed, privacy, model=model, loss=loss, optimizer=optimizer, metrics=metrics)
-        if privacy.private and privacy.unit != "client":
-            raise ConfigurationError("dp_fedavg gives client-level DP; set unit='client' (for record-level DP use "
-                                     "dpsgd_fedavg)")
-
     def channels(self):
-        clip = NormClip(self.privacy.clip) if self.privacy.private else Unclipped()
-        return [Channel("update", (self.dim,), unit="client", clip=clip, adjacency=self.privacy.adjacency,
-                        description="local model change, clipped to C")]
+        return [unit_channel(self.privacy, "update", (self.dim,), description="local model change, clipped to C")]
 
     def release_weight(self, dataset, client: int = 0) -> float:
         return 1.0

@@ -52,7 +52,8 @@ from privfl.algorithms.base import ClientOutput
 from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, check_class_weights, class_sampling_rates,
                                          poisson_lot)
 from privfl.algorithms.fedavg import FedAvg
-from privfl.core.channels import Channel, ClippedValue, PreClipped, Unclipped
+from privfl.core.channels import ClippedValue, PreClipped
+from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.training.local import load_flat_parameters
 from privfl.training.stacked import PerExampleGradients, clip_factor, unflatten
@@ -76,6 +77,7 @@ class DPFedSGD(FedAvg):
     name = "dp_fedsgd"
     supports_privacy = True
     units = ("example",)
+    unit_hint = "each example's gradient is clipped; for client-level DP use dp_fedavg"
     default_unit = "example"  # record-level by construction: every example's gradient is clipped
     broadcast_state = ("global_params",)
     server_only_state = ("_optimizer_state", "_trajectory")  # the optimiser's moments, the posterior's moments
@@ -158,13 +160,13 @@ class DPFedSGD(FedAvg):
 
     def channels(self):
         if not self.privacy.private:
-            return [Channel("gradient_sum", (self.dim,), unit="example", clip=Unclipped(),
-                            description="sum of the sampled records' loss gradients")]
-        return [Channel("gradient_sum", (self.dim,), unit="example", clip=PreClipped(self.privacy.clip, "sum"),
-                        adjacency=self.privacy.adjacency, value_bound=self.bound,
-                        record_sampling_rate=self.sample_rate,
-                        description="sum of the Poisson-sampled records' gradients, each clipped to C, boxed to "
-                                    "[-B, B]")]
+            return [unit_channel(self.privacy, "gradient_sum", (self.dim,),
+                                 description="sum of the sampled records' loss gradients")]
+        return [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None,
+                             record=PreClipped(self.privacy.clip, "sum"), value_bound=self.bound,
+                             record_sampling_rate=self.sample_rate,
+                             description="sum of the Poisson-sampled records' gradients, each clipped to C, boxed "
+                                         "to [-B, B]")]
 
     def release_weight(self, dataset, client: int = 0) -> float:
         return 1.0  # a sum: the server divides by the public expected lot, never by a count
@@ -341,9 +343,6 @@ POSTERIOR_STREAM = 0x706F7374
 
 def check_fedsgd_privacy(privacy) -> str:
     """Refuse configurations DP-FedSGD's accounting cannot honour; return the run's accountant."""
-    if privacy.unit != "example":
-        raise ConfigurationError("dp_fedsgd gives record-level DP (each example's gradient clipped); set "
-                                 "unit='example' (for client-level DP use dp_fedavg)")
     if privacy.sampling_rate < 1:
         raise ConfigurationError("dp_fedsgd samples records, not clients: every client takes part in every round "
                                  "(record-level client sampling buys no amplification); set sampling_rate=1")

@@ -41,7 +41,8 @@ from torch import nn
 
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
-from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately
+from privfl.core.channels import PrivatizedValue, TrainedPrivately
+from privfl.privacy.units import channel as unit_channel
 from privfl.core.public import private_torch_generator
 from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
                                          check_class_weights, check_opacus_model, dpsgd_schedule, dpsgd_train,
@@ -88,9 +89,9 @@ class DPSGDFedAvg(FedAvg):
     def channels(self):
         if not self.privacy.private:
             return super().channels()
-        return [Channel("update", (self.dim,), unit="example", clip=TrainedPrivately(),
-                        adjacency=self.privacy.adjacency, value_bound=self.update_bound,
-                        description="local model change after DP-SGD training (post-processing)")]
+        return [unit_channel(self.privacy, "update", (self.dim,), client=None, record=TrainedPrivately(),
+                             value_bound=self.update_bound,
+                             description="local model change after DP-SGD training (post-processing)")]
 
     def _bounded(self, update: np.ndarray) -> np.ndarray:
         """The change clipped to the public ``update_bound`` (post-processing of the DP-SGD output)."""

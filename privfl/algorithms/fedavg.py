@@ -20,7 +20,7 @@ import torch
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.core.channels import Channel, Unclipped
+from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.training.stacked import VectorisedSGD, vectorisable
 from privfl.metrics import classification_metrics, point_regression_metrics
@@ -83,7 +83,7 @@ class FedAvg(FederatedAlgorithm):
         return int(self.global_params.size)
 
     def channels(self):
-        return [Channel("update", (self.dim,), unit="client", clip=Unclipped(), description="local model change")]
+        return [unit_channel(self.privacy, "update", (self.dim,), description="local model change")]
 
     def local_train(self, model, dataset, rng) -> None:
         x, y = dataset.tensors()

@@ -102,7 +102,8 @@ from torch import nn
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.core.channels import Channel, RangeBound, Unclipped
+from privfl.core.channels import RangeBound
+from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.metrics import brier_score, classification_metrics, maximum_calibration_error
 from privfl.models import (MODELS, BayesConv2d, BayesLinear, ModelPrior, bayes_modules, make_bayesian_model,
@@ -434,17 +435,13 @@ class FedBNN(FederatedAlgorithm):
         return int(self.alignment_x.shape[0])
 
     def channels(self):
-        p = self.privacy
-        clip = RangeBound(PER_POINT_SENSITIVITY, self.alignment_rows, unit=p.unit, row_norm=MAX_ROW_NORM) \
-            if p.private else Unclipped()
-        return [Channel(CHANNEL, (self.alignment_rows, self._num_classes), unit=p.unit if p.private else "client",
-                        clip=clip, adjacency=self._adjacency(), value_bound=1.0,
-                        description="Monte-Carlo class probabilities of the client's BNN on the alignment set")]
-
-    def _adjacency(self) -> str:
-        """The configured relation. At client level with local noise and no secure aggregation the runtime charges
-        the channel as replace-one (``privfl.core.channels.charged_channels``, see the module docstring)."""
-        return self.privacy.adjacency
+        # the rows are probability vectors whatever the unit: the range bounds a record's influence and a client's
+        # whole upload alike. At client level with local noise and no secure aggregation the runtime charges the
+        # channel as replace-one (``privfl.core.channels.charged_channels``, see the module docstring)
+        rows = RangeBound(PER_POINT_SENSITIVITY, self.alignment_rows, row_norm=MAX_ROW_NORM)
+        return [unit_channel(self.privacy, CHANNEL, (self.alignment_rows, self._num_classes), client=rows,
+                             record=rows, value_bound=1.0,
+                             description="Monte-Carlo class probabilities of the client's BNN on the alignment set")]
 
     # -- client --------------------------------------------------------------------------------------------------
 

@@ -142,7 +142,8 @@ from privfl.mechanisms import InvalidRelease, clip_rows, clip_values
 from privfl.mechanisms.clipping import check_adjacency
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
-from privfl.core.channels import Channel, ClippedValue, NormClip, PreClipped, Unclipped
+from privfl.core.channels import ClippedValue, NormClip, PreClipped
+from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.models.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
                              check_extractor, extractor_factory, pair_squared_norms)
@@ -558,24 +559,21 @@ class FedBNR(FederatedAlgorithm):
     def channels(self):
         d, p = self.dim, self.privacy
         if not p.private:
-            return [Channel("scatter", (d, d), unit="example", clip=Unclipped(), symmetric=True,
-                            description="Phi^T Phi"),
-                    Channel("cross", (d,), unit="example", clip=Unclipped(), description="Phi^T y")]
+            return [unit_channel(p, "scatter", (d, d), symmetric=True, description="Phi^T Phi"),
+                    unit_channel(p, "cross", (d,), description="Phi^T y")]
         b, by = self.feature_clip, self.target_clip
         scatter_bound, cross_bound = self.coordinate_bounds
-        if p.unit == "client":
-            scatter_clip, cross_clip = NormClip(scatter_bound), NormClip(cross_bound)
-        else:
-            pairs = self.feature_pairs
-            scatter_clip = PairedScatter(b, pairs=pairs) if pairs else PreClipped(b, "squared_sum")
-            cross_clip = PreClipped(b * by, "sum")
-        return [Channel("scatter", (d, d), unit=p.unit, clip=scatter_clip, adjacency=p.adjacency,
-                        budget_share=self.scatter_share, symmetric=True, value_bound=scatter_bound,
-                        description="Phi^T Phi of rows clipped to B, entries within client_rows B^2"),
-                Channel("cross", (d,), unit=p.unit, clip=cross_clip, adjacency=p.adjacency,
-                        budget_share=1.0 - self.scatter_share, value_bound=cross_bound,
-                        description="Phi^T y of rows clipped to B and targets to B_y, entries within "
-                                    "client_rows B B_y")]
+        pairs = self.feature_pairs
+        # a record's term is a row clipped to B (its target to B_y); a client's whole sums lie within the public
+        # record cap's bounds, which the pipeline's norm clips enforce
+        return [unit_channel(p, "scatter", (d, d), client=NormClip(scatter_bound),
+                             record=PairedScatter(b, pairs=pairs) if pairs else PreClipped(b, "squared_sum"),
+                             budget_share=self.scatter_share, symmetric=True, value_bound=scatter_bound,
+                             description="Phi^T Phi of rows clipped to B, entries within client_rows B^2"),
+                unit_channel(p, "cross", (d,), client=NormClip(cross_bound), record=PreClipped(b * by, "sum"),
+                             budget_share=1.0 - self.scatter_share, value_bound=cross_bound,
+                             description="Phi^T y of rows clipped to B and targets to B_y, entries within "
+                                         "client_rows B B_y")]
 
     @property
     def feature_pairs(self) -> int | None:
@@ -596,22 +594,19 @@ class FedBNR(FederatedAlgorithm):
             return ClientOutput({"scatter": phi.T @ phi, "cross": phi.T @ y}, weight=1.0)
         b, by = self.feature_clip, self.target_clip
         rows, targets = clip_rows(phi, b), clip_values(y, by)
-        if self.privacy.unit == "example" and self.feature_pairs:
+        if self.feature_pairs:
             _check_pairs(rows.value, self.feature_pairs)
         scatter, cross = rows.value.T @ rows.value, rows.value.T @ targets.value
         # into the public coordinate bounds (binds only beyond client_rows records): an entrywise clip is a
-        # contraction, of the upper triangle too, so the declared sensitivities still hold
+        # contraction, of the upper triangle too, so the declared sensitivities still hold. Beyond them a
+        # client-level run's norm clips (to the same bounds) cut a larger client too: both are reported
         scatter_bound, cross_bound = self.coordinate_bounds
-        sums_clipped = bool(np.any(np.abs(scatter) > scatter_bound) or np.any(np.abs(cross) > cross_bound))
-        if self.privacy.unit == "client":  # the pipeline's norm clips (to the same bounds) cut a larger client too
-            sums_clipped = sums_clipped or bool(np.linalg.norm(scatter) > scatter_bound
-                                                or np.linalg.norm(cross) > cross_bound)
+        sums_clipped = bool(np.any(np.abs(scatter) > scatter_bound) or np.any(np.abs(cross) > cross_bound)
+                            or np.linalg.norm(scatter) > scatter_bound or np.linalg.norm(cross) > cross_bound)
         scatter, cross = np.clip(scatter, -scatter_bound, scatter_bound), np.clip(cross, -cross_bound, cross_bound)
         metrics = {"rows_clipped": rows.fraction_clipped, "targets_clipped": targets.fraction_clipped,
                    "sums_clipped": float(sums_clipped)}
         self._warn_clipping(metrics)
-        if self.privacy.unit == "client":
-            return ClientOutput({"scatter": scatter, "cross": cross}, weight=1.0, metrics=metrics)
         return ClientOutput({"scatter": ClippedValue(scatter, b, "squared_sum"),
                              "cross": ClippedValue(cross, b * by, "sum")}, weight=1.0, metrics=metrics)
 
@@ -883,27 +878,15 @@ class FedBNRKernel(FederatedAlgorithm):
         with torch.no_grad():
             return _gram(net, self.kd_x).numpy()
 
-    def _adjacency(self) -> str:
-        # a client-level clip bounds a record's influence too, but a record changes its client's upload (both ends
-        # clipped), it does not remove it: replace-one at the client level
-        return self.privacy.adjacency if self.privacy.unit == "client" else "replace_one"
-
     def channels(self):
+        # a whole-value clip only: at record level a record changes its client's clipped upload (privfl.privacy.units)
         if self.aggregation == "distillation":
             n = len(self.kd_y)
-            size = n * (n - 1) // 2
-            if not self.privacy.private:
-                return [Channel("gram", (size,), unit="client", clip=Unclipped(),
-                                description="strict upper triangle of the change of the client's Gram on X_kd")]
-            return [Channel("gram", (size,), unit="client", clip=NormClip(self.gram_clip),
-                            adjacency=self._adjacency(),
-                            description="strict upper triangle of the change of the client's Gram on X_kd, "
-                                        "clipped to C")]
-        if not self.privacy.private:
-            return [Channel("update", (self.dim,), unit="client", clip=Unclipped(),
-                            description="kernel network change")]
-        return [Channel("update", (self.dim,), unit="client", clip=NormClip(self.update_clip),
-                        adjacency=self._adjacency(), description="kernel network change, clipped to C")]
+            return [unit_channel(self.privacy, "gram", (n * (n - 1) // 2,), client=NormClip(self.gram_clip),
+                                 description="strict upper triangle of the change of the client's Gram on X_kd, "
+                                             "clipped to C")]
+        return [unit_channel(self.privacy, "update", (self.dim,), client=NormClip(self.update_clip),
+                             description="kernel network change, clipped to C")]
 
     def client_update(self, client, dataset, round, rng):
         local = copy.deepcopy(self.net)

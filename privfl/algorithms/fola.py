@@ -81,7 +81,8 @@ from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_d
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product,
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.core.channels import Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately
+from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.training.stacked import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, unflatten, vectorisable
 from privfl.training.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
@@ -215,32 +216,29 @@ class FOLA(FederatedAlgorithm):
         return int(self.mean.size)
 
     def channels(self):
-        d, adj, c = (self.dim,), self.privacy.adjacency, self.privacy.clip
+        d, p, c, s = (self.dim,), self.privacy, self.privacy.clip, self.budget_shares
         if self.mode == "non_private":
-            unit = self.privacy.unit
-            return [Channel("natural_mean", d, unit=unit, clip=Unclipped(), description="Lambda_n * mu_n"),
-                    Channel("precision", d, unit=unit, clip=Unclipped(), description="Lambda_n (eq. 24)")]
-        s = self.budget_shares
-        if self.mode == "client":
-            return [Channel("natural_mean_delta", d, unit="client", clip=NormClip(c), adjacency=adj,
-                            budget_share=s["natural_mean_delta"],
-                            description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
-                    Channel("precision_delta", d, unit="client", clip=NormClip(self.precision_clip or c),
-                            adjacency=adj, budget_share=s["precision_delta"],
-                            description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
+            return [unit_channel(p, "natural_mean", d, description="Lambda_n * mu_n"),
+                    unit_channel(p, "precision", d, description="Lambda_n (eq. 24)")]
+        if self.mode == "client":  # the changes of the natural parameters, each clipped as a whole
+            return [unit_channel(p, "natural_mean_delta", d, budget_share=s["natural_mean_delta"],
+                                 description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
+                    unit_channel(p, "precision_delta", d, client=NormClip(self.precision_clip or c),
+                                 budget_share=s["precision_delta"],
+                                 description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
         # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
         # coordinate to fisher_diag, and a client holds at most the public record cap (beyond it the sum is clipped
         # into the range, a contraction)
         fisher_bound = self.public.record_cap * c ** 2
-        return [Channel("mean", d, unit="example", clip=TrainedPrivately(), adjacency=adj, budget_share=s["mean"],
-                        description="mu_n after DP-SGD local training (post-processing)"),
-                Channel("fisher_diag", d, unit="example", clip=PreClipped(c, "squared_sum"), adjacency=adj,
-                        budget_share=s["fisher_diag"], value_bound=fisher_bound,
-                        description="per-epoch sum of per-example squared gradients clipped to C"),
-                Channel("fisher_natural_mean", d, unit="example", clip=PreClipped(self.update_bound * c ** 2, "sum"),
-                        adjacency=adj, budget_share=s["fisher_natural_mean"],
-                        value_bound=fisher_bound * self.update_bound,
-                        description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
+        return [unit_channel(p, "mean", d, client=None, record=TrainedPrivately(), budget_share=s["mean"],
+                             description="mu_n after DP-SGD local training (post-processing)"),
+                unit_channel(p, "fisher_diag", d, client=None, record=PreClipped(c, "squared_sum"),
+                             budget_share=s["fisher_diag"], value_bound=fisher_bound,
+                             description="per-epoch sum of per-example squared gradients clipped to C"),
+                unit_channel(p, "fisher_natural_mean", d, client=None,
+                             record=PreClipped(self.update_bound * c ** 2, "sum"),
+                             budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * self.update_bound,
+                             description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
 
     # -- client ----------------------------------------------------------------------------------------------------
 

@@ -90,7 +90,8 @@ from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_d
                                          privatise_gradient_sum)
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
+from privfl.core.channels import NormClip, PrivatizedValue, TrainedPrivately
+from privfl.privacy.units import channel as unit_channel, record_level
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
 from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step, vectorisable
@@ -192,8 +193,7 @@ class HBFL(FederatedAlgorithm):
         if len(budget_shares) != 2:
             raise ConfigurationError(f"budget_shares is (natural_mean, precision), got {budget_shares!r}")
         self.budget_shares = tuple(_positive("budget share", s) for s in budget_shares)
-        self.accountant = (check_dpsgd_privacy(privacy, self.name)
-                           if privacy.private and privacy.unit == "example" else None)
+        self.accountant = check_dpsgd_privacy(privacy, self.name) if record_level(privacy) else None
         self.meme: nn.Module | None = None
         self.global_natural_mean: np.ndarray | None = None  # T Lambda mu
         self.global_precision: np.ndarray | None = None  # T Lambda
@@ -242,21 +242,14 @@ class HBFL(FederatedAlgorithm):
         return int(self.global_mean.size)
 
     def channels(self):
-        p = self.privacy
-        if not p.private:
-            clips = (Unclipped(), Unclipped())
-        elif p.unit == "client":
-            clips = (NormClip(p.clip), NormClip(self.precision_clip))
-        else:
-            clips = (TrainedPrivately(), TrainedPrivately())
-        unit = p.unit if p.private else "client"
+        # a client's whole changes are norm-clipped; at record level both are post-processing of its DP-SGD training
         return [
-            Channel("natural_mean", (self.dim,), unit=unit, clip=clips[0], adjacency=p.adjacency,
-                    budget_share=self.budget_shares[0],
-                    description="T (Lambda_k mu_k - Lambda mu): change of the meme's natural mean"),
-            Channel("precision", (self.dim,), unit=unit, clip=clips[1], adjacency=p.adjacency,
-                    budget_share=self.budget_shares[1],
-                    description="T (Lambda_k - Lambda): change of the meme's diagonal precision"),
+            unit_channel(self.privacy, "natural_mean", (self.dim,), record=TrainedPrivately(),
+                         budget_share=self.budget_shares[0],
+                         description="T (Lambda_k mu_k - Lambda mu): change of the meme's natural mean"),
+            unit_channel(self.privacy, "precision", (self.dim,), client=NormClip(self.precision_clip),
+                         record=TrainedPrivately(), budget_share=self.budget_shares[1],
+                         description="T (Lambda_k - Lambda): change of the meme's diagonal precision"),
         ]
 
     def set_global(self, mean: np.ndarray, precision: np.ndarray) -> None:

@@ -41,9 +41,12 @@ class NormClip:
     def sensitivity(self, adjacency: str) -> float:
         return sum_sensitivity(self.bound, adjacency)
 
-    def apply(self, value: np.ndarray, *, owned: bool = False) -> np.ndarray:
+    def apply(self, value, *, owned: bool = False) -> np.ndarray:
         """``value`` clipped to norm ``bound``; ``owned``: ``value`` is the caller's own float64 copy, scaled in
-        place (``mechanisms.clipping.clip_per_client``)."""
+        place (``mechanisms.clipping.clip_per_client``). A :class:`ClippedValue` (a statistic the algorithm built
+        from clipped per-record terms, released at client level) is clipped as a whole like any other value."""
+        if isinstance(value, ClippedValue):
+            value, owned = value.value, False
         return clip_per_client(value, self.bound, owned=owned).value
 
 
