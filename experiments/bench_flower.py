@@ -18,8 +18,8 @@ executor); ``flower_rounds_over_inprocess`` is the rounds' time alone (as the Se
 What ``flower_over_inprocess`` runs is Flower 1.41's own code with its fixed idle waits shortened and the SuperLink's
 state in memory (Flower's default), nothing else:
 
-- each SuperNode is ``privfl-flower-supernode --poll-interval P`` (``--supernode-poll``, default 0.25 s;
-  :mod:`privfl.flower.supernode`): Flower's ``flower-supernode`` entry point, same command line and code, after two
+- each SuperNode is ``experiments/fast_supernode.py --poll-interval P`` (``--supernode-poll``, default 0.25 s; a
+  benchmark and test tool, not part of privfl): Flower's ``flower-supernode`` entry point, same command line and code, after two
   patches of ``flwr.supernode.start_client_internal`` in that process. (1) Its ``time`` global becomes a shim whose
   ``sleep(s)`` sleeps ``min(s, P)``; the module sleeps in three places, all on every message's path: 3 s after a
   pull from the SuperLink that brought no message (flwr 1.41.0 line 263: a round's message waited up to 3 s at the
@@ -83,7 +83,7 @@ transaction per client and round), its CSPRNG noise (Flower draws NumPy's), its 
 float32 state dict), and the ServerApps' reply polls (privfl's 0.2 s; Flower's ``Grid.send_and_receive`` 3 s).
 
 The four variants run on ONE deployment with stock binaries: ``flower-superlink`` (Flower's default in-memory state)
-and one plain ``flower-supernode`` per client with Flower's own waits (no ``privfl-flower-supernode`` launcher, no
+and one plain ``flower-supernode`` per client with Flower's own waits (no ``fast_supernode.py`` launcher, no
 ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, no ``PRIVFL_REPLY_POLL``). With ``--compare-isolation process`` (default) each
 SuperNode runs ``--isolation process`` and one warm worker (``privfl.flower.warm``, poll 0.2 s) serves the ClientApp
 tasks of both apps alike (it loads each FAB's ClientApp once, Flower's loader); ``--compare-isolation subprocess`` is
@@ -115,7 +115,7 @@ Usage: python experiments/bench_flower.py [--clients 10] [--rounds 20] [--hidden
 flags given with it win): the in-process runs, a loopback deployment, the comparison with the plain Flower app and
 the Simulation Engine (20 virtual SuperNodes standing in for 1,000) all run and every key is printed, a smoke test
 whose values are not a measurement (Flower's and Ray's start-up dominate it: a minute or two; its comparison
-deployment shortens Flower's idle waits with privfl-flower-supernode, which a measurement never does).
+deployment shortens Flower's idle waits with fast_supernode.py, which a measurement never does).
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ import os
 import re
 import shutil
 import tempfile
+import sys
 import time
 
 import numpy as np
@@ -170,9 +171,9 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds for the flwr run")
     ap.add_argument("--supernode-poll", type=float, default=0.25,
-                    help="privfl-flower-supernode --poll-interval: cap on the SuperNodes' fixed waits (s)")
+                    help="fast_supernode.py --poll-interval: cap on the SuperNodes' fixed waits (s)")
     ap.add_argument("--object-backoff", type=float, default=None,
-                    help="privfl-flower-supernode --object-backoff: first retry of a missing object (s; 0.05)")
+                    help="fast_supernode.py --object-backoff: first retry of a missing object (s; 0.05)")
     ap.add_argument("--worker-poll", type=float, default=0.25, help="seconds between a warm worker's claims")
     ap.add_argument("--reply-poll", type=float, default=0.1, help="seconds between the ServerApp's reply pulls")
     ap.add_argument("--superexec-poll", type=float, default=0.1, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (s)")
@@ -238,8 +239,9 @@ def main() -> None:
 
     spec = RunSpec.of("fedavg", data, fed, privacy, run_id="bench", node_wait=120, round_timeout=600)
     backoff = 0.05 if args.object_backoff is None else args.object_backoff
-    fast = dict(warm=True, worker_poll_interval=args.worker_poll, supernode_poll=args.supernode_poll,
-                supernode_options=("--object-backoff", f"{backoff:g}", "--log-timestamps"),
+    fast = dict(warm=True, worker_poll_interval=args.worker_poll,
+                supernode_command=fast_supernode(args.supernode_poll, "--object-backoff", f"{backoff:g}",
+                                                 "--log-timestamps"),
                 superexec_poll=args.superexec_poll, reply_poll=args.reply_poll,
                 server_object_backoff=args.server_object_backoff,
                 superlink_database=None if args.superlink_sqlite else ":flwr-in-memory:")
@@ -336,8 +338,8 @@ def compare_with_plain_flower(data, fed, args) -> None:
         times = {v: [] for pair in COMPARED for v in pair}
         per_round = {v: [] for v in times}
         # --smoke checks that every key is printed, not a measurement: its SuperNodes shorten Flower's idle waits
-        # (privfl-flower-supernode), which saves make test most of a minute; a measurement runs stock binaries
-        quick = {"supernode_poll": 0.05, "worker_poll_interval": 0.05} if args.smoke else {}
+        # (fast_supernode.py), which saves make test most of a minute; a measurement runs stock binaries
+        quick = {"supernode_command": fast_supernode(0.05), "worker_poll_interval": 0.05} if args.smoke else {}
         with LocalDeployment(deploy, configs, warm=warm, superlink_database=":flwr-in-memory:", **quick) as dep:
             if warm:
                 dep.wait_workers(timeout=300)  # not timed: a worker is up before a run
@@ -438,7 +440,7 @@ def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | 
             if warm:
                 dep.wait_workers(timeout=300)  # imports done (not timed: a worker is up before a run)
             time.sleep(settle)  # let the SuperNodes register (not timed: a federation is up before a run)
-            for k, proc in enumerate(dep.procs[1:]):  # e.g. privfl-flower-supernode refusing an unknown flwr
+            for k, proc in enumerate(dep.procs[1:]):  # e.g. fast_supernode.py refusing an unknown flwr
                 if proc.poll() is not None:
                     log = open(os.path.join(work, f"supernode{k}.log"), errors="replace").read()[-3000:]
                     raise SystemExit(f"SuperNode {k} exited with {proc.returncode}:\n{log}")
@@ -465,6 +467,15 @@ def deployed_run(data, spec, timeout: float, *, warm: bool, reply_poll: float | 
     return seconds, sum(h["seconds"] for h in result["history"]), result, workers, phases
 
 
+#: this folder's SuperNode launcher (a benchmark and test tool, not part of privfl: experiments/fast_supernode.py)
+FAST_SUPERNODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_supernode.py")
+
+
+def fast_supernode(poll: float, *options: str) -> tuple[str, ...]:
+    """``LocalDeployment(supernode_command=...)``: Flower's SuperNode with its fixed waits capped at ``poll`` s."""
+    return (sys.executable, FAST_SUPERNODE, "--poll-interval", f"{poll:g}", "--require-patch", *options)
+
+
 def patch_server_object_backoff(app: str, first: float) -> None:
     """Make the app module rebind ``flwr.superlink.grid.http_grid.pull_objects`` (the ServerApp's pulls of reply
     objects) to retry after ``first`` seconds (see the module docstring); flwr still finds the components."""
@@ -473,7 +484,8 @@ def patch_server_object_backoff(app: str, first: float) -> None:
         text = f.read()
     with open(path, "w") as f:
         f.write("import flwr.superlink.grid.http_grid as _http_grid\n"
-                "from privfl.flower.supernode import backing_off_from as _backing_off_from\n\n"
+                f"import sys as _sys\n_sys.path.insert(0, {os.path.dirname(FAST_SUPERNODE)!r})\n"
+                "from fast_supernode import backing_off_from as _backing_off_from\n\n"
                 f"_http_grid.pull_objects = _backing_off_from({first!r}, _http_grid.pull_objects)\n" + text)
 
 

@@ -77,6 +77,7 @@ import numpy as np
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.errors import ConfigurationError
 from privfl.flower.records import MessageError, from_bytes, from_record, to_bytes, to_record
+from privfl.flower.launch import LOG_RESULT_KEY, result_lines
 from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 
 
@@ -619,15 +620,24 @@ def server_main(grid, context) -> None:
                                       checkpoint=checkpoint)
         state, phases = dict(alg.broadcast(spec.fed.rounds).values), None
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
-    if result_path:
+    in_log = bool(context.run_config.get(LOG_RESULT_KEY, False))
+    if result_path or in_log:
         result = {"run_id": spec.run_id, "state": state, "history": history, "audits": audits,
                   "noise_multipliers": multipliers, "start_round": first_round}
         if phases is not None:
             result["phases"] = phases
-        tmp = f"{result_path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(to_bytes(result, RESULT))
-        os.replace(tmp, result_path)  # the result appears whole or not at all
+        data = to_bytes(result, RESULT)
+        if result_path:
+            tmp = f"{result_path}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, result_path)  # the result appears whole or not at all
+        if in_log:  # the coordinator's copy, through Flower's log stream (privfl.flower.launch --result)
+            from flwr.common.logger import log
+            import logging
+
+            for line in result_lines(data):
+                log(logging.INFO, "%s", line)
 
 
 def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None, checkpoint=""):
@@ -1720,7 +1730,8 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
         copies.append(os.path.join(os.path.abspath(directory), os.path.basename(path)))
         shutil.copyfile(path, copies[-1])
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
-    config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, TEST_KEY: test_path, CHECKPOINT_KEY: checkpoint_path,
+    config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, LOG_RESULT_KEY: False, TEST_KEY: test_path,
+              CHECKPOINT_KEY: checkpoint_path,
               TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
               "rounds": 0, "epsilon": 0.0, "run-id": "",  # OVERRIDE_KEYS: 0 and "" keep the spec's
               MODULES_KEY: json.dumps(copies)}

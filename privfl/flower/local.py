@@ -21,14 +21,10 @@ of its SuperNode on the SuperNode's runtime API::
     flower-supernode --insecure --superlink 127.0.0.1:P --port Q_k --isolation process --node-config "..."
     python -m privfl.flower.warm --runtime-api-address 127.0.0.1:Q_k --insecure --parent-pid SUPERNODE_PID
 
-With ``supernode_poll=SECONDS`` each SuperNode runs under privfl's launcher (:mod:`privfl.flower.supernode`), which
-is Flower's ``flower-supernode`` with its fixed idle waits (3 s between empty pulls from the SuperLink, 0.5 s between
-looks for a reply) capped at ``SECONDS`` and its first retry of a message object not yet at the SuperLink after
-0.05 s instead of 1 s (the launcher's ``--object-backoff``); its command line is the same, with the launcher's
-options in front::
-
-    privfl-flower-supernode --poll-interval 0.05 --require-patch --insecure --superlink 127.0.0.1:P --port Q_k ...
-
+With ``supernode_command=(PROGRAM, OPTIONS...)`` each SuperNode is started as ``PROGRAM OPTIONS...`` followed by
+``flower-supernode``'s own command line instead of ``flower-supernode`` (privfl's tests start theirs under
+``experiments/fast_supernode.py``, a test tool that shortens Flower's fixed idle waits; privfl itself runs Flower's
+binaries as they are),
 and ``superexec_poll=SECONDS`` sets Flower's own ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (default 1 s: how often the
 SuperLink's SuperExec looks for a ServerApp to start, once per run) for every process of the deployment.
 
@@ -228,10 +224,8 @@ class LocalDeployment:
     SuperNodes run with ``--isolation process`` and one warm ClientApp worker each (``workers[k]``, its log
     ``worker{k}.log``), instead of Flower's default of one fresh ClientApp process per message;
     ``worker_poll_interval``: seconds between a warm worker's claims while its SuperNode has no task;
-    ``supernode_poll``: None (default) runs Flower's ``flower-supernode`` as it is, a number of seconds runs each
-    SuperNode under ``privfl-flower-supernode --poll-interval SECONDS --require-patch`` (Flower's SuperNode with its
-    fixed waits shortened, :mod:`privfl.flower.supernode`; a flwr it cannot patch fails the SuperNode's start),
-    with ``supernode_options`` (more of the launcher's options, e.g. ``("--log-timestamps",)``) after it;
+    ``supernode_command``: the program (and its options) that starts each SuperNode with ``flower-supernode``'s
+    command line after it (default: Flower's ``flower-supernode``; the module docstring);
     ``superexec_poll``: Flower's ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` for the deployment (None: Flower's 1 s);
     ``superlink_database``: the SuperLink's ``--database`` (None: ``superlink-state.db`` in ``workdir``; Flower's
     ``":flwr-in-memory:"`` keeps its state and message objects in Python, not in SQLite); ``tls``: the SuperLink
@@ -242,8 +236,8 @@ class LocalDeployment:
 
     def __init__(self, workdir: str, node_configs: list[dict], *, bin_dir: str | None = None,
                  start_timeout: float = 60.0, simulation: bool = False, env: dict[str, str] | None = None,
-                 warm: bool = False, worker_poll_interval: float = 0.2, supernode_poll: float | None = None,
-                 supernode_options: tuple[str, ...] = (), superexec_poll: float | None = None,
+                 warm: bool = False, worker_poll_interval: float = 0.2,
+                 supernode_command: tuple[str, ...] = ("flower-supernode",), superexec_poll: float | None = None,
                  superlink_database: str | None = None, tls: bool = False, auth: bool = False,
                  credentials: Credentials | None = None):
         self.workdir = os.path.abspath(workdir)
@@ -263,10 +257,9 @@ class LocalDeployment:
         if warm and simulation:
             raise ValueError("warm workers serve SuperNodes; a simulation SuperLink has none")
         self.worker_poll_interval = worker_poll_interval
-        if supernode_poll is None and supernode_options:
-            raise ValueError("supernode_options are privfl-flower-supernode's: give supernode_poll too")
-        self.supernode_poll = supernode_poll
-        self.supernode_options = tuple(supernode_options)
+        if not supernode_command or not all(isinstance(a, str) and a for a in supernode_command):
+            raise ValueError("supernode_command is a program and its options, as strings")
+        self.supernode_command = tuple(supernode_command)
         self.superlink_database = superlink_database or os.path.join(self.workdir, "superlink-state.db")
         if auth and not tls:
             raise ValueError("Flower's SuperNode authentication needs TLS: give tls=True too")
@@ -312,15 +305,8 @@ class LocalDeployment:
         return proc
 
     def _supernode_command(self) -> list[str]:
-        """Flower's ``flower-supernode``, or privfl's launcher of it with the launcher's options (then Flower's)."""
-        if self.supernode_poll is None:
-            return ["flower-supernode"]
-        options = ["--poll-interval", f"{self.supernode_poll:g}", "--require-patch", *self.supernode_options]
-        if os.path.exists(os.path.join(self.bin_dir, "privfl-flower-supernode")):
-            return ["privfl-flower-supernode", *options]
-        # privfl not (re)installed in this environment: the launcher's module runs the same
-        python = "python" if os.path.exists(os.path.join(self.bin_dir, "python")) else sys.executable
-        return [python, "-m", "privfl.flower.supernode", *options]
+        """What starts a SuperNode, before ``flower-supernode``'s own options."""
+        return list(self.supernode_command)
 
     @property
     def address(self) -> str:

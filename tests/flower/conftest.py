@@ -17,6 +17,11 @@ import pytest
 
 REPRO_ENV = {"MKL_CBWR": "COMPATIBLE"}
 
+#: the tests' SuperNodes: Flower's own, started under experiments/fast_supernode.py (a test tool, not part of privfl:
+#: Flower's fixed idle waits capped at 0.05 s, so that rounds of a second stay affordable in CI)
+FAST_SUPERNODE = (sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "experiments", "fast_supernode.py"), "--poll-interval", "0.05", "--require-patch")
+
 _REFERENCE = """
 import sys
 import numpy as np
@@ -63,6 +68,12 @@ def in_process_reference(tmp_path_factory):
         return from_bytes(out_path.read_bytes(), "reference")
 
     return run
+
+
+@pytest.fixture(scope="session")
+def fast_supernode():
+    """``LocalDeployment(supernode_command=...)`` for SuperNodes under the test tool :data:`FAST_SUPERNODE`."""
+    return FAST_SUPERNODE
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ SuperNode charges its own SQLite ledger, which must audit.
 Every deployment here runs each SuperNode with ``--isolation process`` and a warm privfl worker
 (``privfl.flower.warm``: one long-lived process serving every ClientApp message, a third of the time of Flower's
 default isolation, which starts a fresh ``flwr-clientapp`` process per message and runs the same ClientApp). The
-module's shared deployment starts its SuperNodes with ``privfl-flower-supernode --poll-interval 0.05``
-(privfl.flower.supernode: Flower's SuperNode with its fixed 3 s / 0.5 s / 1 s waits shortened), which takes seconds
+module's shared deployment starts its SuperNodes under ``experiments/fast_supernode.py --poll-interval 0.05`` (a
+test tool, not part of privfl: Flower's SuperNode with its fixed 3 s / 0.5 s / 1 s waits shortened), which takes seconds
 off every run; the kill-and-restart test keeps Flower's own ``flower-supernode`` binary, as test_warm.py does.
 """
 
@@ -35,11 +35,11 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env, write_orgs):
+def deployment(federation, tmp_path_factory, repro_env, write_orgs, fast_supernode):
     work = tmp_path_factory.mktemp("flower")
     configs = write_orgs(federation, work)
-    # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (privfl.flower.supernode)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_poll=0.05) as dep:
+    # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (experiments/fast_supernode.py)
+    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_command=fast_supernode) as dep:
         yield dep
     assert all(p.poll() is not None for p in dep.procs)
 

@@ -111,15 +111,18 @@ def test_the_readme_flower_commands_run_as_written(tmp_path):
     text = log_path.read_text(errors="replace")
     assert code == 0, text[-5000:]
 
-    result = read_result(str(data / "coordinator" / "result.bin"))  # the launcher's run: trial-3
-    assert result["run_id"] == "trial-3" and [h["round"] for h in result["history"]] == list(range(5))
+    result = read_result(str(data / "coordinator" / "result.bin"))  # the launcher's last run: trial-4
+    assert result["run_id"] == "trial-4" and [h["round"] for h in result["history"]] == list(range(5))
+    # the coordinator's copy through Flower's log stream is the SuperLink host's result, byte for byte
+    assert (data / "coordinator" / "my-copy.bin").read_bytes() == (data / "coordinator" / "result.bin").read_bytes()
     simulated = read_result(str(data / "coordinator" / "result-sim.bin"))
     assert [h["round"] for h in simulated["history"]] == list(range(5))
     assert all(h["participants"] == 3 for h in simulated["history"])
     for k in range(3):
         path = str(data / f"org{k}-ledger.sqlite")
-        assert set(PrivacyLedger.run_ids(path)) == {"hospitals-dp-fedavg", "trial-2", "trial-3"}
-        for run_id, target, rounds in (("hospitals-dp-fedavg", 3.0, 5), ("trial-2", 1.0, 3), ("trial-3", 3.0, 5)):
+        assert set(PrivacyLedger.run_ids(path)) == {"hospitals-dp-fedavg", "trial-2", "trial-3", "trial-4"}
+        for run_id, target, rounds in (("hospitals-dp-fedavg", 3.0, 5), ("trial-2", 1.0, 3), ("trial-3", 3.0, 5),
+                                       ("trial-4", 3.0, 5)):
             ledger = PrivacyLedger.open_existing(path, run_id)
             try:
                 audit = ledger.audit()["clients"][str(k)]

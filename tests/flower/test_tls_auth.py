@@ -61,11 +61,11 @@ def federation():
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env, write_orgs):
+def deployment(federation, tmp_path_factory, repro_env, write_orgs, fast_supernode):
     work = tmp_path_factory.mktemp("tls-auth")
     configs = write_orgs(federation, work)
     credentials = make_credentials(str(work / "credentials"), N_CLIENTS)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_poll=0.05, tls=True, auth=True,
+    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_command=fast_supernode, tls=True, auth=True,
                          credentials=credentials) as dep:
         _wait_online(dep, set(dep.node_ids))
         yield dep

@@ -1,4 +1,11 @@
-"""``privfl-flower-supernode``: Flower's own ``flower-supernode``, with its fixed idle waits shortened.
+"""A test and benchmark tool, not part of privfl: Flower's own ``flower-supernode`` with its fixed idle waits shortened.
+
+privfl never patches Flower in what users run: an organisation runs Flower's ``flower-supernode`` as it is (the
+README's commands), and ``privfl.flower.local.LocalDeployment`` starts it by default. This launcher lives in
+``experiments/`` and is not installed; privfl's own tests and ``experiments/bench_flower.py``'s smoke configuration
+start their loopback SuperNodes under it (``LocalDeployment(supernode_command=...)``) only to make rounds of a
+second or less affordable in CI, and every timing the README reports that compares privfl with Flower is of stock
+binaries.
 
 A flwr 1.41 SuperNode's main loop (``flwr/supernode/start_client_internal.py``) waits a fixed time whenever it has
 nothing to do, and those waits sit on the path of every message of every round:
@@ -33,9 +40,8 @@ exactly the waits listed above; otherwise the launcher warns and runs the SuperN
 behaviour), or, with ``--require-patch``, exits with status 2 before starting anything. The launcher's own
 options are consumed and removed from the command line; everything else goes to Flower as it was given::
 
-    privfl-flower-supernode --poll-interval 0.05 --insecure --superlink 127.0.0.1:9092 --isolation process \\
-        --port 9094 --node-config "partition-id=0 data-path='/data/org0.npz' ledger-path='/data/ledger0.sqlite'"
-    # same as: python -m privfl.flower.supernode ...
+    python experiments/fast_supernode.py --poll-interval 0.05 --insecure --superlink 127.0.0.1:9092 \\
+        --isolation process --port 9094 --node-config "partition-id=0 data-path='/data/org0.npz' ..."
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import sys
 import time as _time
 from typing import Callable
 
-PROG = "privfl-flower-supernode"
+PROG = "fast_supernode"
 #: the flwr releases whose SuperNode module layout the patches are written for
 FLWR_SERIES = "1.41."
 #: the module patched, and the waits it must hold (flwr 1.41.0: lines 263, 470, 506), in source order
@@ -60,7 +66,7 @@ DEFAULT_OBJECT_BACKOFF = 0.05
 OBJECT_BACKOFF_RANGE = (0.01, 10.0)  # 10 s: flwr's PULL_BACKOFF_CAP
 
 _HELP = f"""\
-{PROG}: Flower's flower-supernode with its fixed idle waits shortened (privfl.flower.supernode).
+{PROG}: Flower's flower-supernode with its fixed idle waits shortened (experiments/fast_supernode.py).
 Options of this launcher (removed before Flower reads the command line; every other option is flower-supernode's):
   --poll-interval SECONDS   cap on the SuperNode's fixed sleeps (3 s between empty pulls from the SuperLink,
                             0.5 s between looks for the ClientApp's reply); default {DEFAULT_POLL_INTERVAL:g},
@@ -92,7 +98,7 @@ class CappedSleep:
         return getattr(_time, name)
 
     def __repr__(self) -> str:
-        return f"<time module, sleep capped at {self.cap:g} s (privfl.flower.supernode)>"
+        return f"<time module, sleep capped at {self.cap:g} s (experiments/fast_supernode.py)>"
 
 
 def backing_off_from(first: float, pull_objects: Callable) -> Callable:

@@ -1,5 +1,5 @@
-"""privfl-flower-supernode (privfl.flower.supernode): Flower's own ``flower-supernode`` with its fixed idle waits
-shortened.
+"""experiments/fast_supernode.py, the tests' SuperNode launcher (a test tool, not part of privfl): Flower's own
+``flower-supernode`` with its fixed idle waits shortened.
 
 The launcher's command line: its options are taken out wherever they are and everything else reaches Flower in its
 order; a malformed option exits with status 2 and a one-line reason, no traceback. The shim: only the sleeps of
@@ -22,8 +22,12 @@ import time
 import numpy as np
 import pytest
 
-from privfl.flower import supernode
-from privfl.flower.supernode import CappedSleep, backing_off_from, split_argv
+FAST_SUPERNODE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "experiments", "fast_supernode.py")
+_spec = importlib.util.spec_from_file_location("fast_supernode", FAST_SUPERNODE)
+supernode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(supernode)
+CappedSleep, backing_off_from, split_argv = supernode.CappedSleep, supernode.backing_off_from, supernode.split_argv
 
 FLOWER_ARGS = ["--insecure", "--superlink", "127.0.0.1:9092", "--isolation", "process", "--port", "9094",
                "--node-config", "partition-id=0 data-path='/data/org0.npz'"]
@@ -58,34 +62,39 @@ def test_a_bad_launcher_option_exits_2_with_its_reason_and_no_traceback(args, sa
     monkeypatch.setattr(supernode, "install", lambda *a, **k: pytest.fail("nothing may be patched"))
     assert supernode.main([*FLOWER_ARGS, *args]) == 2
     err = capsys.readouterr().err
-    assert "privfl-flower-supernode: error: --" in err and says in err
+    assert "fast_supernode: error: --" in err and says in err
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["module", "console script"])
-def test_the_commands_exit_2_on_a_bad_poll_interval(command):
-    if command == "module":
-        argv = [sys.executable, "-m", "privfl.flower.supernode"]
-    else:
-        script = os.path.join(os.path.dirname(sys.executable), "privfl-flower-supernode")
-        if not os.path.exists(script):
-            pytest.skip("privfl is not installed in this environment (pip install -e .)")
-        argv = [script]
-    proc = subprocess.run([*argv, "--poll-interval", "-0.5", *FLOWER_ARGS], capture_output=True, text=True,
-                          timeout=60)
+def test_the_script_exits_2_on_a_bad_poll_interval():
+    proc = subprocess.run([sys.executable, FAST_SUPERNODE, "--poll-interval", "-0.5", *FLOWER_ARGS],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "privfl-flower-supernode: error: --poll-interval must be a number of seconds" in proc.stderr
+    assert "fast_supernode: error: --poll-interval must be a number of seconds" in proc.stderr
     assert "Traceback" not in proc.stderr and "Starting Flower SuperNode" not in proc.stderr + proc.stdout
+
+
+def test_privfl_ships_no_patched_flower():
+    """What users install runs Flower's binaries as they are: no privfl module patches flwr, and no console script
+    wraps a SuperNode."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    scripts = open(os.path.join(root, "pyproject.toml")).read().split("[project.scripts]")[1].split("\n[")[0]
+    assert "supernode" not in scripts
+    for folder, _, files in os.walk(os.path.join(root, "privfl")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                assert "start_client_internal" not in text and "CappedSleep" not in text, name
 
 
 def test_flower_gets_the_command_line_without_the_launchers_options(monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(sys, "argv", ["privfl-flower-supernode"])
+    monkeypatch.setattr(sys, "argv", ["fast_supernode"])
     monkeypatch.setattr(supernode, "install", lambda poll, backoff: seen.setdefault("install", (poll, backoff)))
     monkeypatch.setattr(supernode, "_flower_main", lambda: seen.setdefault("argv", list(sys.argv)) and 0)
     monkeypatch.setattr(supernode, "_flwr_version", lambda: "1.41.0")
     assert supernode.main(["--poll-interval", "0.2", *FLOWER_ARGS, "--object-backoff", "0.3"]) == 0
-    assert seen == {"install": (0.2, 0.3), "argv": ["privfl-flower-supernode", *FLOWER_ARGS]}
+    assert seen == {"install": (0.2, 0.3), "argv": ["fast_supernode", *FLOWER_ARGS]}
     assert "waits capped at 0.2 s" in capsys.readouterr().err
 
 
@@ -94,11 +103,11 @@ def test_an_unpatchable_flwr_runs_unpatched_with_a_warning_or_is_refused(monkeyp
         raise RuntimeError("flwr 9.0.0 is installed; the patch is written for flwr 1.41.x")
 
     calls = []
-    monkeypatch.setattr(sys, "argv", ["privfl-flower-supernode"])
+    monkeypatch.setattr(sys, "argv", ["fast_supernode"])
     monkeypatch.setattr(supernode, "install", refuse)
     monkeypatch.setattr(supernode, "_flower_main", lambda: calls.append(list(sys.argv)) or 0)
     assert supernode.main(FLOWER_ARGS) == 0
-    assert calls == [["privfl-flower-supernode", *FLOWER_ARGS]]
+    assert calls == [["fast_supernode", *FLOWER_ARGS]]
     err = capsys.readouterr().err
     assert "WARNING: running flower-supernode unpatched" in err and "flwr 9.0.0" in err
     assert supernode.main(["--require-patch", *FLOWER_ARGS]) == 2
@@ -241,7 +250,7 @@ def test_check_layout_refuses_another_flwr_or_another_module(monkeypatch, tmp_pa
 @pytest.mark.slow  # make test-all: test_deployment.py keeps FedAvg deployed on stock SuperNodes in make test
 def test_fedavg_on_launched_supernodes_equals_in_process(federation, tmp_path, repro_env, write_orgs, deploy,
                                                          in_process_reference):
-    """Three warm SuperNodes under ``privfl-flower-supernode --poll-interval 0.05``: FedAvg, 3 rounds, bit-identical
+    """Three warm SuperNodes under ``fast_supernode.py --poll-interval 0.05``: FedAvg, 3 rounds, bit-identical
     to the in-process run; every SuperNode says it was patched; ``close`` stops every process."""
     pytest.importorskip("flwr")
     from privfl.core.config import FederationConfig, PrivacyConfig
@@ -255,12 +264,13 @@ def test_fedavg_on_launched_supernodes_equals_in_process(federation, tmp_path, r
                       round_timeout=120)
     expected = in_process_reference(spec, tmp_path)["global_params"]
     dep = LocalDeployment(str(tmp_path), configs, env={**repro_env, "PRIVFL_REPLY_POLL": "0.05"}, warm=True,
-                          worker_poll_interval=0.05, supernode_poll=0.05, supernode_options=("--log-timestamps",),
-                          superexec_poll=0.1)
+                          worker_poll_interval=0.05,
+                          supernode_command=(sys.executable, FAST_SUPERNODE, "--poll-interval", "0.05",
+                                             "--require-patch", "--log-timestamps"), superexec_poll=0.1)
     try:
         dep.start()
-        args = dep._node_args[0]  # the console script, or `python -m privfl.flower.supernode` where not installed
-        assert args[0] == "privfl-flower-supernode" or args[1:3] == ["-m", "privfl.flower.supernode"]
+        args = dep._node_args[0]
+        assert args[:2] == [sys.executable, FAST_SUPERNODE]
         assert args[args.index("--poll-interval") + 1] == "0.05" and "--require-patch" in args
         start = time.perf_counter()
         result = deploy(dep, spec, "fedavg", 180)
