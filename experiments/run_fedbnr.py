@@ -11,12 +11,18 @@ level the FedBNR candidate and the learning rate with the lowest mean validation
 RMSE (the same trained models; the test split plays no part in the choice), and FedBNR (RFF) is checked against
 Central BLR (phase 2's exactness). ``--seed-list``, ``--parts`` and ``--rows`` split the work over processes;
 ``--merge`` writes their rows into fedbnr.json (key ``sets_comparison``) and on top of fedbnr.md.
+
+``--defaults autompg,grunfeld,macrodata,randhie`` (issue 28) runs FedBNR at its default settings against FedAvg MLP
+on sets the defaults were not chosen on (fedbnr_defaults.json/.md). ``--feature-rule diabetes,star98,fair`` checks a
+default feature count derived from the public record count (``default_feature_pairs``) on the validation splits of
+the issue-16 sets and of thinned copies of them (fedbnr_feature_rule.json/.md; validation RMSE only).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +42,7 @@ from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately, Unc
 from privfl.data import FederatedData
 from privfl.models.features import RandomFourierFeatures
 from privfl.metrics import regression_metrics
-from privfl.core.public import private_torch_generator, release_weight
+from privfl.core.public import PublicFacts, private_torch_generator, release_weight
 from privfl.training.local import batches, flat_parameters, load_flat_parameters
 
 EPSILON, DELTA = 3.0, 1e-5
@@ -568,6 +574,162 @@ def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict]
     return "\n".join(lines)
 
 
+# -- issue 28: a default feature count from the public record count, checked on the issue-16 sets' validation ------
+
+def public_record_count(public: PublicFacts) -> int:
+    """N, the federation's public record count: the sum of the clients' public sizes (declared sizes, else the design
+    size), never a client's true record count."""
+    return int(public.total_size(range(public.n_clients)))
+
+
+def default_feature_pairs(records: int, private: bool, per_record: float) -> int:
+    """The candidate rule of issue 28 (not adopted: validation rejected it, see fedbnr_feature_rule.md): m = 50
+    without DP; under DP m = clip(round(per_record * N), 5, 50). Its reasoning: the released d x d scatter's noise
+    is ~ 2 sqrt(d) s in spectral norm (s fixed by the budget) while the pooled signal's scale per direction is
+    ~ N / d, so the signal-to-noise ratio goes like N / d^1.5 and a small federation might afford fewer features.
+    The floor 5 is the smallest m of ``M_SWEEP``. Only public facts enter (N and whether the run is private)."""
+    if not private:
+        return 50
+    return max(5, min(50, int(math.floor(per_record * int(records) + 0.5))))
+
+
+#: candidates for the private rule's constant (feature pairs per public record of the federation,
+#: ``fedbnr.default_feature_pairs``), a fixed sweep of m around them, and the ridge scales tried with each m at ε = 3
+RULE_CONSTANTS = (0.02, 0.03, 0.05, 0.075, 0.1, 0.15)
+M_SWEEP = (5, 10, 15, 20, 25, 35, 50)
+RULE_RIDGES = (0.25, 1.0)
+#: each client keeps this fraction of its records (a seeded subsample; the public design size is scaled alike) so
+#: that the rule is validated on smaller federations of the same sets too, down to the held-out sets' sizes and
+#: below; fractions that leave fewer than ``MIN_RULE_DESIGN`` records per client are skipped
+RULE_FRACTIONS = (1.0, 0.5, 0.25, 0.05)
+MIN_RULE_DESIGN = 3
+
+
+def thinned(data: FederatedData, fraction: float, seed: int) -> FederatedData:
+    """``data`` with each client keeping a seeded random ``fraction`` of its records and the design size scaled
+    alike (the experimenter's declaration for the smaller federation); validation and test splits unchanged."""
+    if fraction == 1.0:
+        return data
+    rng = np.random.default_rng([seed, int(round(fraction * 1000))])
+    parts = [p.subset(np.sort(rng.choice(len(p), max(1, int(round(fraction * len(p)))), replace=False)))
+             for p in data.train_parts]
+    return dataclasses.replace(data, train_parts=parts,
+                               design_size=max(1, int(round(fraction * data.design_size))))
+
+
+def feature_rule_rows(name: str, seeds, repeats: int) -> list[dict]:
+    """FedBNR (RFF) at every m of ``M_SWEEP`` and every m a candidate constant of ``RULE_CONSTANTS`` gives this set's
+    public record count, without DP (ridge is then void) and at ε = 3 with each ridge scale of ``RULE_RIDGES``
+    (``repeats`` noise draws per seed: the noise comes from the OS CSPRNG). Only the validation RMSE is kept: the
+    test split plays no part in choosing the rule."""
+    rows = []
+    for seed in seeds:
+        full = make_federated(name, N_CLIENTS, seed=seed, val_fraction=VAL_FRACTION)
+        for fraction in RULE_FRACTIONS:
+            if fraction * full.design_size < MIN_RULE_DESIGN:
+                continue
+            data = thinned(full, fraction, seed)
+            label = name if fraction == 1.0 else f"{name} ×{fraction:g}"
+            records = public_record_count(PublicFacts.of(data))
+            ms = sorted(set(M_SWEEP) | {default_feature_pairs(records, True, c) for c in RULE_CONSTANTS})
+            for m in ms:
+                jobs = [(False, 0.25, 0)] + [(True, r, k) for r in RULE_RIDGES for k in range(repeats)]
+                for private, ridge, k in jobs:
+                    res = run_one("FedBNR (RFF)", private, data, seed, rff={"num_samples": m, "ridge_scale": ridge})
+                    rows.append({"dataset": label, "seed": seed, "fraction": fraction, "records": records, "m": m,
+                                 "ridge_scale": ridge, "private": private, "repeat": k, "val_rmse": res["val_rmse"]})
+            print(f"{label:14s} seed {seed} N={records}: {len(ms)} feature counts done", flush=True)
+    return rows
+
+
+def feature_rule_summary(rows: list[dict]) -> dict:
+    """Mean validation RMSE per (set, privacy, ridge, m), each relative to today's default (m = 50, ridge 0.25) at
+    the same privacy level, and per candidate constant the m it gives each set and the mean of those ratios over the
+    sets (the choice: the lowest mean ratio at ε = 3; without DP the rule is used only if it lowers that mean too)."""
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+    records = {ds: next(r["records"] for r in rows if r["dataset"] == ds) for ds in sets}
+
+    def mean_val(ds, private, ridge, m):
+        vals = [r["val_rmse"] for r in rows if (r["dataset"], r["private"], r["m"]) == (ds, private, m)
+                and (not private or r["ridge_scale"] == ridge)]
+        return float(np.mean(vals)) if vals else math.nan
+
+    levels = [(False, 0.25)] + [(True, r) for r in RULE_RIDGES]
+    curves = {}
+    for ds in sets:
+        for private, ridge in levels:
+            base = mean_val(ds, private, 0.25, 50)
+            ms = sorted({r["m"] for r in rows if r["dataset"] == ds})
+            curves[f"{ds}|{'eps3' if private else 'nodp'}|{ridge:g}"] = {
+                m: {"val_rmse": mean_val(ds, private, ridge, m), "ratio": mean_val(ds, private, ridge, m) / base}
+                for m in ms}
+    candidates = []
+    for c in (*RULE_CONSTANTS, None):  # None: today's m = 50 everywhere
+        ms = {ds: 50 if c is None else default_feature_pairs(records[ds], True, c) for ds in sets}
+        entry = {"constant": c, "m": ms}
+        for private, ridge in levels:
+            key = f"{'eps3' if private else 'nodp'}|{ridge:g}"
+            ratios = {ds: curves[f"{ds}|{key}"][ms[ds]]["ratio"] for ds in sets}
+            entry[key] = {"ratios": ratios, "mean_ratio": float(np.mean(list(ratios.values())))}
+        candidates.append(entry)
+    return {"records": records, "curves": curves, "candidates": candidates}
+
+
+def feature_rule_markdown(summary: dict, rows: list[dict], seconds: float, repeats: int) -> str:
+    seeds = sorted({r["seed"] for r in rows})
+    sets = list(summary["records"])
+    lines = ["# FedBNR's default feature count: a rule of the public record count, checked on validation (issue 28)", "",
+             f"FedBNR (RFF) on the issue-16 sets (diabetes, star98, fair; {N_CLIENTS} clients) and on thinned copies "
+             f"of them (× f: each client keeps a seeded fraction f ∈ {{{', '.join(f'{v:g}' for v in RULE_FRACTIONS)}}}"
+             f" of its records and the design size is scaled alike, kept where ≥ {MIN_RULE_DESIGN} records per "
+             f"client remain), so that the rule is checked at small N too; seeds {seeds}, validation RMSE only "
+             f"(the sets' own {VAL_FRACTION:.0%} "
+             f"split; the test split was not scored into this file). At ε = 3 (δ = {DELTA:g}, record level) each "
+             f"seed has {repeats} noise draws. Everything else at today's defaults (B_y = 3, scatter share 0.5). "
+             f"`experiments/run_fedbnr.py --feature-rule` ({seconds:.0f} s on a 2-core {platform.machine()} machine "
+             "shared with other jobs, one process).", "",
+             "Candidate rule: m = clip(round(c · N), 5, 50) under DP (N = the federation's public record count), 50 without "
+             "DP. Each cell: mean validation RMSE relative to today's default (m = 50, ridge_scale 0.25) at the same "
+             "privacy level (below 1 is better); the last row is the mean over the sets and sizes. N: the federation's public "
+             "record count (10 × the design size).", "",
+             ]
+    consts = summary["candidates"]
+    today = next(c for c in consts if c["constant"] is None)
+    rules = [c for c in consts if c["constant"] is not None]
+    best = min(rules, key=lambda c: c["eps3|0.25"]["mean_ratio"])
+    best_r1 = min(consts, key=lambda c: c["eps3|1"]["mean_ratio"])
+    worse_r1 = [ds for ds in sets if today["eps3|1"]["ratios"][ds] > 1]
+    lines += ["Result: at ε = 3 with ridge_scale 0.25 the best rule (c = "
+              f"{best['constant']:g}) has a mean ratio of {best['eps3|0.25']['mean_ratio']:.3f}, worse than today's "
+              f"m = 50 ({today['eps3|0.25']['mean_ratio']:.3f} by definition); no rule candidate is below 1 on "
+              "average. Without DP the rule would be worse still (best "
+              f"{min(c['nodp|0.25']['mean_ratio'] for c in rules):.3f}). With ridge_scale 1 the lowest mean is "
+              f"{'m = 50' if best_r1['constant'] is None else 'c = ' + format(best_r1['constant'], 'g')} "
+              f"({best_r1['eps3|1']['mean_ratio']:.3f}; m = 50 at ridge 1: {today['eps3|1']['mean_ratio']:.3f}, worse "
+              f"than ridge 0.25 on {', '.join(worse_r1) or 'no set'}). Decision (issue 28): FedBNR's defaults stay "
+              "m = 50 and ridge_scale 0.25; the feature-count rule is not adopted, and ridge_scale 1 is not taken either "
+              "(a mean change of about 1%, worse on the sets named above, and it would move every private FedBNR "
+              "result, large federations included).", ""]
+    head = " | ".join("today (50)" if c["constant"] is None else f"c = {c['constant']:g}" for c in consts)
+    for key, title in (("eps3|0.25", "ε = 3, ridge_scale 0.25"), ("eps3|1", "ε = 3, ridge_scale 1"),
+                       ("nodp|0.25", "no DP (if the rule applied without DP too)")):
+        lines += [f"**{title}** (each cell: the rule's m, then the ratio)", "", f"| set (N) | {head} |",
+                  "|---|" + "---:|" * len(consts)]
+        for ds in sets:
+            lines.append(f"| {ds} ({summary['records'][ds]}) | " + " | ".join(
+                f"{c['m'][ds]}: {c[key]['ratios'][ds]:.3f}" for c in consts) + " |")
+        lines += ["| **mean ratio** | " + " | ".join(f"**{c[key]['mean_ratio']:.3f}**" for c in consts) + " |", ""]
+    lines += ["", "Validation RMSE by feature pairs m (mean over seeds and draws; the ratio to m = 50 in brackets):", "",
+              "| set | privacy | " + " | ".join(f"m={m}" for m in M_SWEEP) + " |",
+              "|---|---|" + "---:|" * len(M_SWEEP)]
+    for key, curve in summary["curves"].items():
+        ds, level, ridge = key.split("|")
+        label = "no DP" if level == "nodp" else f"ε = 3, ridge {ridge}"
+        lines.append(f"| {ds} | {label} | " + " | ".join(
+            f"{curve[m]['val_rmse']:.4g} ({curve[m]['ratio']:.3f})" for m in M_SWEEP) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -588,6 +750,11 @@ def main(argv=None) -> None:
                         help="comma-separated offline regression sets (e.g. autompg,grunfeld,macrodata,randhie): FedBNR "
                              "at its default settings against FedAvg MLP (learning rate on validation), written to "
                              "fedbnr_defaults.json/.md")
+    parser.add_argument("--feature-rule", default=None, metavar="SETS",
+                        help="comma-separated sets (issue 16's: diabetes,star98,fair): FedBNR (RFF)'s validation RMSE "
+                             "over feature counts and the default rule's candidate constants, written to "
+                             "fedbnr_feature_rule.json/.md")
+    parser.add_argument("--repeats", type=int, default=3, help="with --feature-rule: noise draws per seed at ε = 3")
     parser.add_argument("--merge", nargs="*", default=None,
                         help="summarise rows files written by --sets --rows into fedbnr.json/.md")
     args = parser.parse_args(argv)
@@ -599,6 +766,23 @@ def main(argv=None) -> None:
         rows = [{k: number(v) for k, v in r.items()} for path in args.merge for r in json.load(open(path))]
         write_sets(rows, args.out, sum(r["seconds"] for r in rows))
         print(f"wrote {args.out}/fedbnr.json and fedbnr.md")
+        return
+    if args.feature_rule:
+        seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+        start = time.perf_counter()
+        rows = [r for name in args.feature_rule.split(",") for r in feature_rule_rows(name, seeds, args.repeats)]
+        seconds = time.perf_counter() - start
+        summary = feature_rule_summary(rows)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fedbnr_feature_rule.json"), "w") as f:
+            json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA,
+                                           "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
+                                           "constants": RULE_CONSTANTS, "m_sweep": M_SWEEP,
+                                           "ridges": RULE_RIDGES},
+                               "summary": summary, "runs": rows, "seconds": seconds}), f, indent=2)
+        with open(os.path.join(args.out, "fedbnr_feature_rule.md"), "w") as f:
+            f.write(feature_rule_markdown(summary, rows, seconds, args.repeats))
+        print(f"wrote {args.out}/fedbnr_feature_rule.json and fedbnr_feature_rule.md ({seconds:.0f} s)")
         return
     if args.defaults:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))

@@ -139,6 +139,36 @@ def test_repeated_rounds_average_to_the_same_posterior():
     assert {"rmse", "nll", "ece", "mce", "brier"} <= set(result.final)
 
 
+# -- the default feature count (issue 28) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("privacy", [NONPRIVATE, EXAMPLE_DP], ids=["no-dp", "eps3"])
+def test_default_feature_count_is_fifty_whatever_the_size_and_an_explicit_one_is_kept(privacy):
+    """Issue 28 checked a feature count shrinking with the public record count on the issue-16 sets' validation
+    splits and rejected it (experiments/results/fedbnr_feature_rule.md): the default stays m = 50 feature pairs for
+    small and large federations alike, and a given num_samples wins."""
+    for n in (40, 400):  # 2 clients of 20 and of 200 records
+        data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=n)
+        default = FedBNR(ONE_ROUND, privacy)
+        default.setup(data, None)
+        assert (default.num_samples, default.dim) == (50, 100)
+        given = FedBNR(ONE_ROUND, privacy, num_samples=7)
+        given.setup(data, None)
+        assert (given.num_samples, given.dim) == (7, 14)
+
+
+def test_default_feature_count_does_not_read_the_private_record_counts():
+    """Two federations with the same declared design size but different true record counts get the same features."""
+    data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=80)
+    smaller = dataclasses.replace(data, train_parts=[p.subset(np.arange(len(p) // 4)) for p in data.train_parts])
+    assert data.design_size == smaller.design_size
+    dims = []
+    for d in (data, smaller):
+        alg = FedBNR(ONE_ROUND, EXAMPLE_DP)
+        alg.setup(d, None)
+        dims.append((alg.num_samples, alg.dim, alg.client_rows))
+    assert dims[0] == dims[1]
+
+
 # -- channels and sensitivities ------------------------------------------------------------------------------------
 
 def test_channels_follow_privacy():
