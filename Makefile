@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The Flower runtime's tests run in CI: `make test` installs the optional extra too (flwr with Ray).
 $(FLOWER_STAMP): $(STAMP)
-	$(PIP_INSTALL) -e '.[all,dev,flower]'
+	$(PIP_INSTALL) -e '.[all,dev,flower,flower-datasets]'
 	touch $(FLOWER_STAMP)
 
 setup: $(STAMP)

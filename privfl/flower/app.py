@@ -510,10 +510,20 @@ def _state_key(key: str, phased: PhaseOf | None) -> str:
     return key if phased is None else f"{key}.{phased.name}"
 
 
-def load_dataset(path: str, spec: RunSpec):
-    """An organisation's data file: an ``.npz`` holding ``x`` and ``y`` (privfl's ArrayDataset layout)."""
+def load_dataset(path: str, spec: RunSpec, partition: int | None = None):
+    """An organisation's data: an ``.npz`` file holding ``x`` and ``y`` (privfl's ArrayDataset layout), or a Flower
+    Datasets source (``flwr-datasets:...``, :mod:`privfl.data.flower_datasets`; ``partition``: this node's
+    partition id, for a source partitioned over the run's clients), checked against the spec's input shape."""
     from privfl.data import ArrayDataset
+    from privfl.data.flower_datasets import is_flower_dataset, load_partition
 
+    if is_flower_dataset(path):
+        data = load_partition(path, partition_id=partition, num_partitions=spec.n_clients, task=spec.task,
+                              num_classes=spec.num_classes, name=f"partition-{partition}")
+        if tuple(data.x.shape[1:]) != tuple(spec.input_shape):
+            raise ConfigurationError(f"{path!r} gives inputs of shape {tuple(data.x.shape[1:])}; the run's inputs "
+                                     f"have shape {tuple(spec.input_shape)} (choose the feature columns with x=)")
+        return data
     try:
         with np.load(path, allow_pickle=False) as f:
             x, y = f["x"], f["y"]
@@ -1247,7 +1257,7 @@ def client_train(msg, context):
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
     run_spec, client = _client_spec(context)
-    dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec)
+    dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec, partition=client)
     from privfl.algorithms.base import Broadcast
 
     broadcast = from_record(msg.content, BROADCAST)

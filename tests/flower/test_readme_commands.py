@@ -68,6 +68,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         time.sleep(3)
 
 
+@pytest.mark.timeout(960)  # the script's own bound is 900 s; its seven runs take about 5 minutes here
 def test_the_readme_flower_commands_run_as_written(tmp_path):
     from sklearn.datasets import load_digits
 
