@@ -10,8 +10,11 @@ Restart and resume: every run starts by asking each SuperNode which rounds of th
 (:func:`_identify`), and runs from the first round after all of them, so a second ``flwr run`` of a run id (after a
 SuperNode was killed and restarted with the same ledger) never asks for a round twice; a client refuses a round its
 ledger has released, and each ledger refuses the rounds that would take it past its budget (the client sits out).
-A run id whose rounds are all released is refused with a message naming it, and so is a resume with seeded noise
-(its generators would redraw noise already used). After every round the ServerApp checkpoints the server half's
+A run id whose rounds are all released is refused with a message naming it, and so is a resume with seeded central
+noise (the server's generator would redraw noise already used); with seeded local or distributed noise each client
+refuses to go on if its saved generators are older than its ledger's charges (:func:`_check_seeded_resume`). A launch
+with ``pause-after=N`` in its run config stops the run after N rounds (the plan stays that of all its rounds) for a
+later launch of the run id to resume. After every round the ServerApp checkpoints the server half's
 state (:meth:`privfl.algorithms.base.FederatedAlgorithm.checkpoint`: the broadcast state and what the server step
 carries beyond it) to the run config's ``checkpoint-path`` (default: the result path with ".checkpoint" added), and
 each ClientApp keeps its generators and its client's own state in a client-state file beside its ledger: a resumed
@@ -122,6 +125,9 @@ SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
 #: run-config key: where the ServerApp keeps the global state after each aggregated round (default: the result path
 #: with ".checkpoint" added); a resumed run id continues from it
 CHECKPOINT_KEY = "checkpoint-path"
+#: run-config key: end this launch after that many rounds of the run (0: run them all); the run keeps the plan of all
+#: its rounds, and launching its run id again resumes it (an operator's pause, e.g. for a maintenance window)
+PAUSE_KEY = "pause-after"
 #: run-config key: JSON list of the files (in the written app) that register the run's own algorithms
 MODULES_KEY = "algorithm-modules"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
@@ -598,6 +604,7 @@ def server_main(grid, context) -> None:
         nodes = sorted(bound)  # only the SuperNodes whose authenticated key the spec declares are asked anything
     audits, node_client = {}, {}
     node_of, first_round = _identify(grid, spec, nodes, node_client, bound)
+    pause = _pause_after(context.run_config, spec, first_round, phased)
     _check_resume(spec, first_round, phased=phased)
     if phased:
         from privfl.runtime.phases import final_state, run_phases, setup_phase
@@ -627,7 +634,7 @@ def server_main(grid, context) -> None:
         if first_round:
             _resume_from(checkpoint, spec, alg, first_round)
         history, multipliers = _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits,
-                                      checkpoint=checkpoint)
+                                      checkpoint=checkpoint, last_round=pause)
         state, phases = dict(alg.broadcast(spec.fed.rounds).values), None
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
     in_log = bool(context.run_config.get(LOG_RESULT_KEY, False))
@@ -636,6 +643,8 @@ def server_main(grid, context) -> None:
                   "noise_multipliers": multipliers, "start_round": first_round}
         if phases is not None:
             result["phases"] = phases
+        if pause is not None:
+            result["paused_after"] = pause
         data = to_bytes(result, RESULT)
         if result_path:
             tmp = f"{result_path}.tmp"
@@ -650,12 +659,30 @@ def server_main(grid, context) -> None:
                 log(logging.INFO, "%s", line)
 
 
-def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None, checkpoint=""):
+def _pause_after(run_config, spec: RunSpec, first_round: int, phased: bool) -> int | None:
+    """The round before which this launch pauses the run (run config ``pause-after``; None: it runs to the end)."""
+    raw = run_config.get(PAUSE_KEY, 0) or 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise DeploymentError(f"{PAUSE_KEY} must be a whole number of rounds >= 0 (0: no pause), got {raw!r}")
+    if raw == 0 or raw >= spec.fed.rounds:
+        return None
+    if phased:
+        raise DeploymentError(f"run {spec.run_id!r}: a multi-phase run is not resumed, so it cannot pause; drop "
+                              f"{PAUSE_KEY}")
+    if raw <= first_round:
+        raise DeploymentError(f"run {spec.run_id!r}: {PAUSE_KEY}={raw}, but the run has already released rounds up "
+                              f"to {first_round - 1}: nothing to run before the pause; raise it or drop it")
+    return raw
+
+
+def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None, checkpoint="",
+           last_round: int | None = None):
     """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
     and handed-over states every message of the phase carries): the plan and the seed streams as the in-process
     runtime builds them, and its round loop (:func:`privfl.runtime.rounds.run_rounds`) over Flower's messages
     (:class:`FlowerRounds`). With ``checkpoint`` (a path) the server's state is written there after every round
-    (:func:`write_checkpoint`). Returns (the rounds' history, the plan's noise multipliers)."""
+    (:func:`write_checkpoint`); ``last_round``: pause before that round (:func:`_pause_after`). Returns (the rounds'
+    history, the plan's noise multipliers)."""
     from privfl.core.plan import seed_stream
     from privfl.runtime.rounds import run_rounds
 
@@ -677,7 +704,14 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
 
     run_rounds(alg, transport, n_clients=spec.n_clients, rounds=spec.fed.rounds, first_round=first_round,
                sampling_rate=spec.privacy.sampling_rate, sampler=sampler,
-               evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round)
+               evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round,
+               last_round=last_round)
+    if last_round is not None:
+        from flwr.common.logger import log
+        import logging
+
+        log(logging.INFO, "privfl %s paused after round %d of %d (%s=%d): launch the run id again to resume it",
+            spec.run_id, last_round, spec.fed.rounds, PAUSE_KEY, last_round)
     return history, plan.noise_multipliers
 
 
@@ -966,10 +1000,12 @@ def _check_resume(spec: RunSpec, start: int, phased: bool = False) -> None:
         raise DeploymentError(f"run {spec.run_id!r}: the SuperNodes' ledgers have already released rounds up to "
                               f"{start - 1} of it, and this spec has {spec.fed.rounds} rounds: nothing is left to "
                               f"run (a round is released once); give a new run a new run_id")
-    if start and spec.privacy.private and not spec.privacy.secure_noise:
-        raise DeploymentError(f"run {spec.run_id!r} would resume at round {start} with seeded noise, whose "
-                              f"generators restart from the seed and would redraw noise already released; resume "
-                              f"with secure_noise=True or give a new run a new run_id")
+    if start and spec.privacy.private and not spec.privacy.secure_noise and spec.privacy.placement == "central":
+        # each client keeps its generators in its client-state file and refuses to go on without them
+        # (_check_seeded_resume); the server's own noise stream is not checkpointed and would restart from the seed
+        raise DeploymentError(f"run {spec.run_id!r} would resume at round {start} with seeded central noise, whose "
+                              f"server generator restarts from the seed and would redraw noise already released; "
+                              f"resume with secure_noise=True or give a new run a new run_id")
 
 
 def _charge_round(grid, spec, rnd, nodes, audits, node_client, phase=None) -> list[str]:
@@ -1275,10 +1311,11 @@ def client_train(msg, context):
     # read once, before anything is charged: a run this SuperNode's federation file did not agree to is refused here
     identity = _client_identity(context, spec, None) if secure else {}
     state_key = _state_key(ALGORITHM_STATE, phased)
-    _recover_client_state(context, spec, phased, rnd)
+    kept = _recover_client_state(context, spec, phased, rnd)
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
     ledger = _ledger(spec, context, phased, plan)
     try:
+        _check_seeded_resume(spec, client, ledger, kept)
         if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
             raise DeploymentError(f"run {spec.run_id!r}: this SuperNode's ledger has already released round {rnd}; "
                                   f"a round is released once (a second flwr run of a run id resumes after the "
@@ -1320,26 +1357,43 @@ def _client_state_entry(spec: RunSpec, phased: PhaseOf | None) -> str:
     return json.dumps([spec.run_id, phased.name if phased is not None else None])
 
 
-def _recover_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> None:
+def _recover_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> float:
     """A SuperNode that holds no state of this run in its Context (a resumed run id is a new Flower run; a restarted
     SuperNode starts empty) takes it from its client-state file: its generators where the last round it answered
     left them, and the algorithm's state of its client (HBFL's local model, FedBNN's posterior), so a resumed run
     goes on as the uninterrupted one would. A state saved at round ``rnd`` or later is not this run's past (the run
-    id launched again from the start): it is ignored."""
+    id launched again from the start): it is ignored. Returns the round after which the generators now held were
+    saved (infinity for this Flower run's own state, kept in its Context; -1 when there is none)."""
     key = _state_key(CLIENT_STATE, phased)
     if key in context.state:
-        return
+        return math.inf
     path = _client_state_file(context)
     if not os.path.exists(path):
-        return
+        return -1
     with open(path, "rb") as f:
         saved = from_bytes(f.read(), CLIENT_STATE_FILE)
     entry = saved.get(_client_state_entry(spec, phased))
     if entry is None or int(entry["round"]) >= rnd:
-        return
+        return -1
     for name in (CLIENT_STATE, ALGORITHM_STATE):
         if name in entry:
             _keep(context, _state_key(name, phased), entry[name])
+    return int(entry["round"]) if CLIENT_STATE in entry else -1
+
+
+def _check_seeded_resume(spec: RunSpec, client: int, ledger, kept: float) -> None:
+    """Refuse, before anything is charged, a private run with seeded noise whose client has released rounds of the
+    run after the round its generators were saved at (``kept``, from :func:`_recover_client_state`): its noise would
+    repeat draws that left in a release. (A round charged but never released, a sampled-out round's charge or a
+    secure round stopped before the masked input, revealed no draw.) With the OS CSPRNG nothing repeats."""
+    if not spec.privacy.private or spec.privacy.secure_noise:
+        return
+    last = max((c.round for c in ledger.charges(str(client)) if c.released), default=-1)
+    if last > kept:
+        raise DeploymentError(f"run {spec.run_id!r}: this SuperNode released round {last} of the run with seeded "
+                              f"noise, but its generators were saved after round {int(kept)} (its client-state file "
+                              f"'<ledger-path>.client-state' is missing or older): they would repeat noise already "
+                              f"released; give a new run a new run_id")
 
 
 def _persist_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> None:
@@ -1741,7 +1795,7 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
         shutil.copyfile(path, copies[-1])
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
     config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, LOG_RESULT_KEY: False, TEST_KEY: test_path,
-              CHECKPOINT_KEY: checkpoint_path,
+              CHECKPOINT_KEY: checkpoint_path, PAUSE_KEY: 0,
               TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
               "rounds": 0, "epsilon": 0.0, "run-id": "",  # OVERRIDE_KEYS: 0 and "" keep the spec's
               MODULES_KEY: json.dumps(copies)}

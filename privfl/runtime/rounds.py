@@ -142,11 +142,14 @@ def target_spread(test) -> float:
 def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, first_round: int = 0,
                sampling_rate: float = 1.0, sampler: np.random.Generator | None = None,
                evaluate: Callable[[], dict] | None = None, test=None,
-               on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
+               on_round: Callable[[RoundRecord], None] | None = None,
+               last_round: int | None = None) -> list[RoundRecord]:
     """Rounds ``first_round .. rounds - 1`` of ``algorithm`` (its server half) over ``transport``; returns their
     records. ``sampler`` draws the Poisson client sample when ``sampling_rate < 1``; ``evaluate`` gives the round's
     metrics after the server step (none when omitted); ``test`` (the data ``evaluate`` reads, if any) is what the
-    divergence check compares a regression's RMSE against. See the module docstring for what is decided here."""
+    divergence check compares a regression's RMSE against; ``last_round``: stop before this round (a launch that
+    pauses the run, to be resumed; the plan stays that of all ``rounds``). See the module docstring for what is
+    decided here."""
     if not 0.0 < sampling_rate <= 1.0:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
     sampled = sampling_rate < 1.0
@@ -158,7 +161,7 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
     spread = target_spread(test)
     exhausted: set[int] = set()  # clients whose budget is spent take no further part, charged or not
     records: list[RoundRecord] = []
-    for rnd in range(first_round, rounds):
+    for rnd in range(first_round, rounds if last_round is None else min(rounds, last_round)):
         start = time.perf_counter()
         live = [k for k in range(n_clients) if k not in exhausted]
         if sampled:

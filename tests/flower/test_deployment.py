@@ -120,6 +120,32 @@ def test_a_resumed_run_continues_from_the_checkpoint_and_equals_an_uninterrupted
         assert audit["releases"] == 3  # each round released once over the two launches
 
 
+def test_a_paused_private_run_resumes_and_equals_an_uninterrupted_run(deployment, federation, in_process_reference):
+    """Pause and resume (issue 31): DP-FedAvg with seeded local noise, 3 rounds planned, launched with
+    ``--run-config pause-after=2`` (the plan stays that of 3 rounds), then launched again: the second launch resumes at
+    round 2 from the checkpoint and the clients' client-state files, and the model is the uninterrupted run's, bit
+    for bit (the noise included), each round charged once and every ledger within its target."""
+    from privfl.flower.app import read_result, write_app
+
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=23)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
+    spec = _spec("dp_fedavg", federation, fed, privacy, "paused")
+    expected = in_process_reference(spec, deployment.workdir)["global_params"]
+    result_path = os.path.join(deployment.workdir, "paused-result.bin")
+    app = write_app(os.path.join(deployment.workdir, "app-paused"), spec, result_path=result_path)
+    deployment.run(app, timeout=RUN_TIMEOUT, run_config="pause-after=2")
+    first = read_result(result_path)
+    assert first["paused_after"] == 2 and [h["round"] for h in first["history"]] == [0, 1]
+    os.remove(result_path)
+    deployment.run(app, timeout=RUN_TIMEOUT)
+    second = read_result(result_path)
+    assert second["start_round"] == 2 and "paused_after" not in second
+    got = second["state"]["global_params"]
+    assert np.array_equal(got, expected), f"max abs difference {np.max(np.abs(got - expected))}"
+    for audit in _ledgers(deployment, spec).values():
+        assert audit["releases"] == 3 and audit["epsilon"] <= privacy.epsilon * (1 + 1e-9)
+
+
 # Each deployment takes a minute or more (every ClientApp call is a fresh process): these are `slow`, outside the
 # default run (CI's 20-minute budget), run by `make test-all`. FOLA under secure aggregation stays in the default run
 # (tests/flower/test_secure_deployment.py).

@@ -84,8 +84,44 @@ def test_the_server_refuses_a_resume_with_nothing_left_or_with_seeded_noise(sett
 
     seeded = dataclasses.replace(spec, privacy=dataclasses.replace(spec.privacy, secure_noise=False))
     flower_app._check_resume(seeded, 0)
-    with pytest.raises(DeploymentError, match="seeded noise"):
-        flower_app._check_resume(seeded, 1)
+    flower_app._check_resume(seeded, 1)  # local noise: each client keeps its generators (the next test)
+    central = dataclasses.replace(seeded, privacy=dataclasses.replace(seeded.privacy, placement="central"))
+    flower_app._check_resume(central, 0)
+    with pytest.raises(DeploymentError, match="seeded central noise"):
+        flower_app._check_resume(central, 1)  # the server's own generator is not checkpointed
+
+
+def test_a_seeded_client_whose_generators_are_older_than_its_releases_refuses_to_repeat_its_noise(setting):
+    """Seeded local noise: a client's generators live in its client-state file between Flower runs; a client whose
+    ledger released a round after the one its saved generators were left at (the file lost, or written before a
+    crash) refuses the next round before anything is charged."""
+    import dataclasses
+
+    spec, node = setting
+    seeded = dataclasses.replace(spec, privacy=dataclasses.replace(spec.privacy, secure_noise=False))
+    assert not _train(seeded, node, 0)["sat_out"]
+    assert not _train(seeded, node, 1)["sat_out"]  # a fresh Context: the generators come from the file
+    os.remove(node["ledger-path"] + ".client-state")
+    with pytest.raises(DeploymentError, match="would repeat noise already released"):
+        _train(seeded, node, 2)
+    assert _released(seeded, node) == [0, 1]  # nothing charged for round 2
+
+
+def test_a_pause_is_a_whole_number_of_rounds_before_the_end(setting):
+    """``pause-after=N`` (run config) ends a launch before round N of the run's 3; 0, or N past the end, is no
+    pause; a pause before the rounds already released, a negative or fractional one, is refused."""
+    spec, _ = setting
+    assert flower_app._pause_after({}, spec, 0, False) is None
+    assert flower_app._pause_after({"pause-after": 0}, spec, 0, False) is None
+    assert flower_app._pause_after({"pause-after": 3}, spec, 0, False) is None
+    assert flower_app._pause_after({"pause-after": 2}, spec, 1, False) == 2
+    for bad, says in ((-1, "whole number"), (1.5, "whole number"), (True, "whole number")):
+        with pytest.raises(DeploymentError, match=says):
+            flower_app._pause_after({"pause-after": bad}, spec, 0, False)
+    with pytest.raises(DeploymentError, match="nothing to run before the pause"):
+        flower_app._pause_after({"pause-after": 1}, spec, 2, False)
+    with pytest.raises(DeploymentError, match="multi-phase"):
+        flower_app._pause_after({"pause-after": 1}, spec, 0, True)
 
 
 def _checkpointed(spec, path, rnd):
@@ -128,7 +164,8 @@ def test_the_server_resumes_from_its_checkpoint_and_refuses_one_it_cannot_trust(
 def test_a_client_resumed_in_a_new_flower_run_continues_its_generators_from_its_state_file(setting):
     """A resumed run id is a new Flower run (a fresh Context.state): the client takes its generators from the
     client-state file beside its ledger, so round 1 of the second launch releases what round 1 of an uninterrupted
-    run releases; a state saved at the round asked or later (the run id started again) is ignored."""
+    run releases; a state saved at the round asked or later (the run id started again) is ignored, and a client
+    without its file refuses to go on rather than repeat its released noise."""
     import dataclasses
 
     spec, node = setting
@@ -152,5 +189,6 @@ def test_a_client_resumed_in_a_new_flower_run_continues_its_generators_from_its_
     assert np.array_equal(resumed, uninterrupted)
     third = dict(node, **{"ledger-path": node["ledger-path"] + ".c"})
     train(_context(seeded, third), 0)
-    os.remove(third["ledger-path"] + ".client-state")  # without the file the generators restart from the seed
-    assert not np.array_equal(train(_context(seeded, third), 1), uninterrupted)
+    os.remove(third["ledger-path"] + ".client-state")  # without the file the generators would restart from the seed
+    with pytest.raises(DeploymentError, match="would repeat noise"):  # and repeat round 0's released noise: refused
+        train(_context(seeded, third), 1)

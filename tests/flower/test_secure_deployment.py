@@ -193,3 +193,36 @@ def test_a_secure_spec_round_trips_and_unsafe_settings_are_refused_up_front(fede
         RunSpec.of("fedavg", federation, fed, PrivacyConfig(), secure=SecureAggregation(malicious=False))
     with pytest.raises(ConfigurationError, match="secure"):
         RunSpec.of("dp_fedavg", federation, fed, private)  # distributed noise needs secure aggregation
+
+
+@pytest.mark.slow  # make test-all: two secure launches and a reference, about two minutes
+@pytest.mark.timeout(600)
+def test_a_paused_secure_run_resumes_and_equals_an_uninterrupted_run(federation, tmp_path, repro_env, write_orgs):
+    """Resume under secure aggregation (issue 31, "up to quantisation"): DP-FedAvg with distributed noise and seeded
+    generators, 3 rounds planned, launched with ``pause-after=2``, then again. The second launch resumes at round 2
+    from the ServerApp's checkpoint and each SuperNode's generators (training, noise, encoding) from its client-state
+    file: the model equals the in-process 3-round run up to the quantisation's float rounding, and every ledger holds
+    each round once, released."""
+    from privfl.flower.app import read_result, write_app
+
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=13)
+    privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
+                            accountant="zcdp", secure_noise=False)
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="secagg-paused", node_wait=60,
+                      round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
+    configs = write_orgs(federation, tmp_path)
+    reference = _reference(spec, tmp_path, repro_env)
+    result_path = str(tmp_path / "paused-result.bin")
+    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
+        dep.run(app, timeout=RUN_TIMEOUT, run_config="pause-after=2")
+        assert read_result(result_path)["paused_after"] == 2
+        os.remove(result_path)
+        dep.run(app, timeout=RUN_TIMEOUT)
+    second = read_result(result_path)
+    assert second["start_round"] == 2 and [h["round"] for h in second["history"]] == [2]
+    np.testing.assert_allclose(second["state"]["global_params"], reference["state"]["global_params"], rtol=0,
+                               atol=1e-9)
+    for k, config in enumerate(configs):
+        assert _rows(config["ledger-path"], spec.run_id) == [(r, "update", 1) for r in range(3)]
+        assert _audit(config["ledger-path"], spec.run_id, k)["epsilon"] <= privacy.epsilon * (1 + 1e-9)
