@@ -285,6 +285,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _columns(rows: list[dict]) -> dict:
+    """Rows of one shape as ``{"columns": [...], "rows": [[...], ...]}`` (10,000 runs stay a few hundred KB)."""
+    columns = list(rows[0]) if rows else []
+    return {"columns": columns, "rows": [[row[c] for c in columns] for row in rows]}
+
+
 def _finite(obj):
     """JSON without Infinity: a non-finite number is written as the string "inf" (or "nan")."""
     if isinstance(obj, dict):
@@ -779,7 +785,8 @@ def main(argv=None) -> None:
                                            "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
                                            "constants": RULE_CONSTANTS, "m_sweep": M_SWEEP,
                                            "ridges": RULE_RIDGES},
-                               "summary": summary, "runs": rows, "seconds": seconds}), f, indent=2)
+                               "summary": summary, "runs": _columns(rows), "seconds": seconds}), f,
+                      separators=(",", ":"))
         with open(os.path.join(args.out, "fedbnr_feature_rule.md"), "w") as f:
             f.write(feature_rule_markdown(summary, rows, seconds, args.repeats))
         print(f"wrote {args.out}/fedbnr_feature_rule.json and fedbnr_feature_rule.md ({seconds:.0f} s)")
