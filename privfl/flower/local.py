@@ -21,10 +21,9 @@ of its SuperNode on the SuperNode's runtime API::
     flower-supernode --insecure --superlink 127.0.0.1:P --port Q_k --isolation process --node-config "..."
     python -m privfl.flower.warm --runtime-api-address 127.0.0.1:Q_k --insecure --parent-pid SUPERNODE_PID
 
-With ``supernode_command=(PROGRAM, OPTIONS...)`` each SuperNode is started as ``PROGRAM OPTIONS...`` followed by
-``flower-supernode``'s own command line instead of ``flower-supernode`` (privfl's tests start theirs under
-``experiments/fast_supernode.py``, a test tool that shortens Flower's fixed idle waits; privfl itself runs Flower's
-binaries as they are),
+By default each SuperNode is Flower's ``flower-supernode`` as it is; ``supernode_command=(PROGRAM, OPTIONS...)``
+starts it as ``PROGRAM OPTIONS...`` followed by ``flower-supernode``'s options instead (privfl's own tests use
+``experiments/fast_supernode.py``, a test tool, not installed, that shortens Flower's fixed idle waits),
 and ``superexec_poll=SECONDS`` sets Flower's own ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (default 1 s: how often the
 SuperLink's SuperExec looks for a ServerApp to start, once per run) for every process of the deployment.
 
@@ -304,10 +303,6 @@ class LocalDeployment:
             self.workers.append(proc)
         return proc
 
-    def _supernode_command(self) -> list[str]:
-        """What starts a SuperNode, before ``flower-supernode``'s own options."""
-        return list(self.supernode_command)
-
     @property
     def address(self) -> str:
         """The SuperLink's address (Fleet, Control and Runtime APIs: one port in flwr 1.41)."""
@@ -390,7 +385,7 @@ class LocalDeployment:
         for k, config in enumerate(self.node_configs):
             items = " ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
                              for key, value in config.items())
-            args = [*self._supernode_command(), *self.supernode_tls_args(k), "--superlink", self.address,
+            args = [*self.supernode_command, *self.supernode_tls_args(k), "--superlink", self.address,
                     "--port", str(node_ports[k]), *(["--isolation", "process"] if self.warm else []),
                     "--node-config", items]
             self._node_args.append(args)
