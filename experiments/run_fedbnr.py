@@ -600,7 +600,7 @@ def default_feature_pairs(records: int, private: bool, per_record: float) -> int
 
 
 #: candidates for the private rule's constant (feature pairs per public record of the federation,
-#: ``fedbnr.default_feature_pairs``), a fixed sweep of m around them, and the ridge scales tried with each m at ε = 3
+#: :func:`default_feature_pairs`), a fixed sweep of m around them, and the ridge scales tried with each m at ε = 3
 RULE_CONSTANTS = (0.02, 0.03, 0.05, 0.075, 0.1, 0.15)
 M_SWEEP = (5, 10, 15, 20, 25, 35, 50)
 RULE_RIDGES = (0.25, 1.0)

@@ -1315,8 +1315,9 @@ def client_train(msg, context):
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
     ledger = _ledger(spec, context, phased, plan)
     try:
-        _check_seeded_resume(spec, client, ledger, kept)
-        if any(c.round == rnd and c.released for c in ledger.charges(str(client))):
+        released_rounds = {c.round for c in ledger.charges(str(client)) if c.released}
+        _check_seeded_resume(spec, released_rounds, kept)
+        if rnd in released_rounds:
             raise DeploymentError(f"run {spec.run_id!r}: this SuperNode's ledger has already released round {rnd}; "
                                   f"a round is released once (a second flwr run of a run id resumes after the "
                                   f"rounds its ledgers released); give a new run a new run_id")
@@ -1381,14 +1382,14 @@ def _recover_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: i
     return int(entry["round"]) if CLIENT_STATE in entry else -1
 
 
-def _check_seeded_resume(spec: RunSpec, client: int, ledger, kept: float) -> None:
+def _check_seeded_resume(spec: RunSpec, released_rounds, kept: float) -> None:
     """Refuse, before anything is charged, a private run with seeded noise whose client has released rounds of the
-    run after the round its generators were saved at (``kept``, from :func:`_recover_client_state`): its noise would
+    run (``released_rounds``, from its ledger) after the round its generators were saved at (``kept``, from :func:`_recover_client_state`): its noise would
     repeat draws that left in a release. (A round charged but never released, a sampled-out round's charge or a
     secure round stopped before the masked input, revealed no draw.) With the OS CSPRNG nothing repeats."""
     if not spec.privacy.private or spec.privacy.secure_noise:
         return
-    last = max((c.round for c in ledger.charges(str(client)) if c.released), default=-1)
+    last = max(released_rounds, default=-1)
     if last > kept:
         raise DeploymentError(f"run {spec.run_id!r}: this SuperNode released round {last} of the run with seeded "
                               f"noise, but its generators were saved after round {int(kept)} (its client-state file "

@@ -107,7 +107,21 @@ def _option(argv: list[str], name: str) -> tuple[str | None, str | None]:
 
 
 def _flwr() -> str | None:
-    return shutil.which("flwr", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    """Flower's ``flwr`` command (beside this Python first), or None after saying how to install it."""
+    found = shutil.which("flwr", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        print("privfl-flower-run: error: Flower's flwr command is not installed (pip install 'privfl[flower]')",
+              file=sys.stderr)
+    return found
+
+
+def _deliver(reader: ResultReader, path: str, out, missing: str) -> int:
+    """Write the result ``reader`` collected to ``path``: 0, or 1 (saying ``missing``) when it holds none."""
+    if not reader.write(path):
+        print(f"privfl-flower-run: {missing}", file=sys.stderr)
+        return 1
+    print(f"privfl-flower-run: the run's result is at {path}", file=out)
+    return 0
 
 
 def from_log(argv: list[str], result: str, out=None) -> int:
@@ -116,8 +130,6 @@ def from_log(argv: list[str], result: str, out=None) -> int:
     out = out or sys.stdout
     flwr = _flwr()
     if flwr is None:
-        print("privfl-flower-run: error: Flower's flwr command is not installed (pip install 'privfl[flower]')",
-              file=sys.stderr)
         return 2
     reader = ResultReader()
     proc = subprocess.run([flwr, "log", *argv, "--show"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -127,12 +139,8 @@ def from_log(argv: list[str], result: str, out=None) -> int:
     if proc.returncode:
         out.write(proc.stdout[-4000:])
         return proc.returncode
-    if not reader.write(result):
-        print(f"privfl-flower-run: the log of run {argv[0] if argv else '?'} holds no whole result (was the run "
-              "started with --result, or --run-config result-in-log=true?)", file=sys.stderr)
-        return 1
-    print(f"privfl-flower-run: the run's result is at {result}", file=out)
-    return 0
+    return _deliver(reader, result, out, f"the log of run {argv[0] if argv else '?'} holds no whole result (was the "
+                    "run started with --result, or --run-config result-in-log=true?)")
 
 
 def run(argv: list[str], out=None) -> int:
@@ -164,8 +172,6 @@ def run(argv: list[str], out=None) -> int:
         argv += ["--run-config", f"{LOG_RESULT_KEY}=true"]
     flwr = _flwr()
     if flwr is None:
-        print("privfl-flower-run: error: Flower's flwr command is not installed (pip install 'privfl[flower]')",
-              file=sys.stderr)
         return 2
     code = 0
     with subprocess.Popen([flwr, "run", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -189,10 +195,7 @@ def run(argv: list[str], out=None) -> int:
         print(f"privfl-flower-run: the ServerApp wrote no result at {expect}", file=sys.stderr)
         return 1
     if reader is not None:
-        if not reader.write(result):
-            print("privfl-flower-run: the run's log stream carried no whole result", file=sys.stderr)
-            return 1
-        print(f"privfl-flower-run: the run's result is at {result}", file=out)
+        return _deliver(reader, result, out, "the run's log stream carried no whole result")
     return 0
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from privfl.core.channels import Channel, RangeBound, Unclipped
+from privfl.core.channels import Channel, NormClip, RangeBound, Unclipped
 from privfl.errors import ConfigurationError
 
 
@@ -50,11 +50,6 @@ def record_level(privacy) -> bool:
     return bool(privacy.private and privacy.unit == "example")
 
 
-def client_level(privacy) -> bool:
-    """Whether ``privacy`` is a private run at client level (each client's whole value is clipped)."""
-    return bool(privacy.private and privacy.unit == "client")
-
-
 def check_unit(name: str, units, privacy, hint: str = "") -> None:
     """Refuse a private run of algorithm ``name`` at a unit not in ``units`` (its declared units; None: any)."""
     if not privacy.private or not units or privacy.unit in units:
@@ -70,28 +65,25 @@ def _at_unit(clip, unit: str):
 
 
 def channel(privacy, name: str, shape, *, client=RUN_CLIP, record=None, adjacency: str | None = None,
-            algorithm: str = "", **fields) -> Channel:
+            **fields) -> Channel:
     """Channel ``name`` of ``shape`` under ``privacy``'s unit (module docstring). ``adjacency``: the channel's relation
     (default the run's); other keyword arguments are :class:`~privfl.core.channels.Channel` fields (``budget_share``,
     ``value_bound``, ``symmetric``, ``record_sampling_rate``, ``description``)."""
-    from privfl.core.channels import NormClip
-
     relation = privacy.adjacency if adjacency is None else adjacency
     if not privacy.private:
         return Channel(name, shape, unit=privacy.unit, clip=Unclipped(), adjacency=relation, **fields)
     whole = NormClip(privacy.clip) if client is RUN_CLIP else client
-    who = f"{algorithm}: " if algorithm else ""
     if privacy.unit == "client":
         if whole is None:
-            raise ConfigurationError(f"{who}channel {name!r} bounds one record's term only, not a client's whole "
+            raise ConfigurationError(f"channel {name!r} bounds one record's term only, not a client's whole "
                                      "value; run it at record level (unit='example')")
         return Channel(name, shape, unit="client", clip=_at_unit(whole, "client"), adjacency=relation, **fields)
     if record is not None:
         return Channel(name, shape, unit="example", clip=_at_unit(record, "example"), adjacency=relation, **fields)
     if whole is None:
-        raise ConfigurationError(f"{who}channel {name!r} declares no bound on a record's term nor on the client's "
+        raise ConfigurationError(f"channel {name!r} declares no bound on a record's term nor on the client's "
                                  "whole value; it cannot be released privately")
     return Channel(name, shape, unit="client", clip=_at_unit(whole, "client"), adjacency="replace_one", **fields)
 
 
-__all__ = ["RUN_CLIP", "channel", "check_unit", "client_level", "record_level"]
+__all__ = ["RUN_CLIP", "channel", "check_unit", "record_level"]

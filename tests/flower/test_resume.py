@@ -107,6 +107,24 @@ def test_a_seeded_client_whose_generators_are_older_than_its_releases_refuses_to
     assert _released(seeded, node) == [0, 1]  # nothing charged for round 2
 
 
+def test_a_seeded_client_given_back_an_older_state_file_refuses_to_repeat_its_noise(setting):
+    """A stale client-state file (a backup of round 0's, put back after round 1 was released) is refused as a
+    missing one is: its generators would redraw round 1's released noise."""
+    import dataclasses
+    import shutil
+
+    spec, node = setting
+    seeded = dataclasses.replace(spec, privacy=dataclasses.replace(spec.privacy, secure_noise=False))
+    state = node["ledger-path"] + ".client-state"
+    _train(seeded, node, 0)
+    shutil.copyfile(state, state + ".round0")
+    _train(seeded, node, 1)
+    shutil.copyfile(state + ".round0", state)  # the older file replayed
+    with pytest.raises(DeploymentError, match="saved after round 0"):
+        _train(seeded, node, 2)
+    assert _released(seeded, node) == [0, 1]
+
+
 def test_a_pause_is_a_whole_number_of_rounds_before_the_end(setting):
     """``pause-after=N`` (run config) ends a launch before round N of the run's 3; 0, or N past the end, is no
     pause; a pause before the rounds already released, a negative or fractional one, is refused."""
