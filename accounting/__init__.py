@@ -11,7 +11,7 @@ else:
                                    PrivacyError, UnsupportedEventError)
     from .events import (RELATIONS, ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent,
                                    PoissonSampledEvent, PrivacyEvent, SelfComposedEvent, UnsupportedEvent, ZCDPEvent,
-                                   event_from_dict, flatten, rho_of)
+                                   ApproximatedEvent, event_from_dict, flatten, rho_of)
     from .accountants import ACCOUNTANTS, Accountant, ExactAccountant, ZCDPAccountant, make_accountant
     from .calibration import Calibration, calibrate, epsilon_for, round_event
 
@@ -26,7 +26,7 @@ else:
         "PrivacyError", "InvalidPrivacyParameter", "UnsupportedEventError", "PrivacyBudgetExceeded", "LedgerError",
         "InvalidLedgerArgument", "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent",
         "SelfComposedEvent", "ComposedEvent",
-        "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
-        "Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
+        "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "ApproximatedEvent", "event_from_dict", "flatten",
+        "rho_of", "Accountant", "ExactAccountant", "ZCDPAccountant", "RDPAccountant", "PLDAccountant", "ACCOUNTANTS",
         "make_accountant", "Calibration", "calibrate", "epsilon_for", "round_event",
     ]

@@ -129,6 +129,47 @@ class PoissonSampledEvent(PrivacyEvent):
 
 
 @dataclass(frozen=True)
+class ApproximatedEvent(PrivacyEvent):
+    """A mechanism within total variation ``total_variation`` of a post-processing of ``event``'s mechanism.
+
+    For every input, the law of the mechanism's output and the law of some fixed post-processing of ``event``'s
+    mechanism on that input are at most ``total_variation`` apart. Composing such mechanisms (adaptively, in any
+    order) gives a transcript within the sum of their total variations, s, of the composition of the idealised
+    mechanisms (a hybrid argument), so for every epsilon
+
+        delta(epsilon) <= delta_ideal(epsilon) + (1 + e^epsilon) s,
+
+    with delta_ideal the idealised composition's (post-processing costs nothing). The accountants that take these
+    events (``pld``, ``rdp``) compose ``event`` and add that term; the others refuse them. Example: a sum of discrete
+    Gaussian shares is within a tiny total variation of a rounded continuous Gaussian, which is a post-processing of
+    the continuous Gaussian mechanism (``privfl.mechanisms.discrete_gaussian.distributed_gaussian_event``).
+    """
+
+    event: PrivacyEvent
+    total_variation: float
+    label: str = "approximated"
+    kind = "approximated"
+
+    def __post_init__(self):
+        if not isinstance(self.event, PrivacyEvent):
+            raise InvalidPrivacyParameter(f"event must be a PrivacyEvent, got {type(self.event).__name__}")
+        tv = self.total_variation
+        if isinstance(tv, bool) or not isinstance(tv, (int, float)) or not (math.isfinite(tv) and 0.0 <= tv < 1.0):
+            raise InvalidPrivacyParameter(f"total_variation must be a number in [0, 1), got {tv!r}")
+        object.__setattr__(self, "total_variation", float(tv))
+        if not isinstance(self.label, str) or not self.label:
+            raise InvalidPrivacyParameter(f"label must be a non-empty string, got {self.label!r}")
+
+    @property
+    def mechanism(self) -> str:
+        return f"{self.label}~{self.event.mechanism}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "total_variation": self.total_variation, "label": self.label,
+                "event": self.event.to_dict()}
+
+
+@dataclass(frozen=True)
 class SelfComposedEvent(PrivacyEvent):
     """``event`` applied ``count`` times (adaptively)."""
 
@@ -222,6 +263,8 @@ def _event_from_dict(d: dict[str, Any]) -> PrivacyEvent:
         return PoissonSampledEvent(d["sampling_rate"], _event_from_dict(d["event"]), d.get("relation", "add_remove"))
     if kind == SelfComposedEvent.kind:
         return SelfComposedEvent(_event_from_dict(d["event"]), d["count"])
+    if kind == ApproximatedEvent.kind:
+        return ApproximatedEvent(_event_from_dict(d["event"]), d["total_variation"], d.get("label", "approximated"))
     if kind == ComposedEvent.kind:
         return ComposedEvent(tuple(_event_from_dict(e) for e in d["events"]))
     if kind == NoOpEvent.kind:
@@ -252,6 +295,40 @@ def flatten(event: PrivacyEvent) -> list[tuple[PrivacyEvent, int]]:
     return list(counts.items())
 
 
+def split_total_variation(event: PrivacyEvent) -> tuple[PrivacyEvent, float]:
+    """(``event`` with every ``ApproximatedEvent`` replaced by its idealised event, the total variation they add up
+    to over the whole composition: each one's times the number of times it is composed)."""
+
+    def walk(e: PrivacyEvent) -> tuple[PrivacyEvent, float]:
+        if isinstance(e, ApproximatedEvent):
+            inner, tv = walk(e.event)
+            return inner, tv + e.total_variation
+        if isinstance(e, SelfComposedEvent):
+            inner, tv = walk(e.event)
+            return (e if inner is e.event else SelfComposedEvent(inner, e.count)), tv * e.count
+        if isinstance(e, ComposedEvent):
+            parts = [walk(sub) for sub in e.events]
+            same = all(p[0] is sub for p, sub in zip(parts, e.events))
+            return (e if same else ComposedEvent(tuple(p[0] for p in parts))), sum(p[1] for p in parts)
+        if isinstance(e, PoissonSampledEvent):  # the noise is drawn whether or not a unit is sampled: tv is not scaled
+            inner, tv = walk(e.event)
+            return (e if inner is e.event else PoissonSampledEvent(e.sampling_rate, inner, e.relation)), tv
+        return e, 0.0
+
+    return walk(event)
+
+
+def has_total_variation(event: PrivacyEvent) -> bool:
+    """Whether ``event`` holds an ``ApproximatedEvent`` anywhere."""
+    if isinstance(event, ApproximatedEvent):
+        return True
+    if isinstance(event, (SelfComposedEvent, PoissonSampledEvent)):
+        return has_total_variation(event.event)
+    if isinstance(event, ComposedEvent):
+        return any(has_total_variation(sub) for sub in event.events)
+    return False
+
+
 def rho_of(event: PrivacyEvent) -> float:
     """The zCDP parameter of an event, if it has one (sampled and non-private events have none)."""
     total = 0.0
@@ -267,5 +344,6 @@ def rho_of(event: PrivacyEvent) -> float:
 
 __all__ = [
     "RELATIONS", "PrivacyEvent", "GaussianEvent", "ZCDPEvent", "PoissonSampledEvent", "SelfComposedEvent", "ComposedEvent",
-    "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "event_from_dict", "flatten", "rho_of",
+    "NoOpEvent", "NonPrivateEvent", "UnsupportedEvent", "ApproximatedEvent", "event_from_dict", "flatten", "rho_of",
+    "split_total_variation", "has_total_variation",
 ]

@@ -64,8 +64,8 @@ from .accountants import make_accountant
 from .accountants.tree import unamplified_rho
 from .errors import InvalidLedgerArgument, InvalidPrivacyParameter, LedgerError, PrivacyBudgetExceeded
 from .rounds import round_events
-from .events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
-                               SelfComposedEvent, event_from_dict, flatten)
+from .events import (ApproximatedEvent, ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent,
+                     PrivacyEvent, SelfComposedEvent, event_from_dict, flatten)
 from .validation import (check_client_id, check_delta, check_epsilon, check_name, check_round,
                                    check_unit)
 
@@ -185,6 +185,8 @@ def _describe(event: PrivacyEvent) -> tuple[str, float | None, float | None, flo
     inner = event
     if isinstance(inner, PoissonSampledEvent):
         q, inner = inner.sampling_rate, inner.event
+    if isinstance(inner, ApproximatedEvent):  # charged as the Gaussian it approximates (plus its total variation)
+        inner = inner.event
     if isinstance(inner, GaussianEvent):
         return event.mechanism, inner.sensitivity, inner.noise_std, q
     return event.mechanism, None, None, q

@@ -2,6 +2,11 @@
 
 An accountant composes events and answers epsilon(delta) and delta(epsilon). It checks that it can compose an event
 before changing any state, so a refused event leaves no trace (dp-accounting's habit).
+
+Approximated events (``ApproximatedEvent``: a mechanism within a total variation of a post-processing of another) are
+taken by the backends that set ``handles_total_variation``: :meth:`Accountant.compose` hands them the idealised event
+and keeps the summed total variation s, and their answers add (1 + e^epsilon) s to delta (``_slack_epsilon``,
+``_slack_delta``). The other backends refuse such events, so no backend can drop the term.
 """
 
 from __future__ import annotations
@@ -9,17 +14,27 @@ from __future__ import annotations
 import abc
 import copy
 
+import math
+
 from ..errors import UnsupportedEventError
-from ..events import PrivacyEvent
+from ..events import PrivacyEvent, has_total_variation, split_total_variation
 
 
 class Accountant(abc.ABC):
     """Composes privacy events and converts the composition to (epsilon, delta)."""
 
     name: str = "abstract"
+    #: whether this backend composes ``ApproximatedEvent``s (and adds their total variation to delta)
+    handles_total_variation: bool = False
 
     def __init__(self) -> None:
         self._events: list[tuple[PrivacyEvent, int]] = []
+        self._total_variation = 0.0
+
+    @property
+    def total_variation(self) -> float:
+        """The summed total variation of the approximated events composed so far (0 if none)."""
+        return getattr(self, "_total_variation", 0.0)
 
     @property
     def events(self) -> tuple[tuple[PrivacyEvent, int], ...]:
@@ -50,12 +65,45 @@ class Accountant(abc.ABC):
         count = check_count("count", count)
         if not isinstance(event, PrivacyEvent):
             raise UnsupportedEventError(f"expected a PrivacyEvent, got {type(event).__name__}")
-        reason = self._refusal(event)
+        inner, tv = event, 0.0
+        if has_total_variation(event):
+            if not self.handles_total_variation:
+                raise UnsupportedEventError(
+                    f"the {self.name!r} accountant cannot compose {event.mechanism!r} (a mechanism within a total "
+                    "variation of another, e.g. distributed discrete-Gaussian noise accounted as a Gaussian); use "
+                    "accountant='pld' (tightest) or accountant='rdp'")
+            inner, tv = split_total_variation(event)
+        reason = self._refusal(inner)
         if reason is not None:
             raise UnsupportedEventError(reason)
-        self._compose(event, count)
+        self._compose(inner, count)
+        if tv:
+            self._total_variation = self.total_variation + count * tv
         self._events.append((event, count))
         return self
+
+    def _slack_delta(self, delta_ideal: float, epsilon: float) -> float:
+        """delta(epsilon) of the real composition from the idealised one's: + (1 + e^epsilon) s, capped at 1."""
+        tv = self.total_variation
+        if tv == 0.0:
+            return delta_ideal
+        return min(1.0, delta_ideal + (1.0 + math.exp(min(epsilon, 700.0))) * tv)
+
+    def _slack_epsilon(self, epsilon_ideal, delta: float) -> float:
+        """epsilon(delta) of the real composition, given ``epsilon_ideal(d)``, the idealised composition's epsilon at
+        delta d. With s the summed total variation and e_c = epsilon_ideal(delta / 2): if (1 + e^e_c) s <= delta / 2,
+        the answer e = epsilon_ideal(delta - (1 + e^e_c) s) is at most e_c (a larger delta needs no larger epsilon),
+        so delta_ideal(e) + (1 + e^e) s <= delta - (1 + e^e_c) s + (1 + e^e_c) s = delta; otherwise inf."""
+        tv = self.total_variation
+        if tv == 0.0:
+            return epsilon_ideal(delta)
+        cap = epsilon_ideal(delta / 2.0)
+        if not math.isfinite(cap):
+            return math.inf
+        slack = (1.0 + math.exp(min(cap, 700.0))) * tv
+        if slack > delta / 2.0:
+            return math.inf
+        return min(cap, epsilon_ideal(delta - slack))
 
     def copy(self) -> "Accountant":
         """An independent accountant in the same state (composing into it leaves this one as it is)."""

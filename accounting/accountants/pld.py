@@ -52,7 +52,7 @@ from .analytic_gaussian import gaussian_delta, gaussian_epsilon
 from .base import Accountant
 from ..errors import InvalidPrivacyParameter
 from ..events import (ComposedEvent, GaussianEvent, NoOpEvent, NonPrivateEvent, PoissonSampledEvent,
-                               PrivacyEvent, SelfComposedEvent, ZCDPEvent, flatten)
+                               PrivacyEvent, SelfComposedEvent, ZCDPEvent, flatten, split_total_variation)
 from ..validation import (MAX_PLD_INTERVAL, MIN_PLD_INTERVAL, check_delta, check_non_negative_finite,
                                    check_positive_finite)
 
@@ -80,6 +80,7 @@ class PLDAccountant(Accountant):
     replace-one adjacency (one relation per history)."""
 
     name = "pld"
+    handles_total_variation = True
 
     def __init__(self, value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL) -> None:
         interval = check_positive_finite("value_discretization_interval", value_discretization_interval)
@@ -108,12 +109,15 @@ class PLDAccountant(Accountant):
         other._mu_squared = self._mu_squared
         other._non_private = self._non_private
         other._relation = self._relation
+        other._total_variation = self._total_variation
         other._built = self._built
         return other
 
     # -- composing ---------------------------------------------------------------------------------------------
 
     def supports(self, event: PrivacyEvent) -> bool:
+        if isinstance(event, PrivacyEvent):
+            event = split_total_variation(event)[0]  # compose() hands _refusal the idealised event
         return self._refusal(event) is None
 
     def _refusal(self, event: PrivacyEvent) -> str | None:
@@ -187,6 +191,9 @@ class PLDAccountant(Accountant):
         delta = check_delta(delta)
         if self._non_private:
             return math.inf
+        return self._slack_epsilon(self._ideal_epsilon, delta)
+
+    def _ideal_epsilon(self, delta: float) -> float:
         bound = gaussian_epsilon(self.mu, delta)
         pld, _ = self._build()
         if pld is None or bound == 0.0:
@@ -201,9 +208,9 @@ class PLDAccountant(Accountant):
         bound = gaussian_delta(self.mu, epsilon)
         pld, _ = self._build()
         if pld is None or bound == 0.0:
-            return bound
+            return self._slack_delta(bound, epsilon)
         value = _call_pld(lambda: pld.get_delta_for_epsilon(epsilon))
-        return bound if value is None else min(bound, 1.0, max(0.0, float(value)))
+        return self._slack_delta(bound if value is None else min(bound, 1.0, max(0.0, float(value))), epsilon)
 
 
 class _Plan:

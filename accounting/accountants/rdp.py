@@ -44,7 +44,7 @@ from .tree import unamplified_rho
 from .zcdp import optimal_delta, optimal_epsilon
 from ..errors import InvalidPrivacyParameter
 from ..events import (ComposedEvent, GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent,
-                      SelfComposedEvent, UnsupportedEvent, ZCDPEvent, flatten)
+                      SelfComposedEvent, UnsupportedEvent, ZCDPEvent, flatten, split_total_variation)
 from ..validation import (MAX_RDP_ORDER, MAX_RDP_ORDER_SUM, MAX_RDP_ORDERS, check_delta,
                                    check_non_negative_finite, check_positive_finite)
 
@@ -89,6 +89,7 @@ class RDPAccountant(DpAccountingAccountant):
 
     name = "rdp"
     allow_zcdp = True
+    handles_total_variation = True
 
     def __init__(self, orders: Sequence[float] | None = None) -> None:
         orders = DEFAULT_ORDERS if orders is None else _check_orders(orders)
@@ -109,6 +110,8 @@ class RDPAccountant(DpAccountingAccountant):
         return other
 
     def supports(self, event: PrivacyEvent) -> bool:
+        if isinstance(event, PrivacyEvent):
+            event = split_total_variation(event)[0]  # compose() hands _refusal the idealised event
         if not (isinstance(event, PrivacyEvent) and _has_sampled_zcdp(event)):
             return super().supports(event)
         split = _split(event)
@@ -151,7 +154,9 @@ class RDPAccountant(DpAccountingAccountant):
         return np.where((rdp > 0.0) & (rdp < _RDP_FLOOR), _RDP_FLOOR, rdp)
 
     def get_epsilon(self, delta: float) -> float:
-        delta = check_delta(delta)
+        return self._slack_epsilon(self._ideal_epsilon, check_delta(delta))
+
+    def _ideal_epsilon(self, delta: float) -> float:
         try:
             with np.errstate(all="ignore"):
                 epsilon, _ = dp_rdp_conversions.compute_epsilon(self.orders, self._safe_rdp(), delta)
@@ -166,7 +171,7 @@ class RDPAccountant(DpAccountingAccountant):
                 delta, _ = dp_rdp_conversions.compute_delta(self.orders, self._safe_rdp(), epsilon)
         except (ValueError, ArithmeticError):
             delta = optimal_delta(self._rho_bound, epsilon)
-        return clamp_answer("delta", delta, upper=1.0)
+        return self._slack_delta(clamp_answer("delta", delta, upper=1.0), epsilon)
 
     @property
     def orders(self) -> np.ndarray:

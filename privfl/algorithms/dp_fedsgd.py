@@ -347,11 +347,6 @@ def check_fedsgd_privacy(privacy) -> str:
         raise ConfigurationError("dp_fedsgd samples records, not clients: every client takes part in every round "
                                  "(record-level client sampling buys no amplification); set sampling_rate=1")
     accountant = privacy.resolved_accountant
-    if privacy.placement == "distributed":
-        if accountant != "rdp":
-            raise ConfigurationError("dp_fedsgd with distributed noise is charged PoissonSampled(q, ZCDP(rho)), which "
-                                     "only the rdp accountant composes; set accountant='rdp' (CLI: --accountant rdp)")
-        return accountant
     if accountant not in SAMPLED_ACCOUNTANTS:
         raise ConfigurationError(f"dp_fedsgd's rounds are Poisson-sampled Gaussians, which the {accountant!r} "
                                  "accountant cannot compose; set accountant='pld' (or 'rdp'); CLI: --accountant pld")

@@ -92,19 +92,16 @@ def record_sampling_rate(channels, privacy: PrivacyConfig) -> float:
 
 def _calibrate_distributed_sampled(channels, privacy: PrivacyConfig, rounds: int, n_clients: int, secure):
     """Distributed noise for channels that are sums over Poisson-sampled records: each client's discrete-Gaussian
-    share under secure aggregation, the round charged ``PoissonSampled(q, ZCDP(rho))`` and composed by the rdp
-    accountant (``privfl.privacy.secure.calibrate_distributed_sampled``)."""
-    import privfl.privacy.secure as secure_module
+    share under secure aggregation, the round charged as the Poisson-sampled Gaussian the honest shares' sum nearly
+    is, with its total-variation term, and composed by the run's pld (or rdp) accountant
+    (``privfl.privacy.secure.calibrate_distributed_sampled``)."""
+    from privfl.privacy.secure import calibrate_distributed_sampled
 
-    calibrate_sampled = getattr(secure_module, "calibrate_distributed_sampled", None)
-    if calibrate_sampled is None:
-        raise ConfigurationError("distributed noise for record-sampled channels needs "
-                                 "privfl.privacy.secure.calibrate_distributed_sampled (sampled distributed discrete Gaussian, "
-                                 "charged PoissonSampled(q, ZCDP(rho))), which this installation lacks; choose "
-                                 "placement 'central' or 'local'")
-    if privacy.resolved_accountant != "rdp":
-        raise ConfigurationError("distributed noise on sampled records is charged PoissonSampled(q, ZCDP(rho)), which "
-                                 "only the rdp accountant composes; set accountant='rdp' (CLI: --accountant rdp)")
+    accountant = privacy.resolved_accountant
+    if accountant not in ("pld", "rdp"):
+        raise ConfigurationError(f"distributed noise on sampled records is a Poisson-sampled Gaussian (up to a tiny "
+                                 f"total variation), which the {accountant!r} accountant cannot compose; set "
+                                 "accountant='pld' (CLI: --accountant pld) or 'rdp'")
     q = record_sampling_rate(channels, privacy)
     private = [c for c in channels if c.private]
     if len(private) != 1:
@@ -115,11 +112,10 @@ def _calibrate_distributed_sampled(channels, privacy: PrivacyConfig, rounds: int
         raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a public "
                                  "coordinate bound")
     if c.adjacency != "add_remove":
-        raise ConfigurationError("distributed noise on sampled records is planned under add/remove adjacency (the "
-                                 "sampled zCDP event has no replace-one form); use adjacency='add_remove' or "
-                                 "placement 'central'")
-    plan = calibrate_sampled(privacy.epsilon, privacy.delta, rounds, q, c.coordinate_bound, c.shape[0],
-                             c.clip.bound, n_clients, secure)
+        raise ConfigurationError("distributed noise on sampled records is planned under add/remove adjacency; use "
+                                 "adjacency='add_remove' or placement 'central'")
+    plan = calibrate_distributed_sampled(privacy.epsilon, privacy.delta, rounds, q, c.coordinate_bound, c.shape[0],
+                                         c.clip.bound, n_clients, secure, accountant=accountant)
     return {c.name: plan}
 
 
@@ -165,7 +161,7 @@ class RunPlan:
                 distributed = _calibrate_distributed_sampled(channels, privacy, fed.rounds, n_clients, secure)
             else:
                 distributed = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients,
-                                                    secure)
+                                                    secure, accountant=privacy.resolved_accountant)
             multipliers = {name: p.noise_multiplier for name, p in distributed.items()}
             placement = "distributed"
         else:

@@ -32,7 +32,11 @@ Distributed noise is planned for the channel's sensitivity under its own relatio
 and two independent roundings), so the charged zCDP event is the one of the relation the run declares. A channel that
 is a sum over a Poisson sample of records (record-level DP-FedSGD) is planned by
 :func:`plan_distributed_noise_sampled` / :func:`calibrate_distributed_sampled`: the round is charged
-``PoissonSampledEvent(q, ZCDPEvent(rho))``, which the rdp accountant bounds (Zhu and Wang 2019, Theorem 6).
+``PoissonSampledEvent(q, ApproximatedEvent(GaussianEvent, tv))``, the Poisson-sampled continuous Gaussian that the
+sum of the honest shares nearly is (``mechanisms.discrete_gaussian.distributed_gaussian_event``: within total
+variation tv of a post-processing of it), which the pld accountant composes as tightly as central noise; where tv
+is not small against the run's delta (coarse quantisation), ``PoissonSampledEvent(q, ZCDPEvent(rho))`` instead,
+which the rdp accountant bounds (Zhu and Wang 2019, Theorem 6).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from privfl.accounting.calibration import calibrate, calibrate_noise, clt_noise_
 from privfl.accounting.validation import check_count, check_delta, check_probability, check_target_epsilon
 from privfl.accounting.events import (ComposedEvent, GaussianEvent, PoissonSampledEvent, PrivacyEvent,
                                      SelfComposedEvent)
-from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, local_sigma, sample_discrete_gaussian
+from privfl.mechanisms.discrete_gaussian import (GAUSSIAN_PROXY_DELTA_SHARE, distributed_discrete_gaussian_event,
+                                                distributed_gaussian_event, local_sigma, sample_discrete_gaussian)
 from privfl.mechanisms.gaussian import gaussian_noise
 from privfl.mechanisms.noise import NoiseSource, as_noise_source
 from privfl.core.aggregation import Aggregate
@@ -154,9 +159,12 @@ class DistributedNoise:
 def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
                            bits: int, *, sensitivity: float | None = None, relation: str = "add_remove",
                            record_level: bool = False, n_honest: int | None = None,
-                           corruption: float = 0.0) -> DistributedNoise:
-    """Quantiser and per-client noise share so that ``n_min`` shares carry noise of std ``noise_multiplier *
-    sensitivity``; the event is the Kairouz-Liu-Steinke bound for the rounded sensitivity under ``relation``.
+                           corruption: float = 0.0, gaussian: bool = True) -> DistributedNoise:
+    """Quantiser and per-client noise share so that ``n_honest`` shares carry noise of std ``noise_multiplier *
+    sensitivity``; the event, for the rounded sensitivity D under ``relation``, is the Gaussian the honest shares'
+    sum nearly is (``gaussian``, default: ``distributed_gaussian_event``, ``ApproximatedEvent(GaussianEvent(D,
+    sqrt(n_honest) sigma), tv)``, composed by the pld or rdp accountant) or the Kairouz-Liu-Steinke zCDP bound
+    (``gaussian=False``, composed by the zcdp or rdp accountant).
 
     ``record_level``: the neighbours differ in one record of a client that uploads either way, so both uploads are
     stochastically rounded and the integer vectors differ by less than sensitivity/step + 2 sqrt(d) (the replace-one
@@ -181,8 +189,8 @@ def plan_distributed_noise(bound: float, dimension: int, noise_multiplier: float
     quantiser, share = _size_distributed_noise(bound, sensitivity, noise_multiplier, n_max, honest, bits)
     rounded = quantiser.rounded_l2_sensitivity(sensitivity, dimension,
                                                replace_one=record_level or relation == "replace_one")
-    event = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
-                                                dimension=dimension)
+    make_event = distributed_gaussian_event if gaussian else distributed_discrete_gaussian_event
+    event = make_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max, dimension=dimension)
     return DistributedNoise(quantiser, share, noise_multiplier, n_min, n_max, event, honest, float(corruption))
 
 
@@ -229,21 +237,30 @@ def _size_distributed_noise(bound: float, sensitivity: float, noise_multiplier: 
 
 def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
                                    bits: int, *, clip: float, sampling_rate: float, n_honest: int | None = None,
-                                   corruption: float = 0.0) -> DistributedNoise:
+                                   corruption: float = 0.0, gaussian: bool = True) -> DistributedNoise:
     """Distributed noise for a sum over a Poisson sample of records (record-level DP, add/remove, e.g. DP-FedSGD):
     each client releases sum_{i in S} clip_C(g_i), S a Poisson sample of its records at rate ``sampling_rate``,
     coordinate-clipped to the public range [-bound, bound], stochastically rounded, plus its discrete-Gaussian
-    share; ``n_min`` shares sum to noise of std ``noise_multiplier * clip``. ``.event``, charged per round, is
-    ``PoissonSampledEvent(sampling_rate, ZCDPEvent(rho))`` (composed by the rdp accountant).
+    share; ``n_honest`` shares (``n_min`` survivors less the colluders) sum to noise of std
+    ``noise_multiplier * clip``. ``.event``, charged per round, is ``PoissonSampledEvent(sampling_rate, inner)``.
 
     Sensitivity. Adding or removing one record moves the client's real sum by its clipped gradient, L2 norm <= clip;
     the coordinate clip of the sum to [-bound, bound] is 1-Lipschitz in each coordinate, so it cannot increase that
     L2 distance. The client still sends a sum, with or without the record, and both are stochastically rounded, each
-    coordinate moving by less than one step: the integer vectors differ by less than clip/step + 2 sqrt(d), the
-    replace-one form of ``Quantiser.rounded_l2_sensitivity`` (not the + sqrt(d) of a whole upload added or removed).
-    rho is the Kairouz-Liu-Steinke bound of the sum of n shares at that sensitivity, the largest over n in
-    [n_min, n_max] (rounds with fewer survivors abort), and the record's membership of the Poisson sample gives the
-    amplification the accountant applies. ``bound`` sizes the quantiser as in :func:`plan_distributed_noise`.
+    coordinate moving by less than one step: the integer vectors differ by less than D = clip/step + 2 sqrt(d), the
+    replace-one form of ``Quantiser.rounded_l2_sensitivity`` (not the + sqrt(d) of a whole upload added or removed),
+    whatever the rounding draws (so any coupling of them, and by joint convexity the mixture over them, is bounded
+    by the worst shift of norm <= D).
+
+    The event. ``gaussian`` (default): ``inner = distributed_gaussian_event`` = ``ApproximatedEvent(
+    GaussianEvent(D, sqrt(n_honest) sigma), tv)``: for h >= n_honest honest shares, the released sum is within total
+    variation tv of round(x + Z), Z ~ N(0, h sigma^2 I), a post-processing of the Gaussian mechanism (noise std
+    sqrt(h) sigma >= sqrt(n_honest) sigma); Poisson sampling of the record amplifies it as it does the central
+    Gaussian (the record's membership is independent of the noise), so the pld accountant composes the sampled
+    Gaussian and adds (1 + e^eps) tv per round to delta. ``gaussian=False``: ``inner = ZCDPEvent(rho)``, the
+    Kairouz-Liu-Steinke bound of the sum of n shares at D, the largest over n in [n_honest, n_max], composed by the
+    rdp accountant with Zhu and Wang's bound. Either way rounds with fewer survivors abort. ``bound`` sizes the
+    quantiser as in :func:`plan_distributed_noise`.
     """
     if not 1 <= n_min <= n_max:
         raise ConfigurationError(f"need 1 <= min survivors <= clients, got {n_min} and {n_max}")
@@ -256,10 +273,14 @@ def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplie
     quantiser, share = _size_distributed_noise(float(bound), float(clip), float(noise_multiplier), n_max, honest,
                                                bits)
     rounded = quantiser.rounded_l2_sensitivity(float(clip), dimension, replace_one=True)
-    zcdp = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
-                                               dimension=dimension)
+    if gaussian:
+        inner = distributed_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
+                                           dimension=dimension)
+    else:
+        inner = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
+                                                    dimension=dimension)
     return DistributedNoise(quantiser, share, float(noise_multiplier), n_min, n_max,
-                            PoissonSampledEvent(float(sampling_rate), zcdp), honest, float(corruption))
+                            PoissonSampledEvent(float(sampling_rate), inner), honest, float(corruption))
 
 
 def _survivor_floor(config: "SecureAggregation", n_clients: int) -> int:
@@ -279,71 +300,103 @@ def _survivor_floor(config: "SecureAggregation", n_clients: int) -> int:
 
 
 def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sampling_rate: float, bound: float,
-                                  dimension: int, clip: float, n_clients: int, config: "SecureAggregation"
-                                  ) -> DistributedNoise:
+                                  dimension: int, clip: float, n_clients: int, config: "SecureAggregation",
+                                  accountant: str = "pld") -> DistributedNoise:
     """The record-sampled distributed plan (:func:`plan_distributed_noise_sampled`) with the smallest noise
-    multiplier whose ``rounds``-fold composition of ``PoissonSampledEvent(sampling_rate, ZCDPEvent(rho))`` meets
-    (epsilon, delta) under the rdp accountant: the one search (``accounting.calibration.calibrate_noise``), started
-    from the central-limit estimate of the continuous Poisson-sampled Gaussian's (``clt_noise_multiplier``). The
-    answer is never below the continuous sampled Gaussian's noise multiplier under rdp: the KLS rho is at least the
-    continuous one, and Zhu and Wang's bound at least the sampled Gaussian's RDP. ``n_clients``: the
-    clients summed at most; the survivor floor is ``config.min_survivors`` (else every client), checked against the
-    dropout as in :func:`calibrate_distributed`. Never overshoots the target.
+    multiplier whose ``rounds``-fold composition meets (epsilon, delta) under ``accountant`` (``pld``, the default
+    and tightest, or ``rdp``): the one search (``accounting.calibration.calibrate_noise``), started from the
+    central-limit estimate of the continuous Poisson-sampled Gaussian's (``clt_noise_multiplier``).
+
+    Each candidate plan charges the sampled Gaussian with its total-variation term (``gaussian=True``); under rdp,
+    where ``rounds`` times that term, times (1 + e^epsilon), exceeds ``GAUSSIAN_PROXY_DELTA_SHARE`` of delta (a
+    coarse quantiser), the sampled zCDP bound instead. A larger multiplier only shrinks the term (a coarser
+    quantiser step but a larger share in its units), so the search stays monotone; under pld a term too large for
+    the target makes the candidate's epsilon infinite and the search moves up. The answer is never below the central plan's
+    multiplier under the same accountant: the charged Gaussian has the noise of the honest shares and the rounded
+    sensitivity D >= clip / step. ``n_clients``: the clients summed at most; the survivor floor is
+    ``config.min_survivors`` (else every client), checked against the dropout as in :func:`calibrate_distributed`.
+    Never overshoots the target.
     """
     epsilon, delta = check_target_epsilon(epsilon), check_delta(delta)
     rounds, sampling_rate = check_count("rounds", rounds), check_probability("sampling_rate", sampling_rate)
+    if accountant not in ("pld", "rdp"):
+        raise ConfigurationError(f"distributed noise on sampled records is composed by the pld (tightest) or rdp "
+                                 f"accountant, not {accountant!r}; set accountant='pld' (CLI: --accountant pld)")
     n_min = _survivor_floor(config, n_clients)
     honest = honest_shares(config, n_clients, n_min)
     guess = clt_noise_multiplier(gaussian_mu(epsilon, delta), sampling_rate, rounds)
+    budget = GAUSSIAN_PROXY_DELTA_SHARE * delta / (1.0 + math.exp(min(epsilon, 700.0)))
 
     def plan(m: float) -> DistributedNoise:
-        return plan_distributed_noise_sampled(bound, dimension, m, n_clients, n_min, config.bits, clip=clip,
-                                              sampling_rate=sampling_rate, n_honest=honest,
-                                              corruption=config.corruption)
+        def build(gaussian: bool) -> DistributedNoise:
+            return plan_distributed_noise_sampled(bound, dimension, m, n_clients, n_min, config.bits, clip=clip,
+                                                  sampling_rate=sampling_rate, n_honest=honest,
+                                                  corruption=config.corruption, gaussian=gaussian)
+        proxy = build(True)
+        if accountant == "pld" or rounds * proxy.event.event.total_variation <= budget:
+            return proxy
+        return build(False)
 
     def run_events(m: float) -> PrivacyEvent:
         return SelfComposedEvent(plan(m).event, rounds)
 
-    m, _ = calibrate_noise(run_events, epsilon, delta, "rdp", guess=guess, step=1.1,
-                           tol=1e-6)
+    m, _ = calibrate_noise(run_events, epsilon, delta, accountant, guess=guess, step=1.1, tol=1e-6)
     return plan(m)
 
 
 def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: float, rounds: int, n_clients: int,
-                          config: "SecureAggregation") -> dict[str, DistributedNoise]:
-    """Plan each private channel's distributed noise so the run meets (epsilon, delta) under the zCDP accountant.
+                          config: "SecureAggregation", accountant: str = "pld") -> dict[str, DistributedNoise]:
+    """Plan each private channel's distributed noise so the run meets (epsilon, delta) under ``accountant``.
 
-    The continuous Gaussian calibration gives each channel's per-round rho; the distributed plan's noise multiplier is
-    then raised (the one search, ``accounting.calibration.calibrate_noise``, over the factory noise -> the run's
-    events) until its Kairouz-Liu-Steinke rho, for the channel's sensitivity under its relation, is no larger, so the
-    charged events never overshoot.
+    ``zcdp``: each channel charged the Kairouz-Liu-Steinke bound. The continuous Gaussian calibration gives each
+    channel's per-round rho; the distributed plan's noise multiplier is then raised (the one search,
+    ``accounting.calibration.calibrate_noise``, over the factory noise -> the run's events) until its rho, for the
+    channel's sensitivity under its relation, is no larger, so the charged events never overshoot.
+
+    ``pld`` (tightest) or ``rdp``: each channel charged as the Gaussian its honest shares' sum nearly is
+    (``distributed_gaussian_event``, with its total-variation term). The continuous calibration gives the channels'
+    multipliers z_c (their budget shares); one factor s >= 1 scales them all, the smallest whose run (every channel on
+    its distributed plan at s z_c) meets the target under the same accountant.
     """
     private = [c for c in channels if c.private]
     for c in private:
         if c.coordinate_bound is None or len(c.shape) != 1:
             raise ConfigurationError(f"channel {c.name}: distributed noise needs a vector channel with a norm clip")
+    if accountant not in ("zcdp", "pld", "rdp"):
+        raise ConfigurationError(f"distributed noise is composed by the pld (tightest), rdp or zcdp accountant, not "
+                                 f"{accountant!r}; set accountant='pld' (CLI: --accountant pld)")
     n_min = _survivor_floor(config, n_clients)
     honest = honest_shares(config, n_clients, n_min)
-    cal = calibrate(epsilon, delta, rounds, channels={c.name: c.budget_share for c in private}, accountant="zcdp")
+    gaussian = accountant != "zcdp"
+    cal = calibrate(epsilon, delta, rounds, channels={c.name: c.budget_share for c in private}, accountant=accountant)
+
+    def plan_for(c: Channel, m: float) -> DistributedNoise:
+        return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
+                                      sensitivity=c.sensitivity, relation=c.adjacency,
+                                      record_level=c.unit == "example", n_honest=honest,
+                                      corruption=config.corruption, gaussian=gaussian)
+
+    if gaussian:
+        def all_events(scale: float) -> PrivacyEvent:
+            return SelfComposedEvent(ComposedEvent(tuple(plan_for(c, scale * cal.noise_multipliers[c.name]).event
+                                                         for c in private)), rounds)
+
+        scale, _ = calibrate_noise(all_events, epsilon, delta, accountant, guess=1.0, step=1.01, tol=1e-9,
+                                   lower=1.0, upper=1e6)
+        return {c.name: plan_for(c, scale * cal.noise_multipliers[c.name]) for c in private}
     plans = {}
     for c in private:
-        def plan(m: float, c=c) -> DistributedNoise:
-            return plan_distributed_noise(c.coordinate_bound, c.shape[0], m, n_clients, n_min, config.bits,
-                                          sensitivity=c.sensitivity, relation=c.adjacency,
-                                          record_level=c.unit == "example", n_honest=honest,
-                                          corruption=config.corruption)
-
         others = tuple(GaussianEvent(1.0, cal.noise_multipliers[o.name]) for o in private if o is not c)
 
-        def run_events(m: float, plan=plan, others=others) -> PrivacyEvent:
+        def run_events(m: float, c=c, others=others) -> PrivacyEvent:
             """The run with this channel on its distributed plan and the others at their continuous noise: under
             zCDP it meets the calibrated epsilon exactly when the plan's rho is at most the channel's share."""
-            return SelfComposedEvent(ComposedEvent((plan(m).event,) + others), rounds)
+            return SelfComposedEvent(ComposedEvent((plan_for(c, m).event,) + others), rounds)
 
         z = cal.noise_multipliers[c.name]
         m, _ = calibrate_noise(run_events, cal.epsilon, delta, "zcdp", guess=z, step=1.1, tol=1e-9, lower=z,
                                upper=1e6 * z)
-        plans[c.name] = plan(m)
+        plans[c.name] = plan_for(c, m)
     return plans
 
 

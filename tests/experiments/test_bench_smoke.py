@@ -71,7 +71,8 @@ BENCHMARKS = {
         "opacus_dpsgd_fisher_over_opacus_dpsgd"}),
     "bench_flower.py": (["--smoke"], FLOWER_KEYS if HAS_FLWR else FLOWER_INPROCESS | FLOWER_UNAVAILABLE),
     "bench_noise_once.py": (["--smoke"], MACHINE | {"rounds", "sampling_rate", "plan_seconds"} | {
-        f"{kind}_eps{e}" for e in (1, 3, 8) for kind in ("central_z", "distributed_z", "distributed_over_central_z")}),
+        f"{kind}_eps{e}" for e in (1, 3, 8) for kind in ("central_z", "distributed_z", "distributed_over_central_z",
+                                                        "zcdp_bound_z", "zcdp_bound_over_central_z")}),
     "bench_overhead.py": (["--smoke"], MACHINE | {
         "params", "round_without_privacy_ms", "round_with_privacy_ms", "privacy_layer_ms", "privacy_overhead"}),
     # one DP-FedAvg round at 10, 100 and 1000 clients (the sizes are its keys): its default run takes seconds

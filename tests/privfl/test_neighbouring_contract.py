@@ -29,7 +29,7 @@ import pytest
 from sklearn.datasets import load_diabetes, load_digits
 
 from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, SelfComposedEvent
-from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
+from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event, distributed_gaussian_event
 from privfl.mechanisms.noise import NoiseSource
 from privfl.algorithms import ALGORITHMS
 from privfl.algorithms.fedbnn import FedBNN
@@ -194,7 +194,7 @@ def check_relation_of_events(t: Transcript, privacy: PrivacyConfig):
                 continue
             if privacy.placement == "distributed":
                 plan = t.sim.plans[ch.name]
-                if ch.record_sampled:  # sampled records: the plan's PoissonSampled(q, ZCDP(rho)) at the channel's q
+                if ch.record_sampled:  # sampled records: the plan's PoissonSampled(q, inner) at the channel's q
                     assert event == plan.event
                     assert isinstance(event, PoissonSampledEvent)
                     assert event.sampling_rate == ch.record_sampling_rate
@@ -203,9 +203,11 @@ def check_relation_of_events(t: Transcript, privacy: PrivacyConfig):
                 # add/remove): record-level channels take the two-sided rounding under either relation
                 two_sided = ch.adjacency == "replace_one" or ch.unit == "example"
                 rounded = plan.quantiser.rounded_l2_sensitivity(ch.sensitivity, ch.shape[0], replace_one=two_sided)
-                expected = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=plan.local_sigma,
-                                                               n_min=plan.n_min, n_max=plan.n_max,
-                                                               dimension=ch.shape[0])
+                # the KLS bound under zcdp; else (pld, the default) the Gaussian the honest shares' sum nearly is
+                make_event = (distributed_discrete_gaussian_event if privacy.resolved_accountant == "zcdp"
+                              else distributed_gaussian_event)
+                expected = make_event(l2_sensitivity=rounded, sigma=plan.local_sigma, n_min=plan.honest,
+                                      n_max=plan.n_max, dimension=ch.shape[0])
                 assert event == expected
                 continue
             gaussian = GaussianEvent(ch.sensitivity, mult[ch.name] * ch.sensitivity)

@@ -83,18 +83,22 @@ def test_distributed_noise_is_planned_for_the_channels_relation():
     cfg = SecureAggregation(bits=48)
     add = Channel("u", (10,), unit="client", clip=NormClip(1.0), adjacency="add_remove")
     rep = Channel("u", (10,), unit="client", clip=NormClip(1.0), adjacency="replace_one")
-    plan_add = calibrate_distributed([add], 1.0, 1e-5, 1, 3, cfg)["u"]
-    plan_rep = calibrate_distributed([rep], 1.0, 1e-5, 1, 3, cfg)["u"]
-    assert plan_rep.noise_multiplier == pytest.approx(plan_add.noise_multiplier, rel=0.05)  # z is per sensitivity
-    assert plan_rep.noise_std(3) == pytest.approx(2 * plan_add.noise_std(3), rel=0.05)  # so twice the noise
-    for plan in (plan_add, plan_rep):
-        assert make_accountant("zcdp").compose(plan.event).get_epsilon(1e-5) <= 1.0
-    # the add/remove plan's noise (multiplier z of C), charged honestly for a replace-one channel (z / 2 of 2C),
-    # costs about 4x the rho
-    same = plan_distributed_noise(1.0, 10, plan_add.noise_multiplier / 2, 3, 3, 48, sensitivity=2.0,
-                                  relation="replace_one")
-    assert same.noise_std(3) == pytest.approx(plan_add.noise_std(3), rel=1e-6)
-    assert same.event.rho > 3.5 * plan_add.event.rho
+    for accountant in ("zcdp", "pld"):
+        plan_add = calibrate_distributed([add], 1.0, 1e-5, 1, 3, cfg, accountant=accountant)["u"]
+        plan_rep = calibrate_distributed([rep], 1.0, 1e-5, 1, 3, cfg, accountant=accountant)["u"]
+        assert plan_rep.noise_multiplier == pytest.approx(plan_add.noise_multiplier, rel=0.05)  # z per sensitivity
+        assert plan_rep.noise_std(3) == pytest.approx(2 * plan_add.noise_std(3), rel=0.05)  # so twice the noise
+        for plan in (plan_add, plan_rep):
+            assert make_accountant(accountant).compose(plan.event).get_epsilon(1e-5) <= 1.0
+        # the add/remove plan's noise (multiplier z of C), charged honestly for a replace-one channel (z / 2 of
+        # 2C), costs about 4x the rho (twice the Gaussian's sensitivity over the same noise)
+        same = plan_distributed_noise(1.0, 10, plan_add.noise_multiplier / 2, 3, 3, 48, sensitivity=2.0,
+                                      relation="replace_one", gaussian=accountant == "pld")
+        assert same.noise_std(3) == pytest.approx(plan_add.noise_std(3), rel=1e-6)
+        if accountant == "zcdp":
+            assert same.event.rho > 3.5 * plan_add.event.rho
+        else:
+            assert same.event.event.mu > 1.9 * plan_add.event.event.mu
 
 
 # -------------------------------------------------------------------------------- bug 4: quantiser ranges
@@ -223,17 +227,27 @@ def test_record_level_distributed_noise_rounds_both_neighbours():
     upload added or removed (client level) for record-level add/remove channels too (rho under-charged)."""
     from privfl.mechanisms.discrete_gaussian import distributed_discrete_gaussian_event
 
-    record = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0, record_level=True)
-    client = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0)
+    from privfl.mechanisms.discrete_gaussian import distributed_gaussian_event
+
+    record = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0, record_level=True, gaussian=False)
+    client = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0, gaussian=False)
     two_sided = record.quantiser.rounded_l2_sensitivity(1.0, 100, replace_one=True)
     expected = distributed_discrete_gaussian_event(l2_sensitivity=two_sided, sigma=record.local_sigma, n_min=3,
                                                    n_max=3, dimension=100)
     assert record.event == expected and record.event.rho > client.event.rho
-    # calibrate_distributed plans a record-level (unit "example") add/remove channel with the two-sided rounding
+    # the Gaussian charge (the default) takes the same two-sided sensitivity
+    record_g = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0, record_level=True)
+    client_g = plan_distributed_noise(1.0, 100, 1.0, 3, 3, 20, sensitivity=1.0)
+    assert record_g.event == distributed_gaussian_event(l2_sensitivity=two_sided, sigma=record.local_sigma, n_min=3,
+                                                        n_max=3, dimension=100)
+    assert record_g.event.event.sensitivity == two_sided > client_g.event.event.sensitivity
+    # calibrate_distributed plans a record-level (unit "example") add/remove channel with the two-sided rounding,
+    # under zcdp (the KLS bound) and pld (the Gaussian)
     cfg = SecureAggregation(bits=20)
     chan = Channel("s", (100,), unit="example", clip=PreClipped(1.0), value_bound=1.0)
-    plan = calibrate_distributed([chan], 1.0, 1e-5, 1, 3, cfg)["s"]
-    again = plan_distributed_noise(1.0, 100, plan.noise_multiplier, 3, 3, 20, sensitivity=chan.sensitivity,
-                                   record_level=True)
-    assert plan.event == again.event
-    assert make_accountant("zcdp").compose(plan.event).get_epsilon(1e-5) <= 1.0
+    for accountant, gaussian in (("zcdp", False), ("pld", True)):
+        plan = calibrate_distributed([chan], 1.0, 1e-5, 1, 3, cfg, accountant=accountant)["s"]
+        again = plan_distributed_noise(1.0, 100, plan.noise_multiplier, 3, 3, 20, sensitivity=chan.sensitivity,
+                                       record_level=True, gaussian=gaussian)
+        assert plan.event == again.event
+        assert make_accountant(accountant).compose(plan.event).get_epsilon(1e-5) <= 1.0

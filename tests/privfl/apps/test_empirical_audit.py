@@ -95,7 +95,8 @@ def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: fl
     """DP-FedSGD with ``placement="distributed"``: client 0 holds one outlier record (D) or none (D'), the other
     clients none (the worst case: nothing else in the sum). ``trials`` runs of client 0's own step (Poisson coin at
     q = 1/2, per-example clip, box); the run's encodings (quantiser and discrete-Gaussian share, from public facts);
-    the outlier's clipped direction; and the epsilon the ledger claims for the round (the plan's event, RDP)."""
+    the outlier's clipped direction; and the epsilon the ledger claims for the round (the plan's event: the sampled
+    Gaussian the shares' sum nearly is, with its total-variation term, under pld)."""
 
     from privfl.accounting.accountants import make_accountant
     from privfl.algorithms.dp_fedsgd import DPFedSGD
@@ -112,7 +113,7 @@ def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: fl
                                  name="canary")
     fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)  # public total 2 per client
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False,
-                            placement="distributed", accountant="rdp")
+                            placement="distributed")  # the pld accountant: the shares' sum charged as a Gaussian
     secure = SecureAggregation(min_survivors=clients, malicious=False)
     sim = Simulation(DPFedSGD(fed, privacy, lot_size=clients), data, fed, privacy, secure=secure)  # q = 1/2
     sim.prepare()
@@ -126,7 +127,8 @@ def _dp_fedsgd_distributed(trials: int = 20_000, epsilon: float = 4.0, delta: fl
     drawn = np.linalg.norm(sums[0], axis=1)
     assert 0.4 < np.mean(drawn > 0) < 0.6 and not np.any(sums[1])
     direction = sums[0][drawn.argmax()] / drawn.max()
-    claimed = make_accountant("rdp").compose(sim.plan.round_events(0)[channel.name]).get_epsilon(delta)
+    assert privacy.resolved_accountant == "pld"
+    claimed = make_accountant("pld").compose(sim.plan.round_events(0)[channel.name]).get_epsilon(delta)
     return sums, channel, encodings, direction, claimed
 
 

@@ -87,15 +87,26 @@ def test_distributed_plan_meets_the_target_and_never_undercharges():
     from privfl.accounting.accountants import make_accountant
     from privfl.privacy.secure import calibrate_distributed
 
+    from privfl.accounting.calibration import calibrate
+
     ch = Channel("update", (200,), unit="client", clip=NormClip(0.5))
-    plans = calibrate_distributed([ch], epsilon=3.0, delta=1e-5, rounds=10, n_clients=10,
-                                  config=SecureAggregation(bits=48, min_survivors=8))
-    plan = plans["update"]
-    acc = make_accountant("zcdp").compose(plan.event, 10)
-    assert acc.get_epsilon(1e-5) <= 3.0
-    # the distributed rho is never below the continuous Gaussian rho of the same noise on n_min shares
-    assert plan.event.rho >= 1 / (2 * plan.noise_multiplier ** 2) * (1 - 1e-9)
-    assert plan.noise_std(8) == pytest.approx(plan.noise_multiplier * 0.5, rel=1e-9)
+    for accountant in ("zcdp", "pld", "rdp"):
+        plans = calibrate_distributed([ch], epsilon=3.0, delta=1e-5, rounds=10, n_clients=10,
+                                      config=SecureAggregation(bits=48, min_survivors=8), accountant=accountant)
+        plan = plans["update"]
+        acc = make_accountant(accountant).compose(plan.event, 10)
+        assert acc.get_epsilon(1e-5) <= 3.0
+        assert plan.noise_std(8) == pytest.approx(plan.noise_multiplier * 0.5, rel=1e-9)
+        central = calibrate(3.0, 1e-5, 10, accountant=accountant).noise_multiplier
+        if accountant == "zcdp":
+            # the distributed rho is never below the continuous Gaussian rho of the same noise on n_min shares
+            assert plan.event.rho >= 1 / (2 * plan.noise_multiplier ** 2) * (1 - 1e-9)
+        else:
+            # the charged Gaussian: the honest shares' noise over the rounded sensitivity, so never more than the
+            # nominal multiplier; at 48 bits it is the central multiplier to the calibrations' tolerance
+            assert plan.event.event.noise_multiplier <= plan.noise_multiplier
+            assert plan.noise_multiplier == pytest.approx(central, rel=2e-3)
+        assert plan.noise_multiplier >= central * (1 - 2e-3)
 
 
 @pytest.mark.timeout(240)
@@ -106,16 +117,16 @@ def test_distributed_noise_run_charges_the_distributed_event_and_aborts_below_n_
     alg = make_algorithm("dp_fedavg", fed, privacy)
     res = Simulation(alg, data, fed, privacy, ledger_path=str(tmp_path / "l.sqlite"),
                      secure=SecureAggregation(bits=48, min_survivors=4)).run()
-    assert res.accountant == "zcdp" and 0 < res.audit["max_epsilon"] <= 4.0
+    assert res.accountant == "pld" and 0 < res.audit["max_epsilon"] <= 4.0  # the default for distributed noise
     led = PrivacyLedger.open_existing(tmp_path / "l.sqlite")
-    assert {c.event.mechanism for c in led.charges()} == {"distributed_discrete_gaussian"}
+    assert {c.event.mechanism for c in led.charges()} == {"distributed_discrete_gaussian~gaussian"}
     # the summed noise is the calibrated one: measure it on a zero-valued channel
     ch = Channel("update", (20_000,), unit="client", clip=NormClip(1.0))
     from privfl.privacy.secure import calibrate_distributed
 
     plan = calibrate_distributed([ch], 4.0, 1e-5, 2, 5, SecureAggregation(bits=48, min_survivors=4))
     rels = []
-    led2 = PrivacyLedger(":memory:", "r", epsilon_budget=4.0, accountant="zcdp")
+    led2 = PrivacyLedger(":memory:", "r", epsilon_budget=4.0, accountant="pld")
     for k in range(5):
         pipe = ReleasePipeline(str(k), [ch], led2, {"update": plan["update"].noise_multiplier},
                                placement="distributed", distributed_events={"update": plan["update"].event})
