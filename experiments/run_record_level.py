@@ -243,8 +243,8 @@ def markdown(report) -> str:
               "- The distributed placement charges the sum of the honest clients' discrete-Gaussian shares as the "
               "Poisson-sampled Gaussian it nearly is (privfl.mechanisms.discrete_gaussian.distributed_gaussian_event: "
               "within a total variation of ~1e-20 a round of a rounded Gaussian, a post-processing of the Gaussian "
-              "mechanism), composed by the pld accountant with that term added to delta, so its noise multiplier is the "
-              "central one (see the table's column)."
+              "mechanism), composed by the pld accountant with that term added to delta, so its noise multiplier is "
+              "the central one (see the table's column)."
               + (f" Before that change it charged PoissonSampled(q, ZCDP(rho)) under the rdp accountant (Zhu and "
                  f"Wang's general bound), which needed z {_old_z(report)} at ε = 1 / 3 / 8 and reached test accuracy "
                  f"{_old_acc(report)}." if report.get("superseded_distributed") else ""),
@@ -257,9 +257,9 @@ def markdown(report) -> str:
               + (" QUICK MODE: truncated grids and one seed; not the reported results." if s["quick"] else "")]
     if report.get("distributed_rerun"):
         rerun = report["distributed_rerun"]
-        lines += ["", f"The distributed rows were re-run alone after the change of their charge "
-                      f"(`--rerun-distributed`: the same data, seeds and hyper-parameters): {rerun['cpu_s']:.0f} s CPU, "
-                      f"wall {rerun['wall_s']:.0f} s."]
+        lines += ["", "The distributed rows were re-run alone after the change of their charge "
+                      "(`--rerun-distributed`: the same data, seeds and hyper-parameters): "
+                      f"{rerun['cpu_s']:.0f} s CPU, wall {rerun['wall_s']:.0f} s."]
     lines += [""]
     return "\n".join(lines)
 

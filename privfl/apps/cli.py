@@ -861,7 +861,7 @@ def cmd_compare(args) -> int:
     rounds = f"{ran.pop()} rounds, " if len(ran) == 1 else ""
     t = Table(title=f"privfl compare: {source}, {rounds}{units}, delta={config.delta:g}")
     columns = ("algorithm", "ε target", "seeds", *(("rounds",) if not rounds else ()), "accuracy", "balanced acc.",
-               "AUROC", "NLL", "ECE", "SNR", "ε spent max", "ε spent mean")
+               "AUROC", "NLL", "ECE", "sel. acc.", "SNR", "ε spent max", "ε spent mean")
     for col in columns:
         t.add_column(col, justify="left" if col == "algorithm" else "right")
     for r in table:
@@ -869,6 +869,7 @@ def cmd_compare(args) -> int:
                   *((str(r["rounds"]),) if not rounds else ()),
                   f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}", f"{r['balanced_accuracy']:.4f}",
                   f"{r['auroc']:.4f}", f"{r['nll']:.3f}", f"{r['ece']:.3f}",
+                  "-" if math.isnan(r.get("selective_accuracy", math.nan)) else f"{r['selective_accuracy']:.4f}",
                   "-" if math.isnan(r.get("snr_median", math.nan)) else f"{r['snr_median']:.3g}",
                   f"{r['epsilon_spent_max']:.3f}", f"{r['epsilon_spent_mean']:.3f}")
     Console(width=140).print(t)

@@ -9,7 +9,8 @@ reused. Outputs, in ``out_dir``: ``results.json`` (``{"results": [...]}``), ``re
 the comparison was started from), ``config.json`` (the resolved grid) and ``models/<key>.pt`` (each run's trained
 model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
 
-Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll`` and ``ece`` of the final model, each round's
+Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll``, ``ece`` and ``selective_accuracy`` (accuracy
+on the 80 % of test points the model is most confident about; classification only) of the final model, each round's
 privacy signal-to-noise ratio (``snr_per_round``, per noised channel) and its median over the rounds (``snr_median``;
 None where the server's sums carry no noise it knows of), the noise
 the run's ledger shows applied per channel (``noise_applied``), and ``privfl_version``. With ``val_fraction`` > 0 a
@@ -461,7 +462,8 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
         "snr_per_round": [dict(r.snr) for r in result.history], "snr_median": snr_median(result.history),
         "epsilon_per_client_per_round": {cid: [e for _, e in series] for cid, series in (
             sim.epsilon_by_round(config.delta) if result.phases else _epsilon_series(ledger, config.delta)).items()},
-        "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"), "final": final,
+        "balanced_accuracy": final.get("balanced_accuracy"), "auroc": final.get("auroc"),
+        "selective_accuracy": final.get("selective_accuracy"), "final": final,
         "noise_multipliers": result.noise_multipliers,
         "noise_applied": ({p.name: applied_noise(p.ledger.charges()) for p in sim.phase_runs} if result.phases
                           else applied_noise(sim.ledger.charges())),
@@ -561,7 +563,8 @@ def run_reference(config: CompareConfig, spec: RunSpec, data, progress=None) -> 
         "ledger": None, "accuracy_per_round": [None if any(v is None for v in r) else float(np.mean(r))
                                for r in zip(*per_round)],
         "epsilon_per_client_per_round": {}, "balanced_accuracy": final.get("balanced_accuracy"),
-        "auroc": final.get("auroc"), "final": final, "noise_multipliers": None, "noise_applied": {},
+        "auroc": final.get("auroc"), "selective_accuracy": final.get("selective_accuracy"), "final": final,
+        "noise_multipliers": None, "noise_applied": {},
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
         "reference": spec.algorithm,
         **({} if vals[0] is None else _val_columns({key: float(np.mean([v[key] for v in vals]))
@@ -582,7 +585,8 @@ def _revive(obj, key: str | None = None):
     return obj
 
 
-_NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "confidence", "epsilon_spent_max",
+_NUMERIC_KEYS = {"accuracy", "balanced_accuracy", "auroc", "nll", "ece", "selective_accuracy", "confidence",
+                 "epsilon_spent_max",
                  "epsilon_spent_mean", "epsilon_target", "prior_balanced_accuracy", "val_prior_balanced_accuracy",
                  *VAL_KEYS}
 
@@ -758,7 +762,7 @@ def _version() -> str:
 
 SUMMARY_KEYS = ("algorithm", "epsilon_target", "seed", "accuracy", "nll", "ece", "epsilon_spent_max",
                 "epsilon_spent_mean", "delta", "unit", "accountant", "rounds", "clients", "dataset", "seconds",
-                "balanced_accuracy", "auroc", "snr_median", "config_hash", "privfl_version")
+                "balanced_accuracy", "auroc", "selective_accuracy", "snr_median", "config_hash", "privfl_version")
 
 
 def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
@@ -800,6 +804,7 @@ def summary_table(rows: list[dict]) -> list[dict]:
                     "accuracy_std": float(acc.std()), "nll": float(np.mean([r["nll"] for r in rs])),
                     "balanced_accuracy": _mean(rs, "balanced_accuracy"), "auroc": _mean(rs, "auroc"),
                     "ece": float(np.mean([r["ece"] for r in rs])),
+                    "selective_accuracy": _mean(rs, "selective_accuracy"),
                     "epsilon_spent_max": float(max(r["epsilon_spent_max"] for r in rs)),
                     "epsilon_spent_mean": float(np.mean([r["epsilon_spent_mean"] for r in rs])),
                     "snr_median": _mean(rs, "snr_median"),

@@ -64,9 +64,9 @@ class PrivacyConfig:
         if self.accountant is not None and self.accountant not in ("exact", "pld", "rdp", "zcdp"):
             raise ConfigurationError(f"accountant must be exact, pld, rdp or zcdp, got {self.accountant!r}")
         if self.placement == "distributed" and self.accountant == "exact":
-            raise ConfigurationError("distributed discrete Gaussian noise is charged as the Gaussian its honest shares' "
-                                     "sum nearly is, with a total-variation term the exact accountant does not take; "
-                                     "use the pld (default), rdp or zcdp accountant")
+            raise ConfigurationError("distributed discrete Gaussian noise is charged as the Gaussian its honest "
+                                     "shares' sum nearly is, with a total-variation term the exact accountant does "
+                                     "not take; use the pld (default), rdp or zcdp accountant")
         if not isinstance(self.secure_noise, bool):
             raise ConfigurationError(f"secure_noise must be True or False, got {self.secure_noise!r}")
         if self.placement == "distributed" and self.sampling_rate < 1:
@@ -85,7 +85,7 @@ class PrivacyConfig:
         if self.accountant is not None:
             return self.accountant
         if self.placement == "distributed":
-            return "pld"  # the honest shares' sum is charged as the Gaussian it nearly is (mechanisms.discrete_gaussian)
+            return "pld"  # the honest shares' sum is charged as the Gaussian it nearly is (discrete_gaussian)
         if self.unit == "example":
             return "pld"  # record-level privacy comes from DP-SGD: Poisson-sampled Gaussian steps
         return "exact" if self.sampling_rate >= 1 else "pld"

@@ -311,11 +311,12 @@ def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sam
     where ``rounds`` times that term, times (1 + e^epsilon), exceeds ``GAUSSIAN_PROXY_DELTA_SHARE`` of delta (a
     coarse quantiser), the sampled zCDP bound instead. A larger multiplier only shrinks the term (a coarser
     quantiser step but a larger share in its units), so the search stays monotone; under pld a term too large for
-    the target makes the candidate's epsilon infinite and the search moves up. The answer is never below the central plan's
-    multiplier under the same accountant: the charged Gaussian has the noise of the honest shares and the rounded
-    sensitivity D >= clip / step. ``n_clients``: the clients summed at most; the survivor floor is
-    ``config.min_survivors`` (else every client), checked against the dropout as in :func:`calibrate_distributed`.
-    Never overshoots the target.
+    the target makes the candidate's epsilon infinite and the search moves up. The charged Gaussian's multiplier
+    (the honest shares' noise over the rounded sensitivity D >= clip / step) is never below the smallest the
+    continuous sampled Gaussian needs; the central plan's search stops up to 0.1% above that smallest, this one
+    within 1e-6, so the two nominal multipliers may differ either way by that much. ``n_clients``: the clients
+    summed at most; the survivor floor is ``config.min_survivors`` (else every client), checked against the dropout
+    as in :func:`calibrate_distributed`. Never overshoots the target.
     """
     epsilon, delta = check_target_epsilon(epsilon), check_delta(delta)
     rounds, sampling_rate = check_count("rounds", rounds), check_probability("sampling_rate", sampling_rate)
@@ -381,7 +382,7 @@ def calibrate_distributed(channels: Sequence[Channel], epsilon: float, delta: fl
             return SelfComposedEvent(ComposedEvent(tuple(plan_for(c, scale * cal.noise_multipliers[c.name]).event
                                                          for c in private)), rounds)
 
-        scale, _ = calibrate_noise(all_events, epsilon, delta, accountant, guess=1.0, step=1.01, tol=1e-9,
+        scale, _ = calibrate_noise(all_events, epsilon, delta, accountant, guess=1.0, step=1.01, tol=1e-6,
                                    lower=1.0, upper=1e6)
         return {c.name: plan_for(c, scale * cal.noise_multipliers[c.name]) for c in private}
     plans = {}

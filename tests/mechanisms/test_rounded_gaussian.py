@@ -113,6 +113,19 @@ def test_the_charged_delta_bounds_the_exact_hockey_stick_of_the_real_mechanism_b
         assert abs(real - gaussian) <= slack + 2e-3 * gaussian + 1e-9
 
 
+@pytest.mark.parametrize("survivors", [3, 4, 6])
+def test_a_charge_for_the_fewest_honest_shares_holds_for_every_survivor_count(survivors):
+    """The plan charges n_min = 3 honest shares and covers up to n_max = 6: the real mechanism with 3, 4 or 6 shares
+    summed (more noise than charged) stays within the charge, exactly computed."""
+    sigma, shift, q = 12.0, (18,), 0.5
+    with_unit, without = _pairs(sigma, survivors, shift, q)
+    inner = distributed_gaussian_event(l2_sensitivity=18.0, sigma=sigma, n_min=3, n_max=6, dimension=1)
+    assert inner.event.noise_std == pytest.approx(math.sqrt(3) * sigma)
+    for epsilon in (0.0, 0.5, 1.0, 2.0):
+        real = max(_delta_exact(with_unit, without, epsilon), _delta_exact(without, with_unit, epsilon))
+        assert real <= _charged_delta(PoissonSampledEvent(q, inner), 1, epsilon)
+
+
 def test_the_charged_delta_bounds_the_exact_two_fold_composition():
     """Two rounds of one coordinate (sum of 3 shares, shift 15, q = 0.4): the exact privacy loss distribution of the
     real mechanism composed twice, against the accountant's composition of the charged event."""

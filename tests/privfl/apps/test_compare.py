@@ -8,7 +8,7 @@ import pytest
 
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.apps.cli import main
-from privfl.apps.compare import CompareConfig, compare, grid
+from privfl.apps.compare import CompareConfig, compare, grid, summary_table
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 
@@ -34,6 +34,8 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
         # the global models here are calibrated on the whole test split
         assert sum(r["reliability"]["count"]) == len(make_federated("digits", 3, partition="iid", seed=r["seed"]).test)
         assert {"balanced_accuracy", "auroc", "settings", "config_hash", "privfl_version", "noise_applied"} <= set(r)
+        # issue 27: selective accuracy (the 80 % most confident test points) beside NLL and ECE in every row
+        assert r["selective_accuracy"] == r["final"]["selective_accuracy"] and 0 <= r["selective_accuracy"] <= 1
         assert r["settings"]["federation"]["rounds"] == 2 and r["settings"]["data"]["clients"] == 3
         assert os.path.getsize(r["model_path"]) > 0
         assert not any(k.startswith("val_") for k in r)  # no validation split asked for: no validation columns
@@ -49,6 +51,8 @@ def test_compare_writes_schema_figures_and_resumes(tmp_path, monkeypatch):
             assert r["snr_per_round"] == [{}, {}] and r["snr_median"] is None
     assert "Infinity" not in (out / "results.json").read_text() and "NaN" not in (out / "results.json").read_text()
     assert (out / "results.csv").read_text().startswith("algorithm,epsilon_target,seed,accuracy")
+    assert "selective_accuracy" in (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert all(0 <= t["selective_accuracy"] <= 1 for t in summary_table(rows))
     assert json.loads((out / "config.json").read_text())["rounds"] == 2
     for fig in ("accuracy_vs_epsilon.png", "epsilon_per_client.png", "reliability.png"):
         assert (out / fig).stat().st_size > 5000
