@@ -340,7 +340,9 @@ def rounded_gaussian_total_variation(sigma: float, n_min: int, n_max: int | None
     the other terms shrink, so the bound at (e_{n_max}, V = n_min v) holds for every h in [n_min, n_max].
 
     With sigma in integer units of a fine quantiser (48 bits: sigma ~ 10^9 and more) the bound is ~1e-20 and below;
-    at sigma ~ 1 it is ~0.05 and the charge falls back to the zCDP bound (``distributed_gaussian_event``).
+    at sigma ~ 1 it is ~0.05, too much for any delta (``privfl.privacy.secure``'s plans then charge the zCDP bound
+    under rdp, or raise the noise under pld). Checked against exact convolutions in
+    ``tests/mechanisms/test_rounded_gaussian.py`` (it holds, within 4x of the exact total variation).
     """
     sigma = _check_sigma(sigma)
     if isinstance(n_min, bool) or not isinstance(n_min, (int, np.integer)) or n_min < 1:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import copy
-
 import math
 
 from ..errors import UnsupportedEventError
