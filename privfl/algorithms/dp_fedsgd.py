@@ -28,8 +28,9 @@ Placements (``PrivacyConfig.placement``), the noise z C added once to the sum of
 - ``central``: a trusted aggregator adds N(0, (zC)^2) to the sum (the federation's noise is centralised DP-SGD's);
 - ``distributed``: each client adds a discrete-Gaussian share under secure aggregation, so the unmasked sum carries
   the noise once; trusted: at least ``min_survivors`` clients survive a round and the server is honest but curious
-  (``privfl.privacy.secure``; the sampled plan comes from ``privfl.privacy.secure.calibrate_distributed_sampled``, charged
-  ``PoissonSampled(q, ZCDP(rho))`` by the rdp accountant);
+  (``privfl.privacy.secure``; the sampled plan comes from ``privfl.privacy.secure.calibrate_distributed_sampled``:
+  the honest shares' sum charged as the Poisson-sampled Gaussian it nearly is, at the central noise multiplier,
+  under the pld accountant);
 - ``local``: each client adds the full noise zC (it trusts no aggregation); the average then carries sqrt(K) times
   more noise.
 

@@ -29,7 +29,7 @@ values. The one exception is a non-private run (``epsilon = inf``, nothing claim
 the range its own value needs (:func:`announced_half_width`) and the largest is used; a deployment refuses it.
 
 Distributed noise is planned for the channel's sensitivity under its own relation (add/remove: C; replace one: 2C,
-and two independent roundings), so the charged zCDP event is the one of the relation the run declares. A channel that
+and two independent roundings), so the charged event is the one of the relation the run declares. A channel that
 is a sum over a Poisson sample of records (record-level DP-FedSGD) is planned by
 :func:`plan_distributed_noise_sampled` / :func:`calibrate_distributed_sampled`: the round is charged
 ``PoissonSampledEvent(q, ApproximatedEvent(GaussianEvent, tv))``, the Poisson-sampled continuous Gaussian that the
