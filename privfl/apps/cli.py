@@ -872,7 +872,7 @@ def cmd_compare(args) -> int:
                   "-" if math.isnan(r.get("selective_accuracy", math.nan)) else f"{r['selective_accuracy']:.4f}",
                   "-" if math.isnan(r.get("snr_median", math.nan)) else f"{r['snr_median']:.3g}",
                   f"{r['epsilon_spent_max']:.3f}", f"{r['epsilon_spent_mean']:.3f}")
-    Console(width=140).print(t)
+    Console(width=160).print(t)
     print(f"wrote {config.out_dir}/results.json, results.csv, accuracy_vs_epsilon.png, epsilon_per_client.png, "
           f"reliability.png, config.toml, models/")
     if args.json:
