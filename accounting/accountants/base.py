@@ -16,7 +16,7 @@ import copy
 import math
 
 from ..errors import UnsupportedEventError
-from ..events import PrivacyEvent, has_total_variation, split_total_variation
+from ..events import PrivacyEvent, split_total_variation
 
 
 class Accountant(abc.ABC):
@@ -64,14 +64,12 @@ class Accountant(abc.ABC):
         count = check_count("count", count)
         if not isinstance(event, PrivacyEvent):
             raise UnsupportedEventError(f"expected a PrivacyEvent, got {type(event).__name__}")
-        inner, tv = event, 0.0
-        if has_total_variation(event):
-            if not self.handles_total_variation:
-                raise UnsupportedEventError(
-                    f"the {self.name!r} accountant cannot compose {event.mechanism!r} (a mechanism within a total "
-                    "variation of another, e.g. distributed discrete-Gaussian noise accounted as a Gaussian); use "
-                    "accountant='pld' (tightest) or accountant='rdp'")
-            inner, tv = split_total_variation(event)
+        inner, tv = split_total_variation(event)  # the event itself when it holds no ApproximatedEvent
+        if inner is not event and not self.handles_total_variation:
+            raise UnsupportedEventError(
+                f"the {self.name!r} accountant cannot compose {event.mechanism!r} (a mechanism within a total "
+                "variation of another, e.g. distributed discrete-Gaussian noise accounted as a Gaussian); use "
+                "accountant='pld' (tightest) or accountant='rdp'")
         reason = self._refusal(inner)
         if reason is not None:
             raise UnsupportedEventError(reason)

@@ -84,6 +84,15 @@ from privfl.flower.launch import LOG_RESULT_KEY, result_lines
 from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
 
 
+def _flwr_log(level: str, message: str, *args) -> None:
+    """A line in Flower's log stream (what ``flwr run --stream`` and ``flwr log`` show); flwr is imported on use, as
+    everywhere in this module. ``level``: "INFO" or "WARNING"."""
+    import logging
+
+    from flwr.common.logger import log
+
+    log(getattr(logging, level), message, *args)
+
 
 def runs_on_flower(algorithm: str) -> bool:
     """Whether ``algorithm`` runs on Flower: it is registered and its halves can be apart (``splittable``: its client
@@ -652,11 +661,8 @@ def server_main(grid, context) -> None:
                 f.write(data)
             os.replace(tmp, result_path)  # the result appears whole or not at all
         if in_log:  # the coordinator's copy, through Flower's log stream (privfl.flower.launch --result)
-            from flwr.common.logger import log
-            import logging
-
             for line in result_lines(data):
-                log(logging.INFO, "%s", line)
+                _flwr_log("INFO", "%s", line)
 
 
 def _pause_after(run_config, spec: RunSpec, first_round: int, phased: bool) -> int | None:
@@ -707,10 +713,7 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
                evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round,
                last_round=last_round)
     if last_round is not None:
-        from flwr.common.logger import log
-        import logging
-
-        log(logging.INFO, "privfl %s paused after round %d of %d (%s=%d): launch the run id again to resume it",
+        _flwr_log("INFO", "privfl %s paused after round %d of %d (%s=%d): launch the run id again to resume it",
             spec.run_id, last_round, spec.fed.rounds, PAUSE_KEY, last_round)
     return history, plan.noise_multipliers
 
@@ -796,9 +799,6 @@ def _resume_from(path: str, spec: RunSpec, alg, first_round: int) -> None:
     aggregated (its checkpoint), which may be older than the last round the ledgers released (a run that failed
     after the clients released a round and before the server aggregated it: that round's privacy cost stays spent,
     its aggregate is lost). Refused when the state cannot be known."""
-    from flwr.common.logger import log
-    import logging
-
     if not alg.checkpointable:
         raise DeploymentError(f"run {spec.run_id!r}: the ledgers have released rounds up to {first_round - 1}, and "
                               f"{spec.algorithm}'s server state is not checkpointed, so it cannot be resumed; give "
@@ -808,7 +808,7 @@ def _resume_from(path: str, spec: RunSpec, alg, first_round: int) -> None:
                               f"resuming continues from the server's checkpoint, and this run has none (set "
                               f"result-path or checkpoint-path in the run config, as the first run did)")
     if not os.path.exists(path):
-        log(logging.WARNING, "privfl %s: resuming at round %d from the initial global state: no round was "
+        _flwr_log("WARNING", "privfl %s: resuming at round %d from the initial global state: no round was "
             "aggregated before (no checkpoint at %s)", spec.run_id, first_round + 1, path)
         return
     try:
@@ -825,7 +825,7 @@ def _resume_from(path: str, spec: RunSpec, alg, first_round: int) -> None:
                               f"the ledgers released ({first_round - 1}): it is not this run's")
     alg.restore(saved["state"])
     if last < first_round - 1:
-        log(logging.WARNING, "privfl %s: resuming at round %d from the global state after round %d; rounds %d..%d "
+        _flwr_log("WARNING", "privfl %s: resuming at round %d from the global state after round %d; rounds %d..%d "
             "were released but never aggregated (their privacy cost stays spent)", spec.run_id, first_round + 1,
             last + 1, last + 2, first_round)
 
@@ -835,13 +835,10 @@ def _log_round(spec: RunSpec, record: dict, audits: dict, phase=None) -> None:
     participants, who sat out, whether secure aggregation aborted it, the largest epsilon the organisations report
     having spent, each noised channel's privacy SNR (``privfl.runtime.rounds.privacy_snr``) and the round's
     seconds."""
-    from flwr.common.logger import log
-    import logging
-
     spent = [float(a["epsilon"]) for a in audits.values() if a and a.get("epsilon") is not None]
     name = f" phase {phase['name']}" if isinstance(phase, dict) and phase.get("name") else ""
     snr = "".join(f", SNR {k} {v:.3g}" for k, v in sorted(dict(record.get("snr") or {}).items()))
-    log(logging.INFO, "privfl %s%s round %d/%d: %d participants, sat out %s%s, epsilon spent max %s (target %g)%s, "
+    _flwr_log("INFO", "privfl %s%s round %d/%d: %d participants, sat out %s%s, epsilon spent max %s (target %g)%s, "
         "%.2f s", spec.run_id, name, record["round"] + 1, spec.fed.rounds, record["participants"],
         record["sat_out"] or "none", ", ABORTED (nothing revealed)" if record["aborted"] else "",
         f"{max(spent):.4g}" if spent else "n/a", spec.privacy.epsilon, snr, record["seconds"])
@@ -1064,10 +1061,7 @@ def _plain_round(grid, spec, rnd, nodes, broadcast, by_name, server_noise, audit
 
 
 def _log_missing(spec, rnd: int, missing, node_client) -> None:
-    from flwr.common.logger import log
-    import logging
-
-    log(logging.WARNING, "privfl %s round %d/%d: no reply from %s; the round completes with the others", spec.run_id,
+    _flwr_log("WARNING", "privfl %s round %d/%d: no reply from %s; the round completes with the others", spec.run_id,
         rnd + 1, spec.fed.rounds, ", ".join(f"SuperNode {n} ({_organisation(n, node_client)})" for n in missing))
 
 
@@ -1384,8 +1378,8 @@ def _recover_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: i
 
 def _check_seeded_resume(spec: RunSpec, released_rounds, kept: float) -> None:
     """Refuse, before anything is charged, a private run with seeded noise whose client has released rounds of the
-    run (``released_rounds``, from its ledger) after the round its generators were saved at (``kept``, from :func:`_recover_client_state`): its noise would
-    repeat draws that left in a release. (A round charged but never released, a sampled-out round's charge or a
+    run (``released_rounds``, from its ledger) after the round its generators were saved at (``kept``, from
+    :func:`_recover_client_state`): its noise would repeat draws that left in a release. (A round charged but never released, a sampled-out round's charge or a
     secure round stopped before the masked input, revealed no draw.) With the OS CSPRNG nothing repeats."""
     if not spec.privacy.private or spec.privacy.secure_noise:
         return
