@@ -203,7 +203,7 @@ def test_algorithms_do_not_import_the_runtime():
 #: what the non-private algorithm contract (privfl/algorithms/plain.py) may not import: anything that decides privacy
 PRIVACY_MODULES = ("privfl.privacy", "privfl.core.channels", "privfl.core.release", "privfl.core.plan",
                    "privfl.core.public", "privfl.core.config", "privfl.accounting", "privfl.mechanisms",
-                   "privfl.secure_agg", "privfl.training.stacked", "privfl.algorithms.dpsgd_fedavg")
+                   "privfl.secure_agg", "privfl.algorithms.dpsgd_fedavg")
 
 
 def test_the_non_private_algorithm_contract_knows_nothing_of_privacy():
@@ -217,6 +217,17 @@ def test_the_non_private_algorithm_contract_knows_nothing_of_privacy():
     for path in (ROOT / "privfl" / "privacy").rglob("*.py"):
         for lineno, module in _privfl_modules_imported(path):
             if _is_within(module, RUNTIME_MODULES):
+                violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
+def test_local_training_knows_nothing_of_privacy():
+    """privfl/training/ is local training without privacy (the loop, the stacked executor, per-example terms): DP-SGD's
+    lot, clip and noise live in privfl/privacy/record_level.py, which builds on it, never the other way round."""
+    violations = []
+    for path in (ROOT / "privfl" / "training").rglob("*.py"):
+        for lineno, module in _privfl_modules_imported(path):
+            if _is_within(module, PRIVACY_MODULES + RUNTIME_MODULES):
                 violations.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
     assert not violations, "\n".join(violations)
 

@@ -50,14 +50,14 @@ import torch
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, check_class_weights, class_sampling_rates,
+from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, check_class_weights, class_sampling_rates, clip_factor,
                                          poisson_lot)
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.training.local import load_flat_parameters
-from privfl.training.stacked import PerExampleGradients, clip_factor, unflatten
+from privfl.training.stacked import PerExampleGradients, unflatten
 from privfl.core.public import private_torch_generator
 
 OPTIMIZERS = ("sgd", "adam")

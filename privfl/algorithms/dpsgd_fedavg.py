@@ -2,7 +2,7 @@
 through opacus; the uploaded model change is post-processing of that training.
 
 Each client's local training is R rounds x ``steps`` Poisson-sampled DP-SGD steps: every step samples each record
-with probability q (opacus's ``UniformWithReplacementSampler``, the sampler of its ``DPDataLoader``), clips each
+with probability q (``privfl.privacy.record_level.poisson_lot``, drawn as opacus's ``DPDataLoader`` draws), clips each
 example's gradient to norm C, sums, adds N(0, z^2 C^2) and divides by the expected batch size. One step is exactly
 the event ``PoissonSampled(q, Gaussian(1, z))``, and a round is ``SelfComposed(that, steps)``: the upload is a
 :class:`PrivatizedValue` carrying it on a :class:`TrainedPrivately` channel, so the release pipeline charges the
@@ -32,7 +32,6 @@ Poisson bound). Non-private (``epsilon = inf``) it is plain FedAvg.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -43,12 +42,10 @@ from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
-from privfl.core.public import private_torch_generator
-from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
-                                         check_class_weights, check_opacus_model, dpsgd_schedule, dpsgd_train,
-                                         loss_class_weight)
-from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
-from privfl.training.stacked import VectorisedDPSGD, vectorisable
+from privfl.privacy.record_level import (DPSGD, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
+                                         check_class_weights, check_opacus_model, dpsgd_schedule, loss_class_weight)
+from privfl.training.local import TaskLoss
+from privfl.training.stacked import vectorisable
 from privfl.errors import ConfigurationError
 
 
@@ -114,50 +111,45 @@ class DPSGDFedAvg(FedAvg):
     @property
     def vectorisable(self) -> bool:
         """Whether :meth:`client_updates` trains clients together: DP-SGD on cross-entropy (this class's own local
-        step) over a model built of stateless layers (``privfl.training.stacked.VectorisedDPSGD``); non-private runs use the
+        step) over a model built of stateless layers (``privfl.privacy.record_level.DPSGD``, vectorised); non-private runs use the
         FedAvg executor. A user's loss or optimizer, or regression, runs per client."""
         return (type(self).client_update is DPSGDFedAvg.client_update and self.default_step
                 and self.model is not None and vectorisable(self.model))
 
     def client_updates(self, clients, datasets, round, rngs):
-        """``(k, client_update(k, ...))`` for every client, the clients of one DP-SGD schedule trained together
-        (same outputs to float tolerance, each client's sampling and noise drawn from its own generators)."""
-        if not self.vectorisable or not self.privacy.private:
+        """``(k, client_update(k, ...))`` for every client, the clients of one DP-SGD schedule trained together when
+        :attr:`vectorisable` (same outputs to float tolerance, each client's sampling and noise drawn from its own
+        generators)."""
+        if not self.privacy.private:
             yield from super().client_updates(clients, datasets, round, rngs)
             return
-        groups: dict[DPSGDSchedule, list[int]] = {}
-        for i, k in enumerate(clients):
-            groups.setdefault(dpsgd_schedule(self, k), []).append(i)
-        secure = self.privacy.secure_noise
-        for schedule, members in groups.items():
-            z = self.noise_multiplier(schedule)
-            # the generators dpsgd_train creates, in its order: the optimiser's noise, then the Poisson sampler
-            generators = [(private_torch_generator(rngs[i], secure), private_torch_generator(rngs[i], secure))
-                          for i in members]
-            executor = VectorisedDPSGD(self.model, schedule=schedule, noise_multiplier=z, clip=self.privacy.clip,
-                                       lr=self.fed.lr, momentum=self.fed.momentum, secure_noise=secure)
-            for row, update, stats in executor.train(self.global_params, [datasets[i].tensors() for i in members],
-                                                     generators):
-                i = members[row]
-                k = clients[i]
-                yield k, ClientOutput({"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))},
-                                      weight=self.release_weight(datasets[i], k),
-                                      metrics={"noise_multiplier": z, **stats})
+        yield from self._dpsgd_updates(clients, datasets, rngs, vectorised=self.vectorisable)
 
     def client_update(self, client, dataset, round, rng):
         if not self.privacy.private:
             return super().client_update(client, dataset, round, rng)
-        local = copy.deepcopy(self.model)
-        load_flat_parameters(local, self.global_params)
-        schedule = dpsgd_schedule(self, client)
-        z = self.noise_multiplier(schedule)
-        x, y = dataset.tensors()
-        stats = dpsgd_train(local, x, y, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
-                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
-                            loss=self.user.loss, optimizer=self.user.optimizer, algorithm=self.name)
-        update = flat_parameters(local) - self.global_params
-        return ClientOutput({"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))},
-                            weight=self.release_weight(dataset, client), metrics={"noise_multiplier": z, **stats})
+        [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=False)
+        return out
+
+    def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
+        """The client step, written once: each schedule's clients trained by the DP-SGD engine
+        (``privfl.privacy.record_level.DPSGD``), each change from the broadcast bounded and charged its round."""
+        groups: dict[DPSGDSchedule, list[int]] = {}
+        for i, k in enumerate(clients):
+            groups.setdefault(dpsgd_schedule(self, k), []).append(i)
+        for schedule, members in groups.items():
+            z = self.noise_multiplier(schedule)
+            engine = DPSGD(self.model, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
+                           momentum=self.fed.momentum, secure_noise=self.privacy.secure_noise, loss=self.user.loss,
+                           optimizer=self.user.optimizer, algorithm=self.name)
+            for row, final, stats in engine.train(self.global_params, [datasets[i].tensors() for i in members],
+                                                  [rngs[i] for i in members], vectorised=vectorised):
+                i = members[row]
+                update = np.subtract(final, self.global_params, dtype=np.float64)
+                yield clients[i], ClientOutput({"update": PrivatizedValue(self._bounded(update),
+                                                                          schedule.round_event(z))},
+                                               weight=self.release_weight(datasets[i], clients[i]),
+                                               metrics={"noise_multiplier": z, **stats})
 
 
 __all__ = ["DPSGDFedAvg"]

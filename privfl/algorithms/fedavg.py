@@ -95,14 +95,29 @@ class FedAvg(FederatedAlgorithm):
         return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
+        [(_, out)] = self._local_updates([client], [dataset], [rng], vectorised=False)
+        return out
+
+    def _local_updates(self, clients, datasets, rngs, *, vectorised: bool):
+        """The client step, written once: each client's change from the broadcast model after local training, by
+        the vectorised executor (``privfl.training.stacked.VectorisedSGD``) or one client after another
+        (:meth:`local_train`). Float32 end to end, as the model trains (both give the same rows to float tolerance);
+        the release pipeline turns what it clips or noises into float64."""
+        if vectorised:
+            sgd = VectorisedSGD(self.model, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size,
+                                lr=self.fed.lr, momentum=self.fed.momentum, prox_mu=self.prox_mu)
+            rows = sgd.train(self.global_params, [d.tensors() for d in datasets], rngs)
+        else:
+            rows = ((i, self._train_one(d, rng)) for i, (d, rng) in enumerate(zip(datasets, rngs)))
+        for i, update in rows:
+            yield clients[i], ClientOutput({"update": update}, weight=self.release_weight(datasets[i], clients[i]))
+
+    def _train_one(self, dataset, rng) -> np.ndarray:
         local = self._local
         start = torch.as_tensor(self.global_params, dtype=torch.float32)
         torch.nn.utils.vector_to_parameters(start.clone(), local.parameters())  # the parameters become its views
         self.local_train(local, dataset, rng)
-        # float32 end to end, as the model trains (the vectorised executor gives the same rows); the release pipeline
-        # turns what it clips or noises into float64
-        update = (torch.nn.utils.parameters_to_vector(local.parameters()).detach() - start).numpy()
-        return ClientOutput({"update": update}, weight=self.release_weight(dataset, client))
+        return (torch.nn.utils.parameters_to_vector(local.parameters()).detach() - start).numpy()
 
     #: FedProx's proximal coefficient on the vectorised path (0: plain FedAvg)
     prox_mu: float = 0.0
@@ -128,15 +143,11 @@ class FedAvg(FederatedAlgorithm):
         """``(k, client_update(k, ...))`` for every client of ``clients``, computed together by the vectorised
         executor when :attr:`vectorisable` (the same outputs to float tolerance), else one after another. Yields in
         chunks, so a large federation never holds every client's training state at once."""
-        if not self.vectorisable:
+        if not self.vectorisable:  # a subclass's own client_update, or a step the executor cannot batch
             for k, dataset, rng in zip(clients, datasets, rngs):
                 yield k, self.client_update(k, dataset, round, rng)
             return
-        sgd = VectorisedSGD(self.model, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
-                            momentum=self.fed.momentum, prox_mu=self.prox_mu)
-        for i, update in sgd.train(self.global_params, [d.tensors() for d in datasets], rngs):
-            k = clients[i]
-            yield k, ClientOutput({"update": update}, weight=self.release_weight(datasets[i], k))
+        yield from self._local_updates(clients, datasets, rngs, vectorised=True)
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         agg = aggregates["update"]

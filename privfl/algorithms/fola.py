@@ -77,14 +77,14 @@ from torch import nn
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model,
-                                         dpsgd_schedule, dpsgd_train, other_round_events)
+                                         dpsgd_schedule, dpsgd_train, other_round_events, VectorisedDPSGD, clip_factor)
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product,
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
-from privfl.training.stacked import VectorisedDPSGD, VectorisedOnlineFisher, clip_factor, unflatten, vectorisable
+from privfl.training.stacked import VectorisedOnlineFisher, unflatten, vectorisable
 from privfl.training.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
                            per_example_task_loss, unsupported_parameters)
 from privfl.metrics import classification_metrics, point_regression_metrics
@@ -377,7 +377,7 @@ class FOLA(FederatedAlgorithm):
         model built of stateless layers. Every mode is the same computation on every client: the online step is
         SGD with the prior term and the Fisher read off its per-example gradients
         (``privfl.training.stacked.VectorisedOnlineFisher``); the record-level step is DP-SGD
-        (``privfl.training.stacked.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
+        (``privfl.privacy.record_level.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
         added after the noise, every client's Poisson coins, noise and Fisher chunks drawn from its own generators
         in the per-client order. Both compute cross-entropy, so regression (the Gaussian loss) runs per client."""
         cls = type(self)

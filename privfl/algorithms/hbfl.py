@@ -83,11 +83,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from privfl.accounting import NoOpEvent
-from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
 from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule,
-                                         privatise_gradient_sum)
+                                         poisson_lot, privatise_gradient_sum)
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import NormClip, PrivatizedValue, TrainedPrivately
@@ -99,7 +98,7 @@ from privfl.models import (MLP, MODELS, BayesLinear, bayes_modules, deterministi
                            make_bayesian_model, make_model, set_mean_precision, softplus)
 from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
 from privfl.models.errors import ModelConfigError
-from privfl.core.public import private_rng, release_weight
+from privfl.core.public import private_torch_generator, release_weight
 from privfl.training.local import batches, predict_proba
 
 #: the meme model's optimisers (``meme_optimizer``): the paper's Adam, or plain SGD
@@ -326,9 +325,9 @@ class HBFL(FederatedAlgorithm):
             plan = dpsgd_schedule(self, client)
             q, z = plan.sample_rate, self.dpsgd_noise_multiplier(plan)
             secure = self.privacy.secure_noise
-            noise = SecureNoise() if secure else SeededNoise(rng)
-            coins = private_rng(rng, secure)
-            schedule = (np.flatnonzero(coins.random(n) < q) for _ in range(plan.steps))
+            noise = private_torch_generator(rng, secure)  # DP-SGD's generators, as dpsgd_train creates them
+            coins = private_torch_generator(rng, secure)
+            schedule = (poisson_lot(q, n, coins).numpy() for _ in range(plan.steps))
             reg_size = plan.size  # the public size: the entropy term must not read the private n_k
         else:
             schedule = (idx for _ in range(self.fed.local_epochs) for idx in batches(n, self.fed.batch_size, rng))
@@ -341,7 +340,7 @@ class HBFL(FederatedAlgorithm):
             meme_opt.zero_grad(set_to_none=True)
             if dp:
                 dpsgd_gradients(meme, xb, yb, clip=self.privacy.clip, noise_multiplier=z,
-                                expected_batch=plan.expected_batch, noise=noise)
+                                expected_batch=plan.expected_batch, generator=noise, secure=secure)
                 reg = meme_regulariser(meme, self.temperature, reg_size)
                 reg.backward()
             else:
@@ -479,7 +478,7 @@ def _add_back(changes: Aggregate, reference: np.ndarray) -> Aggregate:
 
 
 def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
-                    expected_batch: float, noise) -> None:
+                    expected_batch: float, generator: torch.Generator, secure: bool) -> None:
     """One DP-SGD gradient of the mean cross-entropy into ``p.grad``: per-example gradients (``torch.func``; the
     Bayesian layers draw their noise independently per example), privatised by
     ``privfl.privacy.record_level.privatise_gradient_sum`` (clipped, summed, noised, divided by the expected batch)."""
@@ -494,7 +493,7 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
         per_example = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
         flat = torch.cat([per_example[n].reshape(len(x), -1) for n in names], dim=1)
     noisy = privatise_gradient_sum(flat, dim, clip=clip, noise_multiplier=noise_multiplier,
-                                   expected_batch=expected_batch, noise=noise)
+                                   expected_batch=expected_batch, generator=generator, secure=secure)
     offset = 0
     for n, p in model.named_parameters():
         k = p.numel()
@@ -659,8 +658,8 @@ class VectorisedHBFL:
             g.set_state(torch.get_rng_state())  # the state the client's meme noise is drawn from
             generators.append(g)
             if self.dp:
-                noise_sources.append(SecureNoise() if secure else SeededNoise(rng))
-                coins.append(private_rng(rng, secure))
+                noise_sources.append(private_torch_generator(rng, secure))  # as client_update creates them
+                coins.append(private_torch_generator(rng, secure))
         data = [d.tensors() for d in datasets]
         params = {n: p.unsqueeze(0).repeat(c, *([1] * p.dim())) for n, p in self.start.items()}
         arch_of = [alg.local_architecture(k) for k in clients]
@@ -678,7 +677,7 @@ class VectorisedHBFL:
         if self.dp:
             plan = key
             q, z = plan.sample_rate, alg.dpsgd_noise_multiplier(plan)
-            steps = ([np.flatnonzero(coin.random(len(x)) < q) for coin, (x, _) in zip(coins, data)]
+            steps = ([poisson_lot(q, len(x), coin).numpy() for coin, (x, _) in zip(coins, data)]
                      for _ in range(plan.steps))
             reg_size = plan.size
         else:
@@ -773,9 +772,10 @@ class VectorisedHBFL:
                         e[r, :len(i)] = d
             per_example = self._example_grads(params, xb, yb, noises)
             flat = torch.cat([per_example[n].reshape(c, width, -1) for n in self.names], dim=2)
+        secure = alg.privacy.secure_noise
         noisy = torch.stack([privatise_gradient_sum(flat[r, :len(i)], self.dim, clip=clip, noise_multiplier=z,
-                                                    expected_batch=plan.expected_batch, noise=src)
-                             for r, (i, src) in enumerate(zip(idx, noise_sources))])
+                                                    expected_batch=plan.expected_batch, generator=gen, secure=secure)
+                             for r, (i, gen) in enumerate(zip(idx, noise_sources))])
         grads, offset = {}, 0
         for n in self.names:
             k = self.start[n].numel()

@@ -7,9 +7,14 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
 - :func:`check_dpsgd_privacy`: the configurations DP-SGD accounting can honour (record level, no client sampling, an
   accountant that composes sampled Gaussians);
 - :func:`calibrate_dpsgd`: z for a schedule and target, by the one search (``accounting.calibration.calibrate_noise``);
-- :func:`dpsgd_train`: the engine itself, opacus with ghost clipping and Poisson sampling, the user's loss and
-  optimizer, noise from the OS CSPRNG unless the run is seeded (``privfl.training.stacked.VectorisedDPSGD`` computes
-  the same steps for many clients at once); a class-weighted loss becomes class-weighted sampling
+- the step, written once and used by every DP-SGD path: :func:`poisson_lot` (the step's Poisson lot from the
+  client's sampling generator), :func:`clip_factor` (each example's factor min(1, C / ||g||)), :func:`step_noise`
+  and :func:`noised_mean` (N(0, (z C)^2) from the OS CSPRNG unless the run is seeded, added to the clipped sum, over
+  the public expected batch);
+- :func:`dpsgd_train`: one client's DP-SGD with the user's loss and optimizer on any layer opacus can clip (opacus's
+  ghost clipping computes the clipped sum; the lot, noise and scale are the step's above); :class:`VectorisedDPSGD`:
+  the same steps for many clients at once (``torch.func``), and :func:`privatise_gradient_sum` for steps whose
+  per-example gradients are materialised (HBFL's meme); a class-weighted loss becomes class-weighted sampling
   (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
 - :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name.
 """
@@ -21,7 +26,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +36,8 @@ from privfl.accounting.accountants import make_accountant
 from privfl.accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from privfl.core.public import private_torch_generator
 from privfl.errors import ConfigurationError
-from privfl.training.local import TaskLoss, UserTraining
+from privfl.training.local import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
+from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, PerExampleGradients, sgd_step
 
 #: torch's warning when a full backward hook fires on a module whose inputs need no gradient (see dpsgd_train)
 _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
@@ -191,20 +197,52 @@ def other_round_events(channels, privacy, rounds: int) -> tuple[PrivacyEvent, ..
     return tuple(GaussianEvent(c.sensitivity, multipliers[c.name] * c.sensitivity) for c in others)
 
 
+def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
+    """The per-example clip factor min(1, C / (||g|| + 1e-6)) from squared norms (opacus's, which its ghost clipping
+    applies on the per-client path): ||factor * g|| <= C always holds."""
+    return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
+    """N(0, std^2) noise of ``shape`` drawn by ``mechanisms.SecureNoise`` (OS CSPRNG, full-resolution Box-Muller:
+    no tail cut, unlike torch's float32 ``normal``, whose single draws stop at 5.77 sigma), then cast to ``dtype``
+    (float32 holds any such draw)."""
+    from privfl.mechanisms import SecureNoise
+
+    draws = SecureNoise().standard_normal(tuple(int(s) for s in shape))
+    return torch.from_numpy(np.asarray(draws, dtype=np.float64) * float(std)).to(dtype)
+
+
+def step_noise(shape, std: float, generator: torch.Generator, secure: bool, dtype=torch.float32) -> torch.Tensor:
+    """The Gaussian noise of one DP-SGD step, N(0, std^2) per coordinate (std = z C): from the OS CSPRNG
+    (:func:`secure_gaussian`) unless the run is seeded, then from the client's torch ``generator`` as opacus draws
+    it. Every DP-SGD path in privfl draws its noise here (:func:`dpsgd_train`, :class:`VectorisedDPSGD`,
+    :func:`privatise_gradient_sum`)."""
+    if std == 0:
+        return torch.zeros(shape, dtype=dtype)
+    if secure:
+        return secure_gaussian(shape, std, dtype)
+    return torch.normal(0.0, float(std), size=tuple(shape), generator=generator).to(dtype)
+
+
+def noised_mean(clipped_sum: torch.Tensor, *, std: float, expected_batch: float, generator: torch.Generator,
+                secure: bool) -> torch.Tensor:
+    """A DP-SGD step's gradient from its clipped sum: plus :func:`step_noise`, over the public expected batch."""
+    return (clipped_sum + step_noise(clipped_sum.shape, std, generator, secure, clipped_sum.dtype)) / expected_batch
+
+
 def privatise_gradient_sum(per_example: torch.Tensor, dim: int, *, clip: float, noise_multiplier: float,
-                           expected_batch: float, noise) -> torch.Tensor:
+                           expected_batch: float, generator: torch.Generator, secure: bool) -> torch.Tensor:
     """One DP-SGD step's gradient from a Poisson lot's per-example gradients (Abadi et al. 2016): each row of
-    ``per_example`` (one example's flattened gradient; none for an empty lot) clipped to L2 norm ``clip``, summed,
-    plus N(0, (noise_multiplier * clip)^2) per coordinate from ``noise`` (a ``mechanisms`` noise source: the OS
-    CSPRNG unless seeded on purpose), divided by the public expected lot size; a vector of ``dim``. The one
-    privatisation of HBFL's meme steps, per client and vectorised (opacus does it for the other DP-SGD paths)."""
+    ``per_example`` (one example's flattened gradient; none for an empty lot) clipped by :func:`clip_factor`,
+    summed, then :func:`noised_mean` (noise of std ``noise_multiplier * clip``, over the public expected lot); a
+    vector of ``dim``. For steps whose per-example gradients are materialised (HBFL's meme)."""
     if len(per_example):
-        scale = (clip / per_example.norm(dim=1).clamp_min(1e-12)).clamp(max=1.0)
-        summed = (per_example * scale[:, None]).sum(dim=0)
+        summed = (per_example * clip_factor(per_example.pow(2).sum(1), clip)[:, None]).sum(dim=0)
     else:
         summed = torch.zeros(dim)
-    noisy = summed + noise_multiplier * clip * torch.from_numpy(noise.standard_normal((dim,))).to(summed)
-    return noisy / expected_batch
+    return noised_mean(summed, std=noise_multiplier * clip, expected_batch=expected_batch, generator=generator,
+                       secure=secure)
 
 
 def check_opacus_model(model: nn.Module, algorithm: str) -> None:
@@ -293,19 +331,19 @@ def poisson_lot(rates, n: int, generator) -> torch.Tensor:
     return mask.nonzero(as_tuple=False).reshape(-1)
 
 
-class _ClassWeightedPoissonSampler:
-    """Poisson batches with one rate per record: a step's batch holds record i with probability ``rates[i]``,
-    independently (opacus's ``UniformWithReplacementSampler`` when every rate is the same, drawn the same way)."""
+class _PoissonSampler:
+    """A step's Poisson lot, ``steps`` times: record i in with probability ``rates`` (one rate for all, or one per
+    record), independently (:func:`poisson_lot`)."""
 
-    def __init__(self, rates: torch.Tensor, steps: int, generator):
-        self.rates, self.steps, self.generator = rates, int(steps), generator
+    def __init__(self, rates, n: int, steps: int, generator):
+        self.rates, self.n, self.steps, self.generator = rates, int(n), int(steps), generator
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
         for _ in range(self.steps):
-            yield poisson_lot(self.rates, len(self.rates), self.generator).tolist()
+            yield poisson_lot(self.rates, self.n, self.generator).tolist()
 
 
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
@@ -334,7 +372,6 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     n = len(x)
     class_weight = loss_class_weight(loss)
@@ -353,36 +390,26 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
         raise _unsupported_layer(exc, algorithm) from None
     params = [p for p in gsm.parameters() if p.requires_grad]
     inner = UserTraining(optimizer=optimizer).make_optimizer(params, lr, momentum)
-    # With secure noise, opacus adds none and the step hook adds N(0, (z C)^2) / B drawn by mechanisms.SecureNoise
-    # (opacus's secure_mode draws torch float32 normals, whose tails are cut): the same gradient, summed clipped
-    # gradients plus noise over the expected batch, with an exact tail. Seeded noise stays opacus's (reproducible).
-    from privfl.training.stacked import secure_gaussian
-
-    own_noise = bool(secure_noise) and noise_multiplier > 0
+    # opacus clips (ghost clipping), sums and divides by the expected batch B; it adds no noise: the step hook adds
+    # N(0, (z C)^2) / B from step_noise, the draw every DP-SGD path shares (the OS CSPRNG with an exact tail unless
+    # seeded; opacus's secure_mode draws torch float32 normals, whose tails are cut).
     expected_batch = schedule.expected_batch if schedule.size else schedule.sample_rate * n
-    optimizer = DPOptimizerFastGradientClipping(
-        inner, noise_multiplier=0.0 if own_noise else noise_multiplier, max_grad_norm=clip,
-        expected_batch_size=expected_batch, loss_reduction="mean",
-        generator=private_torch_generator(rng, secure_noise), secure_mode=False if own_noise else secure_noise)
+    noise_generator = private_torch_generator(rng, secure_noise)
+    optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=0.0, max_grad_norm=clip,
+                                                expected_batch_size=expected_batch, loss_reduction="mean")
 
-    def step_hook(opt) -> None:  # runs after opacus's clip, noise and 1/B scaling, before the inner step
-        if own_noise:
-            scale = noise_multiplier * clip / (opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1))
-            for p in opt.params:
-                p.grad.add_(secure_gaussian(p.grad.shape, scale, p.grad.dtype))
+    def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
+        batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
+        for p in opt.params:  # the step's noise, parameter by parameter, over the same expected batch
+            p.grad.add_(step_noise(p.grad.shape, noise_multiplier * clip, noise_generator, secure_noise,
+                                   p.grad.dtype) / batch)
         if extra_gradient is not None:
             extra_gradient()
 
-    if own_noise or extra_gradient is not None:
-        optimizer.attach_step_hook(step_hook)
+    optimizer.attach_step_hook(step_hook)
     criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
-    if rates is None:
-        sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=schedule.sample_rate,
-                                                generator=private_torch_generator(rng, secure_noise),
-                                                steps=schedule.steps_per_epoch)
-    else:
-        sampler = _ClassWeightedPoissonSampler(rates, schedule.steps_per_epoch,
-                                               private_torch_generator(rng, secure_noise))
+    sampler = _PoissonSampler(schedule.sample_rate if rates is None else rates, n, schedule.steps_per_epoch,
+                              private_torch_generator(rng, secure_noise))
     gsm.train()
     loss_total, seen, steps = 0.0, 0, 0
     try:
@@ -423,6 +450,168 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     return {"train_loss": loss_total / max(seen, 1), "dpsgd_steps": float(steps)}
 
 
-__all__ = ["DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
+class VectorisedDPSGD:
+    """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
+    of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
+
+    Per step, each client draws its Poisson batch from its own sampling generator (:func:`poisson_lot`, as
+    :func:`dpsgd_train` draws it); the chunk's batches are padded to the longest with
+    zero-weight rows; ``vmap`` over clients of ``vmap`` over examples gives every example's gradient; each is clipped
+    by :func:`clip_factor`; the clipped sum gets the client's noise and is divided by the public expected batch
+    (:func:`noised_mean`, parameter by parameter from the client's noise generator, as :func:`dpsgd_train` draws it);
+    then torch's SGD step (with momentum). An empty batch is still a step (noise only). Seeded identically, it gives the
+    per-client loop's model to float tolerance.
+
+    Args:
+        model: the architecture (only its structure is used, through ``functional_call``).
+        schedule: the clients' common :class:`~privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`.
+        noise_multiplier, clip, lr, momentum: as in ``dpsgd_train``.
+        secure_noise: the noise from ``mechanisms.SecureNoise`` (and Poisson generators seeded from OS entropy by the
+            caller); False: torch's generator, reproducible from the seed.
+        memory_budget: bytes of per-client state (per-example gradients of one batch) one chunk may hold.
+    """
+
+    def __init__(self, model: nn.Module, *, schedule, noise_multiplier: float, clip: float, lr: float,
+                 momentum: float, secure_noise: bool, memory_budget: int = 4 * DEFAULT_MEMORY_BUDGET):
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.schedule = schedule
+        self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
+        self.secure_noise = bool(secure_noise)
+        self.memory_budget = int(memory_budget)
+        self.per_example = PerExampleGradients(model)
+        self._stack = self.per_example.stack
+
+    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
+        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses). On a linear
+        stack without materialising per-example gradients (ghost clipping, as opacus does it)."""
+        terms = self.per_example(params, xb, yb, weight)
+        return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses
+
+    def chunk(self) -> int:
+        """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
+        only its activations) and four copies of the parameters within the budget."""
+        dim = sum(p.numel() for p in self.model.parameters())
+        batch = max(1.0, 1.5 * self.schedule.sample_rate * max(self.schedule.size, 1))
+        if self._stack is not None:
+            width = max((p.shape[0] + p.shape[-1] for p in self.model.parameters() if p.dim() == 2), default=1)
+            return max(1, int(self.memory_budget // (4 * (4 * dim + 4 * batch * width))))
+        return max(1, int(self.memory_budget // (4 * dim * (batch + 4))))
+
+    def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              generators: Sequence[tuple[torch.Generator, torch.Generator]]) -> Iterator[tuple[int, np.ndarray, dict]]:
+        """Yield ``(i, update_i, stats_i)`` for every client: its model after ``schedule.steps`` DP-SGD steps minus
+        ``global_params`` (float64, as ``dpsgd_fedavg`` computes it) and ``{"train_loss", "dpsgd_steps"}``.
+        ``generators[i]`` is client i's (noise, sampling) generator pair, created in that order."""
+        for i, final, stats in self.train_models(global_params, datasets, generators):
+            yield i, np.subtract(final, global_params, dtype=np.float64), stats
+
+    def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
+                     before_step: Callable | None = None, extra_gradient: Callable | None = None
+                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
+        """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
+
+        The hooks are ``dpsgd_train``'s, for a chunk at once: ``before_step(members, epoch, step, params)`` runs after
+        the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
+        chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
+        ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
+        place before the update."""
+        start32 = torch.as_tensor(global_params, dtype=torch.float32)
+        step = self.chunk()
+        for lo in range(0, len(datasets), step):
+            members = list(range(lo, min(lo + step, len(datasets))))
+            final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
+                                             members, before_step, extra_gradient)
+            rows = final.numpy()
+            for row, i in enumerate(members):
+                yield i, rows[row], stats[row]
+
+    def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None):
+        c = len(datasets)
+        shapes = [p.shape for _, p in self.model.named_parameters()]
+        flat = start32.unsqueeze(0).repeat(c, 1)
+        params, offset = {}, 0
+        for name, shape in zip(self.names, shapes):
+            params[name] = flat[:, offset:offset + shape.numel()].view(c, *shape)
+            offset += shape.numel()
+        sched = self.schedule
+        expected = sched.expected_batch if sched.size else None
+        q = sched.sample_rate
+        buf: dict[str, torch.Tensor] | None = None
+        loss_total, seen = [0.0] * c, [0] * c
+        steps = 0
+        for epoch in range(sched.epochs):
+            for step in range(sched.steps_per_epoch):
+                idx = [poisson_lot(q, len(x), gen[1]) for (x, _), gen in zip(datasets, generators)]
+                if before_step is not None:
+                    before_step(members, epoch, step, params)
+                width = max(len(i) for i in idx)
+                grads = {k: torch.zeros_like(v) for k, v in params.items()}
+                if width:
+                    feats = datasets[0][0].shape[1:]
+                    xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
+                    yb = torch.zeros(c, width, dtype=datasets[0][1].dtype)
+                    weight = torch.zeros(c, width)
+                    for r, ((x, y), i) in enumerate(zip(datasets, idx)):
+                        xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
+                    sums, losses = self._clipped_sums(params, xb, yb, weight)
+                    for k, g in sums.items():
+                        grads[k] = g
+                    for r, i in enumerate(idx):
+                        loss_total[r] += float((losses[r] * weight[r]).sum())
+                        seen[r] += len(i)
+                for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
+                    batch = expected if expected is not None else q * len(x)
+                    for k in self.names:
+                        grads[k][r] = noised_mean(grads[k][r], std=self.z * self.clip, expected_batch=batch,
+                                                  generator=generators[r][0], secure=self.secure_noise)
+                if extra_gradient is not None:
+                    extra_gradient(members, params, grads)
+                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
+                steps += 1
+        stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
+        return flat, stats
+
+
+class DPSGD:
+    """The DP-SGD engine of a round's clients that share one schedule: each trains ``schedule.steps`` steps from the
+    broadcast parameters, every step :func:`poisson_lot`, clipping, :func:`noised_mean` and the optimizer's update.
+
+    ``vectorised``: the clients train together (:class:`VectorisedDPSGD`: a model of stateless layers, the default
+    loss and SGD); otherwise one after another (:func:`dpsgd_train`: any layer opacus can clip, the user's loss and
+    optimizer). Either way client i's draws come from ``rngs[i]`` in one order (the noise generator, then the
+    sampling generator), so both give the same models to float tolerance.
+    """
+
+    def __init__(self, model: nn.Module, schedule: DPSGDSchedule, *, noise_multiplier: float, clip: float, lr: float,
+                 momentum: float, secure_noise: bool, loss=None, optimizer=None, algorithm: str = "dpsgd_fedavg"):
+        self.model, self.schedule = model, schedule
+        self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
+        self.secure_noise = bool(secure_noise)
+        self.loss, self.optimizer, self.algorithm = loss, optimizer, algorithm
+
+    def train(self, start: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              rngs: Sequence[np.random.Generator], *, vectorised: bool) -> Iterator[tuple[int, np.ndarray, dict]]:
+        """Yield ``(i, params_i, stats_i)`` for every client: its parameters after training (a float32 row) and
+        ``{"train_loss", "dpsgd_steps"}``."""
+        if vectorised:
+            secure = self.secure_noise
+            generators = [(private_torch_generator(r, secure), private_torch_generator(r, secure)) for r in rngs]
+            executor = VectorisedDPSGD(self.model, schedule=self.schedule, noise_multiplier=self.z, clip=self.clip,
+                                       lr=self.lr, momentum=self.momentum, secure_noise=secure)
+            yield from executor.train_models(start, datasets, generators)
+            return
+        for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
+            local = copy.deepcopy(self.model)
+            load_flat_parameters(local, np.asarray(start, dtype=np.float32))
+            stats = dpsgd_train(local, x, y, self.schedule, noise_multiplier=self.z, clip=self.clip, lr=self.lr,
+                                momentum=self.momentum, rng=rng, secure_noise=self.secure_noise, loss=self.loss,
+                                optimizer=self.optimizer, algorithm=self.algorithm)
+            yield i, flat_parameters(local), stats
+
+
+__all__ = ["DPSGD", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
            "check_opacus_model", "class_sampling_rates", "dpsgd_schedule", "dpsgd_train", "loss_class_weight",
-           "other_round_events", "poisson_lot", "privatise_gradient_sum"]
+           "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian",
+           "step_noise", "VectorisedDPSGD", "clip_factor"]

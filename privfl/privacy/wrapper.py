@@ -7,7 +7,7 @@ wrapper decides everything the algorithm does not:
 - **client level** (``unit="client"``): each channel is the client's value clipped to L2 norm ``clip`` by the release
   pipeline, released with the public weight 1; the noise is added by the client (``local``), the aggregator
   (``central``) or shared by the clients under secure aggregation (``distributed``), calibrated by the run plan;
-- **record level** (``unit="example"``): ``data.train`` is the one DP-SGD engine (``privfl.algorithms.dpsgd_fedavg.
+- **record level** (``unit="example"``): ``data.train`` is the one DP-SGD engine (``privfl.privacy.record_level.
   dpsgd_train``: opacus, Poisson sampling, the user's loss and optimizer), the client step cannot read its records any
   other way, and may train once per round; the one channel it returns is post-processing of that training and charges
   the round's planned DP-SGD event (reported to the run plan by :meth:`PrivateAlgorithm.planned_events`, calibrated
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule, dpsgd_train
+from privfl.privacy.record_level import DPSGD, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.plain import Algorithm, LocalData
 from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
@@ -73,15 +73,12 @@ class _RecordLevelData(LocalData):
             raise ConfigurationError(f"{owner.name}: at record level a client step trains once per round (its "
                                      "release is charged one round of DP-SGD); call data.train once")
         self.trained = True
-        local = copy.deepcopy(owner.model)
-        load_flat_parameters(local, np.asarray(params, dtype=np.float32))
-        x, y = self._dataset.tensors()
-        stats = dpsgd_train(local, x, y, self.schedule, noise_multiplier=self.noise_multiplier,
-                            clip=owner.privacy.clip, lr=owner.fed.lr, momentum=owner.fed.momentum, rng=self._rng,
-                            secure_noise=owner.privacy.secure_noise, loss=owner.user.loss,
-                            optimizer=owner.user.optimizer, algorithm=owner.name)
+        engine = DPSGD(owner.model, self.schedule, noise_multiplier=self.noise_multiplier, clip=owner.privacy.clip,
+                       lr=owner.fed.lr, momentum=owner.fed.momentum, secure_noise=owner.privacy.secure_noise,
+                       loss=owner.user.loss, optimizer=owner.user.optimizer, algorithm=owner.name)
+        [(_, trained, stats)] = engine.train(params, [self._dataset.tensors()], [self._rng], vectorised=False)
         self.metrics.update(stats)
-        return flat_parameters(local)
+        return trained
 
     def tensors(self):
         raise ConfigurationError(f"{self._owner.name}: at record level a client step reads its data only through "

@@ -14,8 +14,8 @@ pipeline (``privfl.runtime.engine``).
 
 The same machinery serves the weight-space Bayesian algorithms: :class:`PerExampleGradients` gives a chunk's
 per-example gradients (ghost form on a linear stack, vmap of grad otherwise) whose clipped sums drive DP-SGD
-(:class:`VectorisedDPSGD`, with ``dpsgd_train``'s ``before_step`` / ``extra_gradient`` hooks for FOLA's Fisher pass
-and prior) and whose squared sums are the per-example Fisher of ``privfl.training.fisher``
+(``privfl.privacy.record_level.VectorisedDPSGD``: the privacy layer clips, samples and adds noise; nothing here does)
+and whose squared sums are the per-example Fisher of ``privfl.training.fisher``
 (:class:`VectorisedOnlineFisher`, FOLA's online step); :func:`adam_step` and the masked :func:`sgd_step` are torch's
 optimisers on stacked parameters for HBFL's memes and local models (``privfl.algorithms.hbfl.VectorisedHBFL``).
 
@@ -26,7 +26,7 @@ CPU, in cache: stacking 1,000 copies of a 79,510-weight MLP at once is memory-bo
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -347,156 +347,6 @@ class PerExampleGradients:
             (wn, bn, a.detach(), b) for (wn, bn), a, b in zip(linear, inputs, backprops)])
 
 
-def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
-    """opacus's (and ``privfl.training.fisher``'s) per-example clip factor min(1, C / (||g|| + 1e-6))."""
-    return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
-
-
-def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
-    """N(0, std^2) noise of ``shape`` drawn by ``mechanisms.SecureNoise`` (OS CSPRNG, full-resolution Box-Muller:
-    no tail cut, unlike torch's float32 ``normal``, whose single draws stop at 5.77 sigma), then cast to ``dtype``
-    (float32 holds any such draw)."""
-    from privfl.mechanisms import SecureNoise
-
-    draws = SecureNoise().standard_normal(tuple(int(s) for s in shape))
-    return torch.from_numpy(np.asarray(draws, dtype=np.float64) * float(std)).to(dtype)
-
-
-class VectorisedDPSGD:
-    """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
-    of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
-
-    Per step, each client draws its Poisson batch from its own sampling generator exactly as opacus's
-    ``UniformWithReplacementSampler`` does (``rand(n) < q``); the chunk's batches are padded to the longest with
-    zero-weight rows; ``vmap`` over clients of ``vmap`` over examples gives every example's gradient; each is clipped
-    to ``clip`` with opacus's factor ``min(1, clip / (norm + 1e-6))``; the clipped sum gets the client's Gaussian noise
-    of std ``noise_multiplier * clip``, drawn from its own noise generator parameter by parameter as opacus draws it
-    (with secure noise: ``mechanisms.SecureNoise``, see :func:`secure_gaussian`), and is divided by the public
-    expected batch; then
-    torch's SGD step (with momentum). An empty batch is still a step (noise only). Seeded identically, it gives the
-    per-client loop's model to float tolerance.
-
-    Args:
-        model: the architecture (only its structure is used, through ``functional_call``).
-        schedule: the clients' common :class:`~privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`.
-        noise_multiplier, clip, lr, momentum: as in ``dpsgd_train``.
-        secure_noise: the noise from ``mechanisms.SecureNoise`` (and Poisson generators seeded from OS entropy by the
-            caller); False: torch's generator, reproducible from the seed.
-        memory_budget: bytes of per-client state (per-example gradients of one batch) one chunk may hold.
-    """
-
-    def __init__(self, model: nn.Module, *, schedule, noise_multiplier: float, clip: float, lr: float,
-                 momentum: float, secure_noise: bool, memory_budget: int = 4 * DEFAULT_MEMORY_BUDGET):
-        self.model = model
-        self.names = [n for n, _ in model.named_parameters()]
-        self.schedule = schedule
-        self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
-        self.secure_noise = bool(secure_noise)
-        self.memory_budget = int(memory_budget)
-        self.per_example = PerExampleGradients(model)
-        self._stack = self.per_example.stack
-
-    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
-        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses). On a linear
-        stack without materialising per-example gradients (ghost clipping, as opacus does it)."""
-        terms = self.per_example(params, xb, yb, weight)
-        return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses
-
-    def chunk(self) -> int:
-        """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
-        only its activations) and four copies of the parameters within the budget."""
-        dim = sum(p.numel() for p in self.model.parameters())
-        batch = max(1.0, 1.5 * self.schedule.sample_rate * max(self.schedule.size, 1))
-        if self._stack is not None:
-            width = max((p.shape[0] + p.shape[-1] for p in self.model.parameters() if p.dim() == 2), default=1)
-            return max(1, int(self.memory_budget // (4 * (4 * dim + 4 * batch * width))))
-        return max(1, int(self.memory_budget // (4 * dim * (batch + 4))))
-
-    def _noise(self, shape, generator: torch.Generator) -> torch.Tensor:
-        std = self.z * self.clip
-        if std == 0:
-            return torch.zeros(shape)
-        if self.secure_noise:  # the OS CSPRNG through mechanisms.SecureNoise: a tail without a cut (float64 draws)
-            return secure_gaussian(shape, std)
-        return torch.normal(0.0, std, size=shape, generator=generator)
-
-    def train(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              generators: Sequence[tuple[torch.Generator, torch.Generator]]) -> Iterator[tuple[int, np.ndarray, dict]]:
-        """Yield ``(i, update_i, stats_i)`` for every client: its model after ``schedule.steps`` DP-SGD steps minus
-        ``global_params`` (float64, as ``dpsgd_fedavg`` computes it) and ``{"train_loss", "dpsgd_steps"}``.
-        ``generators[i]`` is client i's (noise, sampling) generator pair, created in that order."""
-        for i, final, stats in self.train_models(global_params, datasets, generators):
-            yield i, np.subtract(final, global_params, dtype=np.float64), stats
-
-    def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
-                     before_step: Callable | None = None, extra_gradient: Callable | None = None
-                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
-        """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
-
-        The hooks are ``dpsgd_train``'s, for a chunk at once: ``before_step(members, epoch, step, params)`` runs after
-        the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
-        chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
-        ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
-        place before the update."""
-        start32 = torch.as_tensor(global_params, dtype=torch.float32)
-        step = self.chunk()
-        for lo in range(0, len(datasets), step):
-            members = list(range(lo, min(lo + step, len(datasets))))
-            final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
-                                             members, before_step, extra_gradient)
-            rows = final.numpy()
-            for row, i in enumerate(members):
-                yield i, rows[row], stats[row]
-
-    def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None):
-        c = len(datasets)
-        shapes = [p.shape for _, p in self.model.named_parameters()]
-        flat = start32.unsqueeze(0).repeat(c, 1)
-        params, offset = {}, 0
-        for name, shape in zip(self.names, shapes):
-            params[name] = flat[:, offset:offset + shape.numel()].view(c, *shape)
-            offset += shape.numel()
-        sched = self.schedule
-        expected = sched.expected_batch if sched.size else None
-        q = sched.sample_rate
-        buf: dict[str, torch.Tensor] | None = None
-        loss_total, seen = [0.0] * c, [0] * c
-        steps = 0
-        for epoch in range(sched.epochs):
-            for step in range(sched.steps_per_epoch):
-                idx = [(torch.rand(len(x), generator=gen[1]) < q).nonzero().reshape(-1)
-                       for (x, _), gen in zip(datasets, generators)]
-                if before_step is not None:
-                    before_step(members, epoch, step, params)
-                width = max(len(i) for i in idx)
-                grads = {k: torch.zeros_like(v) for k, v in params.items()}
-                if width:
-                    feats = datasets[0][0].shape[1:]
-                    xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
-                    yb = torch.zeros(c, width, dtype=datasets[0][1].dtype)
-                    weight = torch.zeros(c, width)
-                    for r, ((x, y), i) in enumerate(zip(datasets, idx)):
-                        xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
-                    sums, losses = self._clipped_sums(params, xb, yb, weight)
-                    for k, g in sums.items():
-                        grads[k] = g
-                    for r, i in enumerate(idx):
-                        loss_total[r] += float((losses[r] * weight[r]).sum())
-                        seen[r] += len(i)
-                for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
-                    batch = expected if expected is not None else q * len(x)
-                    for k, shape in zip(self.names, shapes):
-                        grads[k][r] += self._noise(shape, generators[r][0])
-                        grads[k][r] /= batch
-                if extra_gradient is not None:
-                    extra_gradient(members, params, grads)
-                buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
-                steps += 1
-        stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
-        return flat, stats
-
-
 class VectorisedOnlineFisher:
     """Mini-batch SGD on mean cross-entropy plus a diagonal Gaussian prior term, for chunks of clients at once, that
     reads the per-example Fisher diagonal of the task loss off each step's own per-example gradients (FOLA's online
@@ -586,6 +436,6 @@ class VectorisedOnlineFisher:
         return flat, fisher, (total / seen).tolist()
 
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "PerExampleGradients", "PerExampleTerms", "VectorisedDPSGD",
-           "VectorisedOnlineFisher", "VectorisedSGD", "adam_step", "chunk_size", "clip_factor", "linear_stack",
+__all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "PerExampleGradients", "PerExampleTerms",
+           "VectorisedOnlineFisher", "VectorisedSGD", "adam_step", "chunk_size", "linear_stack",
            "sgd_step", "unflatten", "vectorisable"]

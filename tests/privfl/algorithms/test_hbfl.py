@@ -10,7 +10,6 @@ import torch
 
 from privfl.accounting import GaussianEvent, NoOpEvent, SelfComposedEvent
 from privfl.accounting.ledger import PrivacyLedger
-from privfl.mechanisms import SeededNoise
 from privfl.core.aggregation import weighted_sums
 from privfl.algorithms import ALGORITHMS, make_algorithm
 from privfl.privacy.record_level import DPSGDSchedule
@@ -169,11 +168,6 @@ def test_distillation_loss_is_eq_4_2():
     torch.testing.assert_close(distillation_loss(student, self_teacher, y, weight=0.0), torch.tensor(0.0))
 
 
-class _Zero:
-    def standard_normal(self, shape):
-        return np.zeros(shape)
-
-
 def _flat_grad(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -185,11 +179,12 @@ def test_dpsgd_clips_each_example_to_the_bound():
     x, y = 50.0 * torch.randn(5, 1, 8, 8), torch.randint(0, 10, (5,))
     for i in range(5):
         model.zero_grad(set_to_none=True)
-        dpsgd_gradients(model, x[i:i + 1], y[i:i + 1], clip=0.3, noise_multiplier=1.0, expected_batch=1.0,
-                        noise=_Zero())
+        dpsgd_gradients(model, x[i:i + 1], y[i:i + 1], clip=0.3, noise_multiplier=0.0, expected_batch=1.0,
+                        generator=torch.Generator(), secure=False)
         assert float(_flat_grad(model).norm()) == pytest.approx(0.3, rel=1e-5)  # large gradients are clipped
     model.zero_grad(set_to_none=True)
-    dpsgd_gradients(model, x, y, clip=0.3, noise_multiplier=1.0, expected_batch=1.0, noise=_Zero())
+    dpsgd_gradients(model, x, y, clip=0.3, noise_multiplier=0.0, expected_batch=1.0, generator=torch.Generator(),
+                    secure=False)
     assert float(_flat_grad(model).norm()) <= 5 * 0.3 * (1 + 1e-6)
 
 
@@ -197,7 +192,8 @@ def test_dpsgd_noise_has_the_declared_std():
     """An empty Poisson batch still takes a noisy step: N(0, (z C)^2) / expected batch per coordinate."""
     model = make_bayesian_model("mlp", (1, 8, 8), 10, hidden=(64,))
     dpsgd_gradients(model, torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), clip=0.5,
-                    noise_multiplier=2.0, expected_batch=4.0, noise=SeededNoise(0))
+                    noise_multiplier=2.0, expected_batch=4.0, generator=torch.Generator().manual_seed(0),
+                    secure=False)
     g = _flat_grad(model).double().numpy()
     assert g.size > 9_000 and np.std(g) == pytest.approx(2.0 * 0.5 / 4.0, rel=0.03)
 

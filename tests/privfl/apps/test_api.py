@@ -220,7 +220,7 @@ def test_dpsgd_needs_a_per_example_loss():
 
 @pytest.mark.parametrize("algorithm", OWN_MODEL_ALGORITHMS)
 def test_a_custom_loss_runs_per_client_and_the_default_vectorises(algorithm, monkeypatch):
-    import privfl.algorithms.dpsgd_fedavg as dpsgd_module
+    import privfl.privacy.record_level as dpsgd_module
     import privfl.algorithms.fedavg as fedavg_module
 
     class Refused:

@@ -56,22 +56,23 @@ def test_equal_weights_draw_opacus_batches():
     n, q, steps = 57, 0.2, 6
     schedule = R.DPSGDSchedule(q, steps, 1, n)
     rates = R.class_sampling_rates(torch.ones(3), torch.zeros(n, dtype=torch.long), q, "add_remove", "x")
-    ours = list(R._ClassWeightedPoissonSampler(rates, steps, torch.Generator().manual_seed(5)))
+    ours = list(R._PoissonSampler(rates, n, steps, torch.Generator().manual_seed(5)))
+    one_rate = list(R._PoissonSampler(q, n, steps, torch.Generator().manual_seed(5)))
     theirs = list(UniformWithReplacementSampler(num_samples=n, sample_rate=q,
                                                 generator=torch.Generator().manual_seed(5), steps=steps))
-    assert ours == theirs and any(ours)
+    assert ours == theirs == one_rate and any(ours)
 
 
 def test_the_engine_samples_classes_at_their_rates_and_trains_on_the_unweighted_loss(monkeypatch):
     seen_losses, batches = [], []
-    real_sampler = R._ClassWeightedPoissonSampler.__iter__
+    real_sampler = R._PoissonSampler.__iter__
 
     def recording(self):
         for batch in real_sampler(self):
             batches.append(batch)
             yield batch
 
-    monkeypatch.setattr(R._ClassWeightedPoissonSampler, "__iter__", recording)
+    monkeypatch.setattr(R._PoissonSampler, "__iter__", recording)
     real_task_loss = R.TaskLoss
 
     def spy(criterion):

@@ -1,7 +1,8 @@
 """DP-SGD's noise under secure noise comes from ``mechanisms.SecureNoise`` (issue 25: no tail cut). torch's float32
 ``normal`` stops at 5.77 sigma (and opacus's secure_mode sums four such draws): the privacy loss of a coordinate that
-an extra record shifts past the cut is unbounded, which can exceed delta over a long schedule. Both DP-SGD engines
-(opacus for the per-client loop, the vectorised executor) now add N(0, (z C)^2) / B drawn by SecureNoise."""
+an extra record shifts past the cut is unbounded, which can exceed delta over a long schedule. Every DP-SGD path
+(opacus's clipping on the per-client loop, the vectorised executor, HBFL's materialised per-example steps) adds
+N(0, (z C)^2) / B drawn by record_level.step_noise, which under secure noise is SecureNoise."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from privfl.privacy.record_level import DPSGDSchedule, dpsgd_train
-from privfl.training.stacked import VectorisedDPSGD, secure_gaussian
+from privfl.privacy.record_level import VectorisedDPSGD, privatise_gradient_sum, secure_gaussian
 from privfl.mechanisms import SecureNoise
 
 
@@ -56,10 +57,31 @@ def test_opacus_path_adds_secure_noise_of_std_zC_over_B(monkeypatch, value):
 _RESULTS: dict = {}
 
 
-def test_vectorised_executor_draws_secure_noise(monkeypatch):
-    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(9.0))
+def _vectorised_update(monkeypatch, value):
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(value))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    start = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
     schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=1, size=8)
-    executor = VectorisedDPSGD(nn.Linear(3, 2), schedule=schedule, noise_multiplier=1.5, clip=0.4, lr=1.0,
-                               momentum=0.0, secure_noise=True)
-    noise = executor._noise((2, 3), torch.Generator())
-    assert torch.allclose(noise, torch.full((2, 3), 9.0 * 1.5 * 0.4))
+    executor = VectorisedDPSGD(model, schedule=schedule, noise_multiplier=1.5, clip=0.4, lr=1.0, momentum=0.0,
+                               secure_noise=True)
+    [(_, update, _)] = executor.train(start, [(x, y)], [(torch.Generator(), torch.Generator())])
+    return update, schedule
+
+
+def test_vectorised_executor_adds_secure_noise_of_std_zC_over_B(monkeypatch):
+    """The same check for the vectorised executor (its noise is record_level.step_noise, as the opacus path's)."""
+    quiet, schedule = _vectorised_update(monkeypatch, 0.0)
+    loud, _ = _vectorised_update(monkeypatch, 9.0)
+    np.testing.assert_allclose(quiet - loud, 9.0 * 1.5 * 0.4 / schedule.expected_batch, rtol=1e-5)
+
+
+def test_materialised_per_example_steps_draw_secure_noise(monkeypatch):
+    """HBFL's meme steps (privatise_gradient_sum): clipped sum plus z C times the secure draw, over B."""
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(9.0))
+    per_example = torch.tensor([[3.0, 4.0], [0.3, 0.4]])  # norms 5 and 0.5: clipped to 1 and kept
+    got = privatise_gradient_sum(per_example, 2, clip=1.0, noise_multiplier=2.0, expected_batch=4.0,
+                                 generator=torch.Generator(), secure=True)
+    expected = (torch.tensor([0.6, 0.8]) * (1 / (1 + 1e-6)) + torch.tensor([0.3, 0.4]) + 2.0 * 9.0) / 4.0
+    assert torch.allclose(got, expected, atol=1e-6)

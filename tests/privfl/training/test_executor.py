@@ -136,7 +136,8 @@ def test_vectorised_dpsgd_matches_the_opacus_loop_client_by_client(make_model, g
     clipping) gives from the same generators, with empty Poisson batches included (q small, few records), on the
     ghost path (a linear stack) and on the per-example vmap path."""
     from privfl.privacy.record_level import DPSGDSchedule, dpsgd_train
-    from privfl.training.stacked import VectorisedDPSGD, linear_stack
+    from privfl.privacy.record_level import VectorisedDPSGD
+    from privfl.training.stacked import linear_stack
     from privfl.core.public import private_torch_generator
 
     torch.manual_seed(0)
@@ -165,7 +166,7 @@ def test_vectorised_dpsgd_noise_has_the_calibrated_scale():
     """With nothing to learn from (zero inputs, one step), the update is the noise alone: its std per coordinate is
     lr * z * clip / expected batch, under seeded and under secure (opacus secure_mode) noise alike."""
     from privfl.privacy.record_level import DPSGDSchedule
-    from privfl.training.stacked import VectorisedDPSGD
+    from privfl.privacy.record_level import VectorisedDPSGD
 
     model = torch.nn.Sequential(torch.nn.Linear(200, 50))
     start = np.zeros(sum(p.numel() for p in model.parameters()))

@@ -24,8 +24,8 @@ from privfl.algorithms.hbfl import HBFL, VectorisedHBFL
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.errors import ConfigurationError
-from privfl.training.stacked import (PerExampleGradients, VectorisedDPSGD, VectorisedOnlineFisher, adam_step, clip_factor,
-                             sgd_step)
+from privfl.privacy.record_level import VectorisedDPSGD, clip_factor
+from privfl.training.stacked import PerExampleGradients, VectorisedOnlineFisher, adam_step, sgd_step
 from privfl.training.fisher import per_example_fisher
 from privfl.runtime.engine import Simulation
 from privfl.training.local import flat_parameters, load_flat_parameters

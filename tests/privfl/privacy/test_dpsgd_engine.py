@@ -1,0 +1,89 @@
+"""One DP-SGD step for every record-level path (issue 30): the Poisson lot, the noise and its scale are drawn in
+``privfl.privacy.record_level`` and nowhere else, whichever algorithm and executor trains."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from privfl.algorithms import ALGORITHMS
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.data import federated_from_arrays
+from privfl.privacy import record_level as R
+from privfl.runtime.engine import Simulation
+
+ROOT = Path(__file__).resolve().parents[3]
+FED = FederationConfig(rounds=1, local_epochs=1, batch_size=4, lr=0.1, momentum=0.5, hidden=(5,), seed=2)
+EXAMPLE = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0.7, secure_noise=False)
+
+
+def _federation():
+    rng = np.random.default_rng(0)
+    parts = [(rng.normal(size=(10, 6)).astype(np.float32), rng.integers(0, 3, size=10).astype(np.int64))
+             for _ in range(3)]
+    test = (rng.normal(size=(12, 6)).astype(np.float32), rng.integers(0, 3, size=12).astype(np.int64))
+    return federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy", design_size=10)
+
+
+@pytest.mark.parametrize("executor", ["per_client", "vectorised"])
+@pytest.mark.parametrize("name, kwargs", [("dpsgd_fedavg", {}), ("fola", {}), ("hbfl", {"meme_lr": 0.01})])
+def test_every_record_level_path_draws_its_lots_and_noise_in_the_one_step(monkeypatch, name, kwargs, executor):
+    """Each DP-SGD step of a run takes its lot from ``poisson_lot`` and its noise from ``step_noise`` at std z C, one
+    draw per parameter tensor (or flattened gradient) and step; nothing else in the run samples or noises."""
+    lots, stds = [], []
+    real_lot, real_noise = R.poisson_lot, R.step_noise
+
+    def lot(rates, n, generator):
+        lots.append(n)
+        return real_lot(rates, n, generator)
+
+    def noise(shape, std, generator, secure, dtype=torch.float32):
+        stds.append(std)
+        return real_noise(shape, std, generator, secure, dtype)
+
+    monkeypatch.setattr(R, "poisson_lot", lot)
+    monkeypatch.setattr(R, "step_noise", noise)
+    for module in ("privfl.algorithms.hbfl", "privfl.algorithms.dp_fedsgd"):  # they import the lot by name
+        monkeypatch.setattr(f"{module}.poisson_lot", lot)
+    sim = Simulation(ALGORITHMS[name](FED, EXAMPLE, **kwargs), _federation(), FED, EXAMPLE, executor=executor)
+    sim.prepare()
+    assert sim.vectorised == (executor == "vectorised")
+    sim.run()
+    schedule = R.dpsgd_schedule(sim.algorithm, 0)
+    z = sim.algorithm.planned_events(0)
+    assert z, "a record-level run plans its DP-SGD events"
+    steps = schedule.steps * 3  # every client of the one round
+    assert len(lots) == steps
+    assert len(stds) >= steps and len({round(s, 12) for s in stds}) == 1 and stds[0] > 0
+    assert math.isclose(stds[0] / EXAMPLE.clip, _noise_multiplier(sim.algorithm, schedule), rel_tol=1e-12)
+
+
+def _noise_multiplier(alg, schedule) -> float:
+    for attribute in ("noise_multiplier", "_dpsgd_noise_multiplier", "dpsgd_noise_multiplier"):
+        if hasattr(alg, attribute):
+            return getattr(alg, attribute)(schedule)
+    raise AssertionError(f"{alg.name}: no DP-SGD noise multiplier")
+
+
+def test_opacus_clips_but_never_samples_or_noises():
+    """opacus is imported by the record-level module only, and its optimizer is built with no noise of its own."""
+    def imports_opacus(path: Path) -> bool:
+        for n in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.Import)
+                     else [n.module or ""] if isinstance(n, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "opacus" for name in names):
+                return True
+        return False
+
+    importers = [p.relative_to(ROOT).as_posix() for p in (ROOT / "privfl").rglob("*.py") if imports_opacus(p)]
+    assert importers == ["privfl/privacy/record_level.py"]
+    tree = ast.parse((ROOT / "privfl" / "privacy" / "record_level.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).startswith("DPOptimizer")]
+    assert calls and all(any(k.arg == "noise_multiplier" and ast.unparse(k.value) == "0.0" for k in c.keywords)
+                         and not any(k.arg in ("generator", "secure_mode") for k in c.keywords) for c in calls)
+    assert "UniformWithReplacementSampler(" not in (ROOT / "privfl" / "privacy" / "record_level.py").read_text()
