@@ -34,6 +34,14 @@ Placements (``PrivacyConfig.placement``), the noise z C added once to the sum of
 - ``local``: each client adds the full noise zC (it trusts no aggregation); the average then carries sqrt(K) times
   more noise.
 
+``posterior="laplace"`` (FOLA's Laplace posterior, its statistics paid for once): on the same lot each client also
+releases ``fisher_trace``, per parameter tensor t the sum of its sampled records' squared clipped gradient norms
+||f_i g_i,t||^2 (a record's vector has L2 norm at most ||f_i g_i||^2 <= C^2, the channel's sensitivity), boxed to
+[-B C, B C]; the budget is split ``1 - fisher_share`` / ``fisher_share`` between the two, and a round's two sampled
+events are one (``accounting.rounds.round_events`` groups a lot's channels). The server keeps the mean of the noisy
+per-record traces over the posterior rounds and predicts with N(w, s / (lambda0 + N F_t / d_t)) per tensor
+(:meth:`DPFedSGD.posterior_moments`). Distributed noise plans one sampled channel: refused up front.
+
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
 (``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
 release weight is the constant 1, and a client reports no metrics (no sampled count, no norm, no loss).
@@ -88,7 +96,8 @@ class DPFedSGD(FedAvg):
     def __init__(self, fed, privacy, model=None, metrics=None, lot_size: int | None = None,
                  coordinate_bound: float | None = None, server_optimizer: str = "sgd",
                  betas: tuple[float, float] = (0.9, 0.999), class_weights=None, posterior: str = "none",
-                 posterior_rounds: int | None = None, posterior_samples: int = 30, posterior_scale: float = 1.0):
+                 posterior_rounds: int | None = None, posterior_samples: int = 30, posterior_scale: float = 1.0,
+                 fisher_share: float = 0.05, prior_precision: float = 1.0):
         super().__init__(fed, privacy, model=model, metrics=metrics)
         if posterior not in POSTERIORS:
             raise ConfigurationError(f"dp_fedsgd: posterior must be one of {POSTERIORS}, got {posterior!r}")
@@ -107,6 +116,13 @@ class DPFedSGD(FedAvg):
                                     else max(2, min(fed.rounds, fed.rounds // 10)))
         self.posterior_samples = int(posterior_samples)
         self.posterior_scale = float(_positive("posterior_scale", posterior_scale, allow_none=False))
+        if (isinstance(fisher_share, bool) or not isinstance(fisher_share, (int, float))
+                or not 0 < fisher_share < 1):
+            raise ConfigurationError(f"dp_fedsgd: fisher_share must be a number in (0, 1), got {fisher_share!r}")
+        #: ``posterior="laplace"``: the share of each round's budget the Fisher channel gets (the gradient the rest)
+        self.fisher_share = float(fisher_share)
+        #: ``posterior="laplace"``: the Gaussian prior's precision (per parameter)
+        self.prior_precision = float(_positive("prior_precision", prior_precision, allow_none=False))
         #: public per-class weights, as sampling rates q * w[y] / max(w) (``record_level.class_sampling_rates``)
         self.class_weights = None if class_weights is None else tuple(float(w) for w in class_weights)
         if lot_size is not None and (isinstance(lot_size, bool) or not isinstance(lot_size, int) or lot_size < 1):
@@ -130,7 +146,8 @@ class DPFedSGD(FedAvg):
         self.expected_lot = 1.0
         self.bound = math.inf
         self._optimizer_state: dict | None = None  # the server's: never broadcast
-        #: the trajectory's running moments {"n", "mean", "sq"} over the posterior rounds (the server's)
+        #: the trajectory's running moments {"n", "mean", "sq"} over the posterior rounds (the server's); with the
+        #: Laplace posterior, {"n", "fisher"}: the running mean of the per-record Fisher traces (one per tensor)
         self._trajectory: dict | None = None
 
     # -- public schedule -----------------------------------------------------------------------------------------
@@ -160,14 +177,33 @@ class DPFedSGD(FedAvg):
             check_class_weights(self.class_weights, public.num_classes, self._relation, "dp_fedsgd")
 
     def channels(self):
+        laplace = self.posterior == "laplace"
         if not self.privacy.private:
-            return [unit_channel(self.privacy, "gradient_sum", (self.dim,),
-                                 description="sum of the sampled records' loss gradients")]
-        return [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None,
-                             record=PreClipped(self.privacy.clip, "sum"), value_bound=self.bound,
-                             record_sampling_rate=self.sample_rate,
-                             description="sum of the Poisson-sampled records' gradients, each clipped to C, boxed "
-                                         "to [-B, B]")]
+            out = [unit_channel(self.privacy, "gradient_sum", (self.dim,),
+                                description="sum of the sampled records' loss gradients")]
+            if laplace:
+                out.append(unit_channel(self.privacy, "fisher_trace", (len(self._tensor_sizes),),
+                                        description="per tensor, sum of the sampled records' squared gradient "
+                                                    "norms"))
+            return out
+        c = self.privacy.clip
+        out = [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None, record=PreClipped(c, "sum"),
+                            value_bound=self.bound, record_sampling_rate=self.sample_rate,
+                            budget_share=1.0 - self.fisher_share if laplace else 1.0,
+                            description="sum of the Poisson-sampled records' gradients, each clipped to C, boxed "
+                                        "to [-B, B]")]
+        if laplace:  # the same lot: a round stays one sampled event (accounting.rounds.round_events)
+            out.append(unit_channel(self.privacy, "fisher_trace", (len(self._tensor_sizes),), client=None,
+                                    record=PreClipped(c, "squared_sum"), value_bound=self.bound * c,
+                                    record_sampling_rate=self.sample_rate, budget_share=self.fisher_share,
+                                    description="per parameter tensor, sum of the Poisson-sampled records' squared "
+                                                "clipped gradient norms (each record's vector has L2 norm <= C^2), "
+                                                "boxed to [-B C, B C]"))
+        return out
+
+    @property
+    def _tensor_sizes(self) -> list[int]:
+        return [p.numel() for p in self.model.parameters()]
 
     def release_weight(self, dataset, client: int = 0) -> float:
         return 1.0  # a sum: the server divides by the public expected lot, never by a count
@@ -195,15 +231,18 @@ class DPFedSGD(FedAvg):
             return torch.arange(n)
         return poisson_lot(float(self.sample_rate), n, generator)
 
-    def _gradient_sums(self, lots) -> np.ndarray:
+    def _gradient_sums(self, lots) -> tuple[np.ndarray, np.ndarray | None]:
         """One row per client: the sum of its lot's per-example gradients at the broadcast model, each clipped to C
-        (private runs), then boxed to [-B, B]. ``lots``: ``(x, y)`` of each client's sampled records."""
+        (private runs), then boxed to [-B, B]; with the Laplace posterior also, per parameter tensor, the sum of the
+        clipped gradients' squared norms, boxed to [-B C, B C] (else None). ``lots``: ``(x, y)`` of each client's
+        sampled records."""
         c = len(lots)
         dim = self.dim
         out = np.zeros((c, dim), dtype=np.float64)
+        traces = np.zeros((c, len(self._tensor_sizes)), dtype=np.float64) if self.posterior == "laplace" else None
         width = max((len(x) for x, _ in lots), default=0)
         if width == 0:
-            return out
+            return out, traces
         names = [n for n, _ in self.model.named_parameters()]
         shapes = [p.shape for _, p in self.model.named_parameters()]
         start = torch.as_tensor(self.global_params, dtype=torch.float32)
@@ -225,19 +264,31 @@ class DPFedSGD(FedAvg):
             terms = self._per_example(params, xb, yb, weight)
             factor = clip_factor(terms.norms2(), self.privacy.clip) * weight if self.privacy.private else weight
             out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
+            if traces is not None:  # sum_i ||f_i g_i||^2 per tensor (weight is 0 or 1, so f^2 keeps the padding out)
+                squares = terms.square_sums(factor * factor)
+                traces[lo:lo + k] = torch.stack([squares[n].reshape(k, -1).sum(1) for n in names],
+                                                dim=1).detach().numpy()
         if self.privacy.private:
             np.clip(out, -self.bound, self.bound, out=out)
-        return out
+            if traces is not None:
+                np.clip(traces, -self.bound * self.privacy.clip, self.bound * self.privacy.clip, out=traces)
+        return out, traces
 
-    def _output(self, value: np.ndarray) -> ClientOutput:
+    def _output(self, value: np.ndarray, trace: np.ndarray | None) -> ClientOutput:
+        values = {"gradient_sum": value}
+        if trace is not None:
+            values["fisher_trace"] = trace
         if self.privacy.private:
-            value = ClippedValue(value, self.privacy.clip, "sum")
-        return ClientOutput({"gradient_sum": value}, weight=1.0)
+            values = {"gradient_sum": ClippedValue(value, self.privacy.clip, "sum"),
+                      **({} if trace is None else {"fisher_trace": ClippedValue(trace, self.privacy.clip,
+                                                                                 "squared_sum")})}
+        return ClientOutput(values, weight=1.0)
 
     def client_update(self, client, dataset, round, rng):
         x, y = dataset.tensors()
         idx = self._sample(dataset, rng)
-        return self._output(self._gradient_sums([(x[idx], y[idx])])[0])
+        sums, traces = self._gradient_sums([(x[idx], y[idx])])
+        return self._output(sums[0], None if traces is None else traces[0])
 
     def client_updates(self, clients, datasets, round, rngs):
         """``(k, client_update(k, ...))`` for every client, their lots' per-example gradients computed together
@@ -251,9 +302,9 @@ class DPFedSGD(FedAvg):
             x, y = dataset.tensors()
             idx = self._sample(dataset, rng)
             lots.append((x[idx], y[idx]))
-        sums = self._gradient_sums(lots)
+        sums, traces = self._gradient_sums(lots)
         for row, k in enumerate(clients):
-            yield k, self._output(sums[row])
+            yield k, self._output(sums[row], None if traces is None else traces[row])
 
     # -- the server step -----------------------------------------------------------------------------------------
 
@@ -280,8 +331,12 @@ class DPFedSGD(FedAvg):
             params = params - lr * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + 1e-8)
         self._optimizer_state = state
         self.global_params = params.astype(self.global_params.dtype)
-        if self.posterior == "trajectory" and round >= self.fed.rounds - self.posterior_rounds:
-            self._record_trajectory(np.asarray(self.global_params, dtype=np.float64))
+        if round >= self.fed.rounds - self.posterior_rounds:
+            if self.posterior == "trajectory":
+                self._record_trajectory(np.asarray(self.global_params, dtype=np.float64))
+            elif self.posterior == "laplace":  # the Fisher at the iterate this round's sums were taken at
+                self._record_fisher(np.asarray(aggregates["fisher_trace"].total, dtype=np.float64)
+                                    / self.expected_lot)
 
     # -- a posterior read off the trajectory (post-processing of released sums: no privacy cost) ---------------------
 
@@ -294,12 +349,33 @@ class DPFedSGD(FedAvg):
         self._trajectory = {"n": n, "mean": t["mean"] + (params - t["mean"]) / n,
                             "sq": t["sq"] + (params ** 2 - t["sq"]) / n}
 
+    def _record_fisher(self, trace: np.ndarray) -> None:
+        t = self._trajectory
+        n = 1 if t is None else t["n"] + 1
+        self._trajectory = {"n": n, "fisher": trace.copy() if t is None else t["fisher"] + (trace - t["fisher"]) / n}
+
+    def _laplace_moments(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The Laplace posterior N(w, diag(s / (lambda0 + N F_t / d_t))) at the global parameters w: per parameter
+        tensor t of d_t entries, F_t the noisy per-record Fisher trace averaged over the posterior rounds (floored at
+        0), N the public record total, lambda0 the prior precision, s the posterior scale. Post-processing of the
+        released traces."""
+        t = self._trajectory
+        if t is None:
+            return None
+        total = self.expected_lot / self.sample_rate
+        sizes = np.asarray(self._tensor_sizes, dtype=np.float64)
+        per_tensor = self.posterior_scale / (self.prior_precision + total * np.maximum(t["fisher"], 0.0) / sizes)
+        return (np.asarray(self.global_params, dtype=np.float64),
+                np.repeat(per_tensor, np.asarray(self._tensor_sizes)))
+
     def posterior_moments(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The trajectory posterior N(mean, diag(var)): the mean and variance of the global parameters over the last
         ``posterior_rounds`` rounds (a diagonal SWAG, Maddox et al. 2019, on DP-FedSGD's server iterates), the
         variance times ``posterior_scale``; None before two such rounds or without ``posterior="trajectory"``. Every
         iterate is post-processing of noised sums (the noise paid once, by the aggregator or under secure
         aggregation), so the posterior costs no privacy."""
+        if self.posterior == "laplace":
+            return self._laplace_moments()
         t = self._trajectory
         if self.posterior != "trajectory" or t is None or t["n"] < 2:
             return None
@@ -336,8 +412,10 @@ class DPFedSGD(FedAvg):
         return self.model
 
 
-#: the posteriors DP-FedSGD can predict with: its global model, or one read off its last rounds' iterates
-POSTERIORS = ("none", "trajectory")
+#: the posteriors DP-FedSGD can predict with: its global model, one read off its last rounds' iterates, or the
+#: Laplace posterior at its global model from noise-once Fisher traces (FOLA's posterior, its statistics released as
+#: sums of clipped per-example terms on DP-FedSGD's lots)
+POSTERIORS = ("none", "trajectory", "laplace")
 #: the spawn key of the posterior's draws (public randomness of the prediction, apart from the run plan's streams)
 POSTERIOR_STREAM = 0x706F7374
 

@@ -139,6 +139,10 @@ def make(name, fed, privacy):
         return ALGORITHMS[name](fed, privacy, lot_size=10 ** 6)
     if name == "dp_fedsgd_sampled":  # q < 1: the sampled event and every public fact are compared
         return ALGORITHMS["dp_fedsgd"](fed, privacy)
+    if name == "dp_fedsgd_laplace":  # q = 1: both channels' clipped sums compared (gradient, Fisher traces)
+        return ALGORITHMS["dp_fedsgd"](fed, privacy, lot_size=10 ** 6, posterior="laplace")
+    if name == "dp_fedsgd_laplace_sampled":  # q < 1: one sampled event for the two channels of one lot
+        return ALGORITHMS["dp_fedsgd"](fed, privacy, posterior="laplace")
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
@@ -368,3 +372,20 @@ def test_make_test_covers_every_algorithm_unit_relation_and_placement():
     assert {g[:4] for g in chosen} == {g[:4] for g in GRID}
     assert {(g[0], g[3], g[4], g[5]) for g in chosen} == {(g[0], g[3], g[4], g[5]) for g in GRID}
     assert len(chosen) < 0.6 * len(GRID)
+
+
+#: DP-FedSGD with its Laplace posterior (issue 27: FOLA's Fisher released as noise-once sums on DP-FedSGD's lots):
+#: the gradient sums and the Fisher traces, at q = 1 (sensitivities) and sampled (one event per lot), under each
+#: relation, placement and with secure aggregation (distributed noise plans one sampled channel: refused up front)
+LAPLACE_GRID = [(name, "example", adjacency, placement, secure, False)
+                for name, adjacency, placement, secure in itertools.product(
+                    ("dp_fedsgd_laplace", "dp_fedsgd_laplace_sampled"), ("add_remove", "replace_one"),
+                    ("local", "central"), (False, True))]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", LAPLACE_GRID,
+                         ids=["-".join(map(str, g)) for g in LAPLACE_GRID])
+def test_dp_fedsgd_with_its_laplace_posterior_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
+    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
+

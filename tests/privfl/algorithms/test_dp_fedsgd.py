@@ -234,7 +234,9 @@ def test_the_trajectory_posterior_is_post_processing_of_the_same_run():
         assert _math.isfinite(traj[2].final[key])
 
 
-@pytest.mark.parametrize("bad, needle", [({"posterior": "laplace"}, "posterior must be one of"),
+@pytest.mark.parametrize("bad, needle", [({"posterior": "gaussian"}, "posterior must be one of"),
+                                         ({"fisher_share": 1.0}, "fisher_share must be a number in"),
+                                         ({"prior_precision": -1}, "prior_precision"),
                                          ({"posterior_rounds": 1}, "posterior_rounds must be an integer >= 2"),
                                          ({"posterior_rounds": 99}, "exceeds the run's"),
                                          ({"posterior_scale": 0}, "posterior_scale")])
@@ -244,3 +246,97 @@ def test_posterior_options_are_checked(bad, needle):
 
     with pytest.raises(ConfigurationError, match=needle):
         make_algorithm("dp_fedsgd", FederationConfig(rounds=10), PrivacyConfig(), **bad)
+
+
+# -- the Laplace posterior: FOLA's Fisher, released as noise-once sums on DP-FedSGD's lots (issue 27) -------------
+
+def test_laplace_channels_share_the_lot_and_split_one_sampled_event():
+    """Two channels on one Poisson lot: the gradient sums (sensitivity C) and the per-tensor sums of squared clipped
+    gradient norms (each record's vector has L2 norm <= C^2); the budget split by fisher_share; each round is charged
+    one sampled event of both (accounting.rounds groups them), and the ledger meets the target."""
+    from privfl.accounting import ComposedEvent
+    from privfl.accounting.rounds import round_events
+
+    data = federation()
+    f, p = fed(rounds=4), privacy(clip=0.5, accountant="pld")
+    alg = DPFedSGD(f, p, posterior="laplace", fisher_share=0.1)
+    sim = Simulation(alg, data, f, p)
+    result = sim.run()
+    grad, trace = sim.channels
+    q = 40 / (K * N)
+    assert (grad.name, trace.name) == ("gradient_sum", "fisher_trace")
+    assert grad.record_sampling_rate == trace.record_sampling_rate == q
+    assert trace.shape == (2 * 2,) and trace.sensitivity == pytest.approx(0.25)  # 2 tensors per layer, C^2
+    z = sim.plan.noise_multipliers
+    assert z["fisher_trace"] / z["gradient_sum"] == pytest.approx(3.0)  # shares 0.9 and 0.1: sqrt(0.9 / 0.1)
+    for k in range(K):
+        charges = sim.ledger.charges(str(k))
+        assert len(charges) == 2 * f.rounds
+        grouped = round_events((c.round, c.event) for c in charges if c.round == 0)
+        assert len(grouped) == 1 and isinstance(grouped[0], PoissonSampledEvent)
+        assert grouped[0].sampling_rate == q and isinstance(grouped[0].event, ComposedEvent)
+        assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon * (1 + 1e-9)
+
+
+def test_a_records_fisher_trace_is_its_clipped_squared_norm_per_tensor():
+    """One record (q = 1): the trace vector is ||f g_t||^2 for each parameter tensor t, summing to min(||g||, C)^2;
+    without privacy the unclipped squared norms."""
+    data = federation(sizes=(1,) * K)
+    for p, clip in ((privacy(clip=0.05, accountant="pld"), 0.05), (PrivacyConfig(epsilon=math.inf), None)):
+        f = fed(rounds=1, batch_size=10 ** 6)
+        alg = DPFedSGD(f, p, posterior="laplace", lot_size=10 ** 6)
+        alg.setup(data, np.random.default_rng(0))
+        x, y = data.train_parts[0].tensors()
+        out = alg.client_update(0, data.train_parts[0], 0, np.random.default_rng(1))
+        trace = out.values["fisher_trace"]
+        trace = getattr(trace, "value", trace)
+        params = {n: t.detach().clone().requires_grad_() for n, t in alg.model.named_parameters()}
+        loss = nn.functional.cross_entropy(torch.func.functional_call(alg.model, params, (x,)), y)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        exact = np.array([float(g.pow(2).sum()) for g in grads])
+        scale = 1.0 if clip is None else min(1.0, clip / (np.sqrt(exact.sum()) + 1e-6)) ** 2
+        np.testing.assert_allclose(trace, exact * scale, rtol=1e-4)
+        if clip is not None:
+            assert trace.sum() <= clip ** 2 * (1 + 1e-6)
+
+
+def test_laplace_posterior_is_the_fisher_precision_at_the_global_model():
+    """The posterior's mean is the global model, its variance per tensor t s / (lambda0 + N F_t / d_t) with F_t the
+    mean of the noisy per-record traces over the posterior rounds (floored at 0); prediction averages draws."""
+    from privfl.data import make_federated
+    from privfl.algorithms import make_algorithm
+
+    data = make_federated("digits", 3, partition="iid", seed=0)
+    f = FederationConfig(rounds=8, batch_size=64, lr=0.5, momentum=0.9, hidden=(), pool=2, seed=5)
+    p = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0.5, secure_noise=False)
+    alg = make_algorithm("dp_fedsgd", f, p, lot_size=64, posterior="laplace", posterior_rounds=3,
+                         posterior_scale=2.0, prior_precision=0.5)
+    traces = []
+    update = alg.server_update
+
+    def recording(aggregates, rnd):
+        traces.append(np.asarray(aggregates["fisher_trace"].total, dtype=np.float64) / alg.expected_lot)
+        update(aggregates, rnd)
+
+    alg.server_update = recording
+    result = Simulation(alg, data, f, p).run()
+    mean, var = alg.posterior_moments()
+    fisher = np.maximum(np.mean(traces[-3:], axis=0), 0.0)
+    sizes = np.array([t.numel() for t in alg.model.parameters()])
+    expected = 2.0 / (0.5 + (alg.expected_lot / alg.sample_rate) * fisher / sizes)
+    assert np.array_equal(mean, np.asarray(alg.global_params, dtype=np.float64))
+    np.testing.assert_allclose(var, np.repeat(expected, sizes))
+    proba = alg.predict_proba(data.test)
+    assert np.allclose(proba.sum(axis=1), 1.0, atol=1e-5)
+    assert result.audit["max_epsilon"] <= 3.0 * (1 + 1e-9) and math.isfinite(result.final["nll"])
+
+
+def test_laplace_posterior_with_distributed_noise_is_refused_before_any_charge():
+    data = federation()
+    f, p = fed(rounds=2), privacy(placement="distributed", accountant="pld")
+    sim = Simulation(DPFedSGD(f, p, posterior="laplace"), data, f, p,
+                     secure=SecureAggregation(bits=48, malicious=False))
+    with pytest.raises(ConfigurationError, match="one private channel"):
+        sim.run()
+    assert all(not sim.ledger.charges(str(k)) for k in range(K))
+

@@ -169,9 +169,61 @@ def _dp_fedsgd_distributed_scores(sigma_scale: float):
 
 
 
-# central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings
+# -- DP-FedSGD with its Laplace posterior: two channels (gradient sums, Fisher traces) on one lot, black box ----------
+
+@functools.lru_cache(maxsize=1)
+def _dp_fedsgd_laplace(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
+    """``trials`` runs of the client step of ``dp_fedsgd`` with ``posterior="laplace"`` (Poisson coin at q = 1/2) on
+    D = {an outlier record} and D' = {}: both channels as the client sends them, each channel's noise std, and the
+    epsilon the ledger claims for the round (its two sampled events grouped into one, as the ledger composes them)."""
+    from privfl.accounting.accountants import make_accountant
+    from privfl.accounting.rounds import round_events
+    from privfl.algorithms.dp_fedsgd import DPFedSGD
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+
+    rng = np.random.default_rng(4)
+    canary = (np.full((1, 4), 50.0, np.float32), np.array([1], np.int64))
+    test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
+    data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
+    fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, posterior="laplace"), data, fed, privacy)
+    sim.prepare()
+    released = {}
+    for channel in sim.channels:
+        assert channel.record_sampling_rate == 0.5
+        _client_sums.cache_clear()
+        released[channel.name] = (_client_sums(sim, data, channel, trials, seed=6),
+                                  sim.plan.noise_multipliers[channel.name] * channel.sensitivity)
+    (event,) = round_events((0, e) for e in sim.plan.round_events(0).values())
+    claimed = make_accountant("pld").compose(event).get_epsilon(delta)
+    return released, claimed
+
+
+def _dp_fedsgd_laplace_scores(noise_scale: float):
+    """The likelihood-ratio score of the two channels with ``noise_scale`` times the plan's noise: each channel's
+    release projected on the canary's contribution (the largest drawn), over its noise variance, summed."""
+    released, claimed = _dp_fedsgd_laplace()
+    rng = np.random.default_rng(int(noise_scale * 1000) + 1)
+    score_in = score_out = 0.0
+    for (present, absent), std in released.values():
+        assert not np.any(absent)  # D' sends zeros
+        contribution = present[np.linalg.norm(present, axis=1).argmax()]
+        sigma = std * noise_scale
+        noisy_in = present + rng.normal(scale=sigma, size=present.shape)
+        noisy_out = absent + rng.normal(scale=sigma, size=absent.shape)
+        score_in = score_in + noisy_in @ contribution / sigma ** 2
+        score_out = score_out + noisy_out @ contribution / sigma ** 2
+    return score_in, score_out, claimed
+
+
+# central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings; laplace: the
+# central Gaussian on both of the Laplace posterior's channels
 _DP_FEDSGD_SCORES = {"central": lambda scale: _dp_fedsgd_scores(scale),
-                     "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale)}
+                     "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale),
+                     "laplace": lambda scale: _dp_fedsgd_laplace_scores(scale)}
 
 
 @pytest.mark.timeout(600)
