@@ -16,7 +16,12 @@ the budget on the gradient), same seeds.
 Reported on the test split, mean +- std over seeds 0-2: accuracy, NLL, ECE and selective accuracy (on the 80 % of test
 points the model is most confident about). Writes ``experiments/results/laplace_posterior.{json,md}``.
 
-Usage: python experiments/run_laplace_posterior.py [--smoke]   (``--smoke``: one seed, epsilon 3, 20 rounds)
+``--default-scale``: the default comparison's ``fola_noise_once`` row (``experiments/configs/default.toml``) chooses
+its scale the same way, on that comparison's own validation split (``val_fraction``, held by no client; the test set
+unread) at epsilon = 3, seed 0, among ``SCALES``; writes ``experiments/results/laplace_default_scale.json``.
+
+Usage: python experiments/run_laplace_posterior.py [--smoke | --default-scale]   (``--smoke``: one seed, epsilon 3,
+20 rounds)
 """
 
 from __future__ import annotations
@@ -62,10 +67,34 @@ def evaluate(alg, split, scale: float | None = None) -> dict:
     return {k: float(out[k]) for k in METRICS}
 
 
+def default_scale() -> dict:
+    """The default comparison's Laplace scale, on its validation split (module docstring)."""
+    from privfl.apps.compare import CompareConfig, RunSpec, _configs, _options, federation as compare_federation
+
+    config = CompareConfig.from_toml("experiments/configs/default.toml")
+    spec = RunSpec("fola_noise_once", 3.0, 0)
+    fed, privacy = _configs(config, spec)
+    data = compare_federation(config, spec.seed)
+    alg = make_algorithm(config.base(spec.algorithm), fed, privacy, **_options(config, spec.algorithm))
+    Simulation(alg, data, fed, privacy).run()
+    nll = {str(s): evaluate(alg, data.val, s)["nll"] for s in SCALES}
+    alg.posterior = "none"
+    point = evaluate(alg, data.val)["nll"]
+    chosen = min(SCALES, key=lambda s: nll[str(s)])
+    return {"epsilon": 3.0, "seed": 0, "validation_nll": nll, "validation_nll_global_model": point,
+            "chosen": chosen}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     smoke = "--smoke" in argv
     torch.set_num_threads(1)
+    if "--default-scale" in argv:
+        out = default_scale()
+        with open(os.path.join(OUT, "laplace_default_scale.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+        return 0
     settings = chosen_settings()
     epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
     rounds = 20 if smoke else None

@@ -122,6 +122,43 @@ class CompareConfig:
     # (``prior_corrected``, ``prior_balanced_accuracy``; ``val_`` ones with a validation split), class weights
     # included (privfl.metrics.decision; post-processing, nothing charged)
     class_prior: tuple[float, ...] | None = None
+    # named variants of a registered algorithm, each its own row: ``[variants.<label>]`` with ``algorithm =
+    # "<registered name>"`` and settings or options that override ``[overrides.<that algorithm>]`` (e.g. DP-FedSGD
+    # predicting with FOLA's Laplace posterior beside DP-FedSGD itself); ``algorithms`` lists the label
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def base(self, name: str) -> str:
+        """The registered algorithm a row name runs: a variant's ``algorithm``, else the name itself."""
+        variant = self.variants.get(name)
+        return name if variant is None else variant["algorithm"]
+
+    def settings_for(self, name: str) -> dict[str, Any]:
+        """A row's overrides: its algorithm's ``[overrides.<algorithm>]``, then a variant's own keys."""
+        variant = self.variants.get(name)
+        if variant is None:
+            return self.overrides.get(name, {})
+        own = {k: v for k, v in variant.items() if k != "algorithm"}
+        return {**self.overrides.get(variant["algorithm"], {}), **own}
+
+    def _check_variants(self) -> None:
+        if not isinstance(self.variants, dict) or not all(isinstance(v, dict) for v in self.variants.values()):
+            raise ConfigurationError("variants must be TOML tables: [variants.<label>] with algorithm = \"<name>\" "
+                                     "and key = value lines")
+        for label, variant in self.variants.items():
+            if not (label.isidentifier() and label == label.lower()):
+                raise ConfigurationError(f"[variants.{label}]: a variant's label is a lower-case identifier")
+            if label in ALGORITHMS or label in REFERENCES:
+                raise ConfigurationError(f"[variants.{label}]: {label!r} is an algorithm's or a reference's name; "
+                                         "choose another label")
+            base = variant.get("algorithm")
+            if base not in ALGORITHMS:
+                raise ConfigurationError(f"[variants.{label}] needs algorithm = one of {sorted(ALGORITHMS)}, got "
+                                         f"{base!r}")
+            bad = set(variant) - {"algorithm"} - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(base))
+            if bad:
+                raise ConfigurationError(f"[variants.{label}] has unknown keys {sorted(bad)}; it takes algorithm, "
+                                         f"federation and privacy settings and {base}'s options "
+                                         f"{list(algorithm_options(base))}")
 
     def _check_types(self) -> None:
         """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
@@ -160,9 +197,11 @@ class CompareConfig:
         object.__setattr__(self, "epsilons", tuple(float(e) for e in self.epsilons))
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
         object.__setattr__(self, "algorithms", tuple(self.algorithms))
-        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        self._check_variants()
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS and a not in self.variants]
         if unknown:
-            raise ConfigurationError(f"unknown algorithms {unknown}; choose from {sorted(ALGORITHMS)}")
+            raise ConfigurationError(f"unknown algorithms {unknown}; choose from {sorted(ALGORITHMS)}"
+                                     + (f" or the variants {sorted(self.variants)}" if self.variants else ""))
         if not self.epsilons or any(not (e > 0) for e in self.epsilons):
             raise ConfigurationError(f"epsilons must be > 0 (inf allowed), got {self.epsilons}")
         if not self.seeds:
@@ -193,14 +232,15 @@ class CompareConfig:
         if self.own_data and self.val_fraction:
             raise ConfigurationError("val_fraction carves a validation split from a built-in dataset; with your own "
                                      "data leave it out (or 0)")
-        uses_alignment = [a for a in self.algorithms if getattr(ALGORITHMS[a], "uses_alignment", False)]
+        uses_alignment = [a for a in self.algorithms if getattr(ALGORITHMS[self.base(a)], "uses_alignment", False)]
         if self.own_data and uses_alignment:
             raise ConfigurationError(f"{uses_alignment} need a public alignment set carved from a built-in data set; "
                                      "with your own data leave them out of algorithms")
         if self.clients < 2:
             raise ConfigurationError(f"clients = {self.clients}: a federation needs at least 2 clients")
         if self.overrides == _default_overrides():  # the built-in sizes: only those of the grid's algorithms apply
-            object.__setattr__(self, "overrides", {k: v for k, v in self.overrides.items() if k in self.algorithms})
+            bases = {self.base(a) for a in self.algorithms}
+            object.__setattr__(self, "overrides", {k: v for k, v in self.overrides.items() if k in bases})
         unknown = sorted(set(self.overrides) - set(ALGORITHMS))
         if unknown:
             raise ConfigurationError(f"[overrides.{unknown[0]}] names no algorithm; choose from {sorted(ALGORITHMS)}")
@@ -212,7 +252,7 @@ class CompareConfig:
             if bad:
                 raise ConfigurationError(f"[overrides.{name}] has unknown keys {sorted(bad)}; it takes federation and "
                                          f"privacy settings and {name}'s options {list(algorithm_options(name))}")
-        stray = sorted(set(self.overrides) - set(self.algorithms))
+        stray = sorted(set(self.overrides) - {self.base(a) for a in self.algorithms})
         if stray:  # a TOML kept for a larger grid: its other sections wait for their algorithms
             warnings.warn(CompareNote(
                 f"{', '.join(f'[overrides.{a}]' for a in stray)} {'is' if len(stray) == 1 else 'are'} for "
@@ -285,7 +325,7 @@ class RunSpec:
 def grid(config: CompareConfig) -> list[RunSpec]:
     specs = []
     for alg in config.algorithms:
-        epsilons = config.epsilons if ALGORITHMS[alg].supports_privacy else (math.inf,)
+        epsilons = config.epsilons if ALGORITHMS[config.base(alg)].supports_privacy else (math.inf,)
         for eps in epsilons:
             for seed in config.seeds:
                 specs.append(RunSpec(alg, eps, seed))
@@ -296,15 +336,16 @@ def grid(config: CompareConfig) -> list[RunSpec]:
 def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, PrivacyConfig]:
     if spec.algorithm in REFERENCES:  # FedAvg's model and local training, without DP
         spec = RunSpec("fedavg", math.inf, spec.seed)
-    defaults = resolve_settings(spec.algorithm, {}, image=_image_input(config))
+    base = config.base(spec.algorithm)
+    defaults = resolve_settings(base, {}, image=_image_input(config))
     entry_model = _entry(config.entry).model if config.entry is not None else {}
-    over = config.overrides.get(spec.algorithm, {})
-    if over == _default_overrides().get(spec.algorithm):  # the built-in sizes give way to the entry point's model
+    over = config.settings_for(spec.algorithm)
+    if over == _default_overrides().get(base):  # the built-in sizes give way to the entry point's model
         settings = {**defaults, **over, **entry_model}
     else:
         settings = {**defaults, **entry_model, **over}
     # an algorithm built for fewer units (DP-FedAvg: client level) uses its own
-    unit = resolve_unit(spec.algorithm, config.unit, adapt=True)
+    unit = resolve_unit(base, config.unit, adapt=True)
     fed_kw, priv_kw = split_settings(settings)
     priv_kw.setdefault("unit", unit)
     if config.accountant is not None:
@@ -335,9 +376,10 @@ def _options(config: CompareConfig, algorithm: str) -> dict[str, Any]:
     """The algorithm's own options among its overrides (normalised as ``privfl run --option`` values are:
     :func:`privfl.core.options.option_value`, lists from TOML become tuples), and the user's own model when the ``entry``
     point returned one (:func:`_entry_model`)."""
-    names = set(algorithm_options(algorithm)) if algorithm in ALGORITHMS else set()
-    return {**{k: option_value(v) for k, v in config.overrides.get(algorithm, {}).items()
-               if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}, **_entry_model(config, algorithm)}
+    base = config.base(algorithm)
+    names = set(algorithm_options(base)) if base in ALGORITHMS else set()
+    return {**{k: option_value(v) for k, v in config.settings_for(algorithm).items()
+               if k in names and k not in _FED_FIELDS and k not in _PRIV_FIELDS}, **_entry_model(config, base)}
 
 
 def _entry_model(config: CompareConfig, algorithm: str) -> dict[str, Any]:
@@ -357,10 +399,9 @@ def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
     """Everything that defines one run of the grid (algorithm and its options, federation, privacy, data): what its
     row carries as ``settings``, and what its resume hash covers."""
     fed, privacy = _configs(config, spec)
-    base = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
-    defaults = algorithm_defaults(base, image=_image_input(config))
-    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**defaults,
-                                                                           **config.overrides.get(base, {})},
+    name = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
+    defaults = algorithm_defaults(config.base(name), image=_image_input(config))
+    return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**defaults, **config.settings_for(name)},
                         "federation": asdict(fed), "privacy": asdict(privacy),
                         "data": _data_settings(config)})
 
@@ -439,7 +480,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     for suffix in ("", "-wal", "-shm"):  # an interrupted run starts again from a fresh ledger
         if os.path.exists(ledger + suffix):
             os.remove(ledger + suffix)
-    algorithm = make_algorithm(spec.algorithm, fed, privacy, **_options(config, spec.algorithm))
+    algorithm = make_algorithm(config.base(spec.algorithm), fed, privacy, **_options(config, spec.algorithm))
     rule = _prior_rule(config, algorithm, data)  # refused here, before the run charges anything
     start = time.perf_counter()
     sim = Simulation(algorithm, data, fed, privacy, ledger_path=ledger, run_id=spec.key, progress=progress)
@@ -469,7 +510,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
                           else applied_noise(sim.ledger.charges())),
         "settings": settings, "config_hash": settings_hash(settings), "privfl_version": __version__,
         "model_path": save_model(diagnostic, os.path.join(config.out_dir, "models", f"{spec.key}.pt")),
-        "model": trained_model_description(diagnostic, fed, _entry_model(config, spec.algorithm).get("model")),
+        "model": trained_model_description(diagnostic, fed, _entry_model(config, config.base(spec.algorithm)).get("model")),
     }
     if calibration is not None:  # the predictions the run's ECE is computed on (FedBNN: personalised, own classes)
         row["reliability"] = reliability_bins(*calibration)
@@ -625,7 +666,7 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     output folder to change. ``toml_path``, the TOML the config came from, is copied to ``out_dir/config.toml``."""
     specs = grid(config)
     for alg in config.algorithms:  # an entry's own model is refused for an algorithm that cannot train it, up front
-        _entry_model(config, alg)
+        _entry_model(config, config.base(alg))
     done: dict[str, dict] = {}
     for spec in specs:  # check every finished run before running anything
         path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")

@@ -253,3 +253,35 @@ def test_without_val_fraction_rows_and_settings_are_unchanged(tmp_path):
 
     config = small(tmp_path)
     assert "val_fraction" not in run_settings(config, RunSpec("fedavg", math.inf, 0))["data"]  # old runs still resume
+
+
+@pytest.mark.timeout(300)
+def test_a_variant_is_its_own_row_of_its_algorithm_with_its_own_options(tmp_path):
+    """[variants.<label>]: a registered algorithm under another row name, its [overrides.<algorithm>] then its own
+    keys (DP-FedSGD predicting with FOLA's Laplace posterior beside DP-FedSGD itself)."""
+    from privfl.apps.compare import _options
+
+    over = {"dp_fedsgd": {"hidden": [], "pool": 1, "lot_size": 64, "batch_size": 64, "rounds": 3, "lr": 0.5}}
+    config = small(tmp_path, algorithms=("dp_fedsgd", "fola_noise_once"), epsilons=(3.0,), seeds=(0,), overrides=over,
+                   unit="example", variants={"fola_noise_once": {"algorithm": "dp_fedsgd", "posterior": "laplace",
+                                                                 "posterior_scale": 0.1}})
+    assert _options(config, "fola_noise_once") == {"lot_size": 64, "posterior": "laplace", "posterior_scale": 0.1}
+    assert [s.algorithm for s in grid(config)] == ["dp_fedsgd", "fola_noise_once"]
+    rows = {r["algorithm"]: r for r in compare(config, progress=False)}
+    assert set(rows) == {"dp_fedsgd", "fola_noise_once"}
+    variant = rows["fola_noise_once"]
+    assert variant["settings"]["algorithm_options"]["posterior"] == "laplace"
+    assert variant["settings"]["federation"]["rounds"] == 3 and variant["epsilon_spent_max"] <= 3.0
+    ledger = PrivacyLedger(os.path.join(config.out_dir, "ledgers", "fola_noise_once-eps3-seed0.sqlite"),
+                           "fola_noise_once-eps3-seed0", delta=1e-5, epsilon_budget=3.0, accountant="pld")
+    assert {c.channel for c in ledger.charges()} == {"gradient_sum", "fisher_trace"}
+
+
+@pytest.mark.parametrize("variants, needle", [
+    ({"fedavg": {"algorithm": "dp_fedsgd"}}, "choose another label"),
+    ({"v": {"algorithm": "nope"}}, "needs algorithm"),
+    ({"v": {"algorithm": "dp_fedsgd", "posteriors": "laplace"}}, "unknown keys"),
+    ({"V x": {"algorithm": "dp_fedsgd"}}, "lower-case identifier")])
+def test_bad_variants_are_refused_naming_the_fix(tmp_path, variants, needle):
+    with pytest.raises(ConfigurationError, match=needle):
+        small(tmp_path, algorithms=("fedavg",), variants=variants)
