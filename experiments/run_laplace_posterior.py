@@ -30,34 +30,19 @@ import json
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 import torch
 
 from privfl.algorithms import make_algorithm
-from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record_level import DELTA, EPOCHS, EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
-from run_trajectory_posterior import METRICS, OUT, chosen_settings  # noqa: E402
+from run_record_level import EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
+from run_trajectory_posterior import METRICS, OUT, chosen_settings, differences, metric_cells, train  # noqa: E402
 
 #: the posterior scales the validation split chooses among (1: the Laplace posterior itself)
 SCALES = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
-
-
-def train(data, epsilon: float, seed: int, hp: dict, posterior: str, rounds: int | None = None):
-    lot = int(hp["lot_size"])
-    n_train = sum(len(p) for p in data.train_parts)
-    rounds = rounds or int(round(EPOCHS * n_train / lot))
-    fed = FederationConfig(rounds=rounds, batch_size=lot, lr=hp["lr"], momentum=0.9, hidden=(), pool=2, seed=seed)
-    privacy = PrivacyConfig(epsilon=epsilon, delta=DELTA, unit="example", clip=hp["clip"], accountant="pld",
-                            secure_noise=False)
-    alg = make_algorithm("dp_fedsgd", fed, privacy, lot_size=lot, posterior=posterior)
-    start = time.perf_counter()
-    result = Simulation(alg, data, fed, privacy).run()
-    return alg, result, rounds, time.perf_counter() - start
 
 
 def evaluate(alg, split, scale: float | None = None) -> dict:
@@ -149,21 +134,11 @@ def markdown(rows: list[dict], smoke: bool) -> str:
         for key, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
                                       ("laplace_point", "laplace, point", "laplace"),
                                       ("laplace", "laplace", "laplace")):
-            cells = []
-            for m in METRICS:
-                v = np.array([r[key][m] for r in rs])
-                cells.append(f"{v.mean():.4f} ± {v.std():.4f}")
             scale = f"{rs[0]['posterior_scale']:g}" if key == "laplace" else ""
             spent = max(r["epsilon_spent"][spent_key] for r in rs)
-            lines.append(f"| {eps:g} | {label} | {scale} | " + " | ".join(cells) + f" | {spent:.3f} |")
+            lines.append(f"| {eps:g} | {label} | {scale} | " + " | ".join(metric_cells(rs, key)) + f" | {spent:.3f} |")
     lines.append("")
-    diffs = []
-    for eps in sorted({r["epsilon"] for r in rows}):
-        rs = [r for r in rows if r["epsilon"] == eps]
-        d = {m: np.mean([r["laplace"][m] - r["dp_fedsgd"][m] for r in rs]) for m in METRICS}
-        diffs.append(f"epsilon {eps:g}: accuracy {d['accuracy']:+.4f}, NLL {d['nll']:+.4f}, ECE {d['ece']:+.4f}, "
-                     f"selective accuracy {d['selective_accuracy']:+.4f}")
-    lines += ["Laplace minus DP-FedSGD (mean over seeds): " + "; ".join(diffs) + ".", ""]
+    lines += ["Laplace minus DP-FedSGD (mean over seeds): " + differences(rows, "laplace", "dp_fedsgd") + ".", ""]
     return "\n".join(lines)
 
 

@@ -44,25 +44,52 @@ def chosen_settings() -> dict[float, dict]:
     return {float(c["epsilon"]): c["hyper_parameters"] for c in chosen if c["algorithm"] == "dp_fedsgd"}
 
 
-def run(epsilon: float, seed: int, hp: dict, rounds: int | None = None) -> dict:
-    """One seeded DP-FedSGD run; its final metrics under the point estimate and under the trajectory posterior."""
-    data = federation(seed)
+def train(data, epsilon: float, seed: int, hp: dict, posterior: str, rounds: int | None = None):
+    """One seeded DP-FedSGD run of the record-level table's setting at ``hp``, predicting with ``posterior``:
+    ``(algorithm, result, rounds, seconds)``."""
     lot = int(hp["lot_size"])
     n_train = sum(len(p) for p in data.train_parts)
     rounds = rounds or int(round(EPOCHS * n_train / lot))
     fed = FederationConfig(rounds=rounds, batch_size=lot, lr=hp["lr"], momentum=0.9, hidden=(), pool=2, seed=seed)
     privacy = PrivacyConfig(epsilon=epsilon, delta=DELTA, unit="example", clip=hp["clip"], accountant="pld",
                             secure_noise=False)
-    alg = make_algorithm("dp_fedsgd", fed, privacy, lot_size=lot, posterior="trajectory")
+    alg = make_algorithm("dp_fedsgd", fed, privacy, lot_size=lot, posterior=posterior)
     start = time.perf_counter()
     result = Simulation(alg, data, fed, privacy).run()
+    return alg, result, rounds, time.perf_counter() - start
+
+
+def run(epsilon: float, seed: int, hp: dict, rounds: int | None = None) -> dict:
+    """One seeded DP-FedSGD run; its final metrics under the point estimate and under the trajectory posterior."""
+    data = federation(seed)
+    alg, result, rounds, seconds = train(data, epsilon, seed, hp, "trajectory", rounds)
     posterior = alg.evaluate(data.test)  # with the posterior (the run's own final metrics)
     alg.posterior = "none"  # the same run's point estimate: its last global parameters
     point = alg.evaluate(data.test)
     return {"epsilon": epsilon, "seed": seed, "rounds": rounds, "hyper_parameters": hp,
             "posterior_rounds": alg.posterior_rounds, "epsilon_spent": result.audit["max_epsilon"],
             "point": {k: point[k] for k in METRICS}, "trajectory": {k: posterior[k] for k in METRICS},
-            "seconds": time.perf_counter() - start}
+            "seconds": seconds}
+
+
+def metric_cells(rs: list[dict], key: str) -> list[str]:
+    """Mean +- std over ``rs`` of each metric of ``r[key]``, as table cells."""
+    cells = []
+    for m in METRICS:
+        v = np.array([r[key][m] for r in rs])
+        cells.append(f"{v.mean():.4f} ± {v.std():.4f}")
+    return cells
+
+
+def differences(rows: list[dict], new: str, old: str) -> str:
+    """Per epsilon, the mean over seeds of ``r[new] - r[old]`` for each metric, as one sentence's clauses."""
+    out = []
+    for eps in sorted({r["epsilon"] for r in rows}):
+        rs = [r for r in rows if r["epsilon"] == eps]
+        d = {m: np.mean([r[new][m] - r[old][m] for r in rs]) for m in METRICS}
+        out.append(f"epsilon {eps:g}: accuracy {d['accuracy']:+.4f}, NLL {d['nll']:+.4f}, ECE {d['ece']:+.4f}, "
+                   f"selective accuracy {d['selective_accuracy']:+.4f}")
+    return "; ".join(out)
 
 
 def markdown(rows: list[dict], smoke: bool) -> str:
@@ -79,19 +106,10 @@ def markdown(rows: list[dict], smoke: bool) -> str:
         rs = [r for r in rows if r["epsilon"] == eps]
         spent = max(r["epsilon_spent"] for r in rs)
         for key, label in (("point", "global model (last iterate)"), ("trajectory", "trajectory posterior")):
-            cells = []
-            for m in METRICS:
-                v = np.array([r[key][m] for r in rs])
-                cells.append(f"{v.mean():.4f} ± {v.std():.4f}")
-            lines.append(f"| {eps:g} | {label} | " + " | ".join(cells) + f" | {spent:.3f} |")
+            lines.append(f"| {eps:g} | {label} | " + " | ".join(metric_cells(rs, key)) + f" | {spent:.3f} |")
     lines.append("")
-    better = []
-    for eps in sorted({r["epsilon"] for r in rows}):
-        rs = [r for r in rows if r["epsilon"] == eps]
-        d = {m: np.mean([r["trajectory"][m] - r["point"][m] for r in rs]) for m in METRICS}
-        better.append(f"epsilon {eps:g}: accuracy {d['accuracy']:+.4f}, NLL {d['nll']:+.4f}, ECE {d['ece']:+.4f}, "
-                      f"selective accuracy {d['selective_accuracy']:+.4f}")
-    lines += ["Trajectory posterior minus point estimate (mean over seeds): " + "; ".join(better) + ".", ""]
+    lines += ["Trajectory posterior minus point estimate (mean over seeds): "
+              + differences(rows, "trajectory", "point") + ".", ""]
     return "\n".join(lines)
 
 
