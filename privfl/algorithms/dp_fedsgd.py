@@ -275,14 +275,9 @@ class DPFedSGD(FedAvg):
         return out, traces
 
     def _output(self, value: np.ndarray, trace: np.ndarray | None) -> ClientOutput:
-        values = {"gradient_sum": value}
-        if trace is not None:
-            values["fisher_trace"] = trace
-        if self.privacy.private:
-            values = {"gradient_sum": ClippedValue(value, self.privacy.clip, "sum"),
-                      **({} if trace is None else {"fisher_trace": ClippedValue(trace, self.privacy.clip,
-                                                                                 "squared_sum")})}
-        return ClientOutput(values, weight=1.0)
+        values = {"gradient_sum": (value, "sum"), "fisher_trace": (trace, "squared_sum")}
+        return ClientOutput({name: ClippedValue(v, self.privacy.clip, statistic) if self.privacy.private else v
+                             for name, (v, statistic) in values.items() if v is not None}, weight=1.0)
 
     def client_update(self, client, dataset, round, rng):
         x, y = dataset.tensors()

@@ -452,7 +452,7 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
 class VectorisedDPSGD:
     """DP-SGD (per-example clipping, Poisson sampling, Gaussian noise) for chunks of clients at once: the computation
-    of ``privfl.algorithms.dpsgd_fedavg.dpsgd_train`` (opacus, ghost clipping) written with ``torch.func``.
+    of :func:`dpsgd_train` (opacus's ghost clipping) written with ``torch.func``.
 
     Per step, each client draws its Poisson batch from its own sampling generator (:func:`poisson_lot`, as
     :func:`dpsgd_train` draws it); the chunk's batches are padded to the longest with
@@ -464,7 +464,7 @@ class VectorisedDPSGD:
 
     Args:
         model: the architecture (only its structure is used, through ``functional_call``).
-        schedule: the clients' common :class:`~privfl.algorithms.dpsgd_fedavg.DPSGDSchedule`.
+        schedule: the clients' common :class:`DPSGDSchedule`.
         noise_multiplier, clip, lr, momentum: as in ``dpsgd_train``.
         secure_noise: the noise from ``mechanisms.SecureNoise`` (and Poisson generators seeded from OS entropy by the
             caller); False: torch's generator, reproducible from the seed.
