@@ -154,11 +154,7 @@ class CompareConfig:
             if base not in ALGORITHMS:
                 raise ConfigurationError(f"[variants.{label}] needs algorithm = one of {sorted(ALGORITHMS)}, got "
                                          f"{base!r}")
-            bad = set(variant) - {"algorithm"} - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(base))
-            if bad:
-                raise ConfigurationError(f"[variants.{label}] has unknown keys {sorted(bad)}; it takes algorithm, "
-                                         f"federation and privacy settings and {base}'s options "
-                                         f"{list(algorithm_options(base))}")
+            _check_settings(f"[variants.{label}]", base, {k: v for k, v in variant.items() if k != "algorithm"})
 
     def _check_types(self) -> None:
         """Each scalar setting has its type and range (a TOML ``rounds = "x"`` is refused here, naming the key)."""
@@ -245,13 +241,7 @@ class CompareConfig:
         if unknown:
             raise ConfigurationError(f"[overrides.{unknown[0]}] names no algorithm; choose from {sorted(ALGORITHMS)}")
         for name, over in self.overrides.items():
-            rounds = over.get("rounds", 1)
-            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-                raise ConfigurationError(f"[overrides.{name}] rounds must be an integer >= 1, got {rounds!r}")
-            bad = set(over) - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(name))
-            if bad:
-                raise ConfigurationError(f"[overrides.{name}] has unknown keys {sorted(bad)}; it takes federation and "
-                                         f"privacy settings and {name}'s options {list(algorithm_options(name))}")
+            _check_settings(f"[overrides.{name}]", name, over)
         stray = sorted(set(self.overrides) - {self.base(a) for a in self.algorithms})
         if stray:  # a TOML kept for a larger grid: its other sections wait for their algorithms
             warnings.warn(CompareNote(
@@ -289,6 +279,18 @@ class CompareConfig:
 
 #: the reference rows ``references`` may ask for
 REFERENCES = ("centralised", "local_only")
+
+
+def _check_settings(table: str, algorithm: str, settings: dict) -> None:
+    """A TOML table of one algorithm's settings ([overrides.<algorithm>] or [variants.<label>]): its rounds, and no
+    key that is neither a federation or privacy setting nor one of the algorithm's options."""
+    rounds = settings.get("rounds", 1)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigurationError(f"{table} rounds must be an integer >= 1, got {rounds!r}")
+    bad = set(settings) - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(algorithm))
+    if bad:
+        raise ConfigurationError(f"{table} has unknown keys {sorted(bad)}; it takes federation and privacy settings "
+                                 f"and {algorithm}'s options {list(algorithm_options(algorithm))}")
 
 
 def _count_clients(raw: dict) -> int:
