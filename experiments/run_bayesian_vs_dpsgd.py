@@ -126,7 +126,7 @@ class FOLARecorded(FOLA):
     def server_update(self, aggregates, round):
         prev_mean = None if self.mean is None else self.mean.copy()
         super().server_update(aggregates, round)
-        if self.mode != "example":
+        if "fisher_diag" not in aggregates:  # the online form (not record level): nothing to record
             return
         f = aggregates["fisher_diag"]
         means = aggregates["mean"]

@@ -76,21 +76,20 @@ from torch import nn
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
-from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model,
-                                         dpsgd_schedule, dpsgd_train, other_round_events, VectorisedDPSGD, clip_factor)
+from privfl.privacy.record_level import (DPSGD, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model,
+                                         dpsgd_schedule, other_round_events)
 from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussian_product,
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately
-from privfl.privacy.units import channel as unit_channel
+from privfl.privacy.units import at_unit, channel as unit_channel
 from privfl.errors import ConfigurationError
-from privfl.training.stacked import VectorisedOnlineFisher, unflatten, vectorisable
-from privfl.training.fisher import (FisherAccumulator, GradientRecorder, HalfSquaredError, check_fisher_model,
-                           per_example_task_loss, unsupported_parameters)
+from privfl.training.stacked import PerExampleGradients, VectorisedOnlineFisher, vectorisable
+from privfl.training.fisher import HalfSquaredError, check_fisher_model, per_example_task_loss, unsupported_parameters
+from privfl.training.posterior import GaussianPriorGradient, StepFisher, online_fisher_sgd
 from privfl.metrics import classification_metrics, point_regression_metrics
 from privfl.models import make_model
-from privfl.core.public import private_torch_generator
-from privfl.training.local import batches, flat_parameters, load_flat_parameters, predict_outputs, predict_proba
+from privfl.training.local import flat_parameters, load_flat_parameters, predict_outputs, predict_proba
 
 _SHARES = {"client": {"natural_mean_delta": 0.5, "precision_delta": 0.5},
            "example": {"mean": 0.5, "fisher_diag": 0.25, "fisher_natural_mean": 0.25}}
@@ -176,15 +175,15 @@ class FOLA(FederatedAlgorithm):
                 or not 0 <= shrink_margin < math.inf):
             raise ConfigurationError(f"fola: shrink_margin must be a finite number >= 0, got {shrink_margin!r}")
         self.shrink_margin = float(shrink_margin)
-        self.mode = privacy.unit if privacy.private else "non_private"
-        self.accountant = check_dpsgd_privacy(privacy, self.name) if self.mode == "example" else None
-        if self.mode == "example" and privacy.placement == "distributed":
-            raise ConfigurationError("fola (unit='example'): DP-SGD is calibrated against the Fisher channels' "
-                                     "Gaussian events; use local or central placement")
-        shares = dict(_SHARES.get(self.mode, {}))
+        #: the client step's form for the run's unit (privfl.privacy.units.at_unit): the paper's online posterior, or
+        #: the DP-SGD-trained one with its clipped Fisher at record level
+        self.form = at_unit(privacy, client=OnlinePosterior, record=RecordPosterior)(self)
+        self.accountant = self.form.accountant
+        shares = dict(self.form.shares)
         if budget_shares is not None:
             if set(budget_shares) != set(shares):
-                raise ConfigurationError(f"fola ({self.mode}): budget_shares must name exactly {sorted(shares)}")
+                raise ConfigurationError(f"fola ({self.form.label}): budget_shares must name exactly "
+                                         f"{sorted(shares)}")
             shares = {k: _positive(f"budget share of {k}", v) for k, v in budget_shares.items()}
         self.budget_shares = shares
         self.model: nn.Module | None = None
@@ -206,8 +205,7 @@ class FOLA(FederatedAlgorithm):
         else:
             self.model = check_user_model(self.user_model[0](), public.input_shape, public.num_classes, self.name)
             check_fisher_model(self.model, public.input_shape, self.name)
-            if self.mode == "example":
-                check_opacus_model(self.model, self.name)
+            self.form.check_model(self.model)
         self.mean = flat_parameters(self.model)
         self.precision = np.full_like(self.mean, self.prior_precision)
 
@@ -216,95 +214,17 @@ class FOLA(FederatedAlgorithm):
         return int(self.mean.size)
 
     def channels(self):
-        d, p, c, s = (self.dim,), self.privacy, self.privacy.clip, self.budget_shares
-        if self.mode == "non_private":
-            return [unit_channel(p, "natural_mean", d, description="Lambda_n * mu_n"),
-                    unit_channel(p, "precision", d, description="Lambda_n (eq. 24)")]
-        if self.mode == "client":  # the changes of the natural parameters, each clipped as a whole
-            return [unit_channel(p, "natural_mean_delta", d, budget_share=s["natural_mean_delta"],
-                                 description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
-                    unit_channel(p, "precision_delta", d, client=NormClip(self.precision_clip or c),
-                                 budget_share=s["precision_delta"],
-                                 description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
-        # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
-        # coordinate to fisher_diag, and a client holds at most the public record cap (beyond it the sum is clipped
-        # into the range, a contraction)
-        fisher_bound = self.public.record_cap * c ** 2
-        return [unit_channel(p, "mean", d, client=None, record=TrainedPrivately(), budget_share=s["mean"],
-                             description="mu_n after DP-SGD local training (post-processing)"),
-                unit_channel(p, "fisher_diag", d, client=None, record=PreClipped(c, "squared_sum"),
-                             budget_share=s["fisher_diag"], value_bound=fisher_bound,
-                             description="per-epoch sum of per-example squared gradients clipped to C"),
-                unit_channel(p, "fisher_natural_mean", d, client=None,
-                             record=PreClipped(self.update_bound * c ** 2, "sum"),
-                             budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * self.update_bound,
-                             description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
+        return self.form.channels()
 
     # -- client ----------------------------------------------------------------------------------------------------
 
-    def _param_views(self, vector: np.ndarray, model: nn.Module) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in model.parameters():
-            n = p.numel()
-            out.append(torch.as_tensor(vector[offset:offset + n], dtype=p.dtype).reshape(p.shape))
-            offset += n
-        return out
-
     def _train_online(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rng) -> tuple[float, torch.Tensor]:
-        """Plain SGD on task + prior loss; the Fisher of the task loss is read off each step's own backward pass."""
-        anchor = self._param_views(self.mean, model)
-        prior = self._param_views(self.precision, model)
-        params = list(model.parameters())
-        opt = torch.optim.SGD(params, lr=self.fed.lr, momentum=self.fed.momentum)
-        fisher = FisherAccumulator(self.dim, len(x))
-        model.train()
-        total, seen = 0.0, 0
-        with GradientRecorder(model) as rec:
-            for _ in range(self.fed.local_epochs):
-                for idx in batches(len(x), self.fed.batch_size, rng):
-                    idx_t = torch.as_tensor(idx)
-                    opt.zero_grad(set_to_none=True)
-                    task = self._per_example_loss(model(x[idx_t]), y[idx_t]).mean()
-                    penalty = sum((lam * (p - m).pow(2)).sum() for p, m, lam in zip(params, anchor, prior))
-                    (task + self.prior_weight * 0.5 * penalty).backward()
-                    fisher.add_recorded(rec, idx, scale=float(len(idx)))  # mean loss: x batch size per example
-                    opt.step()
-                    total += float(task.detach()) * len(idx)
-                    seen += len(idx)
-        return total / max(seen, 1), fisher.total / self.fed.local_epochs
-
-    def _train_dpsgd(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, client: int, rng
-                     ) -> tuple[dict, torch.Tensor, object]:
-        """DP-SGD on the task loss with the prior added after noise; the clipped Fisher on a pass of its own."""
-        schedule = dpsgd_schedule(self, client)
-        z = self._dpsgd_noise_multiplier(schedule)
-        clip = self.privacy.clip
-        fisher = FisherAccumulator(self.dim, len(x), clip=clip, max_visits=self.fed.local_epochs)
-        chunk_rng = np.random.default_rng(rng.integers(0, 2 ** 63 - 1))  # independent of DP-SGD's Poisson coins
-        step_of = np.empty(0, dtype=np.int64)
-        params = list(model.parameters())
-        anchor = self._param_views(self.mean, model)
-        prior = self._param_views(self.precision, model)
-
-        def fisher_pass(epoch: int, step: int) -> None:
-            nonlocal step_of
-            if step == 0:  # each record picks its step of this epoch on its own: no record moves another
-                step_of = chunk_rng.integers(0, schedule.steps_per_epoch, size=len(x))
-            ids = np.flatnonzero(step_of == step)
-            if len(ids):
-                idx = torch.from_numpy(ids)
-                fisher.add(model, x[idx], y[idx], ids, loss_fn=self._per_example_loss)
-
-        @torch.no_grad()
-        def prior_gradient() -> None:
-            for p, m, lam in zip(params, anchor, prior):
-                p.grad.add_(self.prior_weight * lam * (p - m))
-
-        stats = dpsgd_train(model, x, y, schedule, noise_multiplier=z, clip=clip, lr=self.fed.lr,
-                            momentum=self.fed.momentum, rng=rng, secure_noise=self.privacy.secure_noise,
-                            before_step=fisher_pass, extra_gradient=prior_gradient, loss=self._dpsgd_loss(),
-                            algorithm=self.name)
-        return {**stats, "noise_multiplier": z}, fisher.per_visit(), schedule.round_event(z)
+        """Plain SGD on task + prior loss; the Fisher of the task loss is read off each step's own backward pass
+        (``privfl.training.posterior.online_fisher_sgd``)."""
+        return online_fisher_sgd(model, x, y, prior_mean=self.mean, prior_precision=self.precision,
+                                 prior_weight=self.prior_weight, epochs=self.fed.local_epochs,
+                                 batch_size=self.fed.batch_size, lr=self.fed.lr, momentum=self.fed.momentum, rng=rng,
+                                 loss_fn=self._per_example_loss)
 
     @property
     def regression(self) -> bool:
@@ -330,21 +250,11 @@ class FOLA(FederatedAlgorithm):
 
     def planned_events(self, client: int) -> dict:
         """The per-round event of each DP-SGD-trained channel of ``client`` (the run plan's; record level only)."""
-        if self.mode != "example" or not self.privacy.private:
-            return {}
-        schedule = dpsgd_schedule(self, client)
-        return {"mean": schedule.round_event(self._dpsgd_noise_multiplier(schedule))}
+        return self.form.planned_events(client)
 
     def client_update(self, client, dataset, round, rng):
-        local = copy.deepcopy(self.model)
-        load_flat_parameters(local, self.mean)
-        torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        x, y = dataset.tensors()
-        if self.mode == "example":
-            stats, fisher_sum, event = self._train_dpsgd(local, x, y, client, rng)
-            return self._record_output(flat_parameters(local), fisher_sum, stats, event)
-        loss, fisher_sum = self._train_online(local, x, y, rng)
-        return self._online_output(flat_parameters(local), fisher_sum, len(dataset), round, loss)
+        [(_, out)] = self.form.updates([client], [dataset], round, [rng], vectorised=False)
+        return out
 
     def _record_output(self, mu: np.ndarray, fisher_sum: torch.Tensor, stats: dict, event) -> ClientOutput:
         """The record-level channels from the DP-SGD-trained mean and the clipped Fisher (module docstring)."""
@@ -363,7 +273,7 @@ class FOLA(FederatedAlgorithm):
         r = round + 1
         precision = fisher_sum.double().numpy() / n / r + (r - 1) / r * self.precision  # eq. 24
         metrics = {"train_loss": loss, "fisher_mean": float(fisher_sum.mean()) / n}
-        if self.mode == "non_private":
+        if not self.privacy.private:
             return ClientOutput({"natural_mean": precision * mu, "precision": precision}, weight=float(n),
                                 metrics=metrics)
         return ClientOutput({"natural_mean_delta": precision * mu - self.precision * self.mean,
@@ -374,17 +284,16 @@ class FOLA(FederatedAlgorithm):
     @property
     def vectorisable(self) -> bool:
         """Whether :meth:`client_updates` trains a round's clients together: this class's own local steps over a
-        model built of stateless layers. Every mode is the same computation on every client: the online step is
-        SGD with the prior term and the Fisher read off its per-example gradients
-        (``privfl.training.stacked.VectorisedOnlineFisher``); the record-level step is DP-SGD
-        (``privfl.privacy.record_level.VectorisedDPSGD``) with the clipped Fisher pass before each step and the prior gradient
-        added after the noise, every client's Poisson coins, noise and Fisher chunks drawn from its own generators
-        in the per-client order. Both compute cross-entropy, so regression (the Gaussian loss) runs per client."""
+        model built of stateless layers. Either form's client step is written once over the two executors: the
+        online step is SGD with the prior term and the Fisher read off its per-example gradients
+        (``privfl.training.stacked.VectorisedOnlineFisher``, or ``privfl.training.posterior.online_fisher_sgd`` per
+        client); the record-level step is the DP-SGD engine (``privfl.privacy.record_level.DPSGD``) with the clipped
+        Fisher pass before each step and the prior gradient added after the noise (``privfl.training.posterior``
+        hooks, in both executors' forms), every client's Poisson coins, noise and Fisher steps drawn from its own
+        generators in one order. The batched executors compute cross-entropy, so regression runs per client."""
         cls = type(self)
-        own = (cls.client_update is FOLA.client_update and cls._train_online is FOLA._train_online
-               and cls._train_dpsgd is FOLA._train_dpsgd)
+        own = cls.client_update is FOLA.client_update and cls._train_online is FOLA._train_online
         # the per-client step reads its Fisher off hooks that refuse other layers; the batched one must not accept more
-        # the batched steps compute cross-entropy: regression runs per client
         return (own and self.model is not None and not self.regression and vectorisable(self.model)
                 and not unsupported_parameters(self.model))
 
@@ -395,64 +304,12 @@ class FOLA(FederatedAlgorithm):
             for k, dataset, rng in zip(clients, datasets, rngs):
                 yield k, self.client_update(k, dataset, round, rng)
             return
-        if self.mode == "example":
-            yield from self._dpsgd_updates(clients, datasets, rngs)
-            return
-        for rng in rngs:  # client_update's draw (its torch seed), in the same order on each client's generator
-            torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-        sgd = VectorisedOnlineFisher(self.model, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size,
-                                     lr=self.fed.lr, momentum=self.fed.momentum, prior_weight=self.prior_weight)
-        for i, final, fisher, loss in sgd.train(self.mean, self.precision, [d.tensors() for d in datasets], rngs):
-            fisher_sum = torch.from_numpy(fisher) / self.fed.local_epochs
-            yield clients[i], self._online_output(final.astype(np.float64), fisher_sum, len(datasets[i]), round, loss)
-
-    def _dpsgd_updates(self, clients, datasets, rngs):
-        """Record level for a round's clients, one DP-SGD schedule at a time (``_train_dpsgd``, vectorised)."""
-        groups: dict[DPSGDSchedule, list[int]] = {}
-        for i, k in enumerate(clients):
-            groups.setdefault(dpsgd_schedule(self, k), []).append(i)
-        clip, epochs, secure = self.privacy.clip, self.fed.local_epochs, self.privacy.secure_noise
-        anchor = _unflatten(self.model, torch.as_tensor(self.mean, dtype=torch.float32))
-        prior = _unflatten(self.model, torch.as_tensor(self.precision, dtype=torch.float32))
-
-        @torch.no_grad()
-        def prior_gradient(chunk, params, grads) -> None:  # _train_dpsgd's prior_gradient, on every client at once
-            for name in grads:
-                grads[name].add_(self.prior_weight * prior[name] * (params[name] - anchor[name]))
-
-        for schedule, members in groups.items():
-            z = self._dpsgd_noise_multiplier(schedule)
-            chunk_rngs, generators = [], []
-            for i in members:  # each client's draws in client_update's order: torch seed, Fisher chunks, noise, coins
-                torch.manual_seed(int(rngs[i].integers(0, 2 ** 31 - 1)))
-                chunk_rngs.append(np.random.default_rng(rngs[i].integers(0, 2 ** 63 - 1)))
-                generators.append((private_torch_generator(rngs[i], secure),
-                                   private_torch_generator(rngs[i], secure)))
-            data = [datasets[i].tensors() for i in members]
-            dpsgd = VectorisedDPSGD(self.model, schedule=schedule, noise_multiplier=z, clip=clip, lr=self.fed.lr,
-                                    momentum=self.fed.momentum, secure_noise=secure)
-            fisher = _StackedFisher(dpsgd, data, chunk_rngs, self.dim, clip, epochs, schedule.steps_per_epoch)
-            for j, final, stats in dpsgd.train_models(self.mean, data, generators, before_step=fisher.pass_,
-                                                      extra_gradient=prior_gradient):
-                i = members[j]
-                yield clients[i], self._record_output(final.astype(np.float64), fisher.per_visit(j),
-                                                      {**stats, "noise_multiplier": z}, schedule.round_event(z))
+        yield from self.form.updates(clients, datasets, round, rngs, vectorised=True)
 
     # -- server ----------------------------------------------------------------------------------------------------
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
-        r = round + 1
-        floor = self.prior_precision
-        if self.mode == "non_private":
-            post = gaussian_product(aggregates["natural_mean"], aggregates["precision"], precision_floor=floor)
-        elif self.mode == "client":
-            eta, lam = aggregates["natural_mean_delta"], aggregates["precision_delta"]
-            k = lam.total_weight
-            post = combine(self.precision * self.mean + eta.total / k, self.precision + lam.total / k,
-                           precision_floor=floor, natural_noise_std=eta.noise_std / k,
-                           precision_noise_std=lam.noise_std / k, fold_noise=True, reference_mean=self.mean)
-        else:
-            post = self._record_level_posterior(aggregates, r)
+        post = self.form.server(aggregates, round)
         self.mean, self.precision = post.mean, post.precision
 
     def _record_level_posterior(self, aggregates: Mapping[str, Aggregate], r: int) -> GaussianProduct:
@@ -552,55 +409,146 @@ class FOLA(FederatedAlgorithm):
         return classification_metrics(self.predict_proba(dataset), dataset.tensors()[1].numpy())
 
 
-def _unflatten(model: nn.Module, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A flat vector as views shaped like ``model``'s named parameters."""
-    named = list(model.named_parameters())
-    return unflatten(flat, [n for n, _ in named], [p.shape for _, p in named])
+class OnlinePosterior:
+    """FOLA's client step as the paper writes it, for non-private runs and client level: SGD on task + prior loss
+    with the Fisher read off its own per-example gradients (eq. 22), the local posterior of eq. 24 released as
+    natural parameters (non-private, weights n_k) or as their changes from the global ones (each clipped as a whole
+    by the pipeline, weights 1); the server's Gaussian product with the known noise folded in."""
+
+    label = "online"
+    accountant = None
+
+    def __init__(self, alg: FOLA):
+        self.alg = alg
+        self.shares = dict(_SHARES["client"]) if alg.privacy.private else {}
+
+    def check_model(self, model: nn.Module) -> None:
+        """Nothing beyond the Fisher's own check (setup's)."""
+
+    def planned_events(self, client: int) -> dict:
+        return {}
+
+    def channels(self):
+        alg = self.alg
+        d, p, c, s = (alg.dim,), alg.privacy, alg.privacy.clip, alg.budget_shares
+        if not p.private:
+            return [unit_channel(p, "natural_mean", d, description="Lambda_n * mu_n"),
+                    unit_channel(p, "precision", d, description="Lambda_n (eq. 24)")]
+        return [unit_channel(p, "natural_mean_delta", d, budget_share=s["natural_mean_delta"],
+                             description="Lambda_n mu_n - Lambda_S mu_S, clipped to C"),
+                unit_channel(p, "precision_delta", d, client=NormClip(alg.precision_clip or c),
+                             budget_share=s["precision_delta"],
+                             description="Lambda_n - Lambda_S, clipped to precision_clip (default C)")]
+
+    def updates(self, clients, datasets, round, rngs, *, vectorised: bool):
+        """The client step of ``clients``, written once over the two executors (the vectorised one, or the
+        per-client loop of ``FOLA._train_online``); each client's draws in one order: its torch seed, then its
+        shuffles."""
+        alg = self.alg
+        seeds = [int(rng.integers(0, 2 ** 31 - 1)) for rng in rngs]
+        if vectorised:
+            sgd = VectorisedOnlineFisher(alg.model, epochs=alg.fed.local_epochs, batch_size=alg.fed.batch_size,
+                                         lr=alg.fed.lr, momentum=alg.fed.momentum, prior_weight=alg.prior_weight)
+            rows = ((i, final.astype(np.float64), torch.from_numpy(fisher) / alg.fed.local_epochs, loss)
+                    for i, final, fisher, loss in sgd.train(alg.mean, alg.precision, [d.tensors() for d in datasets],
+                                                            rngs))
+        else:
+            rows = (self._one(i, datasets[i], seeds[i], rngs[i]) for i in range(len(clients)))
+        for i, mu, fisher_sum, loss in rows:
+            yield clients[i], alg._online_output(mu, fisher_sum, len(datasets[i]), round, loss)
+
+    def _one(self, i: int, dataset, seed: int, rng):
+        local = copy.deepcopy(self.alg.model)
+        load_flat_parameters(local, self.alg.mean)
+        torch.manual_seed(seed)  # the layers' own randomness, if any
+        x, y = dataset.tensors()
+        loss, fisher_sum = self.alg._train_online(local, x, y, rng)
+        return i, flat_parameters(local), fisher_sum, loss
+
+    def server(self, aggregates: Mapping[str, Aggregate], round) -> GaussianProduct:
+        alg = self.alg
+        floor = alg.prior_precision
+        if not alg.privacy.private:
+            return gaussian_product(aggregates["natural_mean"], aggregates["precision"], precision_floor=floor)
+        eta, lam = aggregates["natural_mean_delta"], aggregates["precision_delta"]
+        k = lam.total_weight
+        return combine(alg.precision * alg.mean + eta.total / k, alg.precision + lam.total / k,
+                       precision_floor=floor, natural_noise_std=eta.noise_std / k,
+                       precision_noise_std=lam.noise_std / k, fold_noise=True, reference_mean=alg.mean)
 
 
-class _StackedFisher:
-    """``_train_dpsgd``'s Fisher pass for the clients of one vectorised DP-SGD run: at the start of every step, each
-    client's chunk of its own shuffle (drawn from its own generator, as ``fisher_pass`` draws it), per-example
-    gradients clipped to C, their squares summed into that client's row; each client's visit cap is a
-    :class:`FisherAccumulator` of its own (used for its cap only: the sums are kept here, one chunk at a time)."""
+class RecordPosterior:
+    """FOLA's client step at record level (module docstring): DP-SGD on the task loss (the engine,
+    ``privfl.privacy.record_level.DPSGD``) with the prior's gradient added after the noise, a clipped Fisher pass at
+    the start of every step on records of its own choosing, and the channels ``mean`` (post-processing of the
+    training), ``fisher_diag`` and ``fisher_natural_mean`` (sums of clipped per-record terms); the server's
+    record-level Gaussian product (``FOLA._record_level_posterior``)."""
 
-    def __init__(self, dpsgd: VectorisedDPSGD, data, chunk_rngs, dim: int, clip: float, epochs: int,
-                 steps_per_epoch: int):
-        self.dpsgd, self.data, self.chunk_rngs = dpsgd, data, chunk_rngs
-        self.dim, self.clip, self.epochs, self.steps_per_epoch = dim, clip, epochs, steps_per_epoch
-        self.caps = [FisherAccumulator(0, len(x), clip=clip, max_visits=epochs) for x, _ in data]
-        self.step_of: list[np.ndarray | None] = [None] * len(data)
-        self.chunk: list[int] = []
-        self.total = torch.zeros(0, dim)
+    label = "example"
 
-    def pass_(self, chunk, epoch: int, step: int, params) -> None:
-        if chunk != self.chunk:  # a new chunk of clients: its own sums (the previous chunk's were yielded)
-            self.chunk, self.total = list(chunk), torch.zeros(len(chunk), self.dim)
-        if step == 0:  # each record picks its step of this epoch on its own: no record moves another
-            for j in chunk:
-                self.step_of[j] = self.chunk_rngs[j].integers(0, self.steps_per_epoch, size=len(self.data[j][0]))
-        ids = [np.flatnonzero(self.step_of[j] == step) for j in chunk]
-        width = max(len(i) for i in ids)
-        if width == 0:
-            return
-        x0, y0 = self.data[chunk[0]]
-        xb = torch.zeros(len(chunk), width, *x0.shape[1:], dtype=x0.dtype)
-        yb = torch.zeros(len(chunk), width, dtype=y0.dtype)
-        weight = torch.zeros(len(chunk), width)
-        for r, (j, i) in enumerate(zip(chunk, ids)):
-            if len(i):
-                x, y = self.data[j]
-                idx = torch.from_numpy(i)
-                xb[r, :len(i)], yb[r, :len(i)] = x[idx], y[idx]
-                weight[r, :len(i)] = self.caps[j].admit(i)
-        with torch.enable_grad():
-            terms = self.dpsgd.per_example(params, xb, yb, weight)
-        factor = clip_factor(terms.norms2(), self.clip).pow(2) * weight
-        self.total += terms.flat(terms.square_sums(factor))
+    def __init__(self, alg: FOLA):
+        self.alg = alg
+        self.accountant = check_dpsgd_privacy(alg.privacy, alg.name)
+        if alg.privacy.placement == "distributed":
+            raise ConfigurationError("fola (unit='example'): DP-SGD is calibrated against the Fisher channels' "
+                                     "Gaussian events; use local or central placement")
+        self.shares = dict(_SHARES["example"])
 
-    def per_visit(self, j: int) -> torch.Tensor:
-        """Client j's (of the chunk just trained) Fisher sum divided by its visit cap (``per_visit``)."""
-        return self.total[self.chunk.index(j)] / self.epochs
+    def check_model(self, model: nn.Module) -> None:
+        check_opacus_model(model, self.alg.name)
+
+    def planned_events(self, client: int) -> dict:
+        schedule = dpsgd_schedule(self.alg, client)
+        return {"mean": schedule.round_event(self.alg._dpsgd_noise_multiplier(schedule))}
+
+    def channels(self):
+        alg = self.alg
+        d, p, c, s = (alg.dim,), alg.privacy, alg.privacy.clip, alg.budget_shares
+        # coordinate bounds (for secure aggregation's quantisation range): every record adds at most C^2 per
+        # coordinate to fisher_diag, and a client holds at most the public record cap (beyond it the sum is clipped
+        # into the range, a contraction)
+        fisher_bound = alg.public.record_cap * c ** 2
+        return [unit_channel(p, "mean", d, client=None, record=TrainedPrivately(), budget_share=s["mean"],
+                             description="mu_n after DP-SGD local training (post-processing)"),
+                unit_channel(p, "fisher_diag", d, client=None, record=PreClipped(c, "squared_sum"),
+                             budget_share=s["fisher_diag"], value_bound=fisher_bound,
+                             description="per-epoch sum of per-example squared gradients clipped to C"),
+                unit_channel(p, "fisher_natural_mean", d, client=None,
+                             record=PreClipped(alg.update_bound * c ** 2, "sum"),
+                             budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * alg.update_bound,
+                             description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
+
+    def updates(self, clients, datasets, round, rngs, *, vectorised: bool):
+        """The client step of ``clients``, one DP-SGD schedule at a time, written once over the engine's two
+        executors; each client's draws in one order: its torch seed, its Fisher steps' generator, then DP-SGD's
+        noise and Poisson coins (the engine's)."""
+        alg = self.alg
+        groups: dict[DPSGDSchedule, list[int]] = {}
+        for i, k in enumerate(clients):
+            groups.setdefault(dpsgd_schedule(alg, k), []).append(i)
+        clip, epochs = alg.privacy.clip, alg.fed.local_epochs
+        prior = GaussianPriorGradient(alg.model, alg.mean, alg.precision, alg.prior_weight)
+        for schedule, members in groups.items():
+            z = alg._dpsgd_noise_multiplier(schedule)
+            seeds, fisher_rngs = [], []
+            for i in members:
+                seeds.append(int(rngs[i].integers(0, 2 ** 31 - 1)))
+                fisher_rngs.append(np.random.default_rng(rngs[i].integers(0, 2 ** 63 - 1)))
+            data = [datasets[i].tensors() for i in members]
+            engine = DPSGD(alg.model, schedule, noise_multiplier=z, clip=clip, lr=alg.fed.lr,
+                           momentum=alg.fed.momentum, secure_noise=alg.privacy.secure_noise, loss=alg._dpsgd_loss(),
+                           algorithm=alg.name)
+            fisher = StepFisher(data, fisher_rngs, dim=alg.dim, clip=clip, epochs=epochs,
+                                steps_per_epoch=schedule.steps_per_epoch, loss_fn=alg._per_example_loss,
+                                per_example=PerExampleGradients(alg.model) if vectorised else None)
+            for j, final, stats in engine.train(alg.mean, data, [rngs[i] for i in members], vectorised=vectorised,
+                                                torch_seeds=seeds, before_step=fisher, extra_gradient=prior):
+                i = members[j]
+                yield clients[i], alg._record_output(np.asarray(final, dtype=np.float64), fisher.per_visit(j),
+                                                     {**stats, "noise_multiplier": z}, schedule.round_event(z))
+
+    def server(self, aggregates: Mapping[str, Aggregate], round) -> GaussianProduct:
+        return self.alg._record_level_posterior(aggregates, round + 1)
 
 
-__all__ = ["FOLA"]
+__all__ = ["FOLA", "OnlinePosterior", "RecordPosterior"]

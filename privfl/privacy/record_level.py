@@ -592,22 +592,38 @@ class DPSGD:
         self.loss, self.optimizer, self.algorithm = loss, optimizer, algorithm
 
     def train(self, start: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              rngs: Sequence[np.random.Generator], *, vectorised: bool) -> Iterator[tuple[int, np.ndarray, dict]]:
+              rngs: Sequence[np.random.Generator], *, vectorised: bool, torch_seeds: Sequence[int] | None = None,
+              before_step=None, extra_gradient=None) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, params_i, stats_i)`` for every client: its parameters after training (a float32 row) and
-        ``{"train_loss", "dpsgd_steps"}``."""
+        ``{"train_loss", "dpsgd_steps"}``.
+
+        ``before_step`` and ``extra_gradient``: hooks with the executors' two forms (e.g.
+        ``privfl.training.posterior.StepFisher`` and ``GaussianPriorGradient``). ``before_step.on_model(i, model,
+        epoch, step)`` or ``.on_stack(members, epoch, step, params)`` runs at the parameters each step starts from
+        and never sees the step's lot (:func:`dpsgd_train`); ``extra_gradient.on_model(i, model)`` or
+        ``.on_stack(members, params, grads)`` adds a data-independent term after the noise (post-processing).
+        ``torch_seeds[i]``: torch's global seed as client i's training starts one after another (its layers' own
+        randomness; a vectorised model has none)."""
         if vectorised:
             secure = self.secure_noise
             generators = [(private_torch_generator(r, secure), private_torch_generator(r, secure)) for r in rngs]
             executor = VectorisedDPSGD(self.model, schedule=self.schedule, noise_multiplier=self.z, clip=self.clip,
                                        lr=self.lr, momentum=self.momentum, secure_noise=secure)
-            yield from executor.train_models(start, datasets, generators)
+            yield from executor.train_models(
+                start, datasets, generators, before_step=None if before_step is None else before_step.on_stack,
+                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack)
             return
         for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
             local = copy.deepcopy(self.model)
             load_flat_parameters(local, np.asarray(start, dtype=np.float32))
+            if torch_seeds is not None:
+                torch.manual_seed(torch_seeds[i])
+            before = None if before_step is None else functools.partial(before_step.on_model, i, local)
+            extra = None if extra_gradient is None else functools.partial(extra_gradient.on_model, i, local)
             stats = dpsgd_train(local, x, y, self.schedule, noise_multiplier=self.z, clip=self.clip, lr=self.lr,
                                 momentum=self.momentum, rng=rng, secure_noise=self.secure_noise, loss=self.loss,
-                                optimizer=self.optimizer, algorithm=self.algorithm)
+                                optimizer=self.optimizer, algorithm=self.algorithm, before_step=before,
+                                extra_gradient=extra)
             yield i, flat_parameters(local), stats
 
 

@@ -22,7 +22,8 @@ maths bounds about the value whatever the unit (:func:`channel`):
 
 :func:`check_unit` refuses a unit an algorithm does not offer (its class attribute ``units``), the one place where the
 units an algorithm supports are checked; :func:`record_level` is the question "does a client's training see its
-records only through DP-SGD?" that an algorithm whose *training* differs by unit asks.
+records only through DP-SGD?", and :func:`at_unit` picks, from what an algorithm declares for each unit, the one
+for the run (the form of FOLA's client step).
 """
 
 from __future__ import annotations
@@ -86,4 +87,12 @@ def channel(privacy, name: str, shape, *, client=RUN_CLIP, record=None, adjacenc
     return Channel(name, shape, unit="client", clip=_at_unit(whole, "client"), adjacency="replace_one", **fields)
 
 
-__all__ = ["RUN_CLIP", "channel", "check_unit", "record_level"]
+def at_unit(privacy, *, client, record):
+    """What an algorithm declares for each unit, picked for ``privacy``: ``record`` in a private run at record level
+    (:func:`record_level`), else ``client`` (client level, and every non-private run). An algorithm whose client
+    step differs by unit (FOLA's DP-SGD-trained form beside its paper's online form) declares both forms and this
+    picks, as :func:`channel` picks a channel's bound."""
+    return record if record_level(privacy) else client
+
+
+__all__ = ["RUN_CLIP", "at_unit", "channel", "check_unit", "record_level"]

@@ -64,24 +64,28 @@ def test_check_unit_refuses_an_undeclared_unit_with_the_hint():
     assert repr(RUN_CLIP) == "RUN_CLIP"
 
 
-#: the algorithms whose *statistics* differ by unit (two forms of one algorithm), the only places in algorithms/ that
-#: read the run's unit: FOLA releases natural-parameter changes at client level and DP-SGD's mean with Fisher sums at
-#: record level; HBFL trains its meme by DP-SGD at record level only (asked through privacy.units.record_level)
-UNIT_READERS = {"fola.py": 1, "hbfl.py": 1}
+#: the algorithms that read the run's unit themselves, the only places left in algorithms/: HBFL trains its meme by
+#: DP-SGD at record level only (asked through privacy.units.record_level)
+UNIT_READERS = {"hbfl.py": 1}
+#: the algorithms whose *statistics* differ by unit declare one form per unit and privacy.units.at_unit picks: FOLA
+#: releases natural-parameter changes at client level and DP-SGD's mean with Fisher sums at record level
+FORM_DECLARERS = {"fola.py": 1}
 
 
-def _unit_reads(path: Path) -> int:
+def _unit_reads(path: Path, names=("record_level", "client_level")) -> int:
     """Lines of ``path`` that read a privacy unit: ``<x>.unit`` attributes, or calls of units.record_level/client_level."""
     lines = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr == "unit":
+        if isinstance(node, ast.Attribute) and node.attr == "unit" and "at_unit" not in names:
             lines.add(node.lineno)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("record_level",
-                                                                                             "client_level"):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
             lines.add(node.lineno)
     return len(lines)
 
 
 def test_no_algorithm_decides_its_privacy_unit_but_the_two_with_two_forms():
-    found = {p.name: _unit_reads(p) for p in sorted((ROOT / "privfl" / "algorithms").glob("*.py"))}
+    paths = sorted((ROOT / "privfl" / "algorithms").glob("*.py"))
+    found = {p.name: _unit_reads(p) for p in paths}
     assert {name: n for name, n in found.items() if n} == UNIT_READERS
+    declared = {p.name: _unit_reads(p, ("at_unit",)) for p in paths}
+    assert {name: n for name, n in declared.items() if n} == FORM_DECLARERS
