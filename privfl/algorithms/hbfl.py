@@ -54,7 +54,11 @@ Privacy:
   from the OS CSPRNG unless the run asks for seeded noise. Opacus is not used: its per-sample gradients run the model
   under ``vmap`` without randomness, which the Bayesian layers' sampling needs; privfl computes them with
   ``torch.func`` instead.
-- Execution: a round's clients train together (:class:`VectorisedHBFL`, ``torch.func``) when the meme is a stack of
+- Execution: the client step is written once (:meth:`HBFL._updates`) over the two executors of
+  ``privfl.training.distill``; which records each step sees and the meme's task gradient come from the loop the
+  unit picks (``privfl.privacy.units.at_unit``: shuffled mini-batches, or ``privfl.privacy.record_level.DPSGDLoop``'s
+  Poisson lots and privatised gradients). A round's clients train together (:class:`VectorisedHBFL`,
+  ``torch.func``) when the meme is a stack of
   ``BayesLinear`` layers and the local models are built of stateless layers, in every mode; each client's batches,
   Poisson coins, DP noise and weight noise come from its own generators in the per-client order, so the uploads
   equal the per-client step's to float tolerance. A Bayesian conv meme (or a subclass's own client step) runs per
@@ -78,56 +82,30 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
-from privfl.accounting import NoOpEvent
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, load_model_state, model_state_values
-from privfl.privacy.record_level import (DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy, dpsgd_schedule,
-                                         poisson_lot, privatise_gradient_sum)
+from privfl.privacy.record_level import DPSGDLoop, DPSGDSchedule, dpsgd_gradients
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
-from privfl.core.channels import NormClip, PrivatizedValue, TrainedPrivately
-from privfl.privacy.units import channel as unit_channel, record_level
+from privfl.core.channels import NormClip, TrainedPrivately
+from privfl.privacy.units import at_unit, channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
-from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step, vectorisable
-from privfl.models import (MLP, MODELS, BayesLinear, bayes_modules, deterministic, get_mean_precision,
-                           make_bayesian_model, make_model, set_mean_precision, softplus)
-from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
+from privfl.training.distill import (MiniBatchLoop, VectorisedHBFL, bayes_linear_stack, distillation_loss,
+                                    meme_regulariser, train_meme_and_local)
+from privfl.training.stacked import vectorisable
+from privfl.models import (MODELS, deterministic, get_mean_precision, make_bayesian_model, make_model,
+                           set_mean_precision)
 from privfl.models.errors import ModelConfigError
-from privfl.core.public import private_torch_generator, release_weight
-from privfl.training.local import batches, predict_proba
+from privfl.core.public import release_weight
+from privfl.training.local import predict_proba
 
 #: the meme model's optimisers (``meme_optimizer``): the paper's Adam, or plain SGD
 MEME_OPTIMIZERS = ("adam", "sgd")
 TEMPERATURE = 1e-4  # the paper's T (Sec. 5.1.1, after Ashukha et al. 2020)
 _NOISELESS_FLOOR = 1e-12  # without noise the product of positive precisions is positive: the floor only guards
-
-
-def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, y: torch.Tensor, *,
-                      weight: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
-    """Eq. 4.2: ``weight`` * CE(y, student) + (1 - ``weight``) * KL(teacher || student), batch means.
-
-    ``teacher_probs`` are the teacher's class probabilities at ``temperature``; the student is softened by the same
-    temperature inside the KL, which is then scaled by temperature^2 so its gradients keep their size.
-    """
-    ce = F.cross_entropy(student_logits, y)
-    log_student = F.log_softmax(student_logits / temperature, dim=1)
-    kl = F.kl_div(log_student, teacher_probs, reduction="batchmean") * temperature ** 2
-    return weight * ce + (1.0 - weight) * kl
-
-
-def meme_regulariser(model: nn.Module, temperature: float, n: int) -> torch.Tensor:
-    """-(T / n) H(q) up to a constant: the entropy part of eq. 4.1 per example, (T / n) * -sum log std."""
-    total = None
-    for _, m in bayes_modules(model):
-        for _, (_, rho) in m.gaussian_parameters().items():
-            part = -torch.log(softplus(rho)).sum()
-            total = part if total is None else total + part
-    return total * (temperature / n)
 
 
 class HBFL(FederatedAlgorithm):
@@ -192,7 +170,10 @@ class HBFL(FederatedAlgorithm):
         if len(budget_shares) != 2:
             raise ConfigurationError(f"budget_shares is (natural_mean, precision), got {budget_shares!r}")
         self.budget_shares = tuple(_positive("budget share", s) for s in budget_shares)
-        self.accountant = check_dpsgd_privacy(privacy, self.name) if record_level(privacy) else None
+        #: how the meme's training sees a client's records (privfl.privacy.units.at_unit picks): shuffled mini-batches,
+        #: or DP-SGD's Poisson lots and privatised gradients at record level
+        self.loop = at_unit(privacy, client=MiniBatchLoop, record=DPSGDLoop)(self)
+        self.accountant = self.loop.accountant
         self.meme: nn.Module | None = None
         self.global_natural_mean: np.ndarray | None = None  # T Lambda mu
         self.global_precision: np.ndarray | None = None  # T Lambda
@@ -200,7 +181,6 @@ class HBFL(FederatedAlgorithm):
         self.client_models: dict[int, nn.Module] = {}  # client-held local models (never released)
         self._input_shape: tuple[int, ...] = ()
         self._num_classes = 0
-        self._dpsgd_noise: dict[DPSGDSchedule, float] = {}
         self._vectorisable: bool | None = None
 
     # -- configuration -------------------------------------------------------------------------------------------
@@ -233,7 +213,6 @@ class HBFL(FederatedAlgorithm):
         self.global_precision = np.full_like(mean, self.init_precision)
         self.global_natural_mean = self.global_precision * mean
         self.client_models = {}
-        self._dpsgd_noise = {}
         self._vectorisable = None
 
     @property
@@ -313,57 +292,60 @@ class HBFL(FederatedAlgorithm):
         return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
+        [(_, out)] = self._updates([client], [dataset], [rng], vectorised=False)
+        return out
+
+    def _prepare(self, client: int, rng) -> tuple[nn.Module, torch.Generator]:
+        """A client's draws before its training: its torch seed, then its local model (built on first use, from the
+        global generator); returns the model and a generator holding the global state its meme's noise comes from."""
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
+        local = self.local_model(client)
+        g = torch.Generator()
+        g.set_state(torch.get_rng_state())
+        return local, g
+
+    def _updates(self, clients, datasets, rngs, *, vectorised: bool):
+        """The client step, written once over the two executors (``privfl.training.distill``): the clients that share
+        a lot source (``self.loop.key``: record count, or DP-SGD schedule) train together (:class:`VectorisedHBFL`)
+        or one after another (``train_meme_and_local``); each client's meme posterior is released as the changes of
+        its natural parameters (:meth:`encode_posterior`), through the loop's release (post-processing of DP-SGD at
+        record level)."""
+        groups: dict[object, list[int]] = {}
+        for i, k in enumerate(clients):
+            groups.setdefault(self.loop.key(k, len(datasets[i])), []).append(i)
+        hyper = dict(temperature=self.temperature, meme_lr=self.meme_lr, meme_optimizer=self.meme_optimizer,
+                     lr=self.fed.lr, momentum=self.fed.momentum, distill_weight=self.distill_weight,
+                     distill_temperature=self.distill_temperature)
+        executor = VectorisedHBFL(self._fork_meme(), **hyper) if vectorised else None
+        for key, members in groups.items():
+            sizes = [len(datasets[i]) for i in members]
+            step = executor._chunk(self.loop.per_example, self.loop.batch_width(key)) if vectorised else 1
+            for lo in range(0, len(members), step):
+                chunk = members[lo:lo + step]
+                prepared = [self._prepare(clients[i], rngs[i]) for i in chunk] if vectorised else None
+                if vectorised:
+                    lots = self.loop.lots(key, [rngs[i] for i in chunk], sizes[lo:lo + step])
+                    rows = executor.train([datasets[i].tensors() for i in chunk], lots, [m for m, _ in prepared],
+                                          [self.local_architecture(clients[i]) for i in chunk],
+                                          [g for _, g in prepared])
+                else:
+                    rows = [self._train_one(clients[chunk[0]], datasets[chunk[0]], rngs[chunk[0]], key, hyper)]
+                for r, meme, meme_loss, local_loss in rows:
+                    i = chunk[r]
+                    yield clients[i], self._output(clients[i], datasets[i], meme, meme_loss, local_loss)
+
+    def _train_one(self, client: int, dataset, rng, key, hyper):
+        local, _ = self._prepare(client, rng)  # the global generator now holds the state the meme's noise is drawn from
+        meme = self._fork_meme()
         x, y = dataset.tensors()
-        n = len(x)
-        meme, local = self._fork_meme(), self.local_model(client)
-        meme_opt = (torch.optim.Adam(meme.parameters(), lr=self.meme_lr) if self.meme_optimizer == "adam"
-                    else torch.optim.SGD(meme.parameters(), lr=self.meme_lr))
-        local_opt = torch.optim.SGD(local.parameters(), lr=self.fed.lr, momentum=self.fed.momentum)
-        dp = self.accountant is not None
-        if dp:  # Poisson-sampled batches: each record joins each step with probability q (a secret coin)
-            plan = dpsgd_schedule(self, client)
-            q, z = plan.sample_rate, self.dpsgd_noise_multiplier(plan)
-            secure = self.privacy.secure_noise
-            noise = private_torch_generator(rng, secure)  # DP-SGD's generators, as dpsgd_train creates them
-            coins = private_torch_generator(rng, secure)
-            schedule = (poisson_lot(q, n, coins).numpy() for _ in range(plan.steps))
-            reg_size = plan.size  # the public size: the entropy term must not read the private n_k
-        else:
-            schedule = (idx for _ in range(self.fed.local_epochs) for idx in batches(n, self.fed.batch_size, rng))
-            reg_size = n
-        meme.train()
-        local.train()
-        meme_loss = local_loss = 0.0
-        for idx in schedule:
-            xb, yb = x[torch.as_tensor(idx, dtype=torch.long)], y[torch.as_tensor(idx, dtype=torch.long)]
-            meme_opt.zero_grad(set_to_none=True)
-            if dp:
-                dpsgd_gradients(meme, xb, yb, clip=self.privacy.clip, noise_multiplier=z,
-                                expected_batch=plan.expected_batch, generator=noise, secure=secure)
-                reg = meme_regulariser(meme, self.temperature, reg_size)
-                reg.backward()
-            else:
-                loss = F.cross_entropy(meme(xb), yb) + meme_regulariser(meme, self.temperature, reg_size)
-                loss.backward()
-                meme_loss = float(loss.detach())
-            meme_opt.step()
-            if len(idx) == 0:
-                continue
-            with torch.no_grad(), deterministic(meme):
-                teacher = torch.softmax(meme(xb) / self.distill_temperature, dim=1)
-            local_opt.zero_grad(set_to_none=True)
-            loss = distillation_loss(local(xb), teacher, yb, weight=self.distill_weight,
-                                     temperature=self.distill_temperature)
-            loss.backward()
-            local_opt.step()
-            local_loss = float(loss.detach())
-        values: dict[str, object] = self.encode_posterior(*get_mean_precision(meme))
-        if dp:
-            values = {"natural_mean": PrivatizedValue(values["natural_mean"], plan.round_event(z)),
-                      "precision": PrivatizedValue(values["precision"], NoOpEvent())}
+        meme_loss, local_loss = train_meme_and_local(meme, local, x, y, self.loop.lots(key, [rng], [len(x)]),
+                                                     **hyper)
+        return 0, meme, meme_loss, local_loss
+
+    def _output(self, client: int, dataset, meme: nn.Module, meme_loss, local_loss: float) -> ClientOutput:
+        values = self.loop.released(client, self.encode_posterior(*get_mean_precision(meme)), ("natural_mean",))
         metrics = {"local_loss": local_loss}
-        if not dp:
+        if meme_loss is not None:
             metrics["meme_loss"] = meme_loss
         return ClientOutput(values, weight=self.release_weight(dataset, client), metrics=metrics)
 
@@ -404,7 +386,7 @@ class HBFL(FederatedAlgorithm):
             for k, dataset, rng in zip(clients, datasets, rngs):
                 yield k, self.client_update(k, dataset, round, rng)
             return
-        yield from VectorisedHBFL(self).train(clients, datasets, rngs)
+        yield from self._updates(clients, datasets, rngs, vectorised=True)
 
     def encode_posterior(self, mean: np.ndarray, precision: np.ndarray) -> dict[str, np.ndarray]:
         """The channel values of a meme posterior N(``mean``, diag(``precision``)^-1), ``precision`` the tempered
@@ -416,18 +398,12 @@ class HBFL(FederatedAlgorithm):
     def planned_events(self, client: int) -> dict:
         """The per-round events of ``client``'s record-level releases (the run plan's): the natural mean carries the
         meme's DP-SGD training, the precision is its post-processing (charged nothing more); none otherwise."""
-        if self.accountant is None:
-            return {}
-        plan = dpsgd_schedule(self, client)
-        return {"natural_mean": plan.round_event(self.dpsgd_noise_multiplier(plan)), "precision": NoOpEvent()}
+        return self.loop.events(client, ("natural_mean", "precision"), ("natural_mean",))
 
     def dpsgd_noise_multiplier(self, plan: DPSGDSchedule) -> float:
         """The smallest z whose ``fed.rounds`` rounds of ``plan`` meet the target (epsilon, delta) under the run's
-        accountant (``dpsgd_fedavg.calibrate_dpsgd``, cached per schedule)."""
-        if plan not in self._dpsgd_noise:
-            self._dpsgd_noise[plan] = calibrate_dpsgd(self.privacy.epsilon, self.privacy.delta, self.fed.rounds,
-                                                      plan, self.accountant)
-        return self._dpsgd_noise[plan]
+        accountant (``privfl.privacy.record_level.DPSGDLoop``, cached per schedule; record level only)."""
+        return self.loop.noise_multiplier(plan)
 
     # -- server --------------------------------------------------------------------------------------------------
 
@@ -475,313 +451,6 @@ class HBFL(FederatedAlgorithm):
 def _add_back(changes: Aggregate, reference: np.ndarray) -> Aggregate:
     """The weighted sum of values from the weighted sum of their changes from ``reference``."""
     return dataclasses.replace(changes, total=changes.total + changes.total_weight * reference)
-
-
-def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
-                    expected_batch: float, generator: torch.Generator, secure: bool) -> None:
-    """One DP-SGD gradient of the mean cross-entropy into ``p.grad``: per-example gradients (``torch.func``; the
-    Bayesian layers draw their noise independently per example), privatised by
-    ``privfl.privacy.record_level.privatise_gradient_sum`` (clipped, summed, noised, divided by the expected batch)."""
-    names = [n for n, _ in model.named_parameters()]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    dim = sum(p.numel() for p in params.values())
-    flat = torch.zeros(0, dim)
-    if len(x):
-        def example_loss(p, xi, yi):
-            return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-        per_example = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
-        flat = torch.cat([per_example[n].reshape(len(x), -1) for n in names], dim=1)
-    noisy = privatise_gradient_sum(flat, dim, clip=clip, noise_multiplier=noise_multiplier,
-                                   expected_batch=expected_batch, generator=generator, secure=secure)
-    offset = 0
-    for n, p in model.named_parameters():
-        k = p.numel()
-        g = noisy[offset:offset + k].reshape(p.shape).to(p.dtype)
-        p.grad = g if p.grad is None else p.grad + g
-        offset += k
-
-
-def bayes_linear_stack(model: nn.Module):
-    """``(prefix, layers)`` when ``model`` is a stack of ``BayesLinear`` layers (local reparameterisation, sampling
-    on, no generator of its own) and elementwise activations after a parameter-free reshaping prefix (privfl's
-    Bayesian MLP), else None. ``layers``: ``("bayes", qualified name, has_bias)`` or ``("act", module, None)``."""
-    if isinstance(model, MLP) and type(model).forward is MLP.forward:
-        seq, base = model.net, "net."
-    elif isinstance(model, nn.Sequential):
-        seq, base = model, ""
-    else:
-        return None
-    prefix, layers = [], []
-    for name, module in seq.named_children():
-        if type(module) is BayesLinear:
-            if module.reparameterization != "local" or not module.sampling or module.generator is not None:
-                return None
-            layers.append(("bayes", base + name, "bias" in module.gaussian_names))
-        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
-            prefix.append(module)
-        elif layers and isinstance(module, ELEMENTWISE):
-            layers.append(("act", module, None))
-        else:
-            return None
-    if not layers or layers[-1][0] != "bayes":
-        return None
-    return prefix, layers
-
-
-class VectorisedHBFL:
-    """HBFL's client step (:meth:`HBFL.client_update`) for a round's clients at once, with ``torch.func``.
-
-    Clients with the same batch schedule (record count without DP; DP-SGD schedule with it, its Poisson batches
-    padded with zero-weight rows) form a chunk. The meme is a Bayesian linear stack run functionally
-    (:meth:`meme_forward`, ``BayesLinear``'s local reparameterisation written out) on stacked parameters, with
-    each client's weight noise passed in: drawn from a generator holding the global torch state the per-client step
-    would draw from (after the client's seed and its local model's first build), in the same shapes and order (one
-    (batch, out) draw per layer per forward; under DP-SGD, vmap's ``randomness="different"`` draw of (batch, 1, out)).
-    Adam (:func:`privfl.training.stacked.adam_step`), or plain SGD (:func:`privfl.training.stacked.sgd_step`), updates the memes;
-    the local models, grouped by architecture, take masked SGD steps (``sgd_step``: a client whose Poisson batch is
-    empty skips its step, as the per-client loop does) and are written back to their clients. DP-SGD's clipping,
-    noise (from each client's own noise source) and scaling are those of :func:`dpsgd_gradients`.
-    """
-
-    def __init__(self, alg: "HBFL"):
-        self.alg = alg
-        self.prefix, self.layers = bayes_linear_stack(alg.meme)
-        self.meme = alg._fork_meme()
-        self.names = [n for n, _ in self.meme.named_parameters()]
-        self.start = {n: p.detach().clone() for n, p in self.meme.named_parameters()}
-        self.dim = sum(p.numel() for p in self.start.values())
-        self.dp = alg.accountant is not None
-        self._meme_grad = vmap(grad(self._meme_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
-        self._example_grads = vmap(vmap(grad(self._example_loss), in_dims=(None, 0, 0, 0)))
-        self._reg_grad = vmap(grad(self._regulariser), in_dims=(0, None))
-        self._local_grads: dict[str | int, object] = {}
-
-    # -- the meme, functionally ------------------------------------------------------------------------------------
-
-    def meme_forward(self, params: dict, x: torch.Tensor, noises) -> torch.Tensor:
-        """``BayesLinear.forward`` of every layer (``noises`` None: the means, as under ``deterministic``)."""
-        h = x
-        for module in self.prefix:
-            h = module(h)
-        j = 0
-        for kind, item, bias in self.layers:
-            if kind == "act":
-                h = item(h)
-                continue
-            w_mu, b_mu = params[item + ".weight_mu"], params[item + ".bias_mu"] if bias else None
-            if noises is None:
-                h = F.linear(h, w_mu, b_mu)
-                continue
-            w_var = softplus(params[item + ".weight_rho"]) ** 2
-            b_var = softplus(params[item + ".bias_rho"]) ** 2 if bias else None
-            mean = F.linear(h, w_mu, b_mu)
-            var = F.linear(h * h, w_var, b_var)
-            h = mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noises[j]
-            j += 1
-        return h
-
-    def _regulariser(self, params: dict, reg_size: int) -> torch.Tensor:
-        """:func:`meme_regulariser` on functional parameters."""
-        total = None
-        for kind, item, bias in self.layers:
-            if kind != "bayes":
-                continue
-            for g in ("weight", "bias") if bias else ("weight",):
-                part = -torch.log(softplus(params[f"{item}.{g}_rho"])).sum()
-                total = part if total is None else total + part
-        return total * (self.alg.temperature / reg_size)
-
-    def _meme_loss(self, params, x, y, noises, reg_size):
-        loss = F.cross_entropy(self.meme_forward(params, x, noises), y) + self._regulariser(params, reg_size)
-        return loss, loss.detach()
-
-    def _example_loss(self, params, x, y, noises):
-        return F.cross_entropy(self.meme_forward(params, x.unsqueeze(0), noises), y.unsqueeze(0))
-
-    def _noise_shapes(self) -> list[int]:
-        """The output size of every Bayesian layer, in forward order (the last dimension of its weight noise)."""
-        return [self.start[item + ".weight_mu"].shape[0] for kind, item, _ in self.layers if kind == "bayes"]
-
-    # -- the local models ------------------------------------------------------------------------------------------
-
-    def _local_step_fn(self, arch: str | int, template: nn.Module):
-        if arch not in self._local_grads:
-            a, tau = self.alg.distill_weight, self.alg.distill_temperature
-
-            def loss(params, x, y, teacher, weight, count):
-                logits = functional_call(template, params, (x,))
-                ce = (F.cross_entropy(logits, y, reduction="none") * weight).sum() / count
-                log_student = F.log_softmax(logits / tau, dim=1)
-                kl = (F.kl_div(log_student, teacher, reduction="none").sum(1) * weight).sum() / count * tau ** 2
-                total = a * ce + (1.0 - a) * kl
-                return total, total.detach()
-
-            self._local_grads[arch] = vmap(grad(loss, has_aux=True))
-        return self._local_grads[arch]
-
-    # -- a round -------------------------------------------------------------------------------------------------
-
-    def train(self, clients, datasets, rngs):
-        alg = self.alg
-        groups: dict[object, list[int]] = {}
-        for i, k in enumerate(clients):
-            key = dpsgd_schedule(alg, k) if self.dp else len(datasets[i])
-            groups.setdefault(key, []).append(i)
-        for key, members in groups.items():
-            step = self._chunk(key)
-            for lo in range(0, len(members), step):
-                chunk = members[lo:lo + step]
-                yield from self._train_chunk(key, [clients[i] for i in chunk], [datasets[i] for i in chunk],
-                                             [rngs[i] for i in chunk])
-
-    def _chunk(self, key) -> int:
-        """Clients per chunk: the meme's parameters, gradients and Adam moments, and one batch's per-example
-        gradients (DP-SGD, about 1.5 expected batches) or activations, within the budget."""
-        if self.dp:
-            batch = max(1.0, 1.5 * key.sample_rate * max(key.size, 1))
-            per_client = 4 * self.dim * (batch + 4)
-        else:
-            batch = min(self.alg.fed.batch_size, max(key, 1))
-            width = max(p.shape[0] + p.shape[-1] for p in self.start.values() if p.dim() == 2)
-            per_client = 4 * (4 * self.dim + 4 * batch * width)
-        return max(1, int(4 * DEFAULT_MEMORY_BUDGET // per_client))
-
-    def _train_chunk(self, key, clients, datasets, rngs):
-        alg, c = self.alg, len(clients)
-        secure = alg.privacy.secure_noise
-        generators, locals_, noise_sources, coins = [], [], [], []
-        for k, rng in zip(clients, rngs):  # client_update's draws, in its order
-            torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
-            locals_.append(alg.local_model(k))  # built on first use, from the global generator, as client_update does
-            g = torch.Generator()
-            g.set_state(torch.get_rng_state())  # the state the client's meme noise is drawn from
-            generators.append(g)
-            if self.dp:
-                noise_sources.append(private_torch_generator(rng, secure))  # as client_update creates them
-                coins.append(private_torch_generator(rng, secure))
-        data = [d.tensors() for d in datasets]
-        params = {n: p.unsqueeze(0).repeat(c, *([1] * p.dim())) for n, p in self.start.items()}
-        arch_of = [alg.local_architecture(k) for k in clients]
-        local_groups: dict[str | int, list[int]] = {}
-        for r, arch in enumerate(arch_of):
-            local_groups.setdefault(arch, []).append(r)
-        local_params = {arch: {n: torch.stack([dict(locals_[r].named_parameters())[n].detach() for r in rows])
-                               for n, _ in locals_[rows[0]].named_parameters()}
-                        for arch, rows in local_groups.items()}
-        local_bufs: dict[str | int, dict | None] = {arch: None for arch in local_groups}
-        adam = None
-        meme_loss = [0.0] * c
-        local_loss = [0.0] * c
-        outs = self._noise_shapes()
-        if self.dp:
-            plan = key
-            q, z = plan.sample_rate, alg.dpsgd_noise_multiplier(plan)
-            steps = ([poisson_lot(q, len(x), coin).numpy() for coin, (x, _) in zip(coins, data)]
-                     for _ in range(plan.steps))
-            reg_size = plan.size
-        else:
-            n = key
-
-            def shuffled():
-                for _ in range(alg.fed.local_epochs):
-                    perms = [rng.permutation(n) for rng in rngs]
-                    for s in range(0, n, alg.fed.batch_size):
-                        yield [perm[s:s + alg.fed.batch_size] for perm in perms]
-
-            steps = shuffled()
-            reg_size = n
-        for idx in steps:
-            width = max(len(i) for i in idx)
-            counts = torch.tensor([len(i) for i in idx], dtype=torch.float32)
-            x0, y0 = data[0]
-            xb = torch.zeros(c, width, *x0.shape[1:], dtype=x0.dtype)
-            yb = torch.zeros(c, width, dtype=y0.dtype)
-            weight = torch.zeros(c, width)
-            for r, ((x, y), i) in enumerate(zip(data, idx)):
-                if len(i):
-                    t = torch.as_tensor(i, dtype=torch.long)
-                    xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[t], y[t], 1.0
-            if self.dp:
-                grads = self._dpsgd_gradients(params, xb, yb, idx, generators, noise_sources, z, plan, outs)
-                reg = self._reg_grad(params, reg_size)
-                for name, g in reg.items():
-                    grads[name] = grads[name] + g
-            else:
-                noises = self._batch_noises(generators, width, outs)
-                grads, losses = self._meme_grad(params, xb, yb, noises, reg_size)
-                meme_loss = losses.tolist()
-            if alg.meme_optimizer == "adam":
-                adam = adam_step(params, grads, adam, lr=alg.meme_lr)
-            else:
-                sgd_step(params, grads, None, lr=alg.meme_lr, momentum=0.0)
-            if width == 0:
-                continue
-            with torch.no_grad():
-                teacher = torch.softmax(vmap(self.meme_forward, in_dims=(0, 0, None))(params, xb, None)
-                                        / alg.distill_temperature, dim=-1)
-            active = counts > 0
-            for arch, rows in local_groups.items():
-                rows_t = torch.as_tensor(rows)
-                step_fn = self._local_step_fn(arch, locals_[rows[0]])
-                lp = local_params[arch]
-                g, losses = step_fn(lp, xb[rows_t], yb[rows_t], teacher[rows_t], weight[rows_t],
-                                    counts[rows_t].clamp_min(1.0))
-                local_bufs[arch] = sgd_step(lp, g, local_bufs[arch], lr=alg.fed.lr, momentum=alg.fed.momentum,
-                                            active=active[rows_t])
-                for j, r in enumerate(rows):
-                    if active[r]:
-                        local_loss[r] = float(losses[j])
-        with torch.no_grad():
-            for arch, rows in local_groups.items():
-                for j, r in enumerate(rows):
-                    for name, p in locals_[r].named_parameters():
-                        p.copy_(local_params[arch][name][j])
-        for r, (k, dataset) in enumerate(zip(clients, datasets)):
-            with torch.no_grad():
-                for name, p in self.meme.named_parameters():
-                    p.copy_(params[name][r])
-            values: dict[str, object] = alg.encode_posterior(*get_mean_precision(self.meme))
-            if self.dp:
-                values = {"natural_mean": PrivatizedValue(values["natural_mean"], plan.round_event(z)),
-                          "precision": PrivatizedValue(values["precision"], NoOpEvent())}
-            metrics = {"local_loss": local_loss[r]}
-            if not self.dp:
-                metrics["meme_loss"] = meme_loss[r]
-            yield k, ClientOutput(values, weight=alg.release_weight(dataset, k), metrics=metrics)
-
-    @staticmethod
-    def _batch_noises(generators, width: int, outs: list[int]) -> list[torch.Tensor]:
-        """Each client's weight noise of one forward: a (batch, out) draw per layer, in layer order."""
-        per_client = [[torch.randn((width, w), generator=g) for w in outs] for g in generators]
-        return [torch.stack([draws[j] for draws in per_client]) for j in range(len(outs))]
-
-    def _dpsgd_gradients(self, params, xb, yb, idx, generators, noise_sources, z, plan, outs):
-        """:func:`dpsgd_gradients` for every client of the chunk: per-example gradients (each client's weight
-        noise drawn as vmap's ``randomness="different"`` draws it), clipped, summed, noised, scaled."""
-        alg = self.alg
-        c, width = yb.shape
-        clip = alg.privacy.clip
-        flat = torch.zeros(c, 0, self.dim)
-        if width:
-            noises = [torch.zeros(c, width, 1, w) for w in outs]
-            for r, (g, i) in enumerate(zip(generators, idx)):
-                if len(i):  # per-client: one vmapped draw per layer, (batch, 1, out), only on a non-empty batch
-                    draws = [torch.randn((len(i), 1, w), generator=g) for w in outs]
-                    for e, d in zip(noises, draws):
-                        e[r, :len(i)] = d
-            per_example = self._example_grads(params, xb, yb, noises)
-            flat = torch.cat([per_example[n].reshape(c, width, -1) for n in self.names], dim=2)
-        secure = alg.privacy.secure_noise
-        noisy = torch.stack([privatise_gradient_sum(flat[r, :len(i)], self.dim, clip=clip, noise_multiplier=z,
-                                                    expected_batch=plan.expected_batch, generator=gen, secure=secure)
-                             for r, (i, gen) in enumerate(zip(idx, noise_sources))])
-        grads, offset = {}, 0
-        for n in self.names:
-            k = self.start[n].numel()
-            grads[n] = noisy[:, offset:offset + k].reshape(c, *self.start[n].shape)
-            offset += k
-        return grads
 
 
 def _positive(name: str, value) -> float:

@@ -33,9 +33,11 @@ import torch
 from torch import nn
 
 from privfl.accounting.accountants import make_accountant
-from privfl.accounting.events import GaussianEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
+from privfl.accounting.events import GaussianEvent, NoOpEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from privfl.core.public import private_torch_generator
 from privfl.errors import ConfigurationError
+from privfl.core.channels import PrivatizedValue
+from privfl.training.distill import add_flat_gradient, per_example_gradients
 from privfl.training.local import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
 from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, PerExampleGradients, sgd_step
 
@@ -627,7 +629,95 @@ class DPSGD:
             yield i, flat_parameters(local), stats
 
 
-__all__ = ["DPSGD", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
+class DPSGDLots:
+    """DP-SGD's lot source for a training loop of an algorithm's own (``privfl.training.distill``: HBFL's meme), for
+    clients of ``sizes`` records sharing ``schedule``: each step's Poisson lots (:func:`poisson_lot`, from each
+    client's sampling generator) and ``privatise(r, rows)``, client r's per-example gradient rows clipped, summed,
+    noised and divided by the public expected batch (:func:`privatise_gradient_sum`, from its noise generator). Each
+    client's generators come from ``rngs[r]`` in :func:`dpsgd_train`'s order (noise, then sampling); the entropy-like
+    terms of the loop divide by the public size (``reg_size``), never the private n_k."""
+
+    per_example = True
+
+    def __init__(self, schedule: DPSGDSchedule, *, noise_multiplier: float, clip: float, secure_noise: bool,
+                 rngs: Sequence[np.random.Generator], sizes: Sequence[int]):
+        self.schedule, self.z, self.clip, self.secure = schedule, float(noise_multiplier), float(clip), secure_noise
+        self.sizes = [int(n) for n in sizes]
+        self.noise, self.coins = [], []
+        for rng in rngs:
+            self.noise.append(private_torch_generator(rng, secure_noise))
+            self.coins.append(private_torch_generator(rng, secure_noise))
+        self.reg_size = schedule.size
+
+    def __iter__(self) -> Iterator[list[np.ndarray]]:
+        q = self.schedule.sample_rate
+        for _ in range(self.schedule.steps):
+            yield [poisson_lot(q, n, coin).numpy() for coin, n in zip(self.coins, self.sizes)]
+
+    def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
+        return privatise_gradient_sum(rows, rows.shape[1], clip=self.clip, noise_multiplier=self.z,
+                                      expected_batch=self.schedule.expected_batch, generator=self.noise[r],
+                                      secure=self.secure)
+
+
+class DPSGDLoop:
+    """DP-SGD around an algorithm's own training loop, at record level: each client's schedule
+    (:func:`dpsgd_schedule`), its noise multiplier calibrated to the run's target (:func:`calibrate_dpsgd`, cached
+    per schedule), the lot source of clients that share a schedule (:class:`DPSGDLots`), and the events the loop's
+    outputs carry: the channels ``trained`` charge the training's per-round event, the others (computed from the same
+    trained model) nothing more. Its client-level and non-private counterpart is
+    ``privfl.training.distill.MiniBatchLoop``; an algorithm declares both and ``privfl.privacy.units.at_unit``
+    picks."""
+
+    per_example = True
+
+    def __init__(self, alg):
+        self.alg = alg
+        self.accountant = check_dpsgd_privacy(alg.privacy, alg.name)
+        self._z: dict[DPSGDSchedule, float] = {}
+
+    def key(self, client: int, n: int) -> DPSGDSchedule:
+        """What clients must share to train together: the schedule."""
+        return dpsgd_schedule(self.alg, client)
+
+    def batch_width(self, key: DPSGDSchedule) -> float:
+        """About 1.5 expected lots: what a chunk's per-example gradients are sized for."""
+        return max(1.0, 1.5 * key.sample_rate * max(key.size, 1))
+
+    def noise_multiplier(self, schedule: DPSGDSchedule) -> float:
+        if schedule not in self._z:
+            p = self.alg.privacy
+            self._z[schedule] = calibrate_dpsgd(p.epsilon, p.delta, self.alg.fed.rounds, schedule, self.accountant)
+        return self._z[schedule]
+
+    def lots(self, key: DPSGDSchedule, rngs, sizes) -> DPSGDLots:
+        p = self.alg.privacy
+        return DPSGDLots(key, noise_multiplier=self.noise_multiplier(key), clip=p.clip, secure_noise=p.secure_noise,
+                         rngs=rngs, sizes=sizes)
+
+    def events(self, client: int, channels: Sequence[str], trained: Sequence[str]) -> dict:
+        schedule = dpsgd_schedule(self.alg, client)
+        event = schedule.round_event(self.noise_multiplier(schedule))
+        return {name: event if name in trained else NoOpEvent() for name in channels}
+
+    def released(self, client: int, values: dict, trained: Sequence[str]) -> dict:
+        """``values`` as post-processing of the client's DP-SGD training (:class:`PrivatizedValue` with its event)."""
+        events = self.events(client, list(values), trained)
+        return {name: PrivatizedValue(v, events[name]) for name, v in values.items()}
+
+
+def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
+                    expected_batch: float, generator: torch.Generator, secure: bool) -> None:
+    """One DP-SGD gradient of the mean cross-entropy into ``p.grad``: per-example gradients
+    (``privfl.training.distill.per_example_gradients``; a Bayesian layer draws its noise per example) privatised by
+    :func:`privatise_gradient_sum`."""
+    rows = per_example_gradients(model, x, y)
+    add_flat_gradient(model, privatise_gradient_sum(rows, rows.shape[1], clip=clip, noise_multiplier=noise_multiplier,
+                                                    expected_batch=expected_batch, generator=generator,
+                                                    secure=secure))
+
+
+__all__ = ["DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "dpsgd_gradients", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
            "check_opacus_model", "class_sampling_rates", "dpsgd_schedule", "dpsgd_train", "loss_class_weight",
            "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian",
            "step_noise", "VectorisedDPSGD", "clip_factor"]

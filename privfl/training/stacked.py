@@ -17,7 +17,7 @@ per-example gradients (ghost form on a linear stack, vmap of grad otherwise) who
 (``privfl.privacy.record_level.VectorisedDPSGD``: the privacy layer clips, samples and adds noise; nothing here does)
 and whose squared sums are the per-example Fisher of ``privfl.training.fisher``
 (:class:`VectorisedOnlineFisher`, FOLA's online step); :func:`adam_step` and the masked :func:`sgd_step` are torch's
-optimisers on stacked parameters for HBFL's memes and local models (``privfl.algorithms.hbfl.VectorisedHBFL``).
+optimisers on stacked parameters for HBFL's memes and local models (``privfl.training.distill.VectorisedHBFL``).
 
 Chunk size: stacked parameters, gradients, momentum buffers and a chunk's activations must fit in memory (and, on a
 CPU, in cache: stacking 1,000 copies of a 79,510-weight MLP at once is memory-bound). The default chunk holds about

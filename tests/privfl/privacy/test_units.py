@@ -64,12 +64,12 @@ def test_check_unit_refuses_an_undeclared_unit_with_the_hint():
     assert repr(RUN_CLIP) == "RUN_CLIP"
 
 
-#: the algorithms that read the run's unit themselves, the only places left in algorithms/: HBFL trains its meme by
-#: DP-SGD at record level only (asked through privacy.units.record_level)
-UNIT_READERS = {"hbfl.py": 1}
-#: the algorithms whose *statistics* differ by unit declare one form per unit and privacy.units.at_unit picks: FOLA
-#: releases natural-parameter changes at client level and DP-SGD's mean with Fisher sums at record level
-FORM_DECLARERS = {"fola.py": 1}
+#: the algorithms that read the run's unit themselves: none (every decision by unit is privfl.privacy.units')
+UNIT_READERS: dict = {}
+#: the algorithms whose client step differs by unit declare one form per unit and privacy.units.at_unit picks: FOLA
+#: releases natural-parameter changes at client level and DP-SGD's mean with Fisher sums at record level; HBFL's meme
+#: trains on shuffled mini-batches, or on DP-SGD's lots with privatised gradients at record level
+FORM_DECLARERS = {"fola.py": 1, "hbfl.py": 1}
 
 
 def _unit_reads(path: Path, names=("record_level", "client_level")) -> int:
@@ -83,7 +83,7 @@ def _unit_reads(path: Path, names=("record_level", "client_level")) -> int:
     return len(lines)
 
 
-def test_no_algorithm_decides_its_privacy_unit_but_the_two_with_two_forms():
+def test_no_algorithm_decides_its_privacy_unit():
     paths = sorted((ROOT / "privfl" / "algorithms").glob("*.py"))
     found = {p.name: _unit_reads(p) for p in paths}
     assert {name: n for name, n in found.items() if n} == UNIT_READERS
