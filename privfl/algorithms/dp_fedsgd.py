@@ -42,6 +42,17 @@ events are one (``accounting.rounds.round_events`` groups a lot's channels). The
 per-record traces over the posterior rounds and predicts with N(w, s / (lambda0 + N F_t / d_t)) per tensor
 (:meth:`DPFedSGD.posterior_moments`). Distributed noise plans one sampled channel: refused up front.
 
+``posterior="variational"`` (HBFL's Bayesian meme, its noise paid once): the model is the mean-field Gaussian twin
+of the architecture (``BayesLinear`` layers, local reparameterisation), and the released gradient is that of the
+ELBO's data term, a sum over records: each sampled record's cross-entropy gradient with respect to the variational
+parameters (mu and rho), at weight noise drawn for that record alone, clipped to C, summed and boxed as above (the
+same channel, sensitivity and event). The server adds the gradient of the ELBO's other term, ``temperature`` times
+KL(q || N(0, 1 / ``prior_precision``)) per record (over the public total N: data-independent), and steps. It
+predicts by averaging ``posterior_samples`` weight draws from q (variances times ``posterior_scale``); q starts at
+standard deviation ``init_std``. HBFL's
+product of the clients' meme posteriors is a product of tempered likelihoods; here the same target is fitted
+directly, the likelihood's gradient summed over the federation under one noise.
+
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
 (``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
 release weight is the constant 1, and a client reports no metrics (no sampled count, no norm, no loss).
@@ -64,6 +75,8 @@ from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
+from privfl.models import get_mean_precision, inverse_softplus, make_bayesian_model, make_model
+from privfl.training.distill import BayesPerExampleGradients
 from privfl.training.local import load_flat_parameters
 from privfl.training.stacked import PerExampleGradients, unflatten
 from privfl.core.public import private_torch_generator
@@ -97,7 +110,8 @@ class DPFedSGD(FedAvg):
                  coordinate_bound: float | None = None, server_optimizer: str = "sgd",
                  betas: tuple[float, float] = (0.9, 0.999), class_weights=None, posterior: str = "none",
                  posterior_rounds: int | None = None, posterior_samples: int = 30, posterior_scale: float = 1.0,
-                 fisher_share: float = 0.05, prior_precision: float = 1.0):
+                 fisher_share: float = 0.05, prior_precision: float = 1.0, temperature: float = 1.0,
+                 init_std: float | None = None):
         super().__init__(fed, privacy, model=model, metrics=metrics)
         if posterior not in POSTERIORS:
             raise ConfigurationError(f"dp_fedsgd: posterior must be one of {POSTERIORS}, got {posterior!r}")
@@ -121,8 +135,15 @@ class DPFedSGD(FedAvg):
             raise ConfigurationError(f"dp_fedsgd: fisher_share must be a number in (0, 1), got {fisher_share!r}")
         #: ``posterior="laplace"``: the share of each round's budget the Fisher channel gets (the gradient the rest)
         self.fisher_share = float(fisher_share)
-        #: ``posterior="laplace"``: the Gaussian prior's precision (per parameter)
+        #: ``posterior="laplace"`` and ``"variational"``: the Gaussian prior's precision (per parameter)
         self.prior_precision = float(_positive("prior_precision", prior_precision, allow_none=False))
+        #: ``posterior="variational"``: the weight of the KL term per record (1: the ELBO; < 1: a tempered posterior)
+        self.temperature = float(_positive("temperature", temperature, allow_none=False))
+        #: ``posterior="variational"``: q's initial standard deviation (None: ``BayesLinear``'s, softplus(-5))
+        self.init_std = _positive("init_std", init_std)
+        if posterior == "variational" and model is not None:
+            raise ConfigurationError("dp_fedsgd: posterior='variational' trains the Bayesian twin of a built-in "
+                                     "architecture (mlp); leave model out")
         #: public per-class weights, as sampling rates q * w[y] / max(w) (``record_level.class_sampling_rates``)
         self.class_weights = None if class_weights is None else tuple(float(w) for w in class_weights)
         if lot_size is not None and (isinstance(lot_size, bool) or not isinstance(lot_size, int) or lot_size < 1):
@@ -168,13 +189,35 @@ class DPFedSGD(FedAvg):
             self.bound = float(self.coordinate_bound)
         else:  # the expected lot of a client at the public record cap: a box only outsized clients ever reach
             self.bound = float(self.privacy.clip * max(1.0, self.sample_rate * public.record_cap))
-        self._per_example = PerExampleGradients(self.model)
+        if self.posterior == "variational":
+            self._per_example = BayesPerExampleGradients(self.model)
+            self._plain = make_model(self.fed.model, public.input_shape, public.num_classes,
+                                     **self.fed.model_kwargs())
+            names = [n for n, _ in self.model.named_parameters()]
+            self._is_rho = np.concatenate([np.full(p.numel(), n.endswith("_rho"))
+                                           for n, p in self.model.named_parameters()])
+            if not all(n.endswith(("_mu", "_rho")) for n in names):
+                raise ConfigurationError("dp_fedsgd: posterior='variational' needs every parameter Gaussian")
+        else:
+            self._per_example = PerExampleGradients(self.model)
         self._optimizer_state = None
         self._trajectory = None
         #: the accounting's relation (class-weighted sampling is sound under add/remove only)
         self._relation = self.privacy.adjacency if self.privacy.private else "add_remove"
         if self.class_weights is not None:  # refused here, before anything is charged
             check_class_weights(self.class_weights, public.num_classes, self._relation, "dp_fedsgd")
+
+    def build_model(self, public):
+        """The built-in or user's model; with ``posterior="variational"`` the Bayesian twin of the built-in one."""
+        if self.posterior != "variational":
+            return super().build_model(public)
+        meme = make_bayesian_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        if self.init_std is not None:
+            with torch.no_grad():
+                for name, p in meme.named_parameters():
+                    if name.endswith("_rho"):
+                        p.fill_(float(inverse_softplus(torch.tensor(self.init_std, dtype=torch.float64))))
+        return meme
 
     def channels(self):
         laplace = self.posterior == "laplace"
@@ -216,7 +259,7 @@ class DPFedSGD(FedAvg):
         layers; per client otherwise. The same function either way (:meth:`_gradient_sums`)."""
         from privfl.training.stacked import vectorisable
 
-        return self.model is not None and vectorisable(self.model)
+        return self.model is not None and (self.posterior == "variational" or vectorisable(self.model))
 
     def _sample(self, dataset, rng) -> torch.Tensor:
         """The indices of the client's Poisson lot: each record in with probability q, coins from a generator of its
@@ -231,11 +274,11 @@ class DPFedSGD(FedAvg):
             return torch.arange(n)
         return poisson_lot(float(self.sample_rate), n, generator)
 
-    def _gradient_sums(self, lots) -> tuple[np.ndarray, np.ndarray | None]:
+    def _gradient_sums(self, lots, generators=None) -> tuple[np.ndarray, np.ndarray | None]:
         """One row per client: the sum of its lot's per-example gradients at the broadcast model, each clipped to C
         (private runs), then boxed to [-B, B]; with the Laplace posterior also, per parameter tensor, the sum of the
         clipped gradients' squared norms, boxed to [-B C, B C] (else None). ``lots``: ``(x, y)`` of each client's
-        sampled records."""
+        sampled records; ``generators``: each client's weight-noise generator (``posterior="variational"``)."""
         c = len(lots)
         dim = self.dim
         out = np.zeros((c, dim), dtype=np.float64)
@@ -261,7 +304,11 @@ class DPFedSGD(FedAvg):
             weight = torch.zeros(k, width)
             for r, (x, y) in enumerate(chunk):
                 xb[r, :len(x)], yb[r, :len(x)], weight[r, :len(x)] = x, y, 1.0
-            terms = self._per_example(params, xb, yb, weight)
+            if generators is None:
+                terms = self._per_example(params, xb, yb, weight)
+            else:  # each sampled record's own weight noise (the variational posterior's reparameterisation)
+                noises = self._per_example.noise(generators[lo:lo + step], width)
+                terms = self._per_example(params, xb, yb, weight, noises)
             factor = clip_factor(terms.norms2(), self.privacy.clip) * weight if self.privacy.private else weight
             out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
             if traces is not None:  # sum_i ||f_i g_i||^2 per tensor (weight is 0 or 1, so f^2 keeps the padding out)
@@ -279,27 +326,33 @@ class DPFedSGD(FedAvg):
         return ClientOutput({name: ClippedValue(v, self.privacy.clip, statistic) if self.privacy.private else v
                              for name, (v, statistic) in values.items() if v is not None}, weight=1.0)
 
+    def _weight_noise(self, rng) -> torch.Generator | None:
+        """With ``posterior="variational"``, the generator of the client's per-record weight noise (drawn after its
+        lot's coins; not secret: the clipping bounds every record's term whatever the noise), else None."""
+        if self.posterior != "variational":
+            return None
+        return torch.Generator().manual_seed(int(rng.integers(0, 2 ** 63 - 1)))
+
     def client_update(self, client, dataset, round, rng):
-        x, y = dataset.tensors()
-        idx = self._sample(dataset, rng)
-        sums, traces = self._gradient_sums([(x[idx], y[idx])])
-        return self._output(sums[0], None if traces is None else traces[0])
+        [(_, out)] = self.client_updates([client], [dataset], round, [rng])
+        return out
 
     def client_updates(self, clients, datasets, round, rngs):
         """``(k, client_update(k, ...))`` for every client, their lots' per-example gradients computed together
         (each client's coins drawn from its own generator, as :meth:`client_update` draws them)."""
-        if not self.vectorisable:
-            for k, dataset, rng in zip(clients, datasets, rngs):
-                yield k, self.client_update(k, dataset, round, rng)
-            return
-        lots = []
+        lots, generators = [], []
         for dataset, rng in zip(datasets, rngs):
             x, y = dataset.tensors()
             idx = self._sample(dataset, rng)
             lots.append((x[idx], y[idx]))
-        sums, traces = self._gradient_sums(lots)
-        for row, k in enumerate(clients):
-            yield k, self._output(sums[row], None if traces is None else traces[row])
+            generators.append(self._weight_noise(rng))
+        generators = None if self.posterior != "variational" else generators
+        step = len(lots) if self.vectorisable else 1  # the per-example pass of every lot together, or one by one
+        for lo in range(0, len(lots), step):
+            sums, traces = self._gradient_sums(lots[lo:lo + step],
+                                               None if generators is None else generators[lo:lo + step])
+            for row, k in enumerate(clients[lo:lo + step]):
+                yield k, self._output(sums[row], None if traces is None else traces[row])
 
     # -- the server step -----------------------------------------------------------------------------------------
 
@@ -308,6 +361,8 @@ class DPFedSGD(FedAvg):
         agg = aggregates["gradient_sum"]
         gradient = np.asarray(agg.total, dtype=np.float64) / self.expected_lot
         params = np.asarray(self.global_params, dtype=np.float64)
+        if self.posterior == "variational":
+            gradient = gradient + self._kl_gradient(params)
         lr, state = float(self.fed.lr), self._optimizer_state
         if self.server_optimizer == "sgd":
             momentum = float(self.fed.momentum)
@@ -344,6 +399,24 @@ class DPFedSGD(FedAvg):
         self._trajectory = {"n": n, "mean": t["mean"] + (params - t["mean"]) / n,
                             "sq": t["sq"] + (params ** 2 - t["sq"]) / n}
 
+    def _kl_gradient(self, params: np.ndarray) -> np.ndarray:
+        """The gradient of ``temperature`` KL(q || N(0, 1 / lambda0)) / N with respect to (mu, rho), sigma =
+        softplus(rho), N the public record total: per coordinate lambda0 mu for a mean, (lambda0 sigma - 1 / sigma)
+        sigmoid(rho) for a rho. Data-independent (the ELBO's term that is not a sum over records)."""
+        lam = self.prior_precision
+        coefficient = self.temperature * self.sample_rate / self.expected_lot
+        out = lam * params
+        rho = params[self._is_rho]
+        sigma = np.logaddexp(0.0, rho)
+        out[self._is_rho] = (lam * sigma - 1.0 / sigma) / (1.0 + np.exp(-rho))
+        return coefficient * out
+
+    def _variational_moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """q's mean and variance (times ``posterior_scale``) in the plain twin's parameter order."""
+        load_flat_parameters(self.model, self.global_params)
+        mean, precision = get_mean_precision(self.model)
+        return mean, self.posterior_scale / precision
+
     def _record_fisher(self, trace: np.ndarray) -> None:
         t = self._trajectory
         n = 1 if t is None else t["n"] + 1
@@ -371,6 +444,8 @@ class DPFedSGD(FedAvg):
         aggregation), so the posterior costs no privacy."""
         if self.posterior == "laplace":
             return self._laplace_moments()
+        if self.posterior == "variational":
+            return self._variational_moments()
         t = self._trajectory
         if self.posterior != "trajectory" or t is None or t["n"] < 2:
             return None
@@ -389,13 +464,15 @@ class DPFedSGD(FedAvg):
         mean, var = moments
         rng = np.random.default_rng(np.random.SeedSequence(self.fed.seed, spawn_key=(POSTERIOR_STREAM,)))
         x = dataset.tensors()[0]
+        model = self._plain if self.posterior == "variational" else self.model
         total = None
         for _ in range(self.posterior_samples):
             draw = mean + np.sqrt(var) * rng.standard_normal(mean.shape)
-            load_flat_parameters(self.model, draw.astype(np.float32))
-            p = predict_proba(self.model, x)
+            load_flat_parameters(model, draw.astype(np.float32))
+            p = predict_proba(model, x)
             total = p if total is None else total + p
-        load_flat_parameters(self.model, self.global_params)
+        if model is self.model:
+            load_flat_parameters(self.model, self.global_params)
         return total / self.posterior_samples
 
     def global_model(self):
@@ -403,14 +480,16 @@ class DPFedSGD(FedAvg):
         moments = self.posterior_moments()
         if moments is None:
             return super().global_model()
-        load_flat_parameters(self.model, moments[0].astype(np.float32))
-        return self.model
+        model = self._plain if self.posterior == "variational" else self.model
+        load_flat_parameters(model, moments[0].astype(np.float32))
+        return model
 
 
 #: the posteriors DP-FedSGD can predict with: its global model, one read off its last rounds' iterates, or the
 #: Laplace posterior at its global model from noise-once Fisher traces (FOLA's posterior, its statistics released as
-#: sums of clipped per-example terms on DP-FedSGD's lots)
-POSTERIORS = ("none", "trajectory", "laplace")
+#: sums of clipped per-example terms on DP-FedSGD's lots), or a mean-field Gaussian learned by variational inference
+#: on the same lots (HBFL's meme, the ELBO's data term released as clipped per-example sums)
+POSTERIORS = ("none", "trajectory", "laplace", "variational")
 #: the spawn key of the posterior's draws (public randomness of the prediction, apart from the run plan's streams)
 POSTERIOR_STREAM = 0x706F7374
 

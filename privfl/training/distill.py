@@ -29,7 +29,8 @@ from torch.func import functional_call, grad, vmap
 
 from privfl.models import MLP, BayesLinear, bayes_modules, deterministic, softplus
 from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
-from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, adam_step, sgd_step
+from privfl.errors import ConfigurationError
+from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, PerExampleTerms, adam_step, sgd_step
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_probs: torch.Tensor, y: torch.Tensor, *,
@@ -195,6 +196,68 @@ def bayes_linear_stack(model: nn.Module):
     return prefix, layers
 
 
+def bayes_stack_forward(prefix, layers, params: dict, x: torch.Tensor, noises) -> torch.Tensor:
+    """The forward pass of a Bayesian linear stack (:func:`bayes_linear_stack`) on functional parameters:
+    ``BayesLinear``'s local reparameterisation written out, with each Bayesian layer's standard-normal noise
+    ``noises[j]`` given (shaped like its output; ``noises`` None: the means, as under ``deterministic``)."""
+    h = x
+    for module in prefix:
+        h = module(h)
+    j = 0
+    for kind, item, bias in layers:
+        if kind == "act":
+            h = item(h)
+            continue
+        w_mu, b_mu = params[item + ".weight_mu"], params[item + ".bias_mu"] if bias else None
+        if noises is None:
+            h = F.linear(h, w_mu, b_mu)
+            continue
+        w_var = softplus(params[item + ".weight_rho"]) ** 2
+        b_var = softplus(params[item + ".bias_rho"]) ** 2 if bias else None
+        mean = F.linear(h, w_mu, b_mu)
+        var = F.linear(h * h, w_var, b_var)
+        h = mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noises[j]
+        j += 1
+    return h
+
+
+class BayesPerExampleGradients:
+    """Per-example cross-entropy gradients of a Bayesian linear stack's variational parameters (mu and rho), for
+    chunks of clients: :class:`privfl.training.stacked.PerExampleGradients`' interface, with each example's weight
+    noise given (:meth:`noise`: independent per example, as vmap's ``randomness="different"`` draws it)."""
+
+    #: every example's gradient is materialised (no ghost form)
+    stack = None
+
+    def __init__(self, model: nn.Module):
+        stack = bayes_linear_stack(model)
+        if stack is None:
+            raise ConfigurationError("a Bayesian model's per-example gradients need a stack of BayesLinear layers "
+                                     "(local reparameterisation) and elementwise activations: the built-in mlp")
+        self.prefix, self.layers = stack
+        self.model = model
+        self.names = [n for n, _ in model.named_parameters()]
+        shapes = dict(model.named_parameters())
+        self.outs = [shapes[item + ".weight_mu"].shape[0] for kind, item, _ in self.layers if kind == "bayes"]
+        self._grads = vmap(vmap(grad(self._loss, has_aux=True), in_dims=(None, 0, 0, 0)), in_dims=(0, 0, 0, 0))
+
+    def _loss(self, params, x, y, noises):
+        loss = F.cross_entropy(bayes_stack_forward(self.prefix, self.layers, params, x.unsqueeze(0), noises),
+                               y.unsqueeze(0))
+        return loss, loss.detach()
+
+    def noise(self, generators: Sequence[torch.Generator], width: int) -> list[torch.Tensor]:
+        """Each client's weight noise for a lot of ``width`` (padded) examples: per Bayesian layer, (width, 1, out)
+        from its generator, in layer order; stacked over the clients."""
+        draws = [[torch.randn((width, 1, w), generator=g) for w in self.outs] for g in generators]
+        return [torch.stack([d[j] for d in draws]) for j in range(len(self.outs))]
+
+    def __call__(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor, noises
+                 ) -> PerExampleTerms:
+        per_example, losses = self._grads(params, xb, yb, noises)
+        return PerExampleTerms(self.names, losses, per_example=per_example)
+
+
 class VectorisedHBFL:
     """:func:`train_meme_and_local` for a chunk of clients at once, with ``torch.func``.
 
@@ -231,25 +294,7 @@ class VectorisedHBFL:
 
     def meme_forward(self, params: dict, x: torch.Tensor, noises) -> torch.Tensor:
         """``BayesLinear.forward`` of every layer (``noises`` None: the means, as under ``deterministic``)."""
-        h = x
-        for module in self.prefix:
-            h = module(h)
-        j = 0
-        for kind, item, bias in self.layers:
-            if kind == "act":
-                h = item(h)
-                continue
-            w_mu, b_mu = params[item + ".weight_mu"], params[item + ".bias_mu"] if bias else None
-            if noises is None:
-                h = F.linear(h, w_mu, b_mu)
-                continue
-            w_var = softplus(params[item + ".weight_rho"]) ** 2
-            b_var = softplus(params[item + ".bias_rho"]) ** 2 if bias else None
-            mean = F.linear(h, w_mu, b_mu)
-            var = F.linear(h * h, w_var, b_var)
-            h = mean + torch.sqrt(var.clamp_min(_VAR_FLOOR)) * noises[j]
-            j += 1
-        return h
+        return bayes_stack_forward(self.prefix, self.layers, params, x, noises)
 
     def _regulariser(self, params: dict, reg_size: int) -> torch.Tensor:
         """:func:`meme_regulariser` on functional parameters."""
@@ -404,5 +449,6 @@ class VectorisedHBFL:
         return grads
 
 
-__all__ = ["MiniBatchLoop", "MiniBatches", "VectorisedHBFL", "add_flat_gradient", "bayes_linear_stack", "distillation_loss",
+__all__ = ["BayesPerExampleGradients", "MiniBatchLoop", "MiniBatches", "VectorisedHBFL", "add_flat_gradient",
+           "bayes_linear_stack", "bayes_stack_forward", "distillation_loss",
            "meme_regulariser", "per_example_gradients", "train_meme_and_local"]

@@ -19,7 +19,7 @@ sums are the caller's.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -164,8 +164,5 @@ class GaussianPriorGradient:
         for name in grads:
             grads[name].add_(self.weight * self.named_prior[name] * (params[name] - self.named_anchor[name]))
 
-
-#: a hook of the training loops above: ``on_model`` for one client's model, ``on_stack`` for a chunk's stacked state
-StepHook = Callable[..., None]
 
 __all__ = ["GaussianPriorGradient", "StepFisher", "named_views", "online_fisher_sgd", "parameter_views"]

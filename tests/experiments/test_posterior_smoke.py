@@ -1,5 +1,6 @@
 """The posterior comparisons' ``--smoke`` runs (``experiments/run_trajectory_posterior.py``: one seeded DP-FedSGD run
-predicting both ways; ``experiments/run_laplace_posterior.py``: its validation choice and both test runs) go to the
+predicting both ways; ``experiments/run_laplace_posterior.py`` and ``run_variational_posterior.py``: the validation
+choice and both test runs) go to the
 end and print their rows, so the committed scripts do not rot."""
 
 import importlib.util
@@ -14,7 +15,8 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("script, rows", [
     ("run_trajectory_posterior", ("| 3 | global model (last iterate) |", "| 3 | trajectory posterior |")),
-    ("run_laplace_posterior", ("| 3 | DP-FedSGD (global model) |", "| 3 | laplace |"))])
+    ("run_laplace_posterior", ("| 3 | DP-FedSGD (global model) |", "| 3 | laplace |")),
+    ("run_variational_posterior", ("| 3 | DP-FedSGD (global model) |", "| 3 | variational |"))])
 def test_the_posterior_comparison_runs(capsys, monkeypatch, script, rows):
     monkeypatch.chdir(EXPERIMENTS.parent)  # they read experiments/results/record_level.json's chosen settings
     monkeypatch.syspath_prepend(str(EXPERIMENTS))

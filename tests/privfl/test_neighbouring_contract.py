@@ -143,6 +143,8 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy, lot_size=10 ** 6, posterior="laplace")
     if name == "dp_fedsgd_laplace_sampled":  # q < 1: one sampled event for the two channels of one lot
         return ALGORITHMS["dp_fedsgd"](fed, privacy, posterior="laplace")
+    if name == "dp_fedsgd_variational":  # HBFL's Bayesian meme on DP-FedSGD's lots: one sampled channel
+        return ALGORITHMS["dp_fedsgd"](fed, privacy, posterior="variational")
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
@@ -381,6 +383,22 @@ LAPLACE_GRID = [(name, "example", adjacency, placement, secure, False)
                 for name, adjacency, placement, secure in itertools.product(
                     ("dp_fedsgd_laplace", "dp_fedsgd_laplace_sampled"), ("add_remove", "replace_one"),
                     ("local", "central"), (False, True))]
+
+
+#: the variational posterior's one sampled channel (its per-record clipping at coupled weight noise is checked in
+#: tests/privfl/algorithms/test_dp_fedsgd.py): events and public facts, every placement, with and without secure sums
+VARIATIONAL_GRID = [("dp_fedsgd_variational", "example", adjacency, placement, secure, False)
+                    for adjacency, placement, secure in itertools.product(
+                        ("add_remove", "replace_one"), ("local", "central", "distributed"), (False, True))
+                    if secure or placement != "distributed"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", VARIATIONAL_GRID,
+                         ids=["-".join(map(str, g)) for g in VARIATIONAL_GRID])
+def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit, adjacency, placement, secure,
+                                                                      sampling):
+    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
 @pytest.mark.timeout(600)

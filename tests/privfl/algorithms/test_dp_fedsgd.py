@@ -340,3 +340,93 @@ def test_laplace_posterior_with_distributed_noise_is_refused_before_any_charge()
         sim.run()
     assert all(not sim.ledger.charges(str(k)) for k in range(K))
 
+
+
+# -- the variational posterior: HBFL's Bayesian meme, the ELBO's data term as noise-once sums (issue 27) ----------
+
+def _variational(p=None, **kw):
+    data = federation()
+    f = fed(rounds=3, **kw)
+    p = p or privacy(accountant="pld", clip=0.5)
+    return data, f, p, DPFedSGD(f, p, posterior="variational")
+
+
+def test_variational_posterior_trains_the_bayesian_twin_on_one_sampled_channel():
+    """The model is the Bayesian twin (mu and rho of every weight), released on DP-FedSGD's one channel (the same
+    sampled event, sensitivity C); the ledger meets the target; the prediction averages draws from q."""
+    data, f, p, alg = _variational()
+    sim = Simulation(alg, data, f, p)
+    result = sim.run()
+    names = [n for n, _ in alg.model.named_parameters()]
+    assert names and all(n.endswith(("_mu", "_rho")) for n in names)
+    (channel,) = sim.channels
+    assert channel.name == "gradient_sum" and channel.sensitivity == 0.5 and channel.record_sampled
+    assert channel.shape == (alg.dim,) and alg.dim == 2 * sum(t.numel() for t in alg._plain.parameters())
+    assert result.audit["max_epsilon"] <= p.epsilon * (1 + 1e-9)
+    mean, var = alg.posterior_moments()
+    assert mean.size == var.size == alg.dim // 2 and np.all(var > 0)
+    proba = alg.predict_proba(data.test)
+    assert np.allclose(proba.sum(axis=1), 1.0, atol=1e-5) and math.isfinite(result.final["nll"])
+    assert alg.global_model() is alg._plain
+
+
+def test_variational_per_record_terms_are_clipped_whatever_their_weight_noise(monkeypatch):
+    """Each record's term is its ELBO data-term gradient at its own weight noise, clipped to C: with every record's
+    noise fixed to it (the coupling under which DP-SGD's mixture over noise draws is a Gaussian mechanism of
+    sensitivity C), removing one record moves the client's sum by exactly that record's clipped term (<= C)."""
+    from privfl.training.distill import BayesPerExampleGradients
+
+    data, f, p, alg = _variational(p=privacy(accountant="pld", clip=0.05), batch_size=10 ** 6)
+    alg = DPFedSGD(f, p, posterior="variational", lot_size=10 ** 6)  # q = 1: every record in the lot
+    alg.setup(data, np.random.default_rng(0))
+    x, y = data.train_parts[0].tensors()
+    table = {}
+
+    def noise(self, generators, width):  # each record's noise keyed by the record itself
+        return current["noises"]
+
+    monkeypatch.setattr(BayesPerExampleGradients, "noise", noise)
+    gen = torch.Generator().manual_seed(0)
+    per_record = [[torch.randn((1, 1, 1, w), generator=gen) for w in alg._per_example.outs] for _ in range(len(x))]
+    current = {}
+
+    def sums(ids):
+        current["noises"] = [torch.cat([per_record[i][j] for i in ids], dim=1) for j in range(len(alg._per_example.outs))]
+        out, _ = alg._gradient_sums([(x[ids], y[ids])], [None])
+        return out[0]
+
+    full = sums(list(range(len(x))))
+    for j in (0, 7, len(x) - 1):
+        moved = full - sums([i for i in range(len(x)) if i != j])
+        alone = sums([j])
+        np.testing.assert_allclose(moved, alone, rtol=1e-4, atol=1e-7)
+        assert np.linalg.norm(alone) <= 0.05 * (1 + 1e-5)
+        table[j] = np.linalg.norm(alone)
+    assert max(table.values()) > 0.04  # the clip binds: the check is not vacuous
+
+
+def test_variational_server_adds_the_kl_gradient_of_its_prior():
+    """The server's step adds temperature * KL(q || N(0, 1 / lambda0)) / N's gradient (autograd's), data-independent."""
+    data, f, p, _ = _variational()
+    alg = DPFedSGD(f, p, posterior="variational", temperature=0.3, prior_precision=2.0)
+    alg.setup(data, np.random.default_rng(0))
+    params = np.asarray(alg.global_params, dtype=np.float64) + np.random.default_rng(1).normal(size=alg.dim) * 0.1
+    theta = torch.tensor(params, requires_grad=True)
+    rho = theta[torch.from_numpy(alg._is_rho)]
+    mu = theta[torch.from_numpy(~alg._is_rho)]
+    sigma = nn.functional.softplus(rho)
+    kl = 0.5 * (2.0 * (sigma ** 2).sum() + 2.0 * (mu ** 2).sum()) - torch.log(sigma).sum()  # up to constants
+    (0.3 * kl / (alg.expected_lot / alg.sample_rate)).backward()
+    np.testing.assert_allclose(alg._kl_gradient(params), theta.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+def test_variational_posterior_takes_no_user_model():
+    with pytest.raises(ConfigurationError, match="Bayesian twin"):
+        DPFedSGD(fed(), privacy(), posterior="variational", model=nn.Linear(DIM, CLASSES))
+
+
+def test_variational_runs_under_distributed_noise_and_secure_aggregation():
+    data, f, p, _ = _variational(p=privacy(placement="distributed", accountant="pld", clip=0.5))
+    alg = DPFedSGD(f, p, posterior="variational")
+    result = Simulation(alg, data, f, p, secure=SecureAggregation(bits=48, malicious=False)).run()
+    assert result.audit["max_epsilon"] <= p.epsilon * (1 + 1e-9) and np.all(np.isfinite(alg.global_params))

@@ -171,11 +171,12 @@ def _dp_fedsgd_distributed_scores(sigma_scale: float):
 
 # -- DP-FedSGD with its Laplace posterior: two channels (gradient sums, Fisher traces) on one lot, black box ----------
 
-@functools.lru_cache(maxsize=1)
-def _dp_fedsgd_laplace(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
-    """``trials`` runs of the client step of ``dp_fedsgd`` with ``posterior="laplace"`` (Poisson coin at q = 1/2) on
-    D = {an outlier record} and D' = {}: both channels as the client sends them, each channel's noise std, and the
-    epsilon the ledger claims for the round (its two sampled events grouped into one, as the ledger composes them)."""
+@functools.lru_cache(maxsize=2)
+def _dp_fedsgd_posterior(posterior: str, trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
+    """``trials`` runs of the client step of ``dp_fedsgd`` with ``posterior`` (``"laplace"``: two channels on one lot;
+    ``"variational"``: the Bayesian twin's gradient, each record at weight noise of its own; Poisson coin at q = 1/2)
+    on D = {an outlier record} and D' = {}: every channel as the client sends it, its noise std, and the epsilon the
+    ledger claims for the round (a lot's sampled events grouped into one, as the ledger composes them)."""
     from privfl.accounting.accountants import make_accountant
     from privfl.accounting.rounds import round_events
     from privfl.algorithms.dp_fedsgd import DPFedSGD
@@ -189,7 +190,7 @@ def _dp_fedsgd_laplace(trials: int = 30_000, epsilon: float = 4.0, delta: float 
     data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
     fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
-    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, posterior="laplace"), data, fed, privacy)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, posterior=posterior), data, fed, privacy)
     sim.prepare()
     released = {}
     for channel in sim.channels:
@@ -202,10 +203,10 @@ def _dp_fedsgd_laplace(trials: int = 30_000, epsilon: float = 4.0, delta: float 
     return released, claimed
 
 
-def _dp_fedsgd_laplace_scores(noise_scale: float):
-    """The likelihood-ratio score of the two channels with ``noise_scale`` times the plan's noise: each channel's
-    release projected on the canary's contribution (the largest drawn), over its noise variance, summed."""
-    released, claimed = _dp_fedsgd_laplace()
+def _dp_fedsgd_posterior_scores(posterior: str, noise_scale: float):
+    """The likelihood-ratio score of the channels with ``noise_scale`` times the plan's noise: each channel's release
+    projected on the canary's contribution (the largest drawn), over its noise variance, summed."""
+    released, claimed = _dp_fedsgd_posterior(posterior)
     rng = np.random.default_rng(int(noise_scale * 1000) + 1)
     score_in = score_out = 0.0
     for (present, absent), std in released.values():
@@ -220,10 +221,11 @@ def _dp_fedsgd_laplace_scores(noise_scale: float):
 
 
 # central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings; laplace: the
-# central Gaussian on both of the Laplace posterior's channels
+# central Gaussian on both of the Laplace posterior's channels; variational: on the Bayesian twin's gradient
 _DP_FEDSGD_SCORES = {"central": lambda scale: _dp_fedsgd_scores(scale),
                      "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale),
-                     "laplace": lambda scale: _dp_fedsgd_laplace_scores(scale)}
+                     "laplace": lambda scale: _dp_fedsgd_posterior_scores("laplace", scale),
+                     "variational": lambda scale: _dp_fedsgd_posterior_scores("variational", scale)}
 
 
 @pytest.mark.timeout(600)

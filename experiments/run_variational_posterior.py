@@ -1,0 +1,175 @@
+"""Issue 27, part 2 for HBFL: HBFL's Bayesian meme with its noise paid once, against DP-FedSGD's point estimate.
+
+``dp_fedsgd`` with ``posterior="variational"``: the model is the mean-field Gaussian twin of DP-FedSGD's network
+(``BayesLinear``, HBFL's meme), and each round's Poisson lot releases the clipped sum of the ELBO data term's
+per-record gradients with respect to the variational parameters (each record at weight noise of its own), noised once
+(central here): DP-FedSGD's one channel and event. The server adds the KL term's gradient (temperature 1: the ELBO,
+prior N(0, 1)) and steps; it predicts by averaging 30 weight draws from q.
+
+Setting: the record-level table's (``experiments/run_record_level.py``: MNIST-5k, 10 clients, Dirichlet 0.1, record
+level, delta 1e-5, logistic regression on 2x2-pooled images, 30 expected epochs of Poisson lots), with the table's
+chosen DP-FedSGD hyper-parameters at each epsilon. q's initial standard deviation (``init_std``) is chosen per epsilon
+on the table's validation split (15 % of every client's records held out; mean validation NLL over seeds 0-2) among
+``INIT_STDS``; the test split is used once, for the rows below. The baseline row is DP-FedSGD as the table runs it,
+same seeds.
+
+Reported on the test split, mean +- std over seeds 0-2: accuracy, NLL, ECE and selective accuracy (on the 80 % of test
+points the model is most confident about). Writes ``experiments/results/variational_posterior.{json,md}``.
+
+``--default-init-std``: the default comparison's ``hbfl_noise_once`` row (``experiments/configs/default.toml``) chooses
+its initial deviation the same way, on that comparison's own validation split (``val_fraction``, held by no client;
+the test set unread) at epsilon = 3, seed 0, among ``INIT_STDS``; writes
+``experiments/results/variational_default_init_std.json``.
+
+Usage: python experiments/run_variational_posterior.py [--smoke | --default-init-std]   (``--smoke``: one seed,
+epsilon 3, 20 rounds, two initial deviations; not a measurement)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from privfl.algorithms import make_algorithm
+from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.runtime.engine import Simulation
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_record_level import DELTA, EPOCHS, EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
+from run_trajectory_posterior import METRICS, OUT, chosen_settings, differences, metric_cells, train  # noqa: E402
+
+#: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
+INIT_STDS = (0.0067, 0.02, 0.05, 0.1, 0.2)
+
+
+def train_variational(data, epsilon: float, seed: int, hp: dict, init_std: float, rounds: int | None = None):
+    """One seeded run of the table's setting at ``hp`` with the variational posterior: (algorithm, result, rounds,
+    seconds)."""
+    lot = int(hp["lot_size"])
+    rounds = rounds or int(round(EPOCHS * sum(len(p) for p in data.train_parts) / lot))
+    fed = FederationConfig(rounds=rounds, batch_size=lot, lr=hp["lr"], momentum=0.9, hidden=(), pool=2, seed=seed)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=DELTA, unit="example", clip=hp["clip"], accountant="pld",
+                            secure_noise=False)
+    alg = make_algorithm("dp_fedsgd", fed, privacy, lot_size=lot, posterior="variational", init_std=init_std)
+    start = time.perf_counter()
+    result = Simulation(alg, data, fed, privacy).run()
+    return alg, result, rounds, time.perf_counter() - start
+
+
+def evaluate(alg, split) -> dict:
+    out = alg.evaluate(split)
+    return {k: float(out[k]) for k in METRICS}
+
+
+def point_metrics(alg, split) -> dict:
+    """The same run's mean model (q's means, no draws)."""
+    samples = alg.posterior_samples
+    scale = alg.posterior_scale
+    alg.posterior_scale = 1e-12
+    alg.posterior_samples = 2
+    try:
+        return evaluate(alg, split)
+    finally:
+        alg.posterior_scale, alg.posterior_samples = scale, samples
+
+
+def default_init_std() -> dict:
+    """The default comparison's initial deviation, on its validation split (module docstring)."""
+    from privfl.apps.compare import CompareConfig, RunSpec, _configs, _options, federation as compare_federation
+
+    config = CompareConfig.from_toml("experiments/configs/default.toml")
+    spec = RunSpec("hbfl_noise_once", 3.0, 0)
+    fed, privacy = _configs(config, spec)
+    data = compare_federation(config, spec.seed)
+    nll = {}
+    for s in INIT_STDS:
+        options = {**_options(config, spec.algorithm), "init_std": s}
+        alg = make_algorithm(config.base(spec.algorithm), fed, privacy, **options)
+        Simulation(alg, data, fed, privacy).run()
+        nll[str(s)] = evaluate(alg, data.val)["nll"]
+    return {"epsilon": 3.0, "seed": 0, "validation_nll": nll, "chosen": min(INIT_STDS, key=lambda s: nll[str(s)])}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    smoke = "--smoke" in argv
+    torch.set_num_threads(1)
+    if "--default-init-std" in argv:
+        out = default_init_std()
+        with open(os.path.join(OUT, "variational_default_init_std.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+        return 0
+    settings = chosen_settings()
+    epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
+    stds = INIT_STDS[:2] if smoke else INIT_STDS
+    rounds = 20 if smoke else None
+    validation, rows = [], []
+    for eps in epsilons:
+        hp = settings[eps]
+        for seed in seeds:  # q's initial deviation, on the validation split only
+            val_data = validation_federation(federation(seed))
+            nll = {}
+            for s in stds:
+                alg, _, _, _ = train_variational(val_data, eps, seed, hp, s, rounds)
+                nll[str(s)] = evaluate(alg, val_data.test)["nll"]
+            validation.append({"epsilon": eps, "seed": seed, "nll": nll})
+        chosen = min(stds, key=lambda s: np.mean([v["nll"][str(s)] for v in validation if v["epsilon"] == eps]))
+        for seed in seeds:
+            data = federation(seed)
+            var, res_v, n_rounds, sec_v = train_variational(data, eps, seed, hp, chosen, rounds)
+            point, res_p, _, sec_p = train(data, eps, seed, hp, "none", rounds)
+            row = {"epsilon": eps, "seed": seed, "rounds": n_rounds, "hyper_parameters": hp, "init_std": chosen,
+                   "dp_fedsgd": evaluate(point, data.test), "variational": evaluate(var, data.test),
+                   "variational_point": point_metrics(var, data.test),
+                   "epsilon_spent": {"dp_fedsgd": res_p.audit["max_epsilon"],
+                                     "variational": res_v.audit["max_epsilon"]},
+                   "seconds": {"dp_fedsgd": sec_p, "variational": sec_v}}
+            rows.append(row)
+            print(f"eps={eps:g} seed={seed} init_std={chosen:g}: dp_fedsgd {row['dp_fedsgd']} "
+                  f"variational {row['variational']}", file=sys.stderr, flush=True)
+    out = {"rows": rows, "validation": validation, "init_stds": list(stds), "machine": platform.machine(),
+           "python": platform.python_version(), "smoke": smoke}
+    text = markdown(rows, smoke)
+    if not smoke:
+        with open(os.path.join(OUT, "variational_posterior.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        with open(os.path.join(OUT, "variational_posterior.md"), "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+def markdown(rows: list[dict], smoke: bool) -> str:
+    lines = ["# HBFL's Bayesian meme, its noise paid once (issue 27, part 2)", "",
+             "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
+             "chosen DP-FedSGD settings. `variational`: DP-FedSGD on the mean-field Gaussian twin of its network "
+             "(the ELBO's data term as clipped per-record gradient sums, the KL term added by the server), predicting "
+             "with 30 draws from q, q's initial deviation chosen on the validation split; `variational, mean`: the "
+             "same runs' mean model. Mean +- std over seeds "
+             f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_variational_posterior.py`"
+             + (" --smoke (NOT a measurement)" if smoke else "") + ".", "",
+             "| epsilon | method | init std | accuracy | NLL | ECE | selective accuracy | max epsilon spent |",
+             "|---|---|---|---|---|---|---|---|"]
+    for eps in sorted({r["epsilon"] for r in rows}):
+        rs = [r for r in rows if r["epsilon"] == eps]
+        for key, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
+                                      ("variational_point", "variational, mean", "variational"),
+                                      ("variational", "variational", "variational")):
+            std = f"{rs[0]['init_std']:g}" if key != "dp_fedsgd" else ""
+            spent = max(r["epsilon_spent"][spent_key] for r in rs)
+            lines.append(f"| {eps:g} | {label} | {std} | " + " | ".join(metric_cells(rs, key)) + f" | {spent:.3f} |")
+    lines.append("")
+    lines += ["Variational minus DP-FedSGD (mean over seeds): " + differences(rows, "variational", "dp_fedsgd") + ".",
+              ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
