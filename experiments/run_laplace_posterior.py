@@ -39,7 +39,7 @@ from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
-from run_trajectory_posterior import METRICS, OUT, chosen_settings, differences, metric_cells, train  # noqa: E402
+from run_trajectory_posterior import METRICS, OUT, chosen_settings, train, versus_dp_fedsgd  # noqa: E402
 
 #: the posterior scales the validation split chooses among (1: the Laplace posterior itself)
 SCALES = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
@@ -120,26 +120,15 @@ def main(argv=None) -> int:
 
 
 def markdown(rows: list[dict], smoke: bool) -> str:
-    lines = ["# FOLA's Laplace posterior, its Fisher paid for once (issue 27, part 2)", "",
-             "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
-             "chosen DP-FedSGD settings. `laplace`: DP-FedSGD's lots also release per-tensor Fisher traces (5 % of "
-             "the budget), the server predicts with the Laplace posterior at its global model (scale s chosen on the "
-             "validation split); `laplace, point`: the same runs' global model. Mean +- std over seeds "
-             f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_laplace_posterior.py`"
-             + (" --smoke (NOT a measurement)" if smoke else "") + ".", "",
-             "| epsilon | method | s | accuracy | NLL | ECE | selective accuracy | max epsilon spent |",
-             "|---|---|---|---|---|---|---|---|"]
-    for eps in sorted({r["epsilon"] for r in rows}):
-        rs = [r for r in rows if r["epsilon"] == eps]
-        for key, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
-                                      ("laplace_point", "laplace, point", "laplace"),
-                                      ("laplace", "laplace", "laplace")):
-            scale = f"{rs[0]['posterior_scale']:g}" if key == "laplace" else ""
-            spent = max(r["epsilon_spent"][spent_key] for r in rs)
-            lines.append(f"| {eps:g} | {label} | {scale} | " + " | ".join(metric_cells(rs, key)) + f" | {spent:.3f} |")
-    lines.append("")
-    lines += ["Laplace minus DP-FedSGD (mean over seeds): " + differences(rows, "laplace", "dp_fedsgd") + ".", ""]
-    return "\n".join(lines)
+    head = ["# FOLA's Laplace posterior, its Fisher paid for once (issue 27, part 2)", "",
+            "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
+            "chosen DP-FedSGD settings. `laplace`: DP-FedSGD's lots also release per-tensor Fisher traces (5 % of "
+            "the budget), the server predicts with the Laplace posterior at its global model (scale s chosen on the "
+            "validation split); `laplace, point`: the same runs' global model. Mean +- std over seeds "
+            f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_laplace_posterior.py`"
+            + (" --smoke (NOT a measurement)" if smoke else "") + "."]
+    return versus_dp_fedsgd(rows, head=head, key="laplace", labels=("laplace, point", "laplace"),
+                            param="posterior_scale", param_header="s", param_on=("laplace",), name="Laplace")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,27 @@ def differences(rows: list[dict], new: str, old: str) -> str:
     return "; ".join(out)
 
 
+def versus_dp_fedsgd(rows: list[dict], *, head: list[str], key: str, labels: tuple[str, str], param: str,
+                     param_header: str, param_on: tuple[str, ...], name: str) -> str:
+    """A posterior's table against DP-FedSGD's global model, per epsilon: the DP-FedSGD row, the same runs' point model
+    (``r[key + "_point"]``, labelled ``labels[0]``) and the posterior (``r[key]``, ``labels[1]``); ``r[param]`` in the
+    ``param_header`` column on the rows of ``param_on``; then the posterior's differences from DP-FedSGD. ``head``: the
+    title and description lines."""
+    lines = [*head, "",
+             f"| epsilon | method | {param_header} | accuracy | NLL | ECE | selective accuracy | max epsilon spent |",
+             "|---|---|---|---|---|---|---|---|"]
+    for eps in sorted({r["epsilon"] for r in rows}):
+        rs = [r for r in rows if r["epsilon"] == eps]
+        for k, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
+                                    (f"{key}_point", labels[0], key), (key, labels[1], key)):
+            value = f"{rs[0][param]:g}" if k in param_on else ""
+            spent = max(r["epsilon_spent"][spent_key] for r in rs)
+            lines.append(f"| {eps:g} | {label} | {value} | " + " | ".join(metric_cells(rs, k)) + f" | {spent:.3f} |")
+    lines.append("")
+    lines += [f"{name} minus DP-FedSGD (mean over seeds): " + differences(rows, key, "dp_fedsgd") + ".", ""]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], smoke: bool) -> str:
     lines = ["# DP-FedSGD with a posterior read off its trajectory (issue 27's free lever)", "",
              "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, the record-level table's chosen "

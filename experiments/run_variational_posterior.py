@@ -42,7 +42,7 @@ from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import DELTA, EPOCHS, EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
-from run_trajectory_posterior import METRICS, OUT, chosen_settings, differences, metric_cells, train  # noqa: E402
+from run_trajectory_posterior import METRICS, OUT, chosen_settings, train, versus_dp_fedsgd  # noqa: E402
 
 #: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
 INIT_STDS = (0.0067, 0.02, 0.05, 0.1, 0.2)
@@ -147,28 +147,17 @@ def main(argv=None) -> int:
 
 
 def markdown(rows: list[dict], smoke: bool) -> str:
-    lines = ["# HBFL's Bayesian meme, its noise paid once (issue 27, part 2)", "",
-             "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
-             "chosen DP-FedSGD settings. `variational`: DP-FedSGD on the mean-field Gaussian twin of its network "
-             "(the ELBO's data term as clipped per-record gradient sums, the KL term added by the server), predicting "
-             "with 30 draws from q, q's initial deviation chosen on the validation split; `variational, mean`: the "
-             "same runs' mean model. Mean +- std over seeds "
-             f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_variational_posterior.py`"
-             + (" --smoke (NOT a measurement)" if smoke else "") + ".", "",
-             "| epsilon | method | init std | accuracy | NLL | ECE | selective accuracy | max epsilon spent |",
-             "|---|---|---|---|---|---|---|---|"]
-    for eps in sorted({r["epsilon"] for r in rows}):
-        rs = [r for r in rows if r["epsilon"] == eps]
-        for key, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
-                                      ("variational_point", "variational, mean", "variational"),
-                                      ("variational", "variational", "variational")):
-            std = f"{rs[0]['init_std']:g}" if key != "dp_fedsgd" else ""
-            spent = max(r["epsilon_spent"][spent_key] for r in rs)
-            lines.append(f"| {eps:g} | {label} | {std} | " + " | ".join(metric_cells(rs, key)) + f" | {spent:.3f} |")
-    lines.append("")
-    lines += ["Variational minus DP-FedSGD (mean over seeds): " + differences(rows, "variational", "dp_fedsgd") + ".",
-              ""]
-    return "\n".join(lines)
+    head = ["# HBFL's Bayesian meme, its noise paid once (issue 27, part 2)", "",
+            "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
+            "chosen DP-FedSGD settings. `variational`: DP-FedSGD on the mean-field Gaussian twin of its network "
+            "(the ELBO's data term as clipped per-record gradient sums, the KL term added by the server), predicting "
+            "with 30 draws from q, q's initial deviation chosen on the validation split; `variational, mean`: the "
+            "same runs' mean model. Mean +- std over seeds "
+            f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_variational_posterior.py`"
+            + (" --smoke (NOT a measurement)" if smoke else "") + "."]
+    return versus_dp_fedsgd(rows, head=head, key="variational", labels=("variational, mean", "variational"),
+                            param="init_std", param_header="init std", param_on=("variational_point", "variational"),
+                            name="Variational")
 
 
 if __name__ == "__main__":

@@ -322,8 +322,8 @@ class HBFL(FederatedAlgorithm):
             step = executor._chunk(self.loop.per_example, self.loop.batch_width(key)) if vectorised else 1
             for lo in range(0, len(members), step):
                 chunk = members[lo:lo + step]
-                prepared = [self._prepare(clients[i], rngs[i]) for i in chunk] if vectorised else None
                 if vectorised:
+                    prepared = [self._prepare(clients[i], rngs[i]) for i in chunk]
                     lots = self.loop.lots(key, [rngs[i] for i in chunk], sizes[lo:lo + step])
                     rows = executor.train([datasets[i].tensors() for i in chunk], lots, [m for m, _ in prepared],
                                           [self.local_architecture(clients[i]) for i in chunk],
