@@ -37,7 +37,8 @@ from privfl.accounting.events import GaussianEvent, NoOpEvent, PoissonSampledEve
 from privfl.core.public import private_torch_generator
 from privfl.errors import ConfigurationError
 from privfl.core.channels import PrivatizedValue
-from privfl.training.distill import add_flat_gradient, per_example_gradients
+from privfl.training.distill import add_flat_gradient
+from privfl.training.fisher import per_example_gradients
 from privfl.training.local import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
 from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, PerExampleGradients, sgd_step
 
@@ -709,9 +710,9 @@ class DPSGDLoop:
 def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip: float, noise_multiplier: float,
                     expected_batch: float, generator: torch.Generator, secure: bool) -> None:
     """One DP-SGD gradient of the mean cross-entropy into ``p.grad``: per-example gradients
-    (``privfl.training.distill.per_example_gradients``; a Bayesian layer draws its noise per example) privatised by
+    (``privfl.training.fisher.per_example_gradients``; a Bayesian layer draws its noise per example) privatised by
     :func:`privatise_gradient_sum`."""
-    rows = per_example_gradients(model, x, y)
+    rows = per_example_gradients(model, x, y, randomness="different")
     add_flat_gradient(model, privatise_gradient_sum(rows, rows.shape[1], clip=clip, noise_multiplier=noise_multiplier,
                                                     expected_batch=expected_batch, generator=generator,
                                                     secure=secure))

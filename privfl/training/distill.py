@@ -30,6 +30,7 @@ from torch.func import functional_call, grad, vmap
 from privfl.models import MLP, BayesLinear, bayes_modules, deterministic, softplus
 from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
 from privfl.errors import ConfigurationError
+from privfl.training.fisher import per_example_gradients
 from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, PerExampleTerms, adam_step, sgd_step
 
 
@@ -54,22 +55,6 @@ def meme_regulariser(model: nn.Module, temperature: float, n: int) -> torch.Tens
             part = -torch.log(softplus(rho)).sum()
             total = part if total is None else total + part
     return total * (temperature / n)
-
-
-def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each example's gradient of the cross-entropy, as flat rows ``(len(x), dim)`` (``torch.func``; the Bayesian
-    layers draw their noise independently per example, from the global torch generator)."""
-    names = [n for n, _ in model.named_parameters()]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    dim = sum(p.numel() for p in params.values())
-    if not len(x):
-        return torch.zeros(0, dim)
-
-    def example_loss(p, xi, yi):
-        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
-
-    per_example = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
-    return torch.cat([per_example[n].reshape(len(x), -1) for n in names], dim=1)
 
 
 def add_flat_gradient(model: nn.Module, flat: torch.Tensor) -> None:
@@ -150,7 +135,7 @@ def train_meme_and_local(meme: nn.Module, local: nn.Module, x: torch.Tensor, y: 
         xb, yb = x[idx], y[idx]
         meme_opt.zero_grad(set_to_none=True)
         if lots.per_example:
-            add_flat_gradient(meme, lots.privatise(0, per_example_gradients(meme, xb, yb)))
+            add_flat_gradient(meme, lots.privatise(0, per_example_gradients(meme, xb, yb, randomness="different")))
             meme_regulariser(meme, temperature, lots.reg_size).backward()
         else:
             loss = F.cross_entropy(meme(xb), yb) + meme_regulariser(meme, temperature, lots.reg_size)
@@ -451,4 +436,4 @@ class VectorisedHBFL:
 
 __all__ = ["BayesPerExampleGradients", "MiniBatchLoop", "MiniBatches", "VectorisedHBFL", "add_flat_gradient",
            "bayes_linear_stack", "bayes_stack_forward", "distillation_loss",
-           "meme_regulariser", "per_example_gradients", "train_meme_and_local"]
+           "meme_regulariser", "train_meme_and_local"]

@@ -346,20 +346,24 @@ def _fisher_hooks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: floa
 
 
 def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                          loss_fn: LossFn = _per_example_loss) -> torch.Tensor:
+                          loss_fn: LossFn = _per_example_loss, *, randomness: str = "error") -> torch.Tensor:
     """Every example's loss gradient, (batch, parameters) in ``model.parameters()`` order, by ``torch.func`` (vmap of
-    grad). It builds the full per-example gradients: the reference, and the fallback for unsupported layers."""
+    grad). It builds the full per-example gradients: the reference, and the fallback for unsupported layers.
+    ``randomness``: vmap's, ``"different"`` for a model that samples (a Bayesian layer's weight noise, then drawn
+    independently per example from torch's global generator)."""
     from torch.func import functional_call, grad, vmap
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b.detach() for n, b in model.named_buffers()}
+    if not len(x):
+        return torch.zeros(0, sum(p.numel() for p in params.values()))
 
     def loss_one(p, xi, yi):
         out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness)(params, x, y)
     return torch.cat([grads[n].reshape(len(x), -1) for n in names], dim=1)
 
 
