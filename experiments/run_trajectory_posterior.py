@@ -105,7 +105,8 @@ def versus_dp_fedsgd(rows: list[dict], *, head: list[str], key: str, labels: tup
         rs = [r for r in rows if r["epsilon"] == eps]
         for k, label, spent_key in (("dp_fedsgd", "DP-FedSGD (global model)", "dp_fedsgd"),
                                     (f"{key}_point", labels[0], key), (key, labels[1], key)):
-            value = f"{rs[0][param]:g}" if k in param_on else ""
+            v = rs[0][param]
+            value = (v if isinstance(v, str) else f"{v:g}") if k in param_on else ""
             spent = max(r["epsilon_spent"][spent_key] for r in rs)
             lines.append(f"| {eps:g} | {label} | {value} | " + " | ".join(metric_cells(rs, k)) + f" | {spent:.3f} |")
     lines.append("")

@@ -7,11 +7,18 @@ per-record gradients with respect to the variational parameters (each record at 
 prior N(0, 1)) and steps; it predicts by averaging 30 weight draws from q.
 
 Setting: the record-level table's (``experiments/run_record_level.py``: MNIST-5k, 10 clients, Dirichlet 0.1, record
-level, delta 1e-5, logistic regression on 2x2-pooled images, 30 expected epochs of Poisson lots), with the table's
-chosen DP-FedSGD hyper-parameters at each epsilon. q's initial standard deviation (``init_std``) is chosen per epsilon
-on the table's validation split (15 % of every client's records held out; mean validation NLL over seeds 0-2) among
-``INIT_STDS``; the test split is used once, for the rows below. The baseline row is DP-FedSGD as the table runs it,
-same seeds.
+level, delta 1e-5, logistic regression on 2x2-pooled images, 30 expected epochs of Poisson lots). Every setting of
+the variational rows is chosen on the table's validation split (15 % of every client's records held out; the test
+split is used once, for the rows below), as the table chose DP-FedSGD's:
+
+1. lot size L, server lr and clip C by validation accuracy, one run (seed 0) per point: the table's full grid
+   (``FEDSGD_GRID``) at epsilon 3, its lr grid (``FEDSGD_LR``) at the epsilon-3 choice of L and C at epsilon 1 and 8,
+   q starting at ``BayesLinear``'s deviation (softplus(-5) = 0.0067);
+2. then q's initial standard deviation (``init_std``) per epsilon among ``INIT_STDS`` by the mean validation NLL over
+   seeds 0-2, at the chosen L, lr and C.
+
+The baseline row is DP-FedSGD as the table runs it (its own chosen settings), same seeds. Runs go two at a time (the
+machine's two cores, one torch thread each; nothing else running).
 
 Reported on the test split, mean +- std over seeds 0-2: accuracy, NLL, ECE and selective accuracy (on the 80 % of test
 points the model is most confident about). Writes ``experiments/results/variational_posterior.{json,md}``.
@@ -22,7 +29,7 @@ the test set unread) at epsilon = 3, seed 0, among ``INIT_STDS``; writes
 ``experiments/results/variational_default_init_std.json``.
 
 Usage: python experiments/run_variational_posterior.py [--smoke | --default-init-std]   (``--smoke``: one seed,
-epsilon 3, 20 rounds, two initial deviations; not a measurement)
+epsilon 3, 20 rounds, two grid points and two initial deviations; not a measurement)
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import os
 import platform
 import sys
 import time
+from multiprocessing import Pool
 
 import numpy as np
 import torch
@@ -41,14 +49,16 @@ from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_record_level import DELTA, EPOCHS, EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
+from run_record_level import (DELTA, EPOCHS, EPSILONS, FEDSGD_GRID, FEDSGD_LR, SEEDS, federation, grid,  # noqa: E402
+                              validation_federation)
 from run_trajectory_posterior import METRICS, OUT, chosen_settings, train, versus_dp_fedsgd  # noqa: E402
 
 #: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
 INIT_STDS = (0.0067, 0.02, 0.05, 0.1, 0.2)
 
 
-def train_variational(data, epsilon: float, seed: int, hp: dict, init_std: float, rounds: int | None = None):
+def train_variational(data, epsilon: float, seed: int, hp: dict, init_std: float | None,
+                      rounds: int | None = None):
     """One seeded run of the table's setting at ``hp`` with the variational posterior: (algorithm, result, rounds,
     seconds)."""
     lot = int(hp["lot_size"])
@@ -96,6 +106,32 @@ def default_init_std() -> dict:
     return {"epsilon": 3.0, "seed": 0, "validation_nll": nll, "chosen": min(INIT_STDS, key=lambda s: nll[str(s)])}
 
 
+def _validation_run(job) -> dict:
+    """One run on seed ``seed``'s validation federation (a worker's job): its validation metrics."""
+    epsilon, seed, hp, init_std, rounds = job
+    torch.set_num_threads(1)
+    val_data = validation_federation(federation(seed))
+    alg, _, _, seconds = train_variational(val_data, epsilon, seed, hp, init_std, rounds)
+    return {"epsilon": epsilon, "seed": seed, "hyper_parameters": hp, "init_std": init_std,
+            "validation": evaluate(alg, val_data.test), "seconds": seconds}
+
+
+def _final_run(job) -> dict:
+    """One seed's test rows (a worker's job): the variational run at its chosen settings and DP-FedSGD at its own."""
+    epsilon, seed, hp, init_std, point_hp, rounds = job
+    torch.set_num_threads(1)
+    data = federation(seed)
+    var, res_v, n_rounds, sec_v = train_variational(data, epsilon, seed, hp, init_std, rounds)
+    point, res_p, _, sec_p = train(data, epsilon, seed, point_hp, "none", rounds)
+    setting = f"L {hp['lot_size']}, lr {hp['lr']:g}, C {hp['clip']:g}, init std {init_std:g}"
+    return {"epsilon": epsilon, "seed": seed, "rounds": n_rounds, "hyper_parameters": hp, "init_std": init_std,
+            "setting": setting, "dp_fedsgd_hyper_parameters": point_hp,
+            "dp_fedsgd": evaluate(point, data.test), "variational": evaluate(var, data.test),
+            "variational_point": point_metrics(var, data.test),
+            "epsilon_spent": {"dp_fedsgd": res_p.audit["max_epsilon"], "variational": res_v.audit["max_epsilon"]},
+            "seconds": {"dp_fedsgd": sec_p, "variational": sec_v}}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     smoke = "--smoke" in argv
@@ -106,36 +142,47 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
         print(json.dumps(out, indent=1))
         return 0
-    settings = chosen_settings()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    baseline = chosen_settings()
     epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
     stds = INIT_STDS[:2] if smoke else INIT_STDS
     rounds = 20 if smoke else None
-    validation, rows = [], []
-    for eps in epsilons:
-        hp = settings[eps]
-        for seed in seeds:  # q's initial deviation, on the validation split only
-            val_data = validation_federation(federation(seed))
-            nll = {}
-            for s in stds:
-                alg, _, _, _ = train_variational(val_data, eps, seed, hp, s, rounds)
-                nll[str(s)] = evaluate(alg, val_data.test)["nll"]
-            validation.append({"epsilon": eps, "seed": seed, "nll": nll})
-        chosen = min(stds, key=lambda s: np.mean([v["nll"][str(s)] for v in validation if v["epsilon"] == eps]))
-        for seed in seeds:
-            data = federation(seed)
-            var, res_v, n_rounds, sec_v = train_variational(data, eps, seed, hp, chosen, rounds)
-            point, res_p, _, sec_p = train(data, eps, seed, hp, "none", rounds)
-            row = {"epsilon": eps, "seed": seed, "rounds": n_rounds, "hyper_parameters": hp, "init_std": chosen,
-                   "dp_fedsgd": evaluate(point, data.test), "variational": evaluate(var, data.test),
-                   "variational_point": point_metrics(var, data.test),
-                   "epsilon_spent": {"dp_fedsgd": res_p.audit["max_epsilon"],
-                                     "variational": res_v.audit["max_epsilon"]},
-                   "seconds": {"dp_fedsgd": sec_p, "variational": sec_v}}
-            rows.append(row)
-            print(f"eps={eps:g} seed={seed} init_std={chosen:g}: dp_fedsgd {row['dp_fedsgd']} "
-                  f"variational {row['variational']}", file=sys.stderr, flush=True)
-    out = {"rows": rows, "validation": validation, "init_stds": list(stds), "machine": platform.machine(),
-           "python": platform.python_version(), "smoke": smoke}
+    start = time.perf_counter()
+    pool = None if smoke else Pool(2)  # the smoke run stays in this process (importable from tests)
+    pmap = pool.map if pool is not None else (lambda f, jobs: [f(j) for j in jobs])
+    try:
+        # 1. L, lr and C by validation accuracy (seed 0), as the record-level table chose DP-FedSGD's
+        points = list(grid(FEDSGD_GRID))[:2 if smoke else None]
+        tuning = pmap(_validation_run, [(3.0, 0, hp, None, rounds) for hp in points])
+        best = lambda rows: max(rows, key=lambda r: r["validation"]["accuracy"])["hyper_parameters"]  # noqa: E731
+        chosen = {3.0: best(tuning)}
+        for eps in (e for e in epsilons if e != 3.0):
+            rows = pmap(_validation_run, [(eps, 0, {**chosen[3.0], "lr": lr}, None, rounds) for lr in FEDSGD_LR])
+            tuning += rows
+            chosen[eps] = best(rows)
+        for r in tuning:
+            log(f"tune eps={r['epsilon']:g} {r['hyper_parameters']}: validation {r['validation']}")
+        # 2. q's initial deviation by the mean validation NLL over seeds
+        jobs = [(eps, seed, chosen[eps], s, rounds) for eps in epsilons for seed in seeds for s in stds]
+        validation = pmap(_validation_run, jobs)
+        init_std = {eps: min(stds, key=lambda s: np.mean([v["validation"]["nll"] for v in validation
+                                                         if v["epsilon"] == eps and v["init_std"] == s]))
+                    for eps in epsilons}
+        log(f"chosen: {chosen}, init_std {init_std}")
+        # 3. the test split, once
+        rows = pmap(_final_run, [(eps, seed, chosen[eps], init_std[eps], baseline[eps], rounds)
+                                 for eps in epsilons for seed in seeds])
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    for row in rows:
+        log(f"eps={row['epsilon']:g} seed={row['seed']} {row['setting']}: dp_fedsgd {row['dp_fedsgd']} "
+            f"variational {row['variational']}")
+    out = {"rows": rows, "tuning": tuning, "chosen": {str(k): v for k, v in chosen.items()},
+           "validation": validation, "init_std": {str(k): v for k, v in init_std.items()}, "init_stds": list(stds),
+           "fedsgd_grid": FEDSGD_GRID, "fedsgd_lr": FEDSGD_LR, "wall_s": time.perf_counter() - start,
+           "machine": platform.machine(), "python": platform.python_version(), "smoke": smoke}
     text = markdown(rows, smoke)
     if not smoke:
         with open(os.path.join(OUT, "variational_posterior.json"), "w") as f:
@@ -148,15 +195,17 @@ def main(argv=None) -> int:
 
 def markdown(rows: list[dict], smoke: bool) -> str:
     head = ["# HBFL's Bayesian meme, its noise paid once (issue 27, part 2)", "",
-            "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise, the record-level table's "
-            "chosen DP-FedSGD settings. `variational`: DP-FedSGD on the mean-field Gaussian twin of its network "
-            "(the ELBO's data term as clipped per-record gradient sums, the KL term added by the server), predicting "
-            "with 30 draws from q, q's initial deviation chosen on the validation split; `variational, mean`: the "
-            "same runs' mean model. Mean +- std over seeds "
-            f"{sorted({r['seed'] for r in rows})} on the test split. `python experiments/run_variational_posterior.py`"
-            + (" --smoke (NOT a measurement)" if smoke else "") + "."]
+            "MNIST-5k, 10 clients, Dirichlet 0.1, record level, delta 1e-5, central noise. `variational`: DP-FedSGD "
+            "on the mean-field Gaussian twin of its network (the ELBO's data term as clipped per-record gradient "
+            "sums, the KL term added by the server), predicting with 30 draws from q; its lot size L, lr and clip C "
+            "chosen on the record-level table's validation split as the table chose DP-FedSGD's (validation "
+            "accuracy, full grid at epsilon 3, lr at 1 and 8), then q's initial deviation by validation NLL; "
+            "`variational, mean`: the same runs' mean model. DP-FedSGD: the table's chosen settings. Mean +- std "
+            f"over seeds {sorted({r['seed'] for r in rows})} on the test split. "
+            "`python experiments/run_variational_posterior.py`" + (" --smoke (NOT a measurement)" if smoke else "")
+            + "."]
     return versus_dp_fedsgd(rows, head=head, key="variational", labels=("variational, mean", "variational"),
-                            param="init_std", param_header="init std", param_on=("variational_point", "variational"),
+                            param="setting", param_header="setting", param_on=("variational_point", "variational"),
                             name="Variational")
 
 

@@ -121,8 +121,19 @@ class FederatedAlgorithm(abc.ABC):
     #: settings ``privfl run`` uses for flags the user leaves out (FederationConfig / PrivacyConfig field names)
     defaults: dict = {"hidden": (100,), "local_epochs": 2, "lr": 0.05, "clip": 1.0}
 
+    #: whether the algorithm clips adaptively when the run asks (``PrivacyConfig.clip_quantile``: a channel of its
+    #: own releases the count the clip follows); one that does not refuses such a private run
+    adaptive_clipping: bool = False
+
     def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
         check_unit(self.name, self.units, privacy, self.unit_hint)
+        if privacy.private and privacy.clip_quantile is not None and not self.adaptive_clipping:
+            from privfl.algorithms import ALGORITHMS
+            from privfl.errors import ConfigurationError
+
+            able = sorted(n for n, cls in ALGORITHMS.items() if getattr(cls, "adaptive_clipping", False))
+            raise ConfigurationError(f"{self.name} clips at a fixed bound; clip='adaptive' is available for {able}: "
+                                     f"give a number for clip (or choose one of those algorithms)")
         self.fed = fed
         self.privacy = privacy
         self.public: PublicFacts | None = None
@@ -150,6 +161,11 @@ class FederatedAlgorithm(abc.ABC):
     @abc.abstractmethod
     def client_update(self, client: int, dataset, round: int, rng: np.random.Generator) -> ClientOutput:
         """Local work of ``client`` on its ``dataset`` from the current global state."""
+
+    def round_clip(self) -> float | None:
+        """With adaptive clipping, the clip of the coming round's releases (public: set by earlier releases), for the
+        run's report; None otherwise."""
+        return None
 
     @abc.abstractmethod
     def server_update(self, aggregates: Mapping[str, Aggregate], round: int) -> None:

@@ -43,7 +43,8 @@ per-record traces over the posterior rounds and predicts with N(w, s / (lambda0 
 (:meth:`DPFedSGD.posterior_moments`). Distributed noise plans one sampled channel: refused up front.
 
 ``posterior="variational"`` (HBFL's Bayesian meme, its noise paid once): the model is the mean-field Gaussian twin
-of the architecture (``BayesLinear`` layers, local reparameterisation), and the released gradient is that of the
+of the architecture, built-in or the user's own (``BayesLinear`` / ``BayesConv2d`` layers, local
+reparameterisation; ``models.bayesian_twin``), and the released gradient is that of the
 ELBO's data term, a sum over records: each sampled record's cross-entropy gradient with respect to the variational
 parameters (mu and rho), at weight noise drawn for that record alone, clipped to C, summed and boxed as above (the
 same channel, sensitivity and event). The server adds the gradient of the ELBO's other term, ``temperature`` times
@@ -61,6 +62,7 @@ Non-private (``epsilon = inf``) it is plain minibatch SGD on the same Poisson lo
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Mapping
 
@@ -75,7 +77,8 @@ from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
-from privfl.models import get_mean_precision, inverse_softplus, make_bayesian_model, make_model
+from privfl.models import (BayesModule, ModelConfigError, bayesian_twin, get_mean_precision, inverse_softplus,
+                           make_bayesian_model, make_model)
 from privfl.training.distill import BayesPerExampleGradients
 from privfl.training.local import load_flat_parameters
 from privfl.training.stacked import PerExampleGradients, unflatten
@@ -105,6 +108,7 @@ class DPFedSGD(FedAvg):
     server_only_state = ("_optimizer_state", "_trajectory")  # the optimiser's moments, the posterior's moments
     # logistic regression on 2x2-pooled images (fewer weights, less total noise); lr is the server's step size
     defaults = {"hidden": (), "pool": 2, "lr": 0.5, "clip": 1.0}
+    adaptive_clipping = True  # PrivacyConfig.clip_quantile: the clip follows a quantile of the record norms
 
     def __init__(self, fed, privacy, model=None, metrics=None, lot_size: int | None = None,
                  coordinate_bound: float | None = None, server_optimizer: str = "sgd",
@@ -141,9 +145,17 @@ class DPFedSGD(FedAvg):
         self.temperature = float(_positive("temperature", temperature, allow_none=False))
         #: ``posterior="variational"``: q's initial standard deviation (None: ``BayesLinear``'s, softplus(-5))
         self.init_std = _positive("init_std", init_std)
-        if posterior == "variational" and model is not None:
-            raise ConfigurationError("dp_fedsgd: posterior='variational' trains the Bayesian twin of a built-in "
-                                     "architecture (mlp); leave model out")
+        #: adaptive clipping (``PrivacyConfig.clip_quantile``, private runs): the clip of the round, broadcast
+        self.adaptive = bool(privacy.private and privacy.clip_quantile is not None)
+        self.current_clip = float(privacy.clip)
+        if self.adaptive:
+            self.broadcast_state = ("global_params", "current_clip")
+            if posterior == "laplace":
+                raise ConfigurationError("dp_fedsgd: posterior='laplace' releases squared norms at a fixed clip; "
+                                         "give a number for clip with it (or another posterior)")
+            if coordinate_bound is not None:
+                raise ConfigurationError("dp_fedsgd: coordinate_bound is in the units of a fixed clip; leave it out "
+                                         "with clip='adaptive' (the box is then max(1, q cap) clips)")
         #: public per-class weights, as sampling rates q * w[y] / max(w) (``record_level.class_sampling_rates``)
         self.class_weights = None if class_weights is None else tuple(float(w) for w in class_weights)
         if lot_size is not None and (isinstance(lot_size, bool) or not isinstance(lot_size, int) or lot_size < 1):
@@ -188,11 +200,14 @@ class DPFedSGD(FedAvg):
         if self.coordinate_bound is not None:
             self.bound = float(self.coordinate_bound)
         else:  # the expected lot of a client at the public record cap: a box only outsized clients ever reach
-            self.bound = float(self.privacy.clip * max(1.0, self.sample_rate * public.record_cap))
+            # (adaptive clipping releases each record's clipped gradient over the round's clip: the box in clips)
+            unit = 1.0 if self.adaptive else self.privacy.clip
+            self.bound = float(unit * max(1.0, self.sample_rate * public.record_cap))
         if self.posterior == "variational":
             self._per_example = BayesPerExampleGradients(self.model)
-            self._plain = make_model(self.fed.model, public.input_shape, public.num_classes,
-                                     **self.fed.model_kwargs())
+            self._plain = (copy.deepcopy(self._plain_template) if self._plain_template is not None else
+                           make_model(self.fed.model, public.input_shape, public.num_classes,
+                                      **self.fed.model_kwargs()))
             names = [n for n, _ in self.model.named_parameters()]
             self._is_rho = np.concatenate([np.full(p.numel(), n.endswith("_rho"))
                                            for n, p in self.model.named_parameters()])
@@ -208,10 +223,23 @@ class DPFedSGD(FedAvg):
             check_class_weights(self.class_weights, public.num_classes, self._relation, "dp_fedsgd")
 
     def build_model(self, public):
-        """The built-in or user's model; with ``posterior="variational"`` the Bayesian twin of the built-in one."""
+        """The built-in or user's model; with ``posterior="variational"`` its Bayesian twin (``make_bayesian_model``'s
+        for a built-in architecture, ``models.bayesian_twin`` of the user's module)."""
         if self.posterior != "variational":
             return super().build_model(public)
-        meme = make_bayesian_model(self.fed.model, public.input_shape, public.num_classes, **self.fed.model_kwargs())
+        self._plain_template = None
+        if self.user.model is None:
+            meme = make_bayesian_model(self.fed.model, public.input_shape, public.num_classes,
+                                       **self.fed.model_kwargs())
+        else:
+            self._plain_template = super().build_model(public)  # the user's module, checked against the task
+            try:
+                meme = bayesian_twin(self._plain_template)
+            except ModelConfigError as exc:
+                raise ConfigurationError(f"dp_fedsgd: posterior='variational' needs a Bayesian twin of the model: "
+                                         f"{exc}") from None
+            if isinstance(meme, BayesModule):  # a bare layer: the one-layer stack the per-record gradients take
+                meme = torch.nn.Sequential(meme)
         if self.init_std is not None:
             with torch.no_grad():
                 for name, p in meme.named_parameters():
@@ -229,6 +257,18 @@ class DPFedSGD(FedAvg):
                                         description="per tensor, sum of the sampled records' squared gradient "
                                                     "norms"))
             return out
+        if self.adaptive:  # the same lot: a round stays one sampled event (accounting.rounds.round_events)
+            share = self.privacy.clip_share
+            return [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None,
+                                 record=PreClipped(1.0, "sum"), value_bound=self.bound,
+                                 record_sampling_rate=self.sample_rate, budget_share=1.0 - share,
+                                 description="sum of the Poisson-sampled records' gradients, each clipped to the "
+                                             "round's clip C_t and divided by it (norm <= 1), boxed to [-B, B]"),
+                    unit_channel(self.privacy, "clip_count", (1,), client=None, record=PreClipped(0.5, "sum"),
+                                 value_bound=0.5 * self.bound, record_sampling_rate=self.sample_rate,
+                                 budget_share=share,
+                                 description="adaptive clipping: sum over the Poisson-sampled records of "
+                                             "[gradient norm <= C_t] - 1/2, boxed to [-B/2, B/2]")]
         c = self.privacy.clip
         out = [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None, record=PreClipped(c, "sum"),
                             value_bound=self.bound, record_sampling_rate=self.sample_rate,
@@ -283,6 +323,8 @@ class DPFedSGD(FedAvg):
         dim = self.dim
         out = np.zeros((c, dim), dtype=np.float64)
         traces = np.zeros((c, len(self._tensor_sizes)), dtype=np.float64) if self.posterior == "laplace" else None
+        if self.adaptive:  # the clip-count "statistic" rides in the traces' slot: one number per client
+            traces = np.zeros((c, 1), dtype=np.float64)
         width = max((len(x) for x, _ in lots), default=0)
         if width == 0:
             return out, traces
@@ -309,6 +351,14 @@ class DPFedSGD(FedAvg):
             else:  # each sampled record's own weight noise (the variational posterior's reparameterisation)
                 noises = self._per_example.noise(generators[lo:lo + step], width)
                 terms = self._per_example(params, xb, yb, weight, noises)
+            if self.adaptive:  # clipped to C_t, then over C_t (norm <= 1); each record's bit [norm <= C_t] - 1/2
+                norms2 = terms.norms2()
+                clip = self.current_clip
+                factor = clip_factor(norms2, clip) * weight / clip
+                bits = ((norms2 <= clip * clip).to(weight.dtype) - 0.5) * weight
+                out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
+                traces[lo:lo + k, 0] = bits.sum(1).detach().numpy()
+                continue
             factor = clip_factor(terms.norms2(), self.privacy.clip) * weight if self.privacy.private else weight
             out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
             if traces is not None:  # sum_i ||f_i g_i||^2 per tensor (weight is 0 or 1, so f^2 keeps the padding out)
@@ -317,11 +367,16 @@ class DPFedSGD(FedAvg):
                                                 dim=1).detach().numpy()
         if self.privacy.private:
             np.clip(out, -self.bound, self.bound, out=out)
-            if traces is not None:
+            if self.adaptive:
+                np.clip(traces, -0.5 * self.bound, 0.5 * self.bound, out=traces)
+            elif traces is not None:
                 np.clip(traces, -self.bound * self.privacy.clip, self.bound * self.privacy.clip, out=traces)
         return out, traces
 
     def _output(self, value: np.ndarray, trace: np.ndarray | None) -> ClientOutput:
+        if self.adaptive:
+            return ClientOutput({"gradient_sum": ClippedValue(value, 1.0, "sum"),
+                                 "clip_count": ClippedValue(trace, 0.5, "sum")}, weight=1.0)
         values = {"gradient_sum": (value, "sum"), "fisher_trace": (trace, "squared_sum")}
         return ClientOutput({name: ClippedValue(v, self.privacy.clip, statistic) if self.privacy.private else v
                              for name, (v, statistic) in values.items() if v is not None}, weight=1.0)
@@ -360,6 +415,9 @@ class DPFedSGD(FedAvg):
         """One optimiser step on the noisy gradient sum over the public expected lot L (post-processing)."""
         agg = aggregates["gradient_sum"]
         gradient = np.asarray(agg.total, dtype=np.float64) / self.expected_lot
+        if self.adaptive:  # the sum was released in units of the round's clip
+            gradient = gradient * self.current_clip
+            self._update_clip(float(np.asarray(aggregates["clip_count"].total, dtype=np.float64)[0]))
         params = np.asarray(self.global_params, dtype=np.float64)
         if self.posterior == "variational":
             gradient = gradient + self._kl_gradient(params)
@@ -387,6 +445,16 @@ class DPFedSGD(FedAvg):
             elif self.posterior == "laplace":  # the Fisher at the iterate this round's sums were taken at
                 self._record_fisher(np.asarray(aggregates["fisher_trace"].total, dtype=np.float64)
                                     / self.expected_lot)
+
+    def round_clip(self) -> float | None:
+        return self.current_clip if self.adaptive else None
+
+    def _update_clip(self, count: float) -> None:
+        """Andrew et al.'s geometric step on the released count (post-processing): b = count / L + 1/2, the noisy
+        fraction of the expected lot whose gradient norm was at most the clip; C <- C exp(-eta (b - Q))."""
+        unclipped = count / self.expected_lot + 0.5
+        self.current_clip = float(self.current_clip * math.exp(-self.privacy.clip_lr
+                                                               * (unclipped - self.privacy.clip_quantile)))
 
     # -- a posterior read off the trajectory (post-processing of released sums: no privacy cost) ---------------------
 

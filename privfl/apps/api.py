@@ -189,7 +189,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
              metrics: Mapping[str, Callable] | None = None, test=None, target: str | None = None,
              task: str | None = None, classes: Sequence | None = None, rounds: int = 10,
              local_epochs: int | None = None, batch_size: int = 32, lr: float | None = None, momentum: float = 0.0,
-             clip: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
+             clip: float | str | None = None, clip_quantile: float | None = None, client_size: int | None = None, test_fraction: float = 0.2, seed: int = 0,
              secure_noise: bool = True, ledger: str = ":memory:", run_id: str | None = None,
              sampling_rate: float = 1.0, placement: str = "central", secure_agg=False,
              class_prior: Sequence[float] | None = None, **options) -> FederatedResult:
@@ -222,7 +222,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     - ``rounds``, ``local_epochs``, ``batch_size``, ``lr``, ``momentum``, ``clip``: as in ``FederationConfig`` and
       ``PrivacyConfig`` (left out: the algorithm's defaults). ``client_size``: the public design size of a client's
       data (DP-SGD's sampling rate and steps), required for a private run: the clients' record counts are private
-      and never set it. ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
+      and never set it. ``clip="adaptive"``: adaptive clipping from the algorithm's default clip towards the
+      ``clip_quantile`` (default 0.5) of the norms it clips, the quantile's release charged in every ledger
+      (``PrivacyConfig.clip_quantile``; algorithms that take it: dp_fedsgd). ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
       reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
       (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
       the algorithm's own options (e.g. FedProx's ``mu``). ``placement``: where client-level noise is added,
@@ -312,12 +314,13 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     data = federated_from_arrays(pairs, test_pair, task=task, num_classes=num_classes, name="federate",
                                  partition="given", seed=seed, info={"clients": names, "test": rule})
 
-    settings = resolve_settings(algorithm, {"local_epochs": local_epochs, "lr": lr, "clip": clip},
-                                image=len(input_shape) == 3)
+    settings = resolve_settings(algorithm, {"local_epochs": local_epochs, "lr": lr, "clip": clip,
+                                            "clip_quantile": clip_quantile}, image=len(input_shape) == 3)
     fed = FederationConfig(rounds=rounds, local_epochs=settings["local_epochs"], batch_size=batch_size,
                            lr=settings["lr"], momentum=momentum, seed=seed, client_size=client_size)
     privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit=resolve_unit(algorithm, unit),
-                            clip=settings["clip"], secure_noise=secure_noise,
+                            clip=settings["clip"], clip_quantile=settings.get("clip_quantile"),
+                            secure_noise=secure_noise,
                             sampling_rate=sampling_rate, placement=placement)
     from privfl.privacy.secure import SecureAggregation
 
@@ -344,7 +347,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
             for cid, series in sim.ledger.epsilon_by_round().items() for rnd, eps in series]
     history = [{"round": r.round, "metrics": dict(r.metrics), "participants": r.participants,
                 "sat_out": [name_of(c) for c in r.sat_out], "epsilon_max": r.epsilon_max, "seconds": r.seconds,
-                "snr": dict(r.snr)}
+                "snr": dict(r.snr), **({"clip": r.clip} if r.clip is not None else {})}
                for r in run.history]
     from privfl.metrics.report import one_class_warning
 

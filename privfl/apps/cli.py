@@ -31,6 +31,16 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _clip(text: str) -> float | str:
+    """``--clip``: a number, or ``adaptive``."""
+    if text.strip().lower() == "adaptive":
+        return "adaptive"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'adaptive', got {text!r}") from None
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(t) for t in text.split(",") if t.strip())
@@ -342,7 +352,7 @@ def _build_run(args):
         if getattr(args, key) is None:
             setattr(args, key, value)
     privacy = PrivacyConfig(epsilon=args.epsilon, delta=args.delta, unit=args.unit, adjacency=args.adjacency,
-                            clip=args.clip,
+                            clip=args.clip, clip_quantile=args.clip_quantile,
                             accountant=args.accountant, placement=args.placement, sampling_rate=args.sampling_rate,
                             secure_noise=not args.seeded_noise)
     fed = FederationConfig(rounds=args.rounds, local_epochs=args.local_epochs, batch_size=args.batch_size,
@@ -467,6 +477,8 @@ def cmd_run(args) -> int:
         "accuracy_per_round": [r.metrics.get("accuracy") for r in result.history],
         "epsilon_spent_per_round": [r.epsilon_max for r in result.history],
         "snr_per_round": [dict(r.snr) for r in result.history],
+        "clip_per_round": [r.clip for r in result.history] if any(r.clip is not None for r in result.history)
+        else None,
         "epsilon_spent_max": result.audit["max_epsilon"],
         "epsilon_spent": {cid: v["epsilon"] for cid, v in result.audit["clients"].items()},
         "ledger": result.ledger, "run_id": result.run_id, "noise": result.noise,
@@ -631,6 +643,7 @@ def _settings(args, fed, privacy, secure) -> dict:
 
     from privfl.algorithms import ALGORITHMS
     from privfl.apps.trained_model import USER_MODEL_ROLES, user_model_description
+    from privfl.core.config import privacy_settings
 
     options = {k: getattr(args, k, None) for k in getattr(ALGORITHMS.get(args.algorithm), "defaults", {})}
     data = {"dataset": args.dataset, "clients": args.clients, "partition": args.partition or "given",
@@ -641,7 +654,7 @@ def _settings(args, fed, privacy, secure) -> dict:
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
     out = {"algorithm": args.algorithm, "algorithm_options": options, "federation": asdict(fed),
-           "privacy": asdict(privacy), "data": data, "privfl_version": version(),
+           "privacy": privacy_settings(privacy), "data": data, "privfl_version": version(),
            "secure_aggregation": None if secure is None else {"bits": args.secagg_bits, "dropout": args.dropout,
                                                                "min_survivors": args.min_survivors,
                                                                "corruption": args.corruption}}
@@ -1010,7 +1023,12 @@ def _add_run_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--adjacency", default="add_remove", choices=["add_remove", "replace_one"],
                    help="neighbouring relation; at --unit example, replace_one declares the clients' record counts "
                         "public (schedules and weights may use them; every event is accounted as replace-one)")
-    r.add_argument("--clip", type=_float, default=None, help="clip bound C (default: the algorithm's)")
+    r.add_argument("--clip", type=_clip, default=None,
+                   help="clip bound C (default: the algorithm's), or 'adaptive': the clip starts at the algorithm's "
+                        "default and tracks a quantile of the norms it clips, released with noise and charged in "
+                        "every ledger (Andrew et al. 2021; algorithms that take it: dp_fedsgd)")
+    r.add_argument("--clip-quantile", type=_float, default=None,
+                   help="with --clip adaptive: the quantile of the norms the clip tracks, in (0, 1) (default 0.5)")
     r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,
                    help="accountant (default: the privacy configuration's choice for the unit and sampling)")
     r.add_argument("--placement", choices=["local", "central", "distributed"], default="central",

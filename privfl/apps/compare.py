@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from privfl.algorithms import ALGORITHMS, algorithm_defaults, algorithm_options, make_algorithm
-from privfl.core.config import FederationConfig, PrivacyConfig
+from privfl.core.config import FederationConfig, PrivacyConfig, privacy_settings
 from privfl.data import make_federated
 from privfl.errors import ConfigurationError
 from privfl.metrics.classification import reliability_bins
@@ -346,6 +346,10 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
         settings = {**defaults, **over, **entry_model}
     else:
         settings = {**defaults, **entry_model, **over}
+    # clip = "adaptive" (with clip_quantile) in the TOML's tables: resolved as every front end resolves it
+    clips = resolve_settings(base, {"clip": settings.get("clip"), "clip_quantile": settings.get("clip_quantile")},
+                             image=_image_input(config))
+    settings["clip"], settings["clip_quantile"] = clips["clip"], clips.get("clip_quantile")
     # an algorithm built for fewer units (DP-FedAvg: client level) uses its own
     unit = resolve_unit(base, config.unit, adapt=True)
     fed_kw, priv_kw = split_settings(settings)
@@ -404,7 +408,7 @@ def run_settings(config: CompareConfig, spec: RunSpec) -> dict:
     name = "fedavg" if spec.algorithm in REFERENCES else spec.algorithm
     defaults = algorithm_defaults(config.base(name), image=_image_input(config))
     return strict_json({"algorithm": spec.algorithm, "algorithm_options": {**defaults, **config.settings_for(name)},
-                        "federation": asdict(fed), "privacy": asdict(privacy),
+                        "federation": asdict(fed), "privacy": privacy_settings(privacy),
                         "data": _data_settings(config)})
 
 

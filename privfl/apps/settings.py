@@ -23,15 +23,37 @@ FALLBACKS: Mapping[str, Any] = {f.name: f.default for f in fields(FederationConf
                                 if f.name in ("clip", "local_epochs", "lr", "pool", "model")}
 
 
+#: adaptive clipping's target quantile when ``clip="adaptive"`` names none (Andrew et al.'s median)
+DEFAULT_CLIP_QUANTILE = 0.5
+
+
 def resolve_settings(algorithm: str, given: Mapping[str, Any], *, image: bool) -> dict[str, Any]:
     """The settings a run of ``algorithm`` uses: ``given`` (a value of None: not given), over the algorithm's defaults
-    for an ``image`` input or not, over :data:`FALLBACKS`. Keys other than these pass through as given."""
-    from privfl.algorithms import ALGORITHMS, algorithm_defaults
+    for an ``image`` input or not, over :data:`FALLBACKS`. Keys other than these pass through as given.
 
+    ``clip="adaptive"``: adaptive clipping (``PrivacyConfig.clip_quantile``), starting from the clip the run would
+    have had (the algorithm's default), towards ``clip_quantile`` (default :data:`DEFAULT_CLIP_QUANTILE`). A
+    ``clip_quantile`` without ``clip="adaptive"`` is refused."""
+    from privfl.algorithms import ALGORITHMS, algorithm_defaults
+    from privfl.errors import ConfigurationError
+
+    given = dict(given)
+    clip = given.get("clip")
+    adaptive = isinstance(clip, str)
+    if adaptive and clip != "adaptive":
+        raise ConfigurationError(f"clip must be a number > 0 or 'adaptive', got {clip!r}")
+    if not adaptive and given.get("clip_quantile") is not None:
+        raise ConfigurationError("clip_quantile is adaptive clipping's target quantile: give it with clip='adaptive' "
+                                 "(privfl run --clip adaptive --clip-quantile Q), or drop it for a fixed clip")
+    if adaptive:
+        given["clip"] = None
     resolved = dict(FALLBACKS)
     if algorithm in ALGORITHMS:
         resolved.update(algorithm_defaults(algorithm, image=image))
     resolved.update({k: v for k, v in given.items() if v is not None})
+    if adaptive:
+        resolved["clip_quantile"] = (DEFAULT_CLIP_QUANTILE if given.get("clip_quantile") is None
+                                     else given["clip_quantile"])
     return resolved
 
 

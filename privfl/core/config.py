@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from privfl.accounting.validation import check_delta, check_epsilon, check_probability
 from privfl.mechanisms.clipping import ADJACENCIES
@@ -38,6 +38,14 @@ class PrivacyConfig:
     ``secure_noise``: draw every noise and sampling coin that guards privacy from the OS CSPRNG (the default). Set it
     to False only for reproducible experiments: the noise then follows the run seed, and the ledger and the audit say
     the run is not private against anyone who knows that seed.
+
+    ``clip_quantile``: adaptive clipping (Andrew et al., NeurIPS 2021; the front ends' ``clip="adaptive"``). None:
+    the clip is ``clip`` throughout. A number Q in (0, 1): the clip starts at ``clip`` and tracks the Q-quantile of
+    the norms it clips, C <- C exp(-``clip_lr`` (b - Q)), b the fraction of the round's terms with norm <= C, released
+    on a channel of its own with noise and charged in every ledger beside the value it clips. The budget split is
+    privfl's one rule for channels of one release (``accounting.calibration.calibrate``: the count gets
+    ``clip_share`` of 1 / z^2, the clipped value the rest). Only algorithms that declare it take it
+    (``adaptive_clipping``); a non-private run clips nothing and ignores it.
     """
 
     epsilon: float = math.inf
@@ -49,6 +57,9 @@ class PrivacyConfig:
     placement: str = "central"
     sampling_rate: float = 1.0
     secure_noise: bool = True
+    clip_quantile: float | None = None
+    clip_lr: float = 0.2
+    clip_share: float = 0.01
 
     def __post_init__(self):
         object.__setattr__(self, "epsilon", check_epsilon(self.epsilon, allow_inf=True))
@@ -59,6 +70,18 @@ class PrivacyConfig:
         if self.adjacency not in ADJACENCIES:
             raise ConfigurationError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
         _positive_float("clip", self.clip)
+        if self.clip_quantile is not None:
+            q = self.clip_quantile
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:
+                raise ConfigurationError(f"clip_quantile (adaptive clipping's target quantile of the norms) must be a "
+                                         f"number in (0, 1), got {q!r}")
+            object.__setattr__(self, "clip_quantile", float(q))
+        object.__setattr__(self, "clip_lr", _positive_float("clip_lr", self.clip_lr))
+        share = self.clip_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+            raise ConfigurationError(f"clip_share (the adaptive clip count's share of the budget) must be a number in "
+                                     f"(0, 1), got {share!r}")
+        object.__setattr__(self, "clip_share", float(share))
         if self.placement not in ("local", "central", "distributed"):
             raise ConfigurationError(f"placement must be local, central or distributed, got {self.placement!r}")
         if self.accountant is not None and self.accountant not in ("exact", "pld", "rdp", "zcdp"):
@@ -89,6 +112,20 @@ class PrivacyConfig:
         if self.unit == "example":
             return "pld"  # record-level privacy comes from DP-SGD: Poisson-sampled Gaussian steps
         return "exact" if self.sampling_rate >= 1 else "pld"
+
+
+#: the adaptive-clipping fields of :class:`PrivacyConfig`, left out of a run's settings when it clips at a fixed bound
+ADAPTIVE_CLIP_FIELDS = ("clip_quantile", "clip_lr", "clip_share")
+
+
+def privacy_settings(privacy: PrivacyConfig) -> dict:
+    """``privacy`` as a run's settings (its JSON, its id's hash, a comparison's resume hash): every field, but the
+    adaptive-clipping ones only when the run clips adaptively, so runs made before they existed keep their ids."""
+    out = asdict(privacy)
+    if privacy.clip_quantile is None:
+        for key in ADAPTIVE_CLIP_FIELDS:
+            out.pop(key)
+    return out
 
 
 @dataclass(frozen=True)

@@ -703,7 +703,7 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
     def on_round(record) -> None:
         history.append({"round": record.round, "participants": record.participants, "aborted": record.aborted,
                         "sat_out": list(record.sat_out), "metrics": record.metrics, "seconds": record.seconds,
-                        "snr": dict(record.snr)})
+                        "snr": dict(record.snr), "clip": record.clip})
         _log_round(spec, history[-1], audits, phase)
         if checkpoint:
             write_checkpoint(checkpoint, spec, alg, record.round)

@@ -309,7 +309,8 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
         result.history.append(RoundRecord(rnd, bool(h["aborted"]), int(h["participants"]),
                                           [str(c) for c in h["sat_out"]], dict(h["metrics"]), float(max(eps)),
                                           float(np.mean(eps)), float(h["seconds"]),
-                                          snr={str(k): float(v) for k, v in dict(h.get("snr") or {}).items()}))
+                                          snr={str(k): float(v) for k, v in dict(h.get("snr") or {}).items()},
+                                          clip=None if h.get("clip") is None else float(h["clip"])))
     run = SimulationEngineRun(result, paths, dict(published["state"]), spec, out_dir, published)
     test = data.test
     if (history and test is not None and test.task == "regression"

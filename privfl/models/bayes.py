@@ -19,6 +19,7 @@ posterior (mu, Lambda) of HBFL/FOLA and FedBNN's tuned priors plug in directly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -260,6 +261,51 @@ def reset_std(model: nn.Module, std: float) -> None:
         m.reset_std(std)
 
 
+def bayesian_twin(model: nn.Module, *, init_rho: float = -5.0, reparameterization: str = "local") -> nn.Module:
+    """A copy of ``model`` (yours is not modified) with every ``nn.Linear`` and ``nn.Conv2d`` replaced by a
+    ``BayesLinear`` / ``BayesConv2d`` whose means are the layer's weights and whose standard deviations are
+    softplus(``init_rho``); the rest of the module (activations, pooling, reshapes, its forward) is kept as written.
+
+    Refused (``ModelConfigError``, naming the layer) when a trainable parameter would be left outside a Bayesian
+    layer (a batch norm, an embedding, a parameter of your own) or a convolution uses groups or a padding mode other
+    than zeros: a mean-field posterior over part of the model is not what the twin promises."""
+    twin = copy.deepcopy(model)
+
+    def convert(name: str, child: nn.Module) -> nn.Module | None:
+        if type(child) is nn.Linear:
+            new = BayesLinear(child.in_features, child.out_features, bias=child.bias is not None, init_rho=init_rho,
+                              reparameterization=reparameterization)
+        elif type(child) is nn.Conv2d:
+            if child.groups != 1 or child.padding_mode != "zeros":
+                raise ModelConfigError(f"the Bayesian twin supports Conv2d with groups=1 and zero padding; {name!r} "
+                                       f"has groups={child.groups}, padding_mode={child.padding_mode!r}")
+            new = BayesConv2d(child.in_channels, child.out_channels, child.kernel_size, stride=child.stride,
+                              padding=child.padding, dilation=child.dilation, bias=child.bias is not None,
+                              init_rho=init_rho, reparameterization=reparameterization)
+        else:
+            return None
+        with torch.no_grad():
+            new.weight_mu.copy_(child.weight)
+            if child.bias is not None:
+                new.bias_mu.copy_(child.bias)
+        return new.to(child.weight.device, child.weight.dtype)
+
+    root = convert("the model", twin)
+    if root is not None:
+        return root
+    for qualified, module in list(twin.named_modules()):
+        for name, child in list(module.named_children()):
+            new = convert(f"{qualified}.{name}" if qualified else name, child)
+            if new is not None:
+                setattr(module, name, new)
+    plain = [n for n, p in twin.named_parameters() if p.requires_grad and not n.endswith(("_mu", "_rho"))]
+    if plain:
+        raise ModelConfigError(f"the Bayesian twin makes nn.Linear and nn.Conv2d layers Gaussian; {plain} would stay "
+                               f"point estimates (write the model with those layers only, or freeze these "
+                               f"parameters)")
+    return twin
+
+
 __all__ = ["BayesConv2d", "BayesLinear", "BayesModule", "GaussianPrior", "REPARAMETERIZATIONS", "bayes_modules",
-           "deterministic", "gaussian_kl", "inverse_softplus", "is_bayesian", "reset_std", "set_generator",
-           "set_sampling", "softplus"]
+           "bayesian_twin", "deterministic", "gaussian_kl", "inverse_softplus", "is_bayesian", "reset_std",
+           "set_generator", "set_sampling", "softplus"]

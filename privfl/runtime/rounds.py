@@ -57,6 +57,8 @@ class RoundRecord:
     #: each noised channel's privacy signal-to-noise ratio this round (:func:`privacy_snr`); empty when the round's
     #: sums carry no noise the server knows of (non-private, DP-SGD-trained, aborted, nobody released)
     snr: dict[str, float] = field(default_factory=dict)
+    #: adaptive clipping: the clip the round's releases were clipped to (public: set by earlier releases); else None
+    clip: float | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
             left_out = [k for k in live if not drawn[k]]
         else:
             chosen, left_out = live, []
+        clip = algorithm.round_clip()  # before the server step moves it
         outcome = transport.round(rnd, chosen, left_out)
         exhausted.update(int(k) for k in outcome.sat_out)
         snr = {}
@@ -185,7 +188,7 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
         eps = transport.epsilons() or [0.0]
         record = RoundRecord(rnd, bool(outcome.aborted), int(outcome.participants),
                              [str(k) for k in sorted(exhausted)], metrics, float(max(eps)), float(np.mean(eps)),
-                             time.perf_counter() - start, snr=snr)
+                             time.perf_counter() - start, snr=snr, clip=clip)
         records.append(record)
         if on_round is not None:
             on_round(record)

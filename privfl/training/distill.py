@@ -218,7 +218,9 @@ class BayesPerExampleGradients:
         stack = bayes_linear_stack(model)
         if stack is None:
             raise ConfigurationError("a Bayesian model's per-example gradients need a stack of BayesLinear layers "
-                                     "(local reparameterisation) and elementwise activations: the built-in mlp")
+                                     "(local reparameterisation) and elementwise activations: the built-in mlp, or "
+                                     "your model written as an nn.Sequential of nn.Linear layers and elementwise "
+                                     "activations (after an optional nn.Flatten or nn.AvgPool2d)")
         self.prefix, self.layers = stack
         self.model = model
         self.names = [n for n, _ in model.named_parameters()]

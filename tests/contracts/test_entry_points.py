@@ -418,3 +418,96 @@ def test_dp_fedsgd_posteriors_show_the_server_the_same_run_on_neighbours(tmp_pat
         assert refused[0][:2] == ("exit", 2)
         assert ("one private channel" if adjacency == "add_remove" else "accountant='pld'") in refused[1]
 
+
+
+@pytest.mark.parametrize("posterior", ["laplace", "variational"])
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_dp_fedsgd_posteriors_through_federate_and_the_flower_spec_are_the_same_on_neighbours(capture, adjacency,
+                                                                                               posterior):
+    """The same two posteriors (issue 27) from the two other entry points: ``privfl.federate(model, clients,
+    algorithm="dp_fedsgd", posterior=...)`` with the user's own module (local and central noise, with and without
+    secure aggregation, distributed under it), and the Flower ``RunSpec`` every ServerApp and ClientApp plans the run
+    from: the same prepared run (or refusal) and the same spec JSON on D and D'."""
+    from privfl.privacy.secure import SecureAggregation
+
+    parts, test = _arrays("classification")
+    worlds = (parts, _neighbour(parts, "example", adjacency))
+    cells = [("local", False), ("central", False), ("central", True), ("distributed", True)]
+    accepted = 0
+    for placement, secure in cells:
+        a, b = (_outcome(lambda w=w: _federate(w, test, "dp_fedsgd", "example", RECORDS, posterior=posterior,
+                                                placement=placement, secure_agg=secure), capture) for w in worlds)
+        assert a == b, (placement, secure)
+        accepted += isinstance(a, dict)
+        if isinstance(a, dict) and posterior == "laplace":
+            assert any("fisher_trace" in c for c in a["channels"])
+    assert accepted >= 3  # local and central, with and without secure aggregation
+    pytest.importorskip("flwr")
+    from privfl.flower.app import RunSpec
+
+    specs = []
+    for w in worlds:
+        data = federated_from_arrays(w, test, task="classification", num_classes=CLASSES)
+        fed = FederationConfig(rounds=2, hidden=(), client_size=RECORDS)
+        out = []
+        for placement, secure in cells:
+            try:
+                privacy = PrivacyConfig(epsilon=3.0, unit="example", adjacency=adjacency, clip=1.0,
+                                        placement=placement, accountant="rdp" if placement == "distributed" else None)
+                sa = SecureAggregation(bits=48, malicious=False) if secure else None
+                out.append(RunSpec.of("dp_fedsgd", data, fed, privacy, run_id="r", secure=sa,
+                                      options={"posterior": posterior}).to_json())
+            except ConfigurationError as exc:
+                out.append(("refused", str(exc)))
+        specs.append(out)
+    assert specs[0] == specs[1]
+    assert sum(isinstance(s, str) for s in specs[0]) >= 3
+    assert all(f'"{posterior}"' in s for s in specs[0] if isinstance(s, str))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, adjacency):
+    """Adaptive clipping (issue 29) as users ask for it: ``privfl run --clip adaptive --clip-quantile Q`` (local,
+    central and distributed noise, with and without secure aggregation), a compare TOML's ``clip = "adaptive"``
+    and ``privfl.federate(..., clip="adaptive")``: the same prepared run (its clip-count channel among the charged
+    ones) or the same refusal on D and D'; a quantile without ``--clip adaptive`` exits 2 before anything runs."""
+    parts, test = _arrays("classification")
+    worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
+    paths = {world: _write_csvs(tmp_path / world, data, test, "classification") for world, data in worlds.items()}
+    outcomes = {}
+    cells = [(p, s) for p in ("local", "central", "distributed") for s in (False, True) if s or p != "distributed"]
+    for world in worlds:
+        for placement, secure in cells:
+            argv = _cli_argv("dp_fedsgd", "example", adjacency, placement, *paths[world], RECORDS, secure=secure,
+                             extra=("--clip", "adaptive", "--clip-quantile", "0.7"))
+            outcomes[("run", placement, secure, world)] = (_outcome(lambda: main(argv), capture),
+                                                           capsys.readouterr().err)
+        cfg = tmp_path / f"{world}.toml"
+        cfg.write_text(f'data = "{world}/*.csv"\ntarget = "y"\ntest_data = "{world}-test.csv"\n'
+                       f'algorithms = ["dp_fedsgd"]\nepsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
+                       f'unit = "example"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
+                       f'[overrides.dp_fedsgd]\nadjacency = "{adjacency}"\npool = 1\nclip = "adaptive"\n')
+        outcomes[("compare", world)] = (_outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture),
+                                        capsys.readouterr().err)
+        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, "dp_fedsgd", "example",
+                                                                    RECORDS, clip="adaptive"), capture), "")
+    keys = {k[:-1] for k in outcomes}
+    for key in keys:
+        assert outcomes[(*key, "D")] == outcomes[(*key, "D2")], key
+    assert all("Traceback" not in outcomes[(*key, "D")][1] for key in keys)
+    accepted = [outcomes[(*key, "D")][0] for key in keys if isinstance(outcomes[(*key, "D")][0], dict)]
+    assert len(accepted) >= 6  # local and central, with and without secure aggregation; compare; federate
+    assert all(any("clip_count" in c for c in s["channels"]) for s in accepted)
+    assert all(set(s["multipliers"]) == {"gradient_sum", "clip_count"} for s in accepted)
+    # a quantile without adaptive clipping, and adaptive clipping for an algorithm without it: exit 2, no run
+    for extra, says in ((("--clip-quantile", "0.7"), "clip_quantile is adaptive clipping's target quantile"),
+                        (("--clip", "adaptive", "--clip-quantile", "1.5"), "clip_quantile (adaptive clipping's")):
+        argv = _cli_argv("dp_fedsgd", "example", adjacency, "central", *paths["D"], RECORDS, extra=extra)
+        assert _outcome(lambda: main(argv), capture) == ("exit", 2, 0)
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    argv = _cli_argv("dpsgd_fedavg", "example", adjacency, "central", *paths["D"], RECORDS,
+                     extra=("--clip", "adaptive"))
+    assert _outcome(lambda: main(argv), capture) == ("exit", 2, 0)
+    assert "clip='adaptive' is available for ['dp_fedsgd']" in capsys.readouterr().err

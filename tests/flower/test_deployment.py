@@ -44,8 +44,9 @@ def deployment(federation, tmp_path_factory, repro_env, write_orgs, fast_superno
     assert all(p.poll() is not None for p in dep.procs)
 
 
-def _spec(name, federation, fed, privacy, tag):
-    return RunSpec.of(name, federation, fed, privacy, run_id=f"{name}-{tag}", node_wait=60, round_timeout=120)
+def _spec(name, federation, fed, privacy, tag, options=None):
+    return RunSpec.of(name, federation, fed, privacy, run_id=f"{name}-{tag}", node_wait=60, round_timeout=120,
+                      options=options or {})
 
 
 @pytest.fixture
@@ -149,24 +150,33 @@ def test_a_paused_private_run_resumes_and_equals_an_uninterrupted_run(deployment
 # Each deployment takes a minute or more (every ClientApp call is a fresh process): these are `slow`, outside the
 # default run (CI's 20-minute budget), run by `make test-all`. FOLA under secure aggregation stays in the default run
 # (tests/flower/test_secure_deployment.py).
-@pytest.mark.parametrize("name, privacy", [
+@pytest.mark.parametrize("name, privacy, options", [
     pytest.param("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
-                                       secure_noise=False), marks=pytest.mark.slow),
-    pytest.param("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False),
+                                       secure_noise=False), {}, marks=pytest.mark.slow),
+    pytest.param("fola", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False), {},
                  marks=pytest.mark.slow),
     pytest.param("dpsgd_fedavg", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0,
-                                               secure_noise=False), marks=pytest.mark.slow),
+                                               secure_noise=False), {}, marks=pytest.mark.slow),
     # a client's own local model kept in its SuperNode's Context.state between rounds
     pytest.param("hbfl", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local",
-                                       secure_noise=False), marks=pytest.mark.slow),
-], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client"])
-def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy, _deploy):
+                                       secure_noise=False), {}, marks=pytest.mark.slow),
+    # the two noise-once posteriors (issue 27): FOLA's Laplace (a second channel on the lot), HBFL's variational meme
+    pytest.param("dp_fedsgd", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
+                                            secure_noise=False), {"posterior": "laplace", "lot_size": 64},
+                 marks=pytest.mark.slow),
+    pytest.param("dp_fedsgd", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
+                                            secure_noise=False), {"posterior": "variational", "lot_size": 64},
+                 marks=pytest.mark.slow),
+], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client", "dp_fedsgd-laplace", "dp_fedsgd-variational"])
+def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy,
+                                                    _deploy, options):
     """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
-    Poisson batches come from each client's own generators, and HBFL, whose clients keep their local models between
-    rounds on their own SuperNodes: the same global state as the in-process run."""
+    Poisson batches come from each client's own generators, HBFL, whose clients keep their local models between
+    rounds on their own SuperNodes, and DP-FedSGD with its two noise-once posteriors (options in the spec): the same
+    global state as the in-process run."""
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=13)
-    tag = f"{name}-{privacy.unit}"
-    spec = _spec(name, federation, fed, privacy, tag)
+    tag = f"{name}-{privacy.unit}-{options.get('posterior', '')}"
+    spec = _spec(name, federation, fed, privacy, tag, options)
     reference = in_process_reference(spec, deployment.workdir)
     result = _deploy(deployment, spec, tag)
     assert set(result["state"]) == set(reference["state"])

@@ -145,6 +145,10 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy, posterior="laplace")
     if name == "dp_fedsgd_variational":  # HBFL's Bayesian meme on DP-FedSGD's lots: one sampled channel
         return ALGORITHMS["dp_fedsgd"](fed, privacy, posterior="variational")
+    if name == "dp_fedsgd_adaptive":  # q = 1: the gradient sums in clips and the clip counts compared
+        return ALGORITHMS["dp_fedsgd"](fed, privacy, lot_size=10 ** 6)
+    if name == "dp_fedsgd_adaptive_sampled":  # q < 1: one sampled event for the two channels of one lot
+        return ALGORITHMS["dp_fedsgd"](fed, privacy)
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
@@ -298,7 +302,7 @@ def _configure(name, unit, adjacency, placement, secure, sampling):
     non_private = name in ("fedavg", "fedprox")
     privacy = PrivacyConfig(epsilon=math.inf if non_private else 3.0, delta=1e-5, unit=unit, adjacency=adjacency,
                             clip=1.0, placement=placement, sampling_rate=0.5 if sampling else 1.0,
-                            secure_noise=False,
+                            secure_noise=False, clip_quantile=0.5 if "adaptive" in name else None,
                             accountant=("rdp" if placement == "distributed" and name.startswith("dp_fedsgd") else
                                         "zcdp" if placement == "distributed" else
                                         "pld" if unit == "example" or sampling else None))
@@ -398,6 +402,23 @@ VARIATIONAL_GRID = [("dp_fedsgd_variational", "example", adjacency, placement, s
                          ids=["-".join(map(str, g)) for g in VARIATIONAL_GRID])
 def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit, adjacency, placement, secure,
                                                                       sampling):
+    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
+
+
+#: adaptive clipping (issue 29): each record's gradient clipped to the round's clip and released over it (norm <= 1),
+#: and its clip bit [norm <= C_t] - 1/2 summed on the same lot, at q = 1 (both sensitivities) and sampled (one event
+#: per lot), under each relation and placement, with and without secure aggregation
+ADAPTIVE_GRID = [(name, "example", adjacency, placement, secure, False)
+                 for name, adjacency, placement, secure in itertools.product(
+                     ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled"), ("add_remove", "replace_one"),
+                     ("local", "central", "distributed"), (False, True))
+                 if secure or placement != "distributed"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", ADAPTIVE_GRID,
+                         ids=["-".join(map(str, g)) for g in ADAPTIVE_GRID])
+def test_dp_fedsgd_with_adaptive_clipping_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 

@@ -420,9 +420,44 @@ def test_variational_server_adds_the_kl_gradient_of_its_prior():
     np.testing.assert_allclose(alg._kl_gradient(params), theta.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
-def test_variational_posterior_takes_no_user_model():
-    with pytest.raises(ConfigurationError, match="Bayesian twin"):
-        DPFedSGD(fed(), privacy(), posterior="variational", model=nn.Linear(DIM, CLASSES))
+def test_variational_posterior_trains_the_twin_of_the_users_model():
+    """The user's own module (an nn.Sequential of Linear layers and ReLU, or one bare Linear): its Bayesian twin
+    starts at the module's weights and trains on DP-FedSGD's one channel; the global model is the user's
+    architecture at q's means, and the user's module is left as it was."""
+    for make in (lambda: nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, CLASSES)),
+                 lambda: nn.Linear(DIM, CLASSES)):
+        torch.manual_seed(3)
+        net = make()
+        before = [p.detach().clone() for p in net.parameters()]
+        data, f, p, _ = _variational()
+        alg = DPFedSGD(f, p, posterior="variational", model=net)
+        sim = Simulation(alg, data, f, p)
+        alg.setup(data, np.random.default_rng(0))
+        mu = [q.detach().clone() for n, q in alg.model.named_parameters() if n.endswith("_mu")]
+        assert all(torch.equal(a, b) for a, b in zip(mu, before))  # q's means start at the user's weights
+        alg = DPFedSGD(f, p, posterior="variational", model=net)
+        result = Simulation(alg, data, f, p).run()
+        assert result.audit["max_epsilon"] <= p.epsilon * (1 + 1e-9)
+        model = alg.global_model()
+        assert [type(m) for m in model.modules()] == [type(m) for m in net.modules()]
+        mean, _ = alg.posterior_moments()
+        np.testing.assert_array_equal(np.concatenate([q.detach().numpy().ravel() for q in model.parameters()]),
+                                      mean.astype(np.float32))
+        assert all(torch.equal(a, b) for a, b in zip(net.parameters(), before))
+        assert np.isfinite(alg.evaluate(data.test)["nll"])
+        del sim
+
+
+@pytest.mark.parametrize("net, match", [
+    (lambda: nn.Sequential(nn.Linear(DIM, 8), nn.BatchNorm1d(8), nn.Linear(8, CLASSES)), r"\['1.weight', '1.bias'\]"),
+    (lambda: nn.Sequential(nn.Unflatten(1, (1, 3, 4)), nn.Conv2d(1, 2, 2), nn.Flatten(), nn.Linear(12, CLASSES)),
+     "nn.Sequential of nn.Linear layers"),
+])
+def test_variational_posterior_refuses_a_model_it_cannot_twin_at_setup(net, match):
+    data, f, p, _ = _variational()
+    alg = DPFedSGD(f, p, posterior="variational", model=net())
+    with pytest.raises(ConfigurationError, match=match):
+        Simulation(alg, data, f, p).run()
 
 
 def test_variational_runs_under_distributed_noise_and_secure_aggregation():
@@ -430,3 +465,118 @@ def test_variational_runs_under_distributed_noise_and_secure_aggregation():
     alg = DPFedSGD(f, p, posterior="variational")
     result = Simulation(alg, data, f, p, secure=SecureAggregation(bits=48, malicious=False)).run()
     assert result.audit["max_epsilon"] <= p.epsilon * (1 + 1e-9) and np.all(np.isfinite(alg.global_params))
+
+
+# -- adaptive clipping (issue 29) ---------------------------------------------------------------------------------
+
+
+def _per_record_norms(alg, data):
+    """Every training record's gradient norm at the broadcast model (what the clip is compared with)."""
+    model = alg.build_model(alg.public)
+    load_flat_parameters(model, alg.global_params)
+    norms = []
+    for part in data.train_parts:
+        x, y = part.tensors()
+        for i in range(len(y)):
+            loss = nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
+    return np.array(norms)
+
+
+def test_adaptive_clipping_releases_gradients_in_clips_and_the_clip_bits_on_the_same_lot():
+    """q = 1, no noise: the released gradient sum is the clipped sum over the round's clip (the server multiplies
+    it back, so the step equals the fixed clip's at C_0), the count is sum_i [||g_i|| <= C] - 1/2, and the clip
+    moves by exp(-eta (b - Q)); the round is one event over both channels, the count with clip_share of 1 / z^2."""
+    data = federation()
+    f = fed(rounds=1)
+    steps = {}
+    for quantile in (None, 0.3):
+        p = privacy(clip=1.5, clip_quantile=quantile)
+        alg = DPFedSGD(f, p, lot_size=10 ** 6)
+        sim = Simulation(alg, data, f, p)
+        sim.prepare()
+        start = alg.global_params.copy()
+        by_name = {c.name: c for c in sim.channels}
+        releases = [r for _, sent in sim.client_steps(range(K), 0) for r in sent.values()]
+        sums = weighted_sums(releases, by_name, ZeroNoise())
+        alg.server_update(sums, 0)
+        steps[quantile] = alg.global_params - start
+        if quantile is None:
+            assert set(by_name) == {"gradient_sum"} and alg.current_clip == 1.5
+            continue
+        assert set(by_name) == {"gradient_sum", "clip_count"}
+        assert by_name["gradient_sum"].sensitivity == 1.0 and by_name["clip_count"].sensitivity == 0.5
+        alg.global_params = start
+        norms = _per_record_norms(alg, data)
+        assert 0 < (norms <= 1.5).sum() < len(norms)  # some clipped, some not: the count says something
+        assert float(sums["clip_count"].total[0]) == pytest.approx((norms <= 1.5).sum() - 0.5 * len(norms))
+        fraction = (norms <= 1.5).mean()
+        assert alg.current_clip == pytest.approx(1.5 * math.exp(-0.2 * (fraction - 0.3)))
+        z = sim.plan.noise_multipliers
+        s = (z["gradient_sum"] ** -2 + z["clip_count"] ** -2) ** -0.5
+        assert z["clip_count"] == pytest.approx(s / math.sqrt(p.clip_share))
+        assert z["gradient_sum"] == pytest.approx(s / math.sqrt(1 - p.clip_share))
+    np.testing.assert_allclose(steps[0.3], steps[None], rtol=1e-5, atol=1e-7)
+
+
+def test_adaptive_clip_tracks_the_quantile_of_the_record_norms():
+    """Noise-free counts and a model that barely moves: the clip settles where a fraction Q of the records' gradient
+    norms lie below it, for each Q (the fixed point of the geometric update)."""
+    data = federation()
+    for quantile in (0.2, 0.8):
+        f = fed(rounds=150, lr=1e-6)
+        p = privacy(clip=1.0, clip_quantile=quantile, clip_lr=0.3)
+        alg = DPFedSGD(f, p, lot_size=10 ** 6)
+        sim = Simulation(alg, data, f, p)
+        sim.prepare()
+        by_name = {c.name: c for c in sim.channels}
+        for rnd in range(f.rounds):
+            releases = [r for _, sent in sim.client_steps(range(K), rnd) for r in sent.values()]
+            alg.server_update(weighted_sums(releases, by_name, ZeroNoise()), rnd)
+        norms = _per_record_norms(alg, data)
+        assert abs((norms <= alg.current_clip).mean() - quantile) < 0.03, (quantile, alg.current_clip)
+
+
+def test_adaptive_clip_is_broadcast_and_charged_in_every_ledger():
+    """The clip of the round reaches the clients in the broadcast (a client half clips with it); every ledger holds
+    one sampled event per round over both channels and meets the target; a non-private run ignores the setting."""
+    data = federation()
+    f = fed(rounds=4)
+    p = privacy(accountant="pld", clip=0.5, clip_quantile=0.5)
+    alg = DPFedSGD(f, p)
+    sim = Simulation(alg, data, f, p)
+    result = sim.run()
+    assert alg.broadcast(4).values["current_clip"] == alg.current_clip != 0.5
+    for k in range(K):
+        charges = list(sim.ledger.charges(str(k)))
+        assert sorted({c.channel for c in charges}) == ["clip_count", "gradient_sum"]
+        assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon * (1 + 1e-9)
+    half = alg.client_half()
+    broadcast = alg.broadcast(4)
+    half.load(broadcast)
+    assert half.algorithm.current_clip == alg.current_clip
+    plain = DPFedSGD(f, privacy(epsilon=math.inf, clip_quantile=0.5))
+    sim = Simulation(plain, data, f, plain.privacy)
+    sim.prepare()
+    assert [c.name for c in sim.channels] == ["gradient_sum"] and "current_clip" not in plain.broadcast(0).values
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"posterior": "laplace"}, "posterior='laplace' releases squared norms at a fixed clip"),
+    ({"coordinate_bound": 3.0}, "coordinate_bound is in the units of a fixed clip"),
+])
+def test_adaptive_clipping_refuses_what_a_fixed_clip_defines(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        DPFedSGD(fed(), privacy(clip_quantile=0.5), **kwargs)
+
+
+def test_adaptive_clipping_is_refused_by_algorithms_that_clip_at_a_fixed_bound():
+    for name in ("dpsgd_fedavg", "fola", "hbfl", "dp_fedavg"):
+        unit = "client" if name == "dp_fedavg" else "example"
+        with pytest.raises(ConfigurationError, match=r"clip='adaptive' is available for \['dp_fedsgd'\]"):
+            ALGORITHMS[name](fed(), privacy(unit=unit, clip_quantile=0.5))
+    with pytest.raises(ConfigurationError, match="clip_quantile"):
+        privacy(clip_quantile=1.0)
+    with pytest.raises(ConfigurationError, match="clip_share"):
+        privacy(clip_quantile=0.5, clip_share=0.0)

@@ -117,6 +117,28 @@ def test_the_unit_defaults_to_the_algorithms_and_is_printed(tmp_path, capsys):
     assert code == 0 and "privacy unit 'client'" in err
 
 
+def test_adaptive_clipping_run_json_lists_its_count_channel_and_the_clip_of_every_round(tmp_path, capsys):
+    """``privfl run --clip adaptive --clip-quantile Q`` (issue 29's contract): ``noise_applied`` lists the quantile
+    release's channel (``clip_count``) beside the gradient's, ``clip_per_round`` the clip each round used (the first
+    the algorithm's default), the settings the quantile; a fixed clip's JSON has no clip per round."""
+    out = tmp_path / "r.json"
+    code, _, err = run_cli(capsys, "run", "--algorithm", "dp_fedsgd", "--epsilon", "3", *SMALL, "--rounds", "3",
+                           "--clip", "adaptive", "--clip-quantile", "0.7", "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert set(result["noise_applied"]) == {"gradient_sum", "clip_count"}
+    count = result["noise_applied"]["clip_count"][0]
+    assert count["sensitivity"] == 0.5 and count["noise_multiplier"] > result["noise_applied"]["gradient_sum"][0][
+        "noise_multiplier"]
+    clips = result["clip_per_round"]
+    assert len(clips) == 3 and clips[0] == 1.0 and all(c > 0 for c in clips) and len(set(clips)) == 3
+    assert result["settings"]["privacy"]["clip_quantile"] == 0.7 and result["epsilon_spent_max"] <= 3.0
+    code, _, err = run_cli(capsys, "run", "--algorithm", "dp_fedsgd", "--epsilon", "3", *SMALL, "--json", str(out))
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    assert result["clip_per_round"] is None and set(result["noise_applied"]) == {"gradient_sum"}
+
+
 @pytest.mark.timeout(240)
 def test_run_json_is_strict_describes_itself_and_the_model_is_saved(tmp_path, capsys):
     import torch

@@ -171,12 +171,13 @@ def _dp_fedsgd_distributed_scores(sigma_scale: float):
 
 # -- DP-FedSGD with its Laplace posterior: two channels (gradient sums, Fisher traces) on one lot, black box ----------
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=3)
 def _dp_fedsgd_posterior(posterior: str, trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
     """``trials`` runs of the client step of ``dp_fedsgd`` with ``posterior`` (``"laplace"``: two channels on one lot;
-    ``"variational"``: the Bayesian twin's gradient, each record at weight noise of its own; Poisson coin at q = 1/2)
-    on D = {an outlier record} and D' = {}: every channel as the client sends it, its noise std, and the epsilon the
-    ledger claims for the round (a lot's sampled events grouped into one, as the ledger composes them)."""
+    ``"variational"``: the Bayesian twin's gradient, each record at weight noise of its own; ``"adaptive"``: no
+    posterior, adaptive clipping's two channels on one lot, the gradient in clips and the clip count; Poisson coin at
+    q = 1/2) on D = {an outlier record} and D' = {}: every channel as the client sends it, its noise std, and the
+    epsilon the ledger claims for the round (a lot's sampled events grouped into one, as the ledger composes them)."""
     from privfl.accounting.accountants import make_accountant
     from privfl.accounting.rounds import round_events
     from privfl.algorithms.dp_fedsgd import DPFedSGD
@@ -189,8 +190,11 @@ def _dp_fedsgd_posterior(posterior: str, trials: int = 30_000, epsilon: float = 
     test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
     data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
     fed = FederationConfig(rounds=1, hidden=(), client_size=2, seed=0)
-    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
-    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, posterior=posterior), data, fed, privacy)
+    adaptive = posterior == "adaptive"
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False,
+                            clip_quantile=0.5 if adaptive else None)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, posterior="none" if adaptive else posterior), data, fed,
+                     privacy)
     sim.prepare()
     released = {}
     for channel in sim.channels:
@@ -221,11 +225,13 @@ def _dp_fedsgd_posterior_scores(posterior: str, noise_scale: float):
 
 
 # central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings; laplace: the
-# central Gaussian on both of the Laplace posterior's channels; variational: on the Bayesian twin's gradient
+# central Gaussian on both of the Laplace posterior's channels; variational: on the Bayesian twin's gradient; adaptive:
+# on adaptive clipping's two channels (the gradient in clips, the clip count)
 _DP_FEDSGD_SCORES = {"central": lambda scale: _dp_fedsgd_scores(scale),
                      "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale),
                      "laplace": lambda scale: _dp_fedsgd_posterior_scores("laplace", scale),
-                     "variational": lambda scale: _dp_fedsgd_posterior_scores("variational", scale)}
+                     "variational": lambda scale: _dp_fedsgd_posterior_scores("variational", scale),
+                     "adaptive": lambda scale: _dp_fedsgd_posterior_scores("adaptive", scale)}
 
 
 @pytest.mark.timeout(600)

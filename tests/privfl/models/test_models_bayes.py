@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributions import Normal, kl_divergence
 
 from privfl.models import (BayesConv2d, BayesLinear, GaussianPrior, ModelConfigError, ModelPrior, deterministic,
@@ -195,3 +196,35 @@ def test_reset_std_and_no_bias_layers():
     assert np.allclose(precision, 100.0, rtol=1e-5)
     layer = BayesLinear(3, 2, bias=False)
     assert set(layer.gaussian_parameters()) == {"weight"} and layer(torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_bayesian_twin_of_a_users_module_keeps_its_forward_at_the_means():
+    from privfl.models import bayesian_twin, deterministic, get_mean_precision, softplus
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, stride=2, padding=1, dilation=1), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(3 * 4 * 4, 5), nn.Tanh(), nn.Linear(5, 2, bias=False))
+    before = [p.detach().clone() for p in net.parameters()]
+    twin = bayesian_twin(net, init_rho=-4.0)
+    assert [type(m).__name__ for m in twin] == ["BayesConv2d", "ReLU", "Flatten", "BayesLinear", "Tanh",
+                                                 "BayesLinear"]
+    x = torch.randn(7, 1, 8, 8)
+    with torch.no_grad(), deterministic(twin):
+        torch.testing.assert_close(twin(x), net(x), rtol=0, atol=0)
+    mean, precision = get_mean_precision(twin)  # the plain module's parameter order
+    np.testing.assert_array_equal(mean, np.concatenate([p.detach().double().numpy().ravel() for p in net.parameters()]))
+    np.testing.assert_allclose(precision, float(softplus(torch.tensor(-4.0, dtype=torch.float64))) ** -2)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), before))  # the user's module is not touched
+    assert type(bayesian_twin(nn.Linear(3, 2))).__name__ == "BayesLinear"
+
+
+@pytest.mark.parametrize("net, match", [
+    (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), r"\['1.weight', '1.bias'\] would stay point estimates"),
+    (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2)), "groups=1 and zero padding; '0' has groups=2"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")), "padding_mode='reflect'"),
+])
+def test_bayesian_twin_refuses_what_it_would_leave_out(net, match):
+    from privfl.models import ModelConfigError, bayesian_twin
+
+    with pytest.raises(ModelConfigError, match=match):
+        bayesian_twin(net)
