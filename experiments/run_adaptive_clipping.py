@@ -1,27 +1,33 @@
 """Issue 29: adaptive clipping against the best fixed clip chosen in hindsight, on the default comparison's setting.
 
-DP-FedSGD as ``make demo`` runs it (``experiments/configs/default.toml``: MNIST-5k, 10 clients, Dirichlet 0.1, record
-level, delta 1e-5, central noise, 410 rounds of lot 256, server lr 0.125 with momentum 0.9, logistic regression on
-2x2-pooled images), seeds 0-2:
+DP-FedSGD and DP-SGD FedAvg as ``make demo`` runs them (``experiments/configs/default.toml``: MNIST-5k, 10 clients,
+Dirichlet 0.1, record level, delta 1e-5, logistic regression on 2x2-pooled images; DP-FedSGD: central noise, 410
+rounds of lot 256, server lr 0.125 with momentum 0.9; DP-SGD FedAvg: local noise, 10 rounds of 3 local epochs,
+batch 32, lr 0.25), seeds 0-2:
 
 - **fixed clips** C in ``CLIPS``, each run at every seed; the best one is picked *in hindsight*, by its mean test
   accuracy over the seeds (the baseline Andrew et al. compare with: what a grid search on the test set would find);
-- **adaptive** (``clip="adaptive"``): the clip starts at DP-FedSGD's default (1.0) and follows the median
-  (``clip_quantile`` 0.5, Andrew et al.'s untuned choice) of the records' gradient norms, the count released on the
-  same lot with 1 % of the budget (``clip_share``) and charged in every ledger; nothing of it is tuned.
+- **adaptive at privfl's defaults** (``clip="adaptive"``: quantile 0.5, Andrew et al.'s untuned choice, step 0.2,
+  1 % of the budget for the count): the clip starts at the algorithm's default (1.0) and follows the quantile of the
+  records' gradient norms (DP-FedSGD: one clip, its count released on the lot and charged in every ledger; DP-SGD
+  FedAvg: each client's own step clip, its count inside the step's event);
+- **adaptive, chosen on validation**: quantile, step and share over ``ADAPTIVE``, the point with the best accuracy
+  on the comparison's validation split (``val_fraction``: images held by no client, the test set unread) at
+  epsilon 3, seed 0.
 
 Reported per epsilon (1, 3, 8; the acceptance is at 3): mean +- std over the seeds of test accuracy, NLL and ECE, the
-adaptive runs' clip over the rounds (first, median, last), and the largest epsilon any client's ledger spent. Runs
-go two at a time (the machine's two cores, one torch thread each). Writes
-``experiments/results/adaptive_clipping.{json,md}``.
+adaptive runs' clip over the rounds (DP-FedSGD: first, median, last; DP-SGD FedAvg: the clients' clips after the last
+round, mean), and the largest epsilon any client's ledger spent. Runs go two at a time (the machine's two cores, one
+torch thread each). Writes ``experiments/results/adaptive_clipping.{json,md}``.
 
 Usage: python experiments/run_adaptive_clipping.py [--smoke]   (``--smoke``: epsilon 3, one seed, two fixed clips,
-20 rounds; not a measurement)
+2 rounds; not a measurement)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -38,109 +44,149 @@ from privfl.runtime.engine import Simulation
 
 OUT = "experiments/results"
 CONFIG = "experiments/configs/default.toml"
+ALGORITHMS = ("dp_fedsgd", "dpsgd_fedavg")
 EPSILONS = (1.0, 3.0, 8.0)
 SEEDS = (0, 1, 2)
-#: the fixed clips the hindsight choice is made among (DP-FedSGD's default, 1.0, in the middle)
+#: the fixed clips the hindsight choice is made among (the algorithms' default, 1.0, in the middle)
 CLIPS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
-QUANTILE = 0.5
+#: adaptive clipping's settings the validation split chooses among: quantile Q, the clip's step size eta
+#: (``clip_lr``) and the count's share of the budget (``clip_share``); the defaults (0.5, 0.2, 0.01) also reported
+ADAPTIVE = {"quantile": (0.1, 0.3, 0.5, 0.7, 0.9), "clip_lr": (0.2, 0.05), "clip_share": (0.01, 0.1)}
+DEFAULT = (0.5, 0.2, 0.01)
 METRICS = ("accuracy", "nll", "ece")
 
 
 def run(job) -> dict:
-    """One seeded DP-FedSGD run of the default comparison's setting: at fixed clip ``clip``, or adaptive (None)."""
-    epsilon, seed, clip, rounds = job
+    """One seeded run of ``algorithm`` on the default comparison's setting: at a fixed clip, or adaptive with
+    ``adaptive`` = (quantile, clip_lr, clip_share); evaluated on the test split, or on the validation split
+    (``split="val"``)."""
+    algorithm, epsilon, seed, clip, adaptive, rounds, split = job
+    quantile = None if adaptive is None else adaptive[0]
     torch.set_num_threads(1)
     config = CompareConfig.from_toml(CONFIG)
-    spec = RunSpec("dp_fedsgd", epsilon, seed)
+    spec = RunSpec(algorithm, epsilon, seed)
     fed, privacy = _configs(config, spec)
     if rounds is not None:
         fed = dataclasses.replace(fed, rounds=rounds)
     privacy = dataclasses.replace(privacy, secure_noise=False, **(
-        {"clip": clip} if clip is not None else {"clip_quantile": QUANTILE}))
+        {"clip": clip} if adaptive is None else dict(zip(("clip_quantile", "clip_lr", "clip_share"), adaptive))))
     data = federation(config, seed)
-    alg = make_algorithm("dp_fedsgd", fed, privacy, **_options(config, "dp_fedsgd"))
+    alg = make_algorithm(algorithm, fed, privacy, **_options(config, algorithm))
     start = time.perf_counter()
     sim = Simulation(alg, data, fed, privacy)
     result = sim.run()
-    out = alg.evaluate(data.test)
-    clips = [r.clip for r in result.history if r.clip is not None]
-    return {"epsilon": epsilon, "seed": seed, "clip": "adaptive" if clip is None else clip,
+    out = alg.evaluate(data.val if split == "val" else data.test)
+    path = [r.clip for r in result.history if r.clip is not None]
+    if algorithm == "dpsgd_fedavg" and quantile is not None:  # each client's own clip after its last round
+        path = [float(np.mean([s["_clips"] for s in sim.client_states if s]))]
+    return {"algorithm": algorithm, "epsilon": epsilon, "seed": seed, "split": split,
+            "clip": "adaptive" if quantile is not None else clip, "adaptive": adaptive,
             **{m: float(out[m]) for m in METRICS}, "epsilon_spent": float(result.audit["max_epsilon"]),
-            "charged_channels": {k: sorted({c.channel for c in sim.ledger.charges(str(k))})
-                                 for k in range(sim.public.n_clients)},
-            "noise_multipliers": dict(sim.plan.noise_multipliers),
-            "clip_path": clips, "rounds": fed.rounds, "seconds": time.perf_counter() - start}
+            "charged_channels": sorted({c.channel for k in range(sim.public.n_clients)
+                                        for c in sim.ledger.charges(str(k))}),
+            "clip_path": path, "rounds": fed.rounds, "seconds": time.perf_counter() - start}
 
 
-def summary(rows: list[dict]) -> list[dict]:
+def _label_of(adaptive) -> str:
+    return "adaptive Q {:g}, eta {:g}, share {:g}".format(*adaptive)
+
+
+def _label(r: dict) -> str:
+    return f"{r['clip']:g}" if r["adaptive"] is None else _label_of(r["adaptive"])
+
+
+def summary(rows: list[dict], chosen: dict) -> list[dict]:
     out = []
-    for eps in sorted({r["epsilon"] for r in rows}):
-        at = [r for r in rows if r["epsilon"] == eps]
-        cells = {}
-        for clip in [*sorted({r["clip"] for r in at if r["clip"] != "adaptive"}), "adaptive"]:
-            rs = [r for r in at if r["clip"] == clip]
-            cells[str(clip)] = {m: (float(np.mean([r[m] for r in rs])), float(np.std([r[m] for r in rs])))
-                                for m in METRICS}
-            cells[str(clip)]["epsilon_spent"] = max(r["epsilon_spent"] for r in rs)
-            if clip == "adaptive":
-                paths = [r["clip_path"] for r in rs]
-                cells[str(clip)]["clip_first_median_last"] = [float(np.mean([p[0] for p in paths])),
-                                                              float(np.mean([np.median(p) for p in paths])),
-                                                              float(np.mean([p[-1] for p in paths]))]
-        fixed = [k for k in cells if k != "adaptive"]
-        best = max(fixed, key=lambda k: cells[k]["accuracy"][0])
-        out.append({"epsilon": eps, "cells": cells, "best_fixed": best,
-                    "adaptive_minus_best": cells["adaptive"]["accuracy"][0] - cells[best]["accuracy"][0]})
+    for name in ALGORITHMS:
+        for eps in sorted({r["epsilon"] for r in rows if r["algorithm"] == name}):
+            at = [r for r in rows if r["algorithm"] == name and r["epsilon"] == eps and r["split"] == "test"]
+            cells = {}
+            for label in sorted({_label(r) for r in at}, key=lambda x: (x.startswith("adaptive"), x)):
+                rs = [r for r in at if _label(r) == label]
+                cell = {m: (float(np.mean([r[m] for r in rs])), float(np.std([r[m] for r in rs]))) for m in METRICS}
+                cell["epsilon_spent"] = max(r["epsilon_spent"] for r in rs)
+                cell["channels"] = rs[0]["charged_channels"]
+                if label.startswith("adaptive"):
+                    paths = [r["clip_path"] for r in rs]
+                    cell["clip"] = ([float(np.mean([p[0] for p in paths])),
+                                     float(np.mean([np.median(p) for p in paths])),
+                                     float(np.mean([p[-1] for p in paths]))] if name == "dp_fedsgd"
+                                    else [float(np.mean([p[-1] for p in paths]))])
+                cells[label] = cell
+            fixed = [k for k in cells if not k.startswith("adaptive")]
+            best = max(fixed, key=lambda k: cells[k]["accuracy"][0])
+            tuned = _label_of(chosen[name])
+            out.append({"algorithm": name, "epsilon": eps, "cells": cells, "best_fixed": best, "chosen": tuned,
+                        "adaptive_minus_best": cells[tuned]["accuracy"][0] - cells[best]["accuracy"][0],
+                        "default_minus_best": cells[_label_of(DEFAULT)]["accuracy"][0] - cells[best]["accuracy"][0]})
     return out
 
 
-def markdown(table: list[dict], smoke: bool) -> str:
+def markdown(table: list[dict], validation: list[dict], chosen: dict, smoke: bool) -> str:
     lines = ["# Adaptive clipping against the best fixed clip in hindsight (issue 29)", "",
-             "DP-FedSGD on the default comparison's setting (`experiments/configs/default.toml`: MNIST-5k, 10 clients, "
-             "Dirichlet 0.1, record level, delta 1e-5, central noise, 410 rounds of lot 256). Fixed clips: each of "
+             "The default comparison's setting (`experiments/configs/default.toml`: MNIST-5k, 10 clients, Dirichlet "
+             "0.1, record level, delta 1e-5; DP-FedSGD with central noise, 410 rounds of lot 256; DP-SGD FedAvg with "
+             "local noise, 10 rounds of 3 local epochs). Fixed clips: each of "
              f"{list(CLIPS)} at every seed, the best picked in hindsight by mean test accuracy. Adaptive: the clip "
-             f"starts at 1.0 and follows the {QUANTILE:g}-quantile of the records' gradient norms (Andrew et al.), "
-             "its count released on the same lot with 1 % of the budget and charged in every ledger; not tuned. "
-             f"Mean +- std over seeds {list(SEEDS[:1] if smoke else SEEDS)} on the test split. "
+             "starts at 1.0 and follows the Q-quantile of the records' gradient norms (Andrew et al.; DP-FedSGD one "
+             "clip from a count released on the lot with 1 % of the budget and charged in every ledger, DP-SGD FedAvg "
+             "each client's own step clip, its count inside the step's event): at privfl's defaults (Q 0.5, eta 0.2, "
+             "share 0.01; untuned), and with Q, eta and share chosen over "
+             + ", ".join(f"{k} {list(v)}" for k, v in ADAPTIVE.items())
+             + " on the comparison's validation split at epsilon 3, seed 0 (validation accuracy in the JSON; chosen: "
+             + ", ".join(f"{k}: {_label_of(v)}" for k, v in chosen.items()) + "). Mean +- std over seeds "
+             f"{list(SEEDS[:1] if smoke else SEEDS)} on the test split. "
              "`python experiments/run_adaptive_clipping.py`" + (" --smoke (NOT a measurement)" if smoke else "") + ".",
-             "", "| epsilon | clip | accuracy | NLL | ECE | clip first / median / last | max epsilon spent |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| algorithm | epsilon | clip | accuracy | NLL | ECE | adaptive clip | channels charged | "
+             "max epsilon spent |", "|---|---|---|---|---|---|---|---|---|"]
     for t in table:
-        for clip, c in t["cells"].items():
-            mark = " (best fixed)" if clip == t["best_fixed"] else ""
-            path = ("" if "clip_first_median_last" not in c
-                    else " / ".join(f"{v:.3g}" for v in c["clip_first_median_last"]))
-            lines.append(f"| {t['epsilon']:g} | {clip}{mark} | "
+        for label, c in t["cells"].items():
+            mark = " (best fixed)" if label == t["best_fixed"] else " (chosen)" if label == t["chosen"] else ""
+            clip = "" if "clip" not in c else " / ".join(f"{v:.3g}" for v in c["clip"])
+            lines.append(f"| {t['algorithm']} | {t['epsilon']:g} | {label}{mark} | "
                          + " | ".join(f"{c[m][0]:.4f} ± {c[m][1]:.4f}" for m in METRICS)
-                         + f" | {path} | {c['epsilon_spent']:.3f} |")
-    lines += ["", "Adaptive minus the best fixed clip (mean test accuracy): "
-              + "; ".join(f"epsilon {t['epsilon']:g}: {t['adaptive_minus_best']:+.4f} (best fixed C = "
-                          f"{t['best_fixed']})" for t in table) + ".", ""]
+                         + f" | {clip} | {', '.join(c['channels'])} | {c['epsilon_spent']:.3f} |")
+    lines += ["", "Adaptive clip column: DP-FedSGD's clip at the first, median and last round (mean over seeds); DP-SGD "
+              "FedAvg's clients' clips after the last round (mean over clients and seeds).", "",
+              "Adaptive (Q chosen on validation) minus the best fixed clip, mean test accuracy: "
+              + "; ".join(f"{t['algorithm']} epsilon {t['epsilon']:g}: {t['adaptive_minus_best']:+.4f} (defaults "
+                          f"{t['default_minus_best']:+.4f}; best fixed C = {t['best_fixed']})" for t in table)
+              + ".", ""]
     return "\n".join(lines)
+
+
+def _map(smoke: bool, jobs: list) -> list:
+    if smoke:  # in this process (importable from tests)
+        return [run(job) for job in jobs]
+    with Pool(2) as pool:
+        return pool.map(run, jobs)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     smoke = "--smoke" in argv
     epsilons, seeds, clips = ((3.0,), SEEDS[:1], CLIPS[2:4]) if smoke else (EPSILONS, SEEDS, CLIPS)
-    rounds = 20 if smoke else None
-    jobs = [(eps, seed, clip, rounds) for eps in epsilons for seed in seeds for clip in (*clips, None)]
+    points = [tuple(p) for p in itertools.product(*ADAPTIVE.values())][:2 if smoke else None]
+    rounds = 2 if smoke else None
     start = time.perf_counter()
-    if smoke:  # in this process (importable from tests)
-        rows = [run(job) for job in jobs]
-    else:
-        with Pool(2) as pool:
-            rows = pool.map(run, jobs)
+    validation = _map(smoke, [(name, 3.0, 0, None, p, rounds, "val") for name in ALGORITHMS for p in points])
+    chosen = {name: tuple(max((v for v in validation if v["algorithm"] == name),
+                              key=lambda v: v["accuracy"])["adaptive"]) for name in ALGORITHMS}
+    jobs = [(name, eps, seed, clip, None, rounds, "test") for name in ALGORITHMS for eps in epsilons
+            for seed in seeds for clip in clips]
+    jobs += [(name, eps, seed, None, p, rounds, "test") for name in ALGORITHMS for eps in epsilons for seed in seeds
+             for p in sorted({DEFAULT, chosen[name]})]
+    rows = _map(smoke, jobs)
     for r in rows:
-        print(f"eps={r['epsilon']:g} seed={r['seed']} clip={r['clip']}: acc {r['accuracy']:.4f} "
+        print(f"{r['algorithm']} eps={r['epsilon']:g} seed={r['seed']} {_label(r)}: acc {r['accuracy']:.4f} "
               f"spent {r['epsilon_spent']:.3f} ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
-    table = summary(rows)
-    text = markdown(table, smoke)
+    table = summary(rows, chosen)
+    text = markdown(table, validation, chosen, smoke)
     if not smoke:
         with open(os.path.join(OUT, "adaptive_clipping.json"), "w") as f:
-            json.dump({"rows": rows, "summary": table, "clips": list(CLIPS), "quantile": QUANTILE,
-                       "wall_s": time.perf_counter() - start, "machine": platform.machine(),
-                       "python": platform.python_version()}, f, indent=1)
+            json.dump({"rows": rows, "validation": validation, "chosen": chosen, "summary": table,
+                       "clips": list(CLIPS), "adaptive_grid": ADAPTIVE, "wall_s": time.perf_counter() - start,
+                       "machine": platform.machine(), "python": platform.python_version()}, f, indent=1)
         with open(os.path.join(OUT, "adaptive_clipping.md"), "w") as f:
             f.write(text)
     print(text)

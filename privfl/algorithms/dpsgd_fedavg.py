@@ -42,7 +42,7 @@ from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
-from privfl.privacy.record_level import (DPSGD, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
+from privfl.privacy.record_level import (DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
                                          check_class_weights, check_opacus_model, dpsgd_schedule, loss_class_weight)
 from privfl.training.local import TaskLoss
 from privfl.training.stacked import vectorisable
@@ -53,6 +53,7 @@ class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
     default_unit = "example"  # record-level by construction: DP-SGD bounds each example's gradient
+    adaptive_clipping = True  # PrivacyConfig.clip_quantile: each client's step clip follows its norms' quantile
 
     def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None,
                  update_bound: float | None = None, class_weights=None):
@@ -73,6 +74,19 @@ class DPSGDFedAvg(FedAvg):
         self._multipliers: dict[DPSGDSchedule, float] = {}
         if privacy.private and loss is not None:
             TaskLoss(loss).require_per_example(self.name)
+        #: adaptive clipping (``PrivacyConfig.clip_quantile``): each client's step clip follows the quantile of its
+        #: own records' gradient norms, from noisy counts inside its DP-SGD steps (``record_level.AdaptiveClip``);
+        #: the clip a client ended a round at is its own state (never sent), where its next round starts
+        self.adaptive = AdaptiveClip.of(privacy)
+        self._clips: dict[int, float] = {}
+        if self.adaptive is not None:
+            self.client_state = ("_clips",)
+
+    def setup(self, data, rng):
+        super().setup(data, rng)
+        if self.adaptive is not None and not self.vectorisable:
+            raise ConfigurationError(f"{self.name}: adaptive clipping needs the vectorised DP-SGD executor (a model "
+                                     "of stateless layers, the default loss and SGD); give a number for clip")
 
     def build_model(self, public):
         net = super().build_model(public)
@@ -128,7 +142,7 @@ class DPSGDFedAvg(FedAvg):
     def client_update(self, client, dataset, round, rng):
         if not self.privacy.private:
             return super().client_update(client, dataset, round, rng)
-        [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=False)
+        [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=self.adaptive is not None)
         return out
 
     def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
@@ -141,10 +155,14 @@ class DPSGDFedAvg(FedAvg):
             z = self.noise_multiplier(schedule)
             engine = DPSGD(self.model, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
                            momentum=self.fed.momentum, secure_noise=self.privacy.secure_noise, loss=self.user.loss,
-                           optimizer=self.user.optimizer, algorithm=self.name)
+                           optimizer=self.user.optimizer, algorithm=self.name, adaptive=self.adaptive)
+            clips = None if self.adaptive is None else [self._clips.get(clients[i], self.privacy.clip)
+                                                        for i in members]
             for row, final, stats in engine.train(self.global_params, [datasets[i].tensors() for i in members],
-                                                  [rngs[i] for i in members], vectorised=vectorised):
+                                                  [rngs[i] for i in members], vectorised=vectorised, clips=clips):
                 i = members[row]
+                if self.adaptive is not None:  # the client's own clip for its next round (kept, never sent)
+                    self._clips[clients[i]] = stats.pop("clip")
                 update = np.subtract(final, self.global_params, dtype=np.float64)
                 yield clients[i], ClientOutput({"update": PrivatizedValue(self._bounded(update),
                                                                           schedule.round_event(z))},

@@ -15,16 +15,22 @@ significance level (5 % by default), 0 when even epsilon = 0 is not rejected. It
 run's true epsilon: an honest run's bound stays below its ledger's epsilon (with probability at least 1 - significance),
 and a bound above the ledger's epsilon is evidence that the run leaked more than it charged.
 
-Canaries here are **clients** (client level, ``unit="client"``): each included canary is an extra member of the
+Canaries here are **clients** at client level (``unit="client"``): each included canary is an extra member of the
 federation whose client step releases, every round, its own secret direction ``u_i`` (a random unit vector of the
 channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C u_i``: the largest change one client
-may make. The server's view is the sum over rounds of the channel's noised aggregates, ``S``; a canary's score is
-its coefficient in the least-squares fit of ``S`` on all canaries' directions (:func:`canary_scores`). Everything else is the user's run as ``privfl run`` builds it (algorithm, data, noise placement,
-calibration, ledger), with the canaries' own ledger rows in the same ledger.
+may make. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client i mod K,
+and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
+coin, which the server never sees) and then adds its per-record term to the client's gradient sum: its direction at
+norm 10 C clipped to C, the largest term one record may add (a gradient canary, as white-box DP-SGD audits insert
+them; in units of the round's clip under adaptive clipping). The server's view is the sum over rounds of the
+channel's noised aggregates, ``S``; a canary's score is its coefficient in the least-squares fit of ``S`` on all
+canaries' directions (:func:`canary_scores`). Everything else is the user's run as ``privfl run`` builds it
+(algorithm, data, noise placement, calibration, ledger), with client canaries' own ledger rows in the same ledger.
 
 ``fault`` injects the faults the mechanism audit catches, on the whole run, leaving every charge as calibrated (so
 the ledger still claims the target): ``half_noise`` scales every Gaussian draw of the run by 1/2 (the clients' and the
-server's), ``no_clip`` turns the release pipeline's norm clip off (the canaries' 10 C directions go out whole). They
+server's), ``no_clip`` turns the norm clip off (the release pipeline's at client level, the per-record clip of the
+canaries' terms at record level: their 10 C directions go out whole). They
 exist to show what the audit can see; they are never reachable from ``privfl run``.
 
 What one run can show is limited by the canaries' count: with ``r`` guesses all correct, the bound is at most about
@@ -32,7 +38,8 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record-level canaries (records in the clients' data, with DP-SGD) are not built yet.
+Record canaries are built for DP-FedSGD, whose clients release per-record sums; DP-SGD FedAvg's records act only
+inside each client's training (a canary gradient there needs the engine's step), not built.
 """
 
 from __future__ import annotations
@@ -136,7 +143,17 @@ class _Scaled(NoiseSource):
 
 
 def _audited_channel(algorithm):
-    """The one channel canaries go into: a private vector channel with a norm clip, at client level."""
+    """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
+    DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
+    if algorithm.privacy.unit == "example":
+        channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
+        if algorithm.name != "dp_fedsgd" or channel is None or not channel.record_sampled:
+            raise ConfigurationError(
+                f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
+                f"per-record sums on Poisson lots with q < 1); {algorithm.name} at unit='example' is not built "
+                f"(DP-SGD FedAvg's records act only inside each client's training); audit client level with "
+                f"dp_fedavg")
+        return channel
     clipped = [c for c in algorithm.channels() if c.private and isinstance(c.clip, NormClip) and len(c.shape) == 1]
     if algorithm.privacy.unit != "client" or len(clipped) != 1 or len(
             [c for c in algorithm.channels() if c.private]) != 1:
@@ -174,29 +191,50 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     if privacy.placement == "distributed" and fault == "half_noise":
         raise ConfigurationError("--fault half_noise scales Gaussian draws; distributed noise is discrete shares: "
                                  "audit a central or local run")
-    if privacy.unit != "client":
-        raise ConfigurationError(f"audit-run inserts client canaries into a client-level run (--unit client: "
-                                 f"dp_fedavg, or an algorithm of yours registered with privfl.register_algorithm); "
-                                 f"{algorithm.name} runs at unit={privacy.unit!r}. Record-level canaries are not "
-                                 f"built yet")
+    records = privacy.unit == "example"
+    if records and algorithm.name != "dp_fedsgd":
+        raise ConfigurationError(f"audit-run at --unit example inserts record canaries into DP-FedSGD (--algorithm "
+                                 f"dp_fedsgd); {algorithm.name}'s records act only inside each client's training, "
+                                 f"where canaries are not built: audit dp_fedsgd, or client level with dp_fedavg")
     # the auditor's own stream, apart from every stream of the run plan (privfl.core.plan.seed_stream)
     rng = (np.random.default_rng(np.random.SeedSequence(fed.seed, spawn_key=(AUDIT_STREAM,)))
            if not privacy.secure_noise else np.random.default_rng(secrets.randbits(128)))
     included = np.flatnonzero(rng.random(canaries) < 0.5)
 
-    # the federation: the user's clients, then one client per included canary (its records are a copy of the first
-    # client's, which public facts need; the canary's step never reads them)
+    # the federation: the user's clients, then (client level) one client per included canary (its records are a copy
+    # of the first client's, which public facts need; the canary's step never reads them); at record level the
+    # included canaries are records of the user's clients (canary i of client i mod K), added to their sums
     parts = list(data.train_parts)
     canary_of = {}
-    for i in included:
-        canary_of[len(parts)] = int(i)
-        parts.append(data.train_parts[0])
+    if not records:
+        for i in included:
+            canary_of[len(parts)] = int(i)
+            parts.append(data.train_parts[0])
     audited = dataclasses.replace(data, train_parts=parts, name=f"{data.name}+canaries")
     clip = float(privacy.clip)
     view = {}  # the audited channel, the canaries' directions and the server's sum over rounds (set after setup)
     real_update, real_server = algorithm.client_update, algorithm.server_update
 
+    def record_canaries(k, out):
+        """Client k's output with its included canary records that this round's Poisson coins drew: each adds its
+        direction at 10 C, clipped to C by the per-record clip (not clipped under ``no_clip``), in the units the
+        channel is released in (the round's clip under adaptive clipping)."""
+        unit = 1.0 if getattr(algorithm, "adaptive", False) else clip
+        mine = [i for i in included if i % len(data.train_parts) == k]
+        drawn = [i for i in mine if rng.random() < algorithm.sample_rate]
+        if not drawn:
+            return out
+        norm = CANARY_NORM * unit if fault == "no_clip" else unit
+        name = view["channel"].name
+        released = out.values[name]
+        value = np.clip(released.value + norm * view["directions"][drawn].sum(axis=0), -algorithm.bound,
+                        algorithm.bound)  # the client's box on its whole sum, as it boxes its records' own
+        values = {**out.values, name: dataclasses.replace(released, value=value)}
+        return dataclasses.replace(out, values=values)
+
     def client_update(k, dataset, rnd, rng_k):
+        if records:
+            return record_canaries(k, real_update(k, dataset, rnd, rng_k))
         if k not in canary_of:
             return real_update(k, dataset, rnd, rng_k)
         value = (CANARY_NORM * clip * view["directions"][canary_of[k]]).astype(np.float32)
@@ -226,7 +264,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                 for pipeline in self.pipelines:
                     pipeline.noise = _Scaled(pipeline.noise, 0.5)
                 self.server_noise = _Scaled(self.server_noise, 0.5)
-            elif fault == "no_clip":
+            elif fault == "no_clip" and not records:  # record canaries skip their per-record clip themselves
                 for pipeline in self.pipelines:
                     pipeline._clip = lambda ch, validated, raw: validated  # noqa: E731  (the fault: no clip)
 

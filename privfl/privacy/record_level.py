@@ -16,7 +16,9 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
   the same steps for many clients at once (``torch.func``), and :func:`privatise_gradient_sum` for steps whose
   per-example gradients are materialised (HBFL's meme); a class-weighted loss becomes class-weighted sampling
   (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
-- :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name.
+- :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name;
+- :class:`AdaptiveClip`: adaptive clipping inside the step (the vectorised executor), each client's clip following
+  a quantile of its records' norms from a noisy count on the same lot, within the step's one event.
 """
 
 from __future__ import annotations
@@ -204,6 +206,37 @@ def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
     """The per-example clip factor min(1, C / (||g|| + 1e-6)) from squared norms (opacus's, which its ghost clipping
     applies on the per-client path): ||factor * g|| <= C always holds."""
     return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+@dataclass(frozen=True)
+class AdaptiveClip:
+    """Adaptive clipping inside DP-SGD's step (Andrew et al. 2021, at record level): the step also sums each lot
+    record's centred bit [||g|| <= C_t] - 1/2 (sensitivity 1/2) and adds noise to it; the client's clip then moves by
+    C <- C exp(-``lr`` (b - ``quantile``)), b = noisy sum / expected batch + 1/2. The step's one noise multiplier z is
+    split by the rule every two-part release follows (``accounting.calibration.calibrate``): the count at z /
+    sqrt(``share``), the gradient at z / sqrt(1 - ``share``); the per-record vector (g C_t^-1 / z_g, 2 b / z_b) then
+    has norm at most 1 / z, so the step is the same ``PoissonSampled(q, Gaussian(1, z))`` as a fixed clip's, and the
+    count, a value of the client's own training never sent, is inside that event."""
+
+    quantile: float
+    lr: float = 0.2
+    share: float = 0.01
+
+    @classmethod
+    def of(cls, privacy) -> "AdaptiveClip | None":
+        """The run's adaptive clipping (``PrivacyConfig.clip_quantile``; private runs), or None."""
+        if not privacy.private or privacy.clip_quantile is None:
+            return None
+        return cls(privacy.clip_quantile, privacy.clip_lr, privacy.clip_share)
+
+    def multipliers(self, z: float) -> tuple[float, float]:
+        """(the gradient's noise multiplier, the count's) for the step's z."""
+        return z / math.sqrt(1.0 - self.share), z / math.sqrt(self.share)
+
+    def step(self, clip: float, noisy_count: float, expected_batch: float) -> float:
+        """The next clip after a step whose noisy centred count is ``noisy_count``."""
+        unclipped = noisy_count / expected_batch + 0.5
+        return float(clip * math.exp(-self.lr * (unclipped - self.quantile)))
 
 
 def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
@@ -475,21 +508,30 @@ class VectorisedDPSGD:
     """
 
     def __init__(self, model: nn.Module, *, schedule, noise_multiplier: float, clip: float, lr: float,
-                 momentum: float, secure_noise: bool, memory_budget: int = 4 * DEFAULT_MEMORY_BUDGET):
+                 momentum: float, secure_noise: bool, memory_budget: int = 4 * DEFAULT_MEMORY_BUDGET,
+                 adaptive: AdaptiveClip | None = None):
         self.model = model
         self.names = [n for n, _ in model.named_parameters()]
         self.schedule = schedule
         self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
         self.secure_noise = bool(secure_noise)
         self.memory_budget = int(memory_budget)
+        self.adaptive = adaptive
         self.per_example = PerExampleGradients(model)
         self._stack = self.per_example.stack
 
-    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor):
-        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses). On a linear
-        stack without materialising per-example gradients (ghost clipping, as opacus does it)."""
+    def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor,
+                      clips: torch.Tensor | None = None):
+        """(each client's sum of clipped per-example gradients, per parameter; the per-example losses; with
+        ``clips``, each client's own clip, also each client's sum of centred clip bits, else None). On a linear stack
+        without materialising per-example gradients (ghost clipping, as opacus does it)."""
         terms = self.per_example(params, xb, yb, weight)
-        return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses
+        if clips is None:
+            return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses, None
+        norms2 = terms.norms2()
+        bound = clips[:, None]
+        bits = (((norms2 <= bound * bound).to(weight.dtype) - 0.5) * weight).sum(1)
+        return terms.sums(clip_factor(norms2, bound) * weight), terms.losses, bits
 
     def chunk(self) -> int:
         """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
@@ -511,9 +553,12 @@ class VectorisedDPSGD:
 
     def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
-                     before_step: Callable | None = None, extra_gradient: Callable | None = None
-                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
+                     before_step: Callable | None = None, extra_gradient: Callable | None = None,
+                     clips: Sequence[float] | None = None) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
+
+        With ``adaptive`` clipping client i starts at ``clips[i]`` (default the run's clip) and its stats carry the
+        clip it ended at (``"clip"``; the client keeps it: it never leaves the client but through its model).
 
         The hooks are ``dpsgd_train``'s, for a chunk at once: ``before_step(members, epoch, step, params)`` runs after
         the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
@@ -525,13 +570,19 @@ class VectorisedDPSGD:
         for lo in range(0, len(datasets), step):
             members = list(range(lo, min(lo + step, len(datasets))))
             final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
-                                             members, before_step, extra_gradient)
+                                             members, before_step, extra_gradient,
+                                             None if clips is None else [clips[i] for i in members])
             rows = final.numpy()
             for row, i in enumerate(members):
                 yield i, rows[row], stats[row]
 
-    def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None):
+    def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None,
+                     clips=None):
         c = len(datasets)
+        adaptive = self.adaptive
+        if adaptive is not None:  # each client's own clip, moved by its own noisy counts
+            clip_now = torch.tensor([self.clip] * c if clips is None else list(clips), dtype=torch.float32)
+            z_grad, z_count = adaptive.multipliers(self.z)
         shapes = [p.shape for _, p in self.model.named_parameters()]
         flat = start32.unsqueeze(0).repeat(c, 1)
         params, offset = {}, 0
@@ -551,6 +602,7 @@ class VectorisedDPSGD:
                     before_step(members, epoch, step, params)
                 width = max(len(i) for i in idx)
                 grads = {k: torch.zeros_like(v) for k, v in params.items()}
+                counts = torch.zeros(c)
                 if width:
                     feats = datasets[0][0].shape[1:]
                     xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
@@ -558,22 +610,37 @@ class VectorisedDPSGD:
                     weight = torch.zeros(c, width)
                     for r, ((x, y), i) in enumerate(zip(datasets, idx)):
                         xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
-                    sums, losses = self._clipped_sums(params, xb, yb, weight)
+                    sums, losses, bits = self._clipped_sums(params, xb, yb, weight,
+                                                            None if adaptive is None else clip_now)
                     for k, g in sums.items():
                         grads[k] = g
+                    if bits is not None:
+                        counts = bits
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
                     batch = expected if expected is not None else q * len(x)
+                    if adaptive is None:
+                        for k in self.names:
+                            grads[k][r] = noised_mean(grads[k][r], std=self.z * self.clip, expected_batch=batch,
+                                                      generator=generators[r][0], secure=self.secure_noise)
+                        continue
+                    clip_r = float(clip_now[r])
                     for k in self.names:
-                        grads[k][r] = noised_mean(grads[k][r], std=self.z * self.clip, expected_batch=batch,
+                        grads[k][r] = noised_mean(grads[k][r], std=z_grad * clip_r, expected_batch=batch,
                                                   generator=generators[r][0], secure=self.secure_noise)
+                    noisy = float(counts[r]) + float(step_noise((1,), 0.5 * z_count, generators[r][0],
+                                                                self.secure_noise, torch.float64)[0])
+                    clip_now[r] = adaptive.step(clip_r, noisy, batch)
                 if extra_gradient is not None:
                     extra_gradient(members, params, grads)
                 buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
                 steps += 1
         stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
+        if adaptive is not None:
+            for r in range(c):
+                stats[r]["clip"] = float(clip_now[r])
         return flat, stats
 
 
@@ -588,15 +655,18 @@ class DPSGD:
     """
 
     def __init__(self, model: nn.Module, schedule: DPSGDSchedule, *, noise_multiplier: float, clip: float, lr: float,
-                 momentum: float, secure_noise: bool, loss=None, optimizer=None, algorithm: str = "dpsgd_fedavg"):
+                 momentum: float, secure_noise: bool, loss=None, optimizer=None, algorithm: str = "dpsgd_fedavg",
+                 adaptive: AdaptiveClip | None = None):
         self.model, self.schedule = model, schedule
         self.z, self.clip, self.lr, self.momentum = float(noise_multiplier), float(clip), float(lr), float(momentum)
         self.secure_noise = bool(secure_noise)
         self.loss, self.optimizer, self.algorithm = loss, optimizer, algorithm
+        self.adaptive = adaptive
 
     def train(self, start: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
               rngs: Sequence[np.random.Generator], *, vectorised: bool, torch_seeds: Sequence[int] | None = None,
-              before_step=None, extra_gradient=None) -> Iterator[tuple[int, np.ndarray, dict]]:
+              before_step=None, extra_gradient=None, clips: Sequence[float] | None = None
+              ) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, params_i, stats_i)`` for every client: its parameters after training (a float32 row) and
         ``{"train_loss", "dpsgd_steps"}``.
 
@@ -606,15 +676,20 @@ class DPSGD:
         and never sees the step's lot (:func:`dpsgd_train`); ``extra_gradient.on_model(i, model)`` or
         ``.on_stack(members, params, grads)`` adds a data-independent term after the noise (post-processing).
         ``torch_seeds[i]``: torch's global seed as client i's training starts one after another (its layers' own
-        randomness; a vectorised model has none)."""
+        randomness; a vectorised model has none). ``clips[i]``: with ``adaptive`` clipping, client i's clip as its
+        training starts (default the run's); its stats then carry the clip it ended at (``"clip"``). Adaptive
+        clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound)."""
+        if self.adaptive is not None and not vectorised:
+            raise ConfigurationError(f"{self.algorithm}: adaptive clipping needs the vectorised DP-SGD executor (a "
+                                     "model of stateless layers, the default loss and SGD); give a number for clip")
         if vectorised:
             secure = self.secure_noise
             generators = [(private_torch_generator(r, secure), private_torch_generator(r, secure)) for r in rngs]
             executor = VectorisedDPSGD(self.model, schedule=self.schedule, noise_multiplier=self.z, clip=self.clip,
-                                       lr=self.lr, momentum=self.momentum, secure_noise=secure)
+                                       lr=self.lr, momentum=self.momentum, secure_noise=secure, adaptive=self.adaptive)
             yield from executor.train_models(
                 start, datasets, generators, before_step=None if before_step is None else before_step.on_stack,
-                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack)
+                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack, clips=clips)
             return
         for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
             local = copy.deepcopy(self.model)

@@ -1,5 +1,5 @@
-"""``experiments/run_adaptive_clipping.py --smoke`` (two fixed clips and the adaptive run, 20 rounds of the default
-comparison's DP-FedSGD) goes to the end and prints its table, so the committed script does not rot."""
+"""``experiments/run_adaptive_clipping.py --smoke`` (two fixed clips and adaptive runs, 2 rounds of the default
+comparison's DP-FedSGD and DP-SGD FedAvg) goes to the end and prints its table, so the committed script does not rot."""
 
 import importlib.util
 from pathlib import Path
@@ -17,4 +17,5 @@ def test_the_adaptive_clipping_comparison_runs(capsys, monkeypatch):
     spec.loader.exec_module(module)
     assert module.main(["--smoke"]) == 0
     out = capsys.readouterr().out
-    assert "| 3 | adaptive |" in out and "(best fixed)" in out and "NOT a measurement" in out
+    assert "| dp_fedsgd | 3 | adaptive Q 0.5, eta 0.2, share 0.01" in out and "| dpsgd_fedavg | 3 | adaptive Q" in out
+    assert "(best fixed)" in out and "NOT a measurement" in out

@@ -149,6 +149,8 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy, lot_size=10 ** 6)
     if name == "dp_fedsgd_adaptive_sampled":  # q < 1: one sampled event for the two channels of one lot
         return ALGORITHMS["dp_fedsgd"](fed, privacy)
+    if name == "dpsgd_fedavg_adaptive":  # each client's step clip follows its norms; the step's event unchanged
+        return ALGORITHMS["dpsgd_fedavg"](fed, privacy)
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
@@ -405,12 +407,14 @@ def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit,
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
-#: adaptive clipping (issue 29): each record's gradient clipped to the round's clip and released over it (norm <= 1),
-#: and its clip bit [norm <= C_t] - 1/2 summed on the same lot, at q = 1 (both sensitivities) and sampled (one event
-#: per lot), under each relation and placement, with and without secure aggregation
+#: adaptive clipping (issue 29): DP-FedSGD's records' gradients clipped to the round's clip and released over it
+#: (norm <= 1), and their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 (both sensitivities) and
+#: sampled (one event per lot); DP-SGD FedAvg's clients' step clips following their own norms (the step's event
+#: unchanged); under each relation and placement, with and without secure aggregation
 ADAPTIVE_GRID = [(name, "example", adjacency, placement, secure, False)
                  for name, adjacency, placement, secure in itertools.product(
-                     ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled"), ("add_remove", "replace_one"),
+                     ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled", "dpsgd_fedavg_adaptive"),
+                     ("add_remove", "replace_one"),
                      ("local", "central", "distributed"), (False, True))
                  if secure or placement != "distributed"]
 

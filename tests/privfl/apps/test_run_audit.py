@@ -1,7 +1,8 @@
 """``privfl audit-run`` (issue 29): the one-run audit of a real federated run (privfl.apps.run_audit). The bound's
 arithmetic; from the user's entry point, an honest run's lower bound stays below its ledger's epsilon while a run
-whose pipeline does not clip is caught above it; the half-noise fault is visible (a higher bound on the same seeds)
-but not caught at this size, as the README says; the JSON contract and the refusals."""
+whose pipeline does not clip is caught above it, with client canaries (DP-FedAvg) and record canaries (DP-FedSGD);
+the half-noise fault is visible (a higher bound on the same seeds) but not caught at this size, as the README says;
+the JSON contract and the refusals."""
 
 from __future__ import annotations
 
@@ -62,6 +63,33 @@ def test_an_honest_run_stays_below_its_ledger_and_a_run_that_does_not_clip_is_ca
     assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
 
 
+def _record_run(fault, canaries=300, epsilon=1.0, adaptive=False):
+    data = make_federated("digits", 4, partition="iid", seed=0)
+    fed = FederationConfig(rounds=60, batch_size=64, lr=0.5, momentum=0.9, hidden=(), pool=1, seed=3,
+                           client_size=len(data.train_parts[0]))
+    privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="example", clip=1.0, placement="central",
+                            secure_noise=False, accountant="pld", clip_quantile=0.7 if adaptive else None)
+    return audit_run(make_algorithm("dp_fedsgd", fed, privacy, lot_size=256), data, fed, privacy,
+                     canaries=canaries, fault=fault)
+
+
+def test_record_canaries_in_dp_fedsgd_stay_below_an_honest_ledger_and_catch_the_unclipped_record():
+    """Record level (DP-FedSGD's per-record sums on Poisson lots): canary records, each in its client's lot with
+    the lot's q when included, clipped like any record. The honest run's bound stays below its ledger's epsilon (with
+    and without adaptive clipping, whose released sums are in units of the round's clip); canaries whose per-record
+    clip is off are caught above it; half the noise is visible (a higher bound on the same seeds), not caught."""
+    honest, unclipped, half = _record_run("none"), _record_run("no_clip"), _record_run("half_noise")
+    for r in (honest, unclipped, half):
+        assert r.epsilon_ledger <= 1.0 * (1 + 1e-9) and r.channel == "gradient_sum"
+        assert r.included == honest.included and r.guesses > 0
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
+    assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
+    adaptive = _record_run("none", adaptive=True), _record_run("no_clip", adaptive=True)
+    assert adaptive[0].epsilon_lower_bound < adaptive[0].epsilon_ledger and not adaptive[0].violated
+    assert adaptive[1].violated
+
+
 def test_audit_run_writes_its_json_contract_from_the_cli(tmp_path, capsys):
     out = tmp_path / "audit.json"
     args = ["audit-run", "--algorithm", "dp_fedavg", "--dataset", "digits", "--clients", "4", "--rounds", "2",
@@ -76,10 +104,26 @@ def test_audit_run_writes_its_json_contract_from_the_cli(tmp_path, capsys):
     assert json.loads(out.read_text())["violated"] is False
 
 
+def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
+    """``privfl audit-run --algorithm dp_fedsgd --unit example``: record canaries, the same JSON contract; the
+    unclipped canaries are caught, the honest run is not."""
+    out = tmp_path / "audit.json"
+    args = ["audit-run", "--algorithm", "dp_fedsgd", "--dataset", "digits", "--clients", "4", "--rounds", "60",
+            "--epsilon", "1", "--unit", "example", "--pool", "1", "--lr", "2", "--option", "lot_size=256",
+            "--seeded-noise", "--canaries", "300"]
+    assert main([*args, "--fault", "no_clip", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["channel"] == "gradient_sum" and got["canaries"] == 300 and got["violated"] is True
+    assert main([*args, "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["violated"] is False and got["epsilon_lower_bound"] < got["epsilon_ledger"] <= 1.0
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
     (["--canaries", "5000"], "give at most"),
-    (["--unit", "example", "--algorithm", "dpsgd_fedavg"], "Record-level canaries are not built yet"),
+    (["--unit", "example", "--algorithm", "dpsgd_fedavg"], "inserts record canaries into DP-FedSGD"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
 ])
