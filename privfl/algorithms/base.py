@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -128,10 +129,11 @@ class FederatedAlgorithm(abc.ABC):
     def __init__(self, fed: FederationConfig, privacy: PrivacyConfig):
         check_unit(self.name, self.units, privacy, self.unit_hint)
         if privacy.private and privacy.clip_quantile is not None and not self.adaptive_clipping:
-            from privfl.algorithms import ALGORITHMS
             from privfl.errors import ConfigurationError
 
-            able = sorted(n for n, cls in ALGORITHMS.items() if getattr(cls, "adaptive_clipping", False))
+            # the registry, loaded with this package (a lookup, not an import: base is what the registry imports)
+            registry = getattr(sys.modules.get("privfl.algorithms"), "ALGORITHMS", {})
+            able = sorted(n for n, cls in registry.items() if getattr(cls, "adaptive_clipping", False))
             raise ConfigurationError(f"{self.name} clips at a fixed bound; clip='adaptive' is available for {able}: "
                                      f"give a number for clip (or choose one of those algorithms)")
         self.fed = fed

@@ -172,7 +172,8 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
             left_out = [k for k in live if not drawn[k]]
         else:
             chosen, left_out = live, []
-        clip = algorithm.round_clip()  # before the server step moves it
+        round_clip = getattr(algorithm, "round_clip", None)  # adaptive clipping's clip, before the server step
+        clip = round_clip() if round_clip is not None else None
         outcome = transport.round(rnd, chosen, left_out)
         exhausted.update(int(k) for k in outcome.sat_out)
         snr = {}
