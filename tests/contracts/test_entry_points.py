@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import sqlite3
 import warnings
@@ -378,6 +377,40 @@ def test_record_count_distinguisher_through_federate_stays_below_the_claim():
         assert bound <= 1.0, (size, bound)
 
 
+def _cli_and_compare_outcomes(tmp_path, capture, capsys, worlds, name, adjacency, run_extra, toml_tables):
+    """Per world (D and D'), what ``privfl run`` of ``name`` with ``run_extra`` left the server to see in each
+    placement (local, central, distributed), with and without secure aggregation, and what a compare TOML of the
+    same data with ``toml_tables`` (its last lines: the algorithms and their tables) did: ``{key + (world,):
+    (outcome, stderr)}``."""
+    _, test = _arrays("classification")
+    paths = {world: _write_csvs(tmp_path / world, data, test, "classification") for world, data in worlds.items()}
+    cells = [(p, s) for p in ("local", "central", "distributed") for s in (False, True) if s or p != "distributed"]
+    outcomes = {}
+    for world in worlds:
+        for placement, secure in cells:
+            argv = _cli_argv(name, "example", adjacency, placement, *paths[world], RECORDS, secure=secure,
+                             extra=run_extra)
+            outcomes[("run", placement, secure, world)] = (_outcome(lambda: main(argv), capture),
+                                                           capsys.readouterr().err)
+        cfg = tmp_path / f"{world}.toml"
+        cfg.write_text(f'data = "{world}/*.csv"\ntarget = "y"\ntest_data = "{world}-test.csv"\n'
+                       f'epsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
+                       f'unit = "example"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
+                       + toml_tables)
+        outcomes[("compare", world)] = (_outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture),
+                                        capsys.readouterr().err)
+    return outcomes, paths
+
+
+def _same_on_neighbours(outcomes) -> list:
+    """Every entry point's outcome equal on D and D', no traceback; the prepared runs (accepted ones) of D."""
+    keys = {k[:-1] for k in outcomes}
+    for key in keys:
+        assert outcomes[(*key, "D")] == outcomes[(*key, "D2")], key
+    assert all("Traceback" not in outcomes[(*key, "D")][1] for key in keys)
+    return [outcomes[(*key, "D")][0] for key in keys if isinstance(outcomes[(*key, "D")][0], dict)]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("posterior, label", [("laplace", "fola_noise_once"), ("variational", "hbfl_noise_once")])
 @pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
@@ -387,37 +420,19 @@ def test_dp_fedsgd_posteriors_show_the_server_the_same_run_on_neighbours(tmp_pat
     variational meme (issue 27) as users reach them: ``privfl run --option posterior=...`` (local, central and
     distributed noise, with and without secure aggregation) and a compare TOML ``[variants.<label>]``: the same
     summary, or the same refusal, on D and D'."""
-    parts, test = _arrays("classification")
+    parts, _ = _arrays("classification")
     worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
-    paths = {world: _write_csvs(tmp_path / world, data, test, "classification") for world, data in worlds.items()}
-    outcomes = {}
-    cells = [(p, s) for p in ("local", "central", "distributed") for s in (False, True) if s or p != "distributed"]
-    for world in worlds:
-        for placement, secure in cells:
-            argv = _cli_argv("dp_fedsgd", "example", adjacency, placement, *paths[world], RECORDS, secure=secure,
-                             extra=("--option", f"posterior={posterior}"))
-            outcomes[("run", placement, secure, world)] = (_outcome(lambda: main(argv), capture),
-                                                           capsys.readouterr().err)
-        cfg = tmp_path / f"{world}.toml"
-        cfg.write_text(f'data = "{world}/*.csv"\ntarget = "y"\ntest_data = "{world}-test.csv"\n'
-                       f'algorithms = ["{label}"]\nepsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
-                       f'unit = "example"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
-                       f'[overrides.dp_fedsgd]\nadjacency = "{adjacency}"\npool = 1\nplacement = "central"\n'
-                       f'[variants.{label}]\nalgorithm = "dp_fedsgd"\nposterior = "{posterior}"\n')
-        outcomes[("compare", world)] = (_outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture),
-                                        capsys.readouterr().err)
-    keys = {k[:-1] for k in outcomes}
-    for key in keys:
-        assert outcomes[(*key, "D")] == outcomes[(*key, "D2")], key
-    assert all("Traceback" not in outcomes[(*key, "D")][1] for key in keys)
-    accepted = [outcomes[(*key, "D")][0] for key in keys if isinstance(outcomes[(*key, "D")][0], dict)]
+    outcomes, _ = _cli_and_compare_outcomes(
+        tmp_path, capture, capsys, worlds, "dp_fedsgd", adjacency, ("--option", f"posterior={posterior}"),
+        f'algorithms = ["{label}"]\n[overrides.dp_fedsgd]\nadjacency = "{adjacency}"\npool = 1\n'
+        f'placement = "central"\n[variants.{label}]\nalgorithm = "dp_fedsgd"\nposterior = "{posterior}"\n')
+    accepted = _same_on_neighbours(outcomes)
     assert len(accepted) >= 5  # local and central, with and without secure aggregation, and the variant
     if posterior == "laplace":  # two channels on one lot; distributed noise plans one sampled channel: refused
         assert all(any("fisher_trace" in c for c in s["channels"]) for s in accepted)
         refused = outcomes[("run", "distributed", True, "D")]
         assert refused[0][:2] == ("exit", 2)
         assert ("one private channel" if adjacency == "add_remove" else "accountant='pld'") in refused[1]
-
 
 
 @pytest.mark.parametrize("posterior", ["laplace", "variational"])
@@ -478,31 +493,15 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     without ``--clip adaptive`` exits 2 before anything runs."""
     parts, test = _arrays("classification")
     worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
-    paths = {world: _write_csvs(tmp_path / world, data, test, "classification") for world, data in worlds.items()}
-    outcomes = {}
-    cells = [(p, s) for p in ("local", "central", "distributed") for s in (False, True) if s or p != "distributed"]
+    bound = ("--option", "update_bound=0.5") if name == "dpsgd_fedavg" else ()  # a secure sum's public range
+    outcomes, paths = _cli_and_compare_outcomes(
+        tmp_path, capture, capsys, worlds, name, adjacency, ("--clip", "adaptive", "--clip-quantile", "0.7", *bound),
+        f'algorithms = ["{name}"]\n[overrides.{name}]\nadjacency = "{adjacency}"\npool = 1\nclip = "adaptive"\n'
+        f'hidden = [8]\n')
     for world in worlds:
-        for placement, secure in cells:
-            bound = ("--option", "update_bound=0.5") if name == "dpsgd_fedavg" else ()  # a secure sum's range
-            argv = _cli_argv(name, "example", adjacency, placement, *paths[world], RECORDS, secure=secure,
-                             extra=("--clip", "adaptive", "--clip-quantile", "0.7", *bound))
-            outcomes[("run", placement, secure, world)] = (_outcome(lambda: main(argv), capture),
-                                                           capsys.readouterr().err)
-        cfg = tmp_path / f"{world}.toml"
-        cfg.write_text(f'data = "{world}/*.csv"\ntarget = "y"\ntest_data = "{world}-test.csv"\n'
-                       f'algorithms = ["{name}"]\nepsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
-                       f'unit = "example"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
-                       f'[overrides.{name}]\nadjacency = "{adjacency}"\npool = 1\nclip = "adaptive"\n'
-                       f'hidden = [8]\n')
-        outcomes[("compare", world)] = (_outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture),
-                                        capsys.readouterr().err)
-        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, name, "example",
-                                                                    RECORDS, clip="adaptive"), capture), "")
-    keys = {k[:-1] for k in outcomes}
-    for key in keys:
-        assert outcomes[(*key, "D")] == outcomes[(*key, "D2")], key
-    assert all("Traceback" not in outcomes[(*key, "D")][1] for key in keys)
-    accepted = [outcomes[(*key, "D")][0] for key in keys if isinstance(outcomes[(*key, "D")][0], dict)]
+        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, name, "example", RECORDS,
+                                                                    clip="adaptive"), capture), "")
+    accepted = _same_on_neighbours(outcomes)
     assert len(accepted) >= 6  # local and central, with and without secure aggregation; compare; federate
     assert all({c.split("'")[1] for c in s["channels"]} == channels for s in accepted)
     # a quantile without adaptive clipping, and adaptive clipping for an algorithm without it: exit 2, no run
