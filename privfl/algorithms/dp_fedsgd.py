@@ -451,8 +451,9 @@ class DPFedSGD(FedAvg):
 
     def _update_clip(self, count: float) -> None:
         """Andrew et al.'s geometric step on the released count (post-processing): b = count / L + 1/2, the noisy
-        fraction of the expected lot whose gradient norm was at most the clip; C <- C exp(-eta (b - Q))."""
-        unclipped = count / self.expected_lot + 0.5
+        fraction of the expected lot whose gradient norm was at most the clip, kept in [0, 1] (a fraction: the noise
+        cannot then move the clip by more than exp(eta) a round); C <- C exp(-eta (b - Q))."""
+        unclipped = min(1.0, max(0.0, count / self.expected_lot + 0.5))
         self.current_clip = float(self.current_clip * math.exp(-self.privacy.clip_lr
                                                                * (unclipped - self.privacy.clip_quantile)))
 

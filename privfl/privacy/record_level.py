@@ -234,8 +234,9 @@ class AdaptiveClip:
         return z / math.sqrt(1.0 - self.share), z / math.sqrt(self.share)
 
     def step(self, clip: float, noisy_count: float, expected_batch: float) -> float:
-        """The next clip after a step whose noisy centred count is ``noisy_count``."""
-        unclipped = noisy_count / expected_batch + 0.5
+        """The next clip after a step whose noisy centred count is ``noisy_count`` (the fraction it estimates kept in
+        [0, 1]: the noise cannot move the clip by more than exp(``lr``) a step)."""
+        unclipped = min(1.0, max(0.0, noisy_count / expected_batch + 0.5))
         return float(clip * math.exp(-self.lr * (unclipped - self.quantile)))
 
 

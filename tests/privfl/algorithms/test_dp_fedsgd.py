@@ -513,6 +513,10 @@ def test_adaptive_clipping_releases_gradients_in_clips_and_the_clip_bits_on_the_
         assert float(sums["clip_count"].total[0]) == pytest.approx((norms <= 1.5).sum() - 0.5 * len(norms))
         fraction = (norms <= 1.5).mean()
         assert alg.current_clip == pytest.approx(1.5 * math.exp(-0.2 * (fraction - 0.3)))
+        for count, expected in ((10.0 ** 6, 1.0), (-10.0 ** 6, 0.0)):  # a noisy count far outside: a fraction in [0, 1]
+            alg.current_clip = 1.0
+            alg._update_clip(count)
+            assert alg.current_clip == pytest.approx(math.exp(-0.2 * (expected - 0.3)))
         z = sim.plan.noise_multipliers
         s = (z["gradient_sum"] ** -2 + z["clip_count"] ** -2) ** -0.5
         assert z["clip_count"] == pytest.approx(s / math.sqrt(p.clip_share))

@@ -116,6 +116,13 @@ def test_adaptive_clipping_needs_the_vectorised_executor():
         Simulation(alg, _data(), fed, privacy).run()
 
 
+def test_the_clips_step_follows_the_count_and_no_noise_moves_it_further_than_exp_lr():
+    adaptive = AdaptiveClip(0.3, lr=0.2)
+    assert adaptive.step(2.0, 4.0, 20.0) == pytest.approx(2.0 * math.exp(-0.2 * (0.7 - 0.3)))
+    assert adaptive.step(2.0, 1e9, 20.0) == pytest.approx(2.0 * math.exp(-0.2 * 0.7))
+    assert adaptive.step(2.0, -1e9, 20.0) == pytest.approx(2.0 * math.exp(0.2 * 0.3))
+
+
 def test_the_split_keeps_the_steps_privacy():
     """(g / (C z_g), 2 b / z_b) has norm at most 1 / z whenever ||g|| <= C and |b| <= 1/2: the count inside the
     step's Gaussian(1, z), for every share."""
