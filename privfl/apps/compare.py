@@ -126,6 +126,10 @@ class CompareConfig:
     # "<registered name>"`` and settings or options that override ``[overrides.<that algorithm>]`` (e.g. DP-FedSGD
     # predicting with FOLA's Laplace posterior beside DP-FedSGD itself); ``algorithms`` lists the label
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the grid's clip for every row (an algorithm's table may still set its own): a number, or "adaptive" (with
+    # clip_quantile) for the algorithms that clip adaptively, the others keeping their own clip (a note says which)
+    clip: float | str | None = None
+    clip_quantile: float | None = None
 
     def base(self, name: str) -> str:
         """The registered algorithm a row name runs: a variant's ``algorithm``, else the name itself."""
@@ -175,6 +179,13 @@ class CompareConfig:
             raise ConfigurationError(f"val_fraction must be a number in [0, 1), got {value!r}")
         if self.unit not in ("client", "example"):
             raise ConfigurationError(f"unit must be 'client' or 'example', got {self.unit!r}")
+        clip = self.clip
+        if clip is not None and clip != "adaptive" and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                                        or not math.isfinite(clip) or clip <= 0):
+            raise ConfigurationError(f"clip must be a number > 0 or \"adaptive\", got {clip!r}")
+        if self.clip_quantile is not None and clip != "adaptive":
+            raise ConfigurationError("clip_quantile is adaptive clipping's target quantile: give it with clip = "
+                                     "\"adaptive\" (or in an algorithm's table beside its clip = \"adaptive\")")
         for key in ("dataset", "partition", "out_dir", "task"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigurationError(f"{key} must be a string, got {getattr(self, key)!r}")
@@ -242,6 +253,14 @@ class CompareConfig:
             raise ConfigurationError(f"[overrides.{unknown[0]}] names no algorithm; choose from {sorted(ALGORITHMS)}")
         for name, over in self.overrides.items():
             _check_settings(f"[overrides.{name}]", name, over)
+        if self.clip == "adaptive":
+            fixed = sorted({self.base(a) for a in self.algorithms
+                            if ALGORITHMS[self.base(a)].supports_privacy
+                            and not getattr(ALGORITHMS[self.base(a)], "adaptive_clipping", False)})
+            if fixed:
+                able = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "adaptive_clipping", False))
+                warnings.warn(CompareNote(f"clip = \"adaptive\" applies to the grid's algorithms that clip "
+                                          f"adaptively ({able}); {fixed} keep their own clip"), stacklevel=3)
         stray = sorted(set(self.overrides) - {self.base(a) for a in self.algorithms})
         if stray:  # a TOML kept for a larger grid: its other sections wait for their algorithms
             warnings.warn(CompareNote(
@@ -342,10 +361,15 @@ def _configs(config: CompareConfig, spec: RunSpec) -> tuple[FederationConfig, Pr
     defaults = resolve_settings(base, {}, image=_image_input(config))
     entry_model = _entry(config.entry).model if config.entry is not None else {}
     over = config.settings_for(spec.algorithm)
+    # the grid's clip, under the algorithm's own table; "adaptive" only where the algorithm clips adaptively
+    grid_clip = {}
+    if config.clip is not None and (config.clip != "adaptive"
+                                    or getattr(ALGORITHMS.get(base), "adaptive_clipping", False)):
+        grid_clip = {"clip": config.clip, "clip_quantile": config.clip_quantile}
     if over == _default_overrides().get(base):  # the built-in sizes give way to the entry point's model
-        settings = {**defaults, **over, **entry_model}
+        settings = {**defaults, **grid_clip, **over, **entry_model}
     else:
-        settings = {**defaults, **entry_model, **over}
+        settings = {**defaults, **entry_model, **grid_clip, **over}
     # clip = "adaptive" (with clip_quantile) in the TOML's tables: resolved as every front end resolves it
     clips = resolve_settings(base, {"clip": settings.get("clip"), "clip_quantile": settings.get("clip_quantile")},
                              image=_image_input(config))

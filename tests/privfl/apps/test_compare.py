@@ -285,3 +285,31 @@ def test_a_variant_is_its_own_row_of_its_algorithm_with_its_own_options(tmp_path
 def test_bad_variants_are_refused_naming_the_fix(tmp_path, variants, needle):
     with pytest.raises(ConfigurationError, match=needle):
         small(tmp_path, algorithms=("fedavg",), variants=variants)
+
+
+def test_a_grid_wide_clip_reaches_every_row_and_adaptive_only_those_that_clip_adaptively(tmp_path):
+    """``clip = "adaptive"`` (and ``clip_quantile``) at the top of a compare TOML (issue 29): DP-FedSGD's and DP-SGD
+    FedAvg's rows clip adaptively, FOLA's keeps its own clip (a note names it); a number applies to every row unless
+    the algorithm's table sets its own; a quantile without adaptive clipping is refused."""
+    from privfl.apps.compare import CompareNote, RunSpec, _configs
+
+    toml = tmp_path / "c.toml"
+    toml.write_text('dataset = "digits"\nclients = 3\nalgorithms = ["dp_fedsgd", "dpsgd_fedavg", "fola"]\n'
+                    'epsilons = [3.0]\nclip = "adaptive"\nclip_quantile = 0.7\n')
+    with pytest.warns(CompareNote, match=r"\['fola'\] keep their own clip"):
+        config = CompareConfig.from_toml(str(toml))
+    for name in ("dp_fedsgd", "dpsgd_fedavg"):
+        assert _configs(config, RunSpec(name, 3.0, 0))[1].clip_quantile == 0.7
+    fola = _configs(config, RunSpec("fola", 3.0, 0))[1]
+    assert fola.clip_quantile is None and fola.clip == _configs(CompareConfig(
+        dataset="digits", clients=3, algorithms=("fola",), epsilons=(3.0,)), RunSpec("fola", 3.0, 0))[1].clip
+    toml.write_text('dataset = "digits"\nclients = 3\nalgorithms = ["dp_fedsgd", "fola"]\nepsilons = [3.0]\n'
+                    'clip = 0.3\n[overrides.fola]\nclip = 2.0\n')
+    config = CompareConfig.from_toml(str(toml))
+    assert _configs(config, RunSpec("dp_fedsgd", 3.0, 0))[1].clip == 0.3
+    assert _configs(config, RunSpec("fola", 3.0, 0))[1].clip == 2.0
+    for text, needle in (('clip_quantile = 0.7\n', "clip_quantile is adaptive clipping's target quantile"),
+                         ('clip = "auto"\n', 'clip must be a number > 0 or "adaptive"')):
+        toml.write_text('dataset = "digits"\nclients = 3\nalgorithms = ["dp_fedsgd"]\nepsilons = [3.0]\n' + text)
+        with pytest.raises(ConfigurationError, match=needle):
+            CompareConfig.from_toml(str(toml))
