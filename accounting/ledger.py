@@ -53,6 +53,7 @@ import functools
 import json
 import math
 import os
+import pathlib
 import random
 import sqlite3
 import time
@@ -355,8 +356,17 @@ class PrivacyLedger:
 
     @staticmethod
     def run_ids(path: str | os.PathLike) -> list[str]:
-        conn = sqlite3.connect(str(path), timeout=DEFAULT_LOCK_TIMEOUT)
+        """The ids of the runs a ledger file holds, oldest first; none where no run has written one yet (no file, or
+        an empty database). Read only: asking never creates a file. Another SQLite database (tables, none of them a
+        ledger's) raises ``sqlite3.DatabaseError``, as a file that is not SQLite does."""
+        if not os.path.isfile(path):
+            return []
+        uri = pathlib.Path(path).resolve().as_uri() + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=DEFAULT_LOCK_TIMEOUT)
         try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not tables:
+                return []
             return [r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY created_at")]
         finally:
             conn.close()

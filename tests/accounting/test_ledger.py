@@ -207,3 +207,20 @@ class _no_block:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_run_ids_of_a_path_no_run_wrote_are_none_and_nothing_is_created(tmp_path):
+    import sqlite3
+
+    missing = tmp_path / "none.sqlite"
+    assert PrivacyLedger.run_ids(missing) == [] and not missing.exists()
+    empty = tmp_path / "empty.sqlite"
+    sqlite3.connect(str(empty)).close()  # an empty database (a path someone opened, no run wrote)
+    assert PrivacyLedger.run_ids(empty) == []
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(str(other))
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(sqlite3.DatabaseError):  # another application's database is not a ledger
+        PrivacyLedger.run_ids(other)
