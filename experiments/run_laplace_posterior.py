@@ -39,7 +39,8 @@ from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
-from run_trajectory_posterior import METRICS, OUT, chosen_settings, train, versus_dp_fedsgd  # noqa: E402
+from run_trajectory_posterior import (METRICS, OUT, chosen_settings, publish, train,  # noqa: E402
+                                      versus_dp_fedsgd)
 
 #: the posterior scales the validation split chooses among (1: the Laplace posterior itself)
 SCALES = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
@@ -109,14 +110,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     out = {"rows": rows, "validation": validation, "scales": list(SCALES), "machine": platform.machine(),
            "python": platform.python_version(), "smoke": smoke}
-    text = markdown(rows, smoke)
-    if not smoke:
-        with open(os.path.join(OUT, "laplace_posterior.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        with open(os.path.join(OUT, "laplace_posterior.md"), "w") as f:
-            f.write(text)
-    print(text)
-    return 0
+    return publish("laplace_posterior", out, markdown(rows, smoke), smoke)
 
 
 def markdown(rows: list[dict], smoke: bool) -> str:

@@ -148,14 +148,18 @@ def main(argv=None) -> int:
             print(f"eps={eps:g} seed={seed}: point {row['point']} trajectory {row['trajectory']} "
                   f"({row['seconds']:.1f} s)", file=sys.stderr, flush=True)
     out = {"rows": rows, "machine": platform.machine(), "python": platform.python_version(), "smoke": smoke}
-    if smoke:
-        print(markdown(rows, smoke))
-        return 0
-    with open(os.path.join(OUT, "trajectory_posterior.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    with open(os.path.join(OUT, "trajectory_posterior.md"), "w") as f:
-        f.write(markdown(rows, smoke))
-    print(markdown(rows, smoke))
+    return publish("trajectory_posterior", out, markdown(rows, smoke), smoke)
+
+
+def publish(stem: str, out: dict, text: str, smoke: bool) -> int:
+    """Print a comparison's table; unless it is a smoke run, also write ``OUT/<stem>.json`` (``out``) and
+    ``OUT/<stem>.md`` (``text``). The posterior comparisons' one ending (returns their exit code, 0)."""
+    if not smoke:
+        with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        with open(os.path.join(OUT, f"{stem}.md"), "w") as f:
+            f.write(text)
+    print(text)
     return 0
 
 

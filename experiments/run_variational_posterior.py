@@ -51,7 +51,8 @@ from privfl.runtime.engine import Simulation
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import (DELTA, EPOCHS, EPSILONS, FEDSGD_GRID, FEDSGD_LR, SEEDS, federation, grid,  # noqa: E402
                               validation_federation)
-from run_trajectory_posterior import METRICS, OUT, chosen_settings, train, versus_dp_fedsgd  # noqa: E402
+from run_trajectory_posterior import (METRICS, OUT, chosen_settings, publish, train,  # noqa: E402
+                                      versus_dp_fedsgd)
 
 #: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
 INIT_STDS = (0.0067, 0.02, 0.05, 0.1, 0.2)
@@ -183,14 +184,7 @@ def main(argv=None) -> int:
            "validation": validation, "init_std": {str(k): v for k, v in init_std.items()}, "init_stds": list(stds),
            "fedsgd_grid": FEDSGD_GRID, "fedsgd_lr": FEDSGD_LR, "wall_s": time.perf_counter() - start,
            "machine": platform.machine(), "python": platform.python_version(), "smoke": smoke}
-    text = markdown(rows, smoke)
-    if not smoke:
-        with open(os.path.join(OUT, "variational_posterior.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        with open(os.path.join(OUT, "variational_posterior.md"), "w") as f:
-            f.write(text)
-    print(text)
-    return 0
+    return publish("variational_posterior", out, markdown(rows, smoke), smoke)
 
 
 def markdown(rows: list[dict], smoke: bool) -> str:

@@ -71,8 +71,8 @@ import torch
 
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, check_class_weights, class_sampling_rates, clip_factor,
-                                         poisson_lot)
+from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, AdaptiveClip, check_class_weights, class_sampling_rates,
+                                         clip_bits, clip_factor, poisson_lot)
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
@@ -145,8 +145,9 @@ class DPFedSGD(FedAvg):
         self.temperature = float(_positive("temperature", temperature, allow_none=False))
         #: ``posterior="variational"``: q's initial standard deviation (None: ``BayesLinear``'s, softplus(-5))
         self.init_std = _positive("init_std", init_std)
-        #: adaptive clipping (``PrivacyConfig.clip_quantile``, private runs): the clip of the round, broadcast
-        self.adaptive = bool(privacy.private and privacy.clip_quantile is not None)
+        #: adaptive clipping (``PrivacyConfig.clip_quantile``, private runs; its rule ``record_level.AdaptiveClip``,
+        #: the count a channel of its own): the clip of the round, broadcast
+        self.adaptive = AdaptiveClip.of(privacy)
         self.current_clip = float(privacy.clip)
         if self.adaptive:
             self.broadcast_state = ("global_params", "current_clip")
@@ -258,7 +259,7 @@ class DPFedSGD(FedAvg):
                                                     "norms"))
             return out
         if self.adaptive:  # the same lot: a round stays one sampled event (accounting.rounds.round_events)
-            share = self.privacy.clip_share
+            share = self.adaptive.share
             return [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None,
                                  record=PreClipped(1.0, "sum"), value_bound=self.bound,
                                  record_sampling_rate=self.sample_rate, budget_share=1.0 - share,
@@ -355,9 +356,8 @@ class DPFedSGD(FedAvg):
                 norms2 = terms.norms2()
                 clip = self.current_clip
                 factor = clip_factor(norms2, clip) * weight / clip
-                bits = ((norms2 <= clip * clip).to(weight.dtype) - 0.5) * weight
                 out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
-                traces[lo:lo + k, 0] = bits.sum(1).detach().numpy()
+                traces[lo:lo + k, 0] = clip_bits(norms2, clip, weight).sum(1).detach().numpy()
                 continue
             factor = clip_factor(terms.norms2(), self.privacy.clip) * weight if self.privacy.private else weight
             out[lo:lo + k] = terms.flat(terms.sums(factor)).detach().numpy()
@@ -417,7 +417,8 @@ class DPFedSGD(FedAvg):
         gradient = np.asarray(agg.total, dtype=np.float64) / self.expected_lot
         if self.adaptive:  # the sum was released in units of the round's clip
             gradient = gradient * self.current_clip
-            self._update_clip(float(np.asarray(aggregates["clip_count"].total, dtype=np.float64)[0]))
+            count = float(np.asarray(aggregates["clip_count"].total, dtype=np.float64)[0])
+            self.current_clip = self.adaptive.step(self.current_clip, count, self.expected_lot)
         params = np.asarray(self.global_params, dtype=np.float64)
         if self.posterior == "variational":
             gradient = gradient + self._kl_gradient(params)
@@ -448,14 +449,6 @@ class DPFedSGD(FedAvg):
 
     def round_clip(self) -> float | None:
         return self.current_clip if self.adaptive else None
-
-    def _update_clip(self, count: float) -> None:
-        """Andrew et al.'s geometric step on the released count (post-processing): b = count / L + 1/2, the noisy
-        fraction of the expected lot whose gradient norm was at most the clip, kept in [0, 1] (a fraction: the noise
-        cannot then move the clip by more than exp(eta) a round); C <- C exp(-eta (b - Q))."""
-        unclipped = min(1.0, max(0.0, count / self.expected_lot + 0.5))
-        self.current_clip = float(self.current_clip * math.exp(-self.privacy.clip_lr
-                                                               * (unclipped - self.privacy.clip_quantile)))
 
     # -- a posterior read off the trajectory (post-processing of released sums: no privacy cost) ---------------------
 

@@ -17,8 +17,9 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
   per-example gradients are materialised (HBFL's meme); a class-weighted loss becomes class-weighted sampling
   (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
 - :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name;
-- :class:`AdaptiveClip`: adaptive clipping inside the step (the vectorised executor), each client's clip following
-  a quantile of its records' norms from a noisy count on the same lot, within the step's one event.
+- :class:`AdaptiveClip` and :func:`clip_bits`: adaptive clipping's rule (the clip's step from a noisy count of
+  centred bits, the noise split), used inside the step (the vectorised executor: each client's clip following a
+  quantile of its records' norms, within the step's one event) and by DP-FedSGD (one clip, its count a channel).
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ def clip_factor(norms2: torch.Tensor, clip: float) -> torch.Tensor:
     """The per-example clip factor min(1, C / (||g|| + 1e-6)) from squared norms (opacus's, which its ghost clipping
     applies on the per-client path): ||factor * g|| <= C always holds."""
     return (clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+def clip_bits(norms2: torch.Tensor, clip, weight: torch.Tensor) -> torch.Tensor:
+    """Adaptive clipping's per-record terms: the centred bit [||g|| <= C] - 1/2 of each example (``norms2``: squared
+    norms; ``clip``: a number or a tensor broadcasting against them), times its 0/1 ``weight`` (padding out)."""
+    return ((norms2 <= clip * clip).to(weight.dtype) - 0.5) * weight
 
 
 @dataclass(frozen=True)
@@ -531,8 +538,7 @@ class VectorisedDPSGD:
             return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses, None
         norms2 = terms.norms2()
         bound = clips[:, None]
-        bits = (((norms2 <= bound * bound).to(weight.dtype) - 0.5) * weight).sum(1)
-        return terms.sums(clip_factor(norms2, bound) * weight), terms.losses, bits
+        return terms.sums(clip_factor(norms2, bound) * weight), terms.losses, clip_bits(norms2, bound, weight).sum(1)
 
     def chunk(self) -> int:
         """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,

@@ -2,6 +2,7 @@
 plan's sampled Gaussian and meets the target with the smallest noise; central noise is paid once (zC), local noise
 K times (sqrt(K) zC); the vectorised and per-client executors agree; nothing private leaves outside the channel."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -515,7 +516,8 @@ def test_adaptive_clipping_releases_gradients_in_clips_and_the_clip_bits_on_the_
         assert alg.current_clip == pytest.approx(1.5 * math.exp(-0.2 * (fraction - 0.3)))
         for count, expected in ((10.0 ** 6, 1.0), (-10.0 ** 6, 0.0)):  # a noisy count far outside: a fraction in [0, 1]
             alg.current_clip = 1.0
-            alg._update_clip(count)
+            alg.server_update({**sums, "clip_count": dataclasses.replace(sums["clip_count"],
+                                                                        total=np.array([count]))}, 1)
             assert alg.current_clip == pytest.approx(math.exp(-0.2 * (expected - 0.3)))
         z = sim.plan.noise_multipliers
         s = (z["gradient_sum"] ** -2 + z["clip_count"] ** -2) ** -0.5
