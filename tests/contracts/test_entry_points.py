@@ -21,6 +21,7 @@ the released update's norm, (63, 63) against (64, 63) records) must stay below t
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -489,8 +490,8 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     """Adaptive clipping (issue 29) as users ask for it: ``privfl run --clip adaptive --clip-quantile Q`` (local,
     central and distributed noise, with and without secure aggregation), a compare TOML's ``clip = "adaptive"``
     and ``privfl.federate(..., clip="adaptive")``: the same prepared run (DP-FedSGD's clip-count channel among the
-    charged ones; DP-SGD FedAvg's count inside each client's step) or the same refusal on D and D'; a quantile
-    without ``--clip adaptive`` exits 2 before anything runs."""
+    charged ones; DP-SGD FedAvg's count inside each client's step) or the same refusal on D and D', and the same
+    Flower spec; a quantile without ``--clip adaptive`` exits 2 before anything runs."""
     parts, test = _arrays("classification")
     worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
     bound = ("--option", "update_bound=0.5") if name == "dpsgd_fedavg" else ()  # a secure sum's public range
@@ -504,6 +505,14 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     accepted = _same_on_neighbours(outcomes)
     assert len(accepted) >= 6  # local and central, with and without secure aggregation; compare; federate
     assert all({c.split("'")[1] for c in s["channels"]} == channels for s in accepted)
+    if importlib.util.find_spec("flwr") is not None:  # the Flower spec every ServerApp and ClientApp plans from
+        from privfl.flower.app import RunSpec
+
+        privacy = PrivacyConfig(epsilon=3.0, unit="example", adjacency=adjacency, clip=1.0, clip_quantile=0.7)
+        fed = FederationConfig(rounds=2, hidden=(8,), client_size=RECORDS)
+        specs = [RunSpec.of(name, federated_from_arrays(w, test, task="classification", num_classes=CLASSES), fed,
+                            privacy, run_id="r").to_json() for w in worlds.values()]
+        assert specs[0] == specs[1] and '"clip_quantile": 0.7' in specs[0]
     # a quantile without adaptive clipping, and adaptive clipping for an algorithm without it: exit 2, no run
     for extra, says in ((("--clip-quantile", "0.7"), "clip_quantile is adaptive clipping's target quantile"),
                         (("--clip", "adaptive", "--clip-quantile", "1.5"), "clip_quantile (adaptive clipping's")):
