@@ -26,7 +26,6 @@ Usage: python experiments/run_laplace_posterior.py [--smoke | --default-scale]  
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -39,7 +38,7 @@ from privfl.runtime.engine import Simulation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import EPSILONS, SEEDS, federation, validation_federation  # noqa: E402
-from run_trajectory_posterior import (METRICS, OUT, chosen_settings, publish, train,  # noqa: E402
+from run_trajectory_posterior import (METRICS, chosen_settings, publish, publish_choice, train,  # noqa: E402
                                       versus_dp_fedsgd)
 
 #: the posterior scales the validation split chooses among (1: the Laplace posterior itself)
@@ -76,11 +75,7 @@ def main(argv=None) -> int:
     smoke = "--smoke" in argv
     torch.set_num_threads(1)
     if "--default-scale" in argv:
-        out = default_scale()
-        with open(os.path.join(OUT, "laplace_default_scale.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out, indent=1))
-        return 0
+        return publish_choice("laplace_default_scale", default_scale())
     settings = chosen_settings()
     epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
     rounds = 20 if smoke else None

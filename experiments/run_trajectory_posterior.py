@@ -151,6 +151,14 @@ def main(argv=None) -> int:
     return publish("trajectory_posterior", out, markdown(rows, smoke), smoke)
 
 
+def publish_choice(stem: str, out: dict) -> int:
+    """A default's validation choice (``--default-...``): ``out`` written to ``OUT/<stem>.json`` and printed."""
+    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def publish(stem: str, out: dict, text: str, smoke: bool) -> int:
     """Print a comparison's table; unless it is a smoke run, also write ``OUT/<stem>.json`` (``out``) and
     ``OUT/<stem>.md`` (``text``). The posterior comparisons' one ending (returns their exit code, 0)."""

@@ -34,7 +34,6 @@ epsilon 3, 20 rounds, two grid points and two initial deviations; not a measurem
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -51,7 +50,7 @@ from privfl.runtime.engine import Simulation
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_record_level import (DELTA, EPOCHS, EPSILONS, FEDSGD_GRID, FEDSGD_LR, SEEDS, federation, grid,  # noqa: E402
                               validation_federation)
-from run_trajectory_posterior import (METRICS, OUT, chosen_settings, publish, train,  # noqa: E402
+from run_trajectory_posterior import (METRICS, chosen_settings, publish, publish_choice, train,  # noqa: E402
                                       versus_dp_fedsgd)
 
 #: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
@@ -138,11 +137,7 @@ def main(argv=None) -> int:
     smoke = "--smoke" in argv
     torch.set_num_threads(1)
     if "--default-init-std" in argv:
-        out = default_init_std()
-        with open(os.path.join(OUT, "variational_default_init_std.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out, indent=1))
-        return 0
+        return publish_choice("variational_default_init_std", default_init_std())
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     baseline = chosen_settings()
     epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
