@@ -54,6 +54,17 @@ standard deviation ``init_std``. HBFL's
 product of the clients' meme posteriors is a product of tempered likelihoods; here the same target is fitted
 directly, the likelihood's gradient summed over the federation under one noise.
 
+``bands`` b > 1 (correlated noise, banded matrix-factorisation DP-FTRL: Denisov et al. 2022, Choquette-Choo et al.
+2023): each client splits its records at random into b groups once (its own state, never sent), and in round t
+Poisson-samples only group ``t mod b``, each of its records at rate b q (so the expected lot stays L); it releases
+``sum_{k < b} c_k x_{t-k}``, its last b sums mixed by the strategy's unit-norm coefficients
+(``privfl.mechanisms.matrix_factorization.banded_toeplitz``: the b-banded Toeplitz C minimising the noise in the
+models, SGD with the run's momentum, over the run's rounds; public, computed from the configuration). The noise is
+fresh every round, placed as below; the server decodes ``x_hat = C^{-1} y`` (post-processing), so its model sees
+noise C^{-1} z, correlated across rounds. A record's participations are b rounds apart and touch disjoint blocks of
+b rows, each one Poisson-sampled Gaussian at rate b q: ceil(rounds / b) such events meet the target
+(``Channel.record_bands``). b q must be at most 1. Refused with adaptive clipping and the Laplace posterior.
+
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
 (``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
 release weight is the constant 1, and a client reports no metrics (no sampled count, no norm, no loss).
@@ -77,6 +88,7 @@ from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
+from privfl.mechanisms.matrix_factorization import BandedDecoder, BandedEncoder, banded_toeplitz
 from privfl.models import (BayesModule, ModelConfigError, bayesian_twin, get_mean_precision, inverse_softplus,
                            make_bayesian_model, make_model)
 from privfl.training.distill import BayesPerExampleGradients
@@ -105,7 +117,8 @@ class DPFedSGD(FedAvg):
     unit_hint = "each example's gradient is clipped; for client-level DP use dp_fedavg"
     default_unit = "example"  # record-level by construction: every example's gradient is clipped
     broadcast_state = ("global_params",)
-    server_only_state = ("_optimizer_state", "_trajectory")  # the optimiser's moments, the posterior's moments
+    # the optimiser's moments, the posterior's moments, the banded decoder's last rounds
+    server_only_state = ("_optimizer_state", "_trajectory", "_decoded")
     # logistic regression on 2x2-pooled images (fewer weights, less total noise); lr is the server's step size
     defaults = {"hidden": (), "pool": 2, "lr": 0.5, "clip": 1.0}
     adaptive_clipping = True  # PrivacyConfig.clip_quantile: the clip follows a quantile of the record norms
@@ -115,7 +128,7 @@ class DPFedSGD(FedAvg):
                  betas: tuple[float, float] = (0.9, 0.999), class_weights=None, posterior: str = "none",
                  posterior_rounds: int | None = None, posterior_samples: int = 30, posterior_scale: float = 1.0,
                  fisher_share: float = 0.05, prior_precision: float = 1.0, temperature: float = 1.0,
-                 init_std: float | None = None):
+                 init_std: float | None = None, bands: int = 1):
         super().__init__(fed, privacy, model=model, metrics=metrics)
         if posterior not in POSTERIORS:
             raise ConfigurationError(f"dp_fedsgd: posterior must be one of {POSTERIORS}, got {posterior!r}")
@@ -176,6 +189,23 @@ class DPFedSGD(FedAvg):
         self.betas = (float(betas[0]), float(betas[1]))
         if privacy.private:
             check_fedsgd_privacy(privacy)
+        if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+            raise ConfigurationError(f"dp_fedsgd: bands must be an integer >= 1 (1: independent noise every round), "
+                                     f"got {bands!r}")
+        #: correlated noise: the strategy's band count b (1: independent noise; non-private runs add none)
+        self.bands = int(bands) if privacy.private else 1
+        if self.bands > 1:
+            if self.adaptive:
+                raise ConfigurationError("dp_fedsgd: bands > 1 mixes rounds released at one fixed clip; give a "
+                                         "number for clip with it (or bands=1)")
+            if posterior == "laplace":
+                raise ConfigurationError("dp_fedsgd: bands > 1 is planned for the gradient alone; use "
+                                         "posterior='none', 'trajectory' or 'variational' with it (or bands=1)")
+            self.client_state = ("_banded",)
+        #: client -> {"groups": each record's group, "history": its last b - 1 boxed sums, newest first}
+        self._banded: dict[int, dict] = {}
+        self._decoded: np.ndarray | None = None  # the server's last b - 1 decoded sums, newest first
+        self.band_coefficients = np.ones(1)
         self.sample_rate = 1.0
         self.expected_lot = 1.0
         self.bound = math.inf
@@ -198,12 +228,23 @@ class DPFedSGD(FedAvg):
         if self.privacy.private and self.sample_rate < 1 and self.sample_rate <= self.privacy.delta:
             raise ConfigurationError(f"dp_fedsgd: the record sampling rate {self.sample_rate:.3g} is not above "
                                      f"delta={self.privacy.delta}; raise lot_size or lower delta")
+        if self.bands > 1:
+            if self.bands * self.sample_rate > 1 + 1e-12:
+                raise ConfigurationError(f"dp_fedsgd: bands={self.bands} samples each round's group at bands x q = "
+                                         f"{self.bands * self.sample_rate:.3g} > 1; set bands to at most "
+                                         f"{max(1, int(1 / self.sample_rate))} (or lower lot_size)")
+            if self.bands > self.fed.rounds:
+                raise ConfigurationError(f"dp_fedsgd: bands={self.bands} exceeds the run's {self.fed.rounds} rounds")
+            momentum = float(self.fed.momentum) if self.server_optimizer == "sgd" else 0.0
+            self.band_coefficients = banded_toeplitz(int(self.fed.rounds), self.bands, momentum)
         if self.coordinate_bound is not None:
             self.bound = float(self.coordinate_bound)
         else:  # the expected lot of a client at the public record cap: a box only outsized clients ever reach
             # (adaptive clipping releases each record's clipped gradient over the round's clip: the box in clips)
             unit = 1.0 if self.adaptive else self.privacy.clip
             self.bound = float(unit * max(1.0, self.sample_rate * public.record_cap))
+        #: the box of a released value: a banded mixture of boxed sums lies within sum_k |c_k| B
+        self.release_bound = float(self.bound * np.abs(self.band_coefficients).sum())
         if self.posterior == "variational":
             self._per_example = BayesPerExampleGradients(self.model)
             self._plain = (copy.deepcopy(self._plain_template) if self._plain_template is not None else
@@ -218,6 +259,8 @@ class DPFedSGD(FedAvg):
             self._per_example = PerExampleGradients(self.model)
         self._optimizer_state = None
         self._trajectory = None
+        self._banded = {}
+        self._decoded = None
         #: the accounting's relation (class-weighted sampling is sound under add/remove only)
         self._relation = self.privacy.adjacency if self.privacy.private else "add_remove"
         if self.class_weights is not None:  # refused here, before anything is charged
@@ -271,6 +314,14 @@ class DPFedSGD(FedAvg):
                                  description="adaptive clipping: sum over the Poisson-sampled records of "
                                              "[gradient norm <= C_t] - 1/2, boxed to [-B/2, B/2]")]
         c = self.privacy.clip
+        if self.bands > 1:
+            return [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None, record=PreClipped(c, "sum"),
+                                 value_bound=self.release_bound,
+                                 record_sampling_rate=min(1.0, self.bands * self.sample_rate),
+                                 record_bands=self.bands,
+                                 description=f"the banded mixture sum_k c_k x_(t-k) of the client's last {self.bands} "
+                                             "sums x of its round's group's Poisson-sampled records' gradients, "
+                                             "each clipped to C, boxed to [-B, B] (||c|| = 1)")]
         out = [unit_channel(self.privacy, "gradient_sum", (self.dim,), client=None, record=PreClipped(c, "sum"),
                             value_bound=self.bound, record_sampling_rate=self.sample_rate,
                             budget_share=1.0 - self.fisher_share if laplace else 1.0,
@@ -302,18 +353,36 @@ class DPFedSGD(FedAvg):
 
         return self.model is not None and (self.posterior == "variational" or vectorisable(self.model))
 
-    def _sample(self, dataset, rng) -> torch.Tensor:
+    def _sample(self, dataset, rng, client: int | None = None, round: int = 0) -> torch.Tensor:
         """The indices of the client's Poisson lot: each record in with probability q, coins from a generator of its
         own (the OS CSPRNG unless the run asks for seeded noise, or is not private). Which records were drawn never
-        leaves the client."""
+        leaves the client. With ``bands`` b > 1, only the records of group ``round mod b`` are candidates, each at
+        rate b q (the groups drawn from the same generator at the client's first round, kept in its state)."""
         generator = private_torch_generator(rng, self.privacy.secure_noise and self.privacy.private)
         n = len(dataset)
+        rate = self.sample_rate
+        candidates = None
+        if self.bands > 1:
+            state = self._banded.get(client)
+            if state is None:  # each record's group, uniform and independent: the same for every neighbour
+                state = self._banded[client] = {
+                    "groups": torch.randint(self.bands, (n,), generator=generator, dtype=torch.int16).numpy(),
+                    "history": np.zeros((0, self.dim))}
+            if len(state["groups"]) != n:
+                raise ConfigurationError(f"dp_fedsgd: client {client} holds {n} records but drew its {self.bands} "
+                                         f"groups over {len(state['groups'])}; a banded run keeps its records")
+            candidates = torch.from_numpy(np.flatnonzero(state["groups"] == round % self.bands))
+            rate = min(1.0, self.bands * self.sample_rate)
         if self.class_weights is not None:  # each record at q * w[y] / max(w): at most q, so the events still hold
-            return poisson_lot(class_sampling_rates(self.class_weights, dataset.tensors()[1], self.sample_rate,
-                                                    self._relation, "dp_fedsgd"), n, generator)
-        if self.sample_rate >= 1.0:
-            return torch.arange(n)
-        return poisson_lot(float(self.sample_rate), n, generator)
+            y = dataset.tensors()[1]
+            rates = class_sampling_rates(self.class_weights, y if candidates is None else y[candidates], rate,
+                                         self._relation, "dp_fedsgd")
+            lot = poisson_lot(rates, len(rates), generator)
+        elif rate >= 1.0:
+            lot = torch.arange(n if candidates is None else len(candidates))
+        else:
+            lot = poisson_lot(float(rate), n if candidates is None else len(candidates), generator)
+        return lot if candidates is None else candidates[lot]
 
     def _gradient_sums(self, lots, generators=None) -> tuple[np.ndarray, np.ndarray | None]:
         """One row per client: the sum of its lot's per-example gradients at the broadcast model, each clipped to C
@@ -373,7 +442,13 @@ class DPFedSGD(FedAvg):
                 np.clip(traces, -self.bound * self.privacy.clip, self.bound * self.privacy.clip, out=traces)
         return out, traces
 
-    def _output(self, value: np.ndarray, trace: np.ndarray | None) -> ClientOutput:
+    def _output(self, value: np.ndarray, trace: np.ndarray | None, client: int | None = None) -> ClientOutput:
+        if self.bands > 1:  # the banded mixture of the client's boxed sums (its history is its own state)
+            state = self._banded[client]
+            encoder = BandedEncoder(self.band_coefficients, state["history"] if len(state["history"]) else None)
+            mixed = encoder.encode(value)
+            state["history"] = encoder.history
+            return ClientOutput({"gradient_sum": ClippedValue(mixed, self.privacy.clip, "sum")}, weight=1.0)
         if self.adaptive:
             return ClientOutput({"gradient_sum": ClippedValue(value, 1.0, "sum"),
                                  "clip_count": ClippedValue(trace, 0.5, "sum")}, weight=1.0)
@@ -396,9 +471,9 @@ class DPFedSGD(FedAvg):
         """``(k, client_update(k, ...))`` for every client, their lots' per-example gradients computed together
         (each client's coins drawn from its own generator, as :meth:`client_update` draws them)."""
         lots, generators = [], []
-        for dataset, rng in zip(datasets, rngs):
+        for k, dataset, rng in zip(clients, datasets, rngs):
             x, y = dataset.tensors()
-            idx = self._sample(dataset, rng)
+            idx = self._sample(dataset, rng, k, round)
             lots.append((x[idx], y[idx]))
             generators.append(self._weight_noise(rng))
         generators = None if self.posterior != "variational" else generators
@@ -407,14 +482,19 @@ class DPFedSGD(FedAvg):
             sums, traces = self._gradient_sums(lots[lo:lo + step],
                                                None if generators is None else generators[lo:lo + step])
             for row, k in enumerate(clients[lo:lo + step]):
-                yield k, self._output(sums[row], None if traces is None else traces[row])
+                yield k, self._output(sums[row], None if traces is None else traces[row], k)
 
     # -- the server step -----------------------------------------------------------------------------------------
 
     def server_update(self, aggregates: Mapping[str, Aggregate], round):
         """One optimiser step on the noisy gradient sum over the public expected lot L (post-processing)."""
         agg = aggregates["gradient_sum"]
-        gradient = np.asarray(agg.total, dtype=np.float64) / self.expected_lot
+        total = np.asarray(agg.total, dtype=np.float64)
+        if self.bands > 1:  # x_hat = C^{-1} y, row by row (post-processing of the released stream)
+            decoder = BandedDecoder(self.band_coefficients, self._decoded)
+            total = decoder.decode(total)
+            self._decoded = decoder.history
+        gradient = total / self.expected_lot
         if self.adaptive:  # the sum was released in units of the round's clip
             gradient = gradient * self.current_clip
             count = float(np.asarray(aggregates["clip_count"].total, dtype=np.float64)[0])

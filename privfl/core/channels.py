@@ -180,6 +180,15 @@ class Channel:
     records, each included with this public probability q, declares q (DP-FedSGD's clipped gradient sums). The
     release is then the sampled Gaussian ``PoissonSampled(q, Gaussian(sensitivity, noise))`` under the channel's
     relation: charged so by the pipeline and calibrated so by the run plan. 1: no record sampling.
+
+    ``record_bands``: b > 1 declares the banded matrix-factorisation mechanism (DP-FTRL with b-min-separated
+    participation, ``privfl.mechanisms.matrix_factorization``): the client's records are split at random into b
+    groups, group ``t mod b`` is the one sampled (at ``record_sampling_rate``) in round t, and the value is the
+    client's banded mixture ``sum_{k < b} c_k x_{t-k}`` of its rounds' sums (``||c|| = 1``). One record's
+    participations then touch disjoint blocks of b rounds, each a Poisson-sampled Gaussian of the channel's
+    sensitivity (Choquette-Choo et al., NeurIPS 2023): the pipeline charges that event in rounds ``t = 0 mod b`` and
+    a no-op in the b - 1 rounds after (covered by it), so every prefix of the run is charged ceil(t / b) such events,
+    at least the blocks any record's group has begun; the run plan calibrates ceil(rounds / b) of them.
     """
 
     name: str
@@ -191,6 +200,7 @@ class Channel:
     symmetric: bool = False
     value_bound: float | None = None
     record_sampling_rate: float = 1.0
+    record_bands: int = 1
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -216,6 +226,17 @@ class Channel:
         if q < 1 and self.unit != "example":
             raise InvalidRelease(f"channel {self.name}: record sampling bounds a record's influence; it needs "
                                  f"unit='example', got {self.unit!r}")
+        b = self.record_bands
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise InvalidRelease(f"channel {self.name}: record_bands must be an integer >= 1, got {b!r}")
+        if b > 1 and self.unit != "example":
+            raise InvalidRelease(f"channel {self.name}: banded participation separates a record's rounds; it needs "
+                                 f"unit='example', got {self.unit!r}")
+
+    def charged_in(self, round: int) -> bool:
+        """Whether ``round`` is charged this channel's event (every round, or the first round of each block of
+        ``record_bands``; see the class docstring)."""
+        return int(round) % self.record_bands == 0
 
     @property
     def record_sampled(self) -> bool:

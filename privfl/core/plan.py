@@ -67,9 +67,25 @@ def noise_multipliers_for(channels, privacy: PrivacyConfig, rounds: int) -> dict
             raise ConfigurationError(f"client sampling composes one neighbouring relation; the channels declare "
                                      f"{sorted(relations)}")
         kwargs["relation"] = relations.pop()
-    cal = calibrate(privacy.epsilon, privacy.delta, rounds, sampling_rate=q, channels=shares,
-                    accountant=privacy.resolved_accountant, **kwargs)
+    cal = calibrate(privacy.epsilon, privacy.delta, charged_rounds(channels, rounds), sampling_rate=q,
+                    channels=shares, accountant=privacy.resolved_accountant, **kwargs)
     return dict(cal.noise_multipliers)
+
+
+def record_bands(channels) -> int:
+    """The one band count b of a run's noised channels (``Channel.record_bands``; 1: independent noise every round).
+    Channels released on one lot share its groups, so they must declare one b."""
+    bands = {c.record_bands for c in channels if c.private and not isinstance(c.clip, TrainedPrivately)}
+    if len(bands) > 1:
+        raise ConfigurationError(f"the noised channels declare different bands {sorted(bands)}; a round's channels "
+                                 "share one lot, so they must declare one")
+    return bands.pop() if bands else 1
+
+
+def charged_rounds(channels, rounds: int) -> int:
+    """How many events a run of ``rounds`` rounds charges each client: one per round, or one per block of b rounds
+    with banded channels (``Channel.record_bands``): ceil(rounds / b)."""
+    return -(-int(rounds) // record_bands(channels))
 
 
 def record_sampling_rate(channels, privacy: PrivacyConfig) -> float:
@@ -114,8 +130,9 @@ def _calibrate_distributed_sampled(channels, privacy: PrivacyConfig, rounds: int
     if c.adjacency != "add_remove":
         raise ConfigurationError("distributed noise on sampled records is planned under add/remove adjacency; use "
                                  "adjacency='add_remove' or placement 'central'")
-    plan = calibrate_distributed_sampled(privacy.epsilon, privacy.delta, rounds, q, c.coordinate_bound, c.shape[0],
-                                         c.clip.bound, n_clients, secure, accountant=accountant)
+    plan = calibrate_distributed_sampled(privacy.epsilon, privacy.delta, charged_rounds(channels, rounds), q,
+                                         c.coordinate_bound, c.shape[0], c.clip.bound, n_clients, secure,
+                                         accountant=accountant, bands=c.record_bands)
     return {c.name: plan}
 
 
@@ -160,6 +177,10 @@ class RunPlan:
             if record_sampling_rate(channels, privacy) < 1:
                 distributed = _calibrate_distributed_sampled(channels, privacy, fed.rounds, n_clients, secure)
             else:
+                if record_bands(channels) > 1:
+                    raise ConfigurationError("banded noise under secure aggregation is planned for sums over "
+                                             "Poisson-sampled records; lower the bands until bands x the sampling "
+                                             "rate is below 1, or choose placement 'central'")
                 distributed = calibrate_distributed(channels, privacy.epsilon, privacy.delta, fed.rounds, n_clients,
                                                     secure, accountant=privacy.resolved_accountant)
             multipliers = {name: p.noise_multiplier for name, p in distributed.items()}
@@ -260,4 +281,5 @@ class RunPlan:
         return events
 
 
-__all__ = ["RunPlan", "STREAMS", "noise_multipliers_for", "record_sampling_rate", "seed_stream"]
+__all__ = ["RunPlan", "STREAMS", "charged_rounds", "noise_multipliers_for", "record_bands", "record_sampling_rate",
+           "seed_stream"]

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from privfl.accounting.events import GaussianEvent, NonPrivateEvent, PoissonSampledEvent, PrivacyEvent
+from privfl.accounting.events import GaussianEvent, NonPrivateEvent, NoOpEvent, PoissonSampledEvent, PrivacyEvent
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
@@ -159,10 +159,12 @@ class ReleasePipeline:
         # hand-over can fail, and a marked release writes its rows released (one statement per row, no mark after).
         self._noise_after_charge = placement == "local" and any(m is not None for m in self.mechanisms.values())
         self._buffers: dict[str, np.ndarray] = {}  # per channel: the float64 array the last release was made in
-        self._fixed_requests: list[ChargeRequest] | None = None  # see _requests
+        self._fixed_requests: dict[tuple[bool, ...], list[ChargeRequest]] = {}  # see _requests
 
-    def event_for(self, name: str, value: object = None) -> PrivacyEvent:
-        """The event one release of channel ``name`` costs (the ledger charges exactly this)."""
+    def event_for(self, name: str, value: object = None, round: int | None = None) -> PrivacyEvent:
+        """The event one release of channel ``name`` in ``round`` costs (the ledger charges exactly this). A banded
+        channel (``Channel.record_bands``) is charged its block's event in the block's first round and a no-op in the
+        others; ``round=None``: the block's event."""
         mech = self.mechanisms[name]
         if isinstance(self.channels[name].clip, TrainedPrivately):
             if not isinstance(value, PrivatizedValue):
@@ -170,6 +172,8 @@ class ReleasePipeline:
             return value.event
         if mech is None:
             return NonPrivateEvent()
+        if round is not None and not self.channels[name].charged_in(round):
+            return NoOpEvent()  # covered by the charge of the block's first round (Channel.record_bands)
         if self.placement == "distributed":
             if name not in self.distributed_events:
                 raise InvalidRelease(f"no distributed-noise event planned for channel {name}")
@@ -190,16 +194,18 @@ class ReleasePipeline:
         """Whether rounds are charged as Poisson-sampled events (see the class docstring)."""
         return amplifies(self.sampling_rate, self.privacy_unit, self.placement)
 
-    def _requests(self, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
-        """The round's charge requests, in channel order. Without a DP-SGD-trained channel they depend on the
-        pipeline's fixed configuration only, so the list is built once and reused (the requests are frozen)."""
-        if self._fixed_requests is not None:
-            return self._fixed_requests
+    def _requests(self, round: int, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
+        """Round ``round``'s charge requests, in channel order. Without a DP-SGD-trained channel they depend on the
+        pipeline's fixed configuration and on whether the round opens a block of a banded channel only, so each
+        list is built once and reused (the requests are frozen)."""
+        phase = tuple(ch.charged_in(round) for ch in self.channels.values())
+        if phase in self._fixed_requests:
+            return self._fixed_requests[phase]
         values = values or {}
-        requests = [ChargeRequest(name, self.event_for(name, values.get(name)), ch.unit)
+        requests = [ChargeRequest(name, self.event_for(name, values.get(name), round), ch.unit)
                     for name, ch in self.channels.items()]
         if not any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
-            self._fixed_requests = requests
+            self._fixed_requests[phase] = requests
         return requests
 
     def charge_only(self, round: int) -> None:
@@ -215,7 +221,7 @@ class ReleasePipeline:
         if any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
             raise ReleaseMisuse("client sampling with DP-SGD-trained channels is not supported: the training's "
                                 "event is only known once the client has trained")
-        self.ledger.charge_all(self.client_id, round, self._requests())
+        self.ledger.charge_all(self.client_id, round, self._requests(round))
 
     def _buffer(self, channel: Channel) -> np.ndarray | None:
         """A float64 array of ``channel``'s shape to convert this round's float32 upload into: the one the last
@@ -266,8 +272,8 @@ class ReleasePipeline:
         clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
         # 3. charge, atomically for the round (and, when no noise is left to draw here, marked released with it).
         marked = mark and not self._noise_after_charge
-        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, self._requests(validated),
-                                                                 release=marked)}
+        requests = self._requests(round, validated)
+        charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, requests, release=marked)}
         releases = {}
         for name, ch in self.channels.items():
             mech = self.mechanisms[name]

@@ -237,7 +237,7 @@ def _size_distributed_noise(bound: float, sensitivity: float, noise_multiplier: 
 
 def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplier: float, n_max: int, n_min: int,
                                    bits: int, *, clip: float, sampling_rate: float, n_honest: int | None = None,
-                                   corruption: float = 0.0, gaussian: bool = True) -> DistributedNoise:
+                                   corruption: float = 0.0, gaussian: bool = True, bands: int = 1) -> DistributedNoise:
     """Distributed noise for a sum over a Poisson sample of records (record-level DP, add/remove, e.g. DP-FedSGD):
     each client releases sum_{i in S} clip_C(g_i), S a Poisson sample of its records at rate ``sampling_rate``,
     coordinate-clipped to the public range [-bound, bound], stochastically rounded, plus its discrete-Gaussian
@@ -251,6 +251,11 @@ def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplie
     replace-one form of ``Quantiser.rounded_l2_sensitivity`` (not the + sqrt(d) of a whole upload added or removed),
     whatever the rounding draws (so any coupling of them, and by joint convexity the mixture over them, is bounded
     by the worst shift of norm <= D).
+
+    ``bands`` b > 1 (banded matrix factorisation, ``privfl.core.channels.Channel.record_bands``): the event is one
+    block's, b rounds in which the record's clipped gradient enters as c_k g (``||c|| = 1``), each round's value rounded
+    on its own: the block is one vector of b d coordinates, D = clip/step + 2 sqrt(b d) (Minkowski over the rows) and
+    b d coordinates' total variation.
 
     The event. ``gaussian`` (default): ``inner = distributed_gaussian_event`` = ``ApproximatedEvent(
     GaussianEvent(D, sqrt(n_honest) sigma), tv)``: for h >= n_honest honest shares, the released sum is within total
@@ -272,13 +277,16 @@ def plan_distributed_noise_sampled(bound: float, dimension: int, noise_multiplie
     honest = _check_honest(n_honest, n_min)
     quantiser, share = _size_distributed_noise(float(bound), float(clip), float(noise_multiplier), n_max, honest,
                                                bits)
-    rounded = quantiser.rounded_l2_sensitivity(float(clip), dimension, replace_one=True)
+    if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+        raise ConfigurationError(f"bands must be an integer >= 1, got {bands!r}")
+    block = int(dimension) * bands  # a block of b rounds: one vector of b d coordinates
+    rounded = quantiser.rounded_l2_sensitivity(float(clip), block, replace_one=True)
     if gaussian:
         inner = distributed_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
-                                           dimension=dimension)
+                                           dimension=block)
     else:
         inner = distributed_discrete_gaussian_event(l2_sensitivity=rounded, sigma=share, n_min=honest, n_max=n_max,
-                                                    dimension=dimension)
+                                                    dimension=block)
     return DistributedNoise(quantiser, share, float(noise_multiplier), n_min, n_max,
                             PoissonSampledEvent(float(sampling_rate), inner), honest, float(corruption))
 
@@ -301,7 +309,7 @@ def _survivor_floor(config: "SecureAggregation", n_clients: int) -> int:
 
 def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sampling_rate: float, bound: float,
                                   dimension: int, clip: float, n_clients: int, config: "SecureAggregation",
-                                  accountant: str = "pld") -> DistributedNoise:
+                                  accountant: str = "pld", bands: int = 1) -> DistributedNoise:
     """The record-sampled distributed plan (:func:`plan_distributed_noise_sampled`) with the smallest noise
     multiplier whose ``rounds``-fold composition meets (epsilon, delta) under ``accountant`` (``pld``, the default
     and tightest, or ``rdp``): the one search (``accounting.calibration.calibrate_noise``), started from the
@@ -314,7 +322,8 @@ def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sam
     the target makes the candidate's epsilon infinite and the search moves up. The charged Gaussian's multiplier
     (the honest shares' noise over the rounded sensitivity D >= clip / step) is never below the smallest the
     continuous sampled Gaussian needs; the central plan's search stops up to 0.1% above that smallest, this one
-    within 1e-6, so the two nominal multipliers may differ either way by that much. ``n_clients``: the clients
+    within 1e-6, so the two nominal multipliers may differ either way by that much. ``bands``: the plan's block of
+    banded rounds (``rounds`` is then the number of blocks). ``n_clients``: the clients
     summed at most; the survivor floor is ``config.min_survivors`` (else every client), checked against the dropout
     as in :func:`calibrate_distributed`. Never overshoots the target.
     """
@@ -332,7 +341,7 @@ def calibrate_distributed_sampled(epsilon: float, delta: float, rounds: int, sam
         def build(gaussian: bool) -> DistributedNoise:
             return plan_distributed_noise_sampled(bound, dimension, m, n_clients, n_min, config.bits, clip=clip,
                                                   sampling_rate=sampling_rate, n_honest=honest,
-                                                  corruption=config.corruption, gaussian=gaussian)
+                                                  corruption=config.corruption, gaussian=gaussian, bands=bands)
         proxy = build(True)
         if accountant == "pld" or rounds * proxy.event.event.total_variation <= budget:
             return proxy

@@ -523,3 +523,40 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     argv = _cli_argv("fola", "example", adjacency, "central", *paths["D"], RECORDS, extra=("--clip", "adaptive"))
     assert _outcome(lambda: main(argv), capture) == ("exit", 2, 0)
     assert "clip='adaptive' is available for ['dp_fedsgd', 'dpsgd_fedavg']" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
+def test_banded_noise_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, adjacency):
+    """Correlated noise (issue 29, DP-FedSGD's ``bands``) as users ask for it: ``privfl run --option bands=2``
+    (local, central and distributed noise, with and without secure aggregation), a compare TOML's ``bands = 2`` and
+    ``privfl.federate(..., bands=2)``: the same prepared run (the gradient channel banded, its group sampled at
+    2 q) or the same refusal on D and D', and the same Flower spec; bands that sample a group at a rate above 1
+    exit 2 before anything runs."""
+    parts, test = _arrays("classification")
+    worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
+    outcomes, paths = _cli_and_compare_outcomes(
+        tmp_path, capture, capsys, worlds, "dp_fedsgd", adjacency, ("--option", "bands=2", "--option", "lot_size=8"),
+        f'algorithms = ["dp_fedsgd"]\n[overrides.dp_fedsgd]\nadjacency = "{adjacency}"\npool = 1\nbands = 2\n'
+        f'lot_size = 8\n')
+    for world in worlds:
+        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, "dp_fedsgd", "example",
+                                                                    RECORDS, bands=2, lot_size=8), capture), "")
+    accepted = _same_on_neighbours(outcomes)
+    assert len(accepted) >= 6  # local and central, with and without secure aggregation; compare; federate
+    assert all(all("record_bands=2" in c for c in s["channels"]) for s in accepted)
+    if importlib.util.find_spec("flwr") is not None:  # the Flower spec every ServerApp and ClientApp plans from
+        from privfl.flower.app import RunSpec
+
+        privacy = PrivacyConfig(epsilon=3.0, unit="example", adjacency=adjacency, clip=1.0)
+        fed = FederationConfig(rounds=2, hidden=(), client_size=RECORDS)
+        specs = [RunSpec.of("dp_fedsgd", federated_from_arrays(w, test, task="classification", num_classes=CLASSES),
+                            fed, privacy, run_id="r", options={"bands": 2, "lot_size": 8}).to_json()
+                 for w in worlds.values()]
+        assert specs[0] == specs[1] and '"bands": 2' in specs[0]
+    total = RECORDS * len(parts)
+    argv = _cli_argv("dp_fedsgd", "example", adjacency, "central", *paths["D"], RECORDS,
+                     extra=("--option", "bands=2", "--option", f"lot_size={total}"))
+    assert _outcome(lambda: main(argv), capture) == ("exit", 2, 0)
+    err = capsys.readouterr().err
+    assert "set bands to at most 1" in err and "Traceback" not in err

@@ -149,6 +149,8 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy, lot_size=10 ** 6)
     if name == "dp_fedsgd_adaptive_sampled":  # q < 1: one sampled event for the two channels of one lot
         return ALGORITHMS["dp_fedsgd"](fed, privacy)
+    if name == "dp_fedsgd_banded":  # correlated noise: each round's group sampled at b q, the round's sums mixed
+        return ALGORITHMS["dp_fedsgd"](fed, privacy, bands=2)
     if name == "dpsgd_fedavg_adaptive":  # each client's step clip follows its norms; the step's event unchanged
         return ALGORITHMS["dpsgd_fedavg"](fed, privacy)
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
@@ -423,6 +425,21 @@ ADAPTIVE_GRID = [(name, "example", adjacency, placement, secure, False)
 @pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", ADAPTIVE_GRID,
                          ids=["-".join(map(str, g)) for g in ADAPTIVE_GRID])
 def test_dp_fedsgd_with_adaptive_clipping_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
+    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
+
+
+#: DP-FedSGD with correlated noise (bands = 2): round 0 opens a block, charged the group's sampled event at 2 q (the
+#: rounds after it, and the mixing of a client's sums, are checked in tests/privfl/privacy/test_banded_noise.py)
+BANDED_GRID = [("dp_fedsgd_banded", "example", adjacency, placement, secure, False)
+               for adjacency, placement, secure in itertools.product(
+                   ("add_remove", "replace_one"), ("local", "central", "distributed"), (False, True))
+               if secure or placement != "distributed"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", BANDED_GRID,
+                         ids=["-".join(map(str, g)) for g in BANDED_GRID])
+def test_dp_fedsgd_with_banded_noise_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
