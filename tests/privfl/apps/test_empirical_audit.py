@@ -224,14 +224,78 @@ def _dp_fedsgd_posterior_scores(posterior: str, noise_scale: float):
     return score_in, score_out, claimed
 
 
+@functools.lru_cache(maxsize=1)
+def _dp_fedsgd_banded(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5, bands: int = 2):
+    """DP-FedSGD with correlated noise (``bands`` = 2): one block of b rounds of the canary client's own step (its
+    one outlier record in a group drawn at random, sampled at b q = 1/2 in its group's round; its last b sums mixed
+    by the strategy) on D = {the outlier} and D' = {}, each trial a client of its own carried over the rounds with
+    its state; the strategy's coefficients, the noise std, and the epsilon the ledger claims for the block (its
+    rounds' charges composed: the block's sampled event, then a no-op)."""
+    from privfl.accounting.accountants import make_accountant
+    from privfl.algorithms.dp_fedsgd import DPFedSGD
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+
+    rng = np.random.default_rng(7)
+    canary = (np.full((1, 4), 50.0, np.float32), np.array([1], np.int64))
+    test = (rng.normal(size=(8, 4)).astype(np.float32), rng.integers(0, 2, 8).astype(np.int64))
+    data = federated_from_arrays([canary], test, task="classification", num_classes=2, name="canary")
+    fed = FederationConfig(rounds=bands, hidden=(), client_size=4, seed=0)  # public total 4, lot 1: q = 1/4
+    privacy = PrivacyConfig(epsilon=epsilon, delta=delta, unit="example", clip=1.0, secure_noise=False)
+    sim = Simulation(DPFedSGD(fed, privacy, lot_size=1, bands=bands), data, fed, privacy)
+    sim.prepare()
+    (channel,) = sim.channels
+    assert channel.record_sampling_rate == 0.5 and channel.record_bands == bands
+    half, present = sim.client_half, data.train_parts[0]
+    streams = []
+    for dataset in (present, present.subset(np.arange(0))):
+        rngs = [np.random.default_rng([8, i]) for i in range(trials)]
+        states, rows = [None] * trials, []
+        for rnd in range(bands):
+            out = list(half.client_updates(range(trials), sim.broadcast(rnd), [dataset] * trials, states, rngs))
+            rows.append(np.stack([o.values[channel.name].value for _, o, _ in out]))
+            states = [state for _, _, state in out]
+        streams.append(np.stack(rows, axis=1))  # trials x rounds x d
+    accountant = make_accountant("pld")
+    for rnd in range(bands):
+        accountant.compose(sim.pipelines[0].event_for(channel.name, None, rnd))
+    std = sim.plan.noise_multipliers[channel.name] * channel.sensitivity
+    return streams, sim.algorithm.band_coefficients, std, accountant.get_epsilon(delta)
+
+
+def _dp_fedsgd_banded_scores(noise_scale: float):
+    """The likelihood-ratio score of a block's released stream, the canary's group unknown: log of the mean over
+    its groups g of exp(sum_t <y_t, c_(t-g) u> / s^2 - sum_t c_(t-g)^2 |u|^2 / (2 s^2)), u its clipped gradient,
+    with ``noise_scale`` times the plan's noise (fresh every round, as the pipeline draws it)."""
+    (present, absent), c, std, claimed = _dp_fedsgd_banded()
+    assert not np.any(absent)  # D' sends zeros
+    first = present[:, 0]
+    u = first[np.linalg.norm(first, axis=1).argmax()] / c[0]  # the canary's clipped gradient (group 0, sampled)
+    assert np.linalg.norm(u) == pytest.approx(1.0, rel=1e-5)
+    rng = np.random.default_rng(int(noise_scale * 1000) + 2)
+    sigma = std * noise_scale
+    b = len(c)
+    shifts = np.array([[c[t - g] if t >= g else 0.0 for t in range(b)] for g in range(b)])  # group x round
+    scores = []
+    for stream in (present, absent):
+        noisy = stream + rng.normal(scale=sigma, size=stream.shape)
+        projected = noisy @ u  # trials x rounds
+        logits = (projected @ shifts.T - 0.5 * (shifts ** 2).sum(1)) / sigma ** 2
+        scores.append(np.logaddexp.reduce(logits, axis=1))
+    return scores[0], scores[1], claimed
+
+
 # central: the plan's Gaussian added to the sum; distributed: the secure sum of the clients' encodings; laplace: the
 # central Gaussian on both of the Laplace posterior's channels; variational: on the Bayesian twin's gradient; adaptive:
-# on adaptive clipping's two channels (the gradient in clips, the clip count)
+# on adaptive clipping's two channels (the gradient in clips, the clip count); banded: a block of correlated-noise
+# rounds, each its fresh Gaussian
 _DP_FEDSGD_SCORES = {"central": lambda scale: _dp_fedsgd_scores(scale),
                      "distributed": lambda scale: _dp_fedsgd_distributed_scores(scale),
                      "laplace": lambda scale: _dp_fedsgd_posterior_scores("laplace", scale),
                      "variational": lambda scale: _dp_fedsgd_posterior_scores("variational", scale),
-                     "adaptive": lambda scale: _dp_fedsgd_posterior_scores("adaptive", scale)}
+                     "adaptive": lambda scale: _dp_fedsgd_posterior_scores("adaptive", scale),
+                     "banded": lambda scale: _dp_fedsgd_banded_scores(scale)}
 
 
 @pytest.mark.timeout(600)
