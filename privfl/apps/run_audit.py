@@ -18,7 +18,9 @@ and a bound above the ledger's epsilon is evidence that the run leaked more than
 Canaries here are **clients** at client level (``unit="client"``): each included canary is an extra member of the
 federation whose client step releases, every round, its own secret direction ``u_i`` (a random unit vector of the
 channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C u_i``: the largest change one client
-may make. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client i mod K,
+may make. The audited channel is the algorithm's first norm-clipped vector channel (DP-FedAvg's update, FOLA's and
+HBFL's natural mean, FedBNR's cross term); a canary sends zeros on the others (inside every clip), charged like any
+member's release. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client i mod K,
 and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
 coin, which the server never sees) and then adds its per-record term to the client's gradient sum: its direction at
 norm 10 C clipped to C, the largest term one record may add (a gradient canary, as white-box DP-SGD audits insert
@@ -155,14 +157,13 @@ def _audited_channel(algorithm):
                 f"dp_fedavg")
         return channel
     clipped = [c for c in algorithm.channels() if c.private and isinstance(c.clip, NormClip) and len(c.shape) == 1]
-    if algorithm.privacy.unit != "client" or len(clipped) != 1 or len(
-            [c for c in algorithm.channels() if c.private]) != 1:
+    if algorithm.privacy.unit != "client" or not clipped:
         raise ConfigurationError(
-            f"audit-run inserts client canaries into a client-level run whose one private channel is a norm-clipped "
-            f"vector (dp_fedavg, or an algorithm of yours registered with privfl.register_algorithm, at --unit "
-            f"client); {algorithm.name} at unit={algorithm.privacy.unit!r} releases "
-            f"{[c.name for c in algorithm.channels() if c.private]}. Record-level canaries are not built yet")
-    return clipped[0]
+            f"audit-run inserts client canaries into a client-level run with a norm-clipped vector channel "
+            f"(dp_fedavg, fola, hbfl, fedbnr, or an algorithm of yours registered with privfl.register_algorithm, at "
+            f"--unit client); {algorithm.name} at unit={algorithm.privacy.unit!r} releases "
+            f"{[c.name for c in algorithm.channels() if c.private]}")
+    return clipped[0]  # the first: its canaries send zeros on the others (inside every clip)
 
 
 def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str = "none",
@@ -174,6 +175,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     used up by the audit (its client and server steps are wrapped to play the canaries and record the server's
     view): give a fresh one, as ``privfl audit-run`` does."""
     from privfl.algorithms.base import ClientOutput
+    from privfl.core.public import release_weight
     from privfl.runtime.engine import Simulation
 
     if fault not in FAULTS:
@@ -237,8 +239,13 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             return record_canaries(k, real_update(k, dataset, rnd, rng_k))
         if k not in canary_of:
             return real_update(k, dataset, rnd, rng_k)
-        value = (CANARY_NORM * clip * view["directions"][canary_of[k]]).astype(np.float32)
-        return ClientOutput({view["channel"].name: value}, weight=algorithm.release_weight(dataset, k))
+        bound = view["channel"].clip.bound  # the channel's own clip (FedBNR's cross term: its own bound)
+        value = (CANARY_NORM * bound * view["directions"][canary_of[k]]).astype(np.float32)
+        values = {c.name: np.zeros(c.shape, dtype=np.float32) for c in view["channels"]}  # inside every clip
+        values[view["channel"].name] = value
+        weight = (algorithm.release_weight(dataset, k) if hasattr(algorithm, "release_weight")
+                  else release_weight(algorithm.privacy, algorithm.public, k, dataset))  # the public constant
+        return ClientOutput(values, weight=weight)
 
     def server_update(aggregates, rnd):
         view["seen"] += np.asarray(aggregates[view["channel"].name].total, dtype=np.float64)  # what the server saw
@@ -252,6 +259,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             the audited channel, and the injected fault, if any."""
             super().prepare()
             channel = view["channel"] = _audited_channel(algorithm)
+            view["channels"] = list(self.channels)
             if canaries > channel.shape[0] // 2:
                 raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
                                          f"{channel.shape[0]} coordinates, too few to tell that many canaries' "
@@ -266,7 +274,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                 self.server_noise = _Scaled(self.server_noise, 0.5)
             elif fault == "no_clip" and not records:  # record canaries skip their per-record clip themselves
                 for pipeline in self.pipelines:
-                    pipeline._clip = lambda ch, validated, raw: validated  # noqa: E731  (the fault: no clip)
+                    pipeline._clip = lambda ch, validated, raw: getattr(validated, "value", validated)  # noqa: E731
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")

@@ -142,3 +142,27 @@ def test_the_auditors_settings_are_checked():
         _run("quarter_noise")
     with pytest.raises(ConfigurationError, match="significance"):
         audit_run(None, None, FederationConfig(), PrivacyConfig(epsilon=1.0, unit="client"), significance=1.5)
+
+
+def _client_run(name, fault, canaries=40, epsilon=2.0):
+    """A client-level run of ``name`` (several channels: the canaries go into the first norm-clipped vector one and
+    send zeros on the others), CI-sized."""
+    task = "regression" if name == "fedbnr" else "classification"
+    data = make_federated("diabetes" if task == "regression" else "digits", 4, partition="iid", seed=0)
+    fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), pool=2, seed=3)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="client", clip=0.5, placement="central",
+                            secure_noise=False)
+    return audit_run(make_algorithm(name, fed, privacy), data, fed, privacy, canaries=canaries, fault=fault)
+
+
+@pytest.mark.parametrize("name, channel, canaries, epsilon", [
+    ("fola", "natural_mean_delta", 200, 2.0), ("hbfl", "natural_mean", 200, 2.0),
+    ("fedbnr", "cross", 50, 0.5)])  # FedBNR's cross term has 100 coordinates: at most 50 canaries, 25 guesses
+def test_client_canaries_in_algorithms_with_several_channels(name, channel, canaries, epsilon):
+    """FOLA, HBFL and FedBNR at client level: the honest run's bound stays below its ledger's epsilon; a run whose
+    pipeline does not clip is caught above it."""
+    honest, unclipped = (_client_run(name, fault, canaries, epsilon) for fault in ("none", "no_clip"))
+    for r in (honest, unclipped):
+        assert r.channel == channel and r.epsilon_ledger <= epsilon * (1 + 1e-9) and r.guesses > 0
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
