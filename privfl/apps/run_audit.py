@@ -20,14 +20,15 @@ federation whose client step releases, every round, its own secret direction ``u
 channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C u_i``: the largest change one client
 may make. The audited channel is the algorithm's first norm-clipped vector channel (DP-FedAvg's update, FOLA's and
 HBFL's natural mean, FedBNR's cross term); a canary sends zeros on the others (inside every clip), charged like any
-member's release. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client i mod K,
-and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
+member's release. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client
+i mod K, and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
 coin, which the server never sees) and then adds its per-record term to the client's gradient sum: its direction at
 norm 10 C clipped to C, the largest term one record may add (a gradient canary, as white-box DP-SGD audits insert
 them; in units of the round's clip under adaptive clipping). The server's view is the sum over rounds of the
-channel's noised aggregates, ``S``; a canary's score is its coefficient in the least-squares fit of ``S`` on all
-canaries' directions (:func:`canary_scores`). Everything else is the user's run as ``privfl run`` builds it
-(algorithm, data, noise placement, calibration, ledger), with client canaries' own ledger rows in the same ledger.
+channel's noised aggregates, ``S``; a canary's score is ``<S, u_i>``, the directions exactly orthogonal (disjoint
+supports, :class:`CanaryDirections`), so no canary's score holds another's. Everything else is the user's run as
+``privfl run`` builds it (algorithm, data, noise placement, calibration, ledger), with client canaries' own ledger
+rows in the same ledger.
 
 ``fault`` injects the faults the mechanism audit catches, on the whole run, leaving every charge as calibrated (so
 the ledger still claims the target): ``half_noise`` scales every Gaussian draw of the run by 1/2 (the clients' and the
@@ -122,16 +123,38 @@ def one_run_lower_bound(m: int, guesses: int, correct: int, delta: float, signif
     return float(scipy.optimize.brentq(rejects, hi / 2 if hi > 1 else 0.0, hi, xtol=1e-6))
 
 
-def canary_scores(directions: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """Each canary's score from the server's view ``seen`` (the sum over rounds of the audited channel's noised
-    aggregates): the least-squares coefficients of ``seen`` on the canaries' directions, which take out what the other
-    canaries' nearly (not exactly) orthogonal directions add to a plain inner product; with more canaries than
-    coordinates, the inner products ``<seen, u_i>``. Fixed before the run, as the bound requires."""
-    m, d = directions.shape
-    if m >= d:
-        return directions @ seen
-    coef, *_ = np.linalg.lstsq(directions.T, seen, rcond=None)
-    return coef
+@dataclass(frozen=True)
+class CanaryDirections:
+    """``m`` orthonormal directions in ``d`` coordinates (m <= d), each a random unit vector on a block of its own:
+    the coordinates in a random order, cut into m blocks of d // m (the rest unused). Disjoint supports make them
+    exactly orthogonal, so a canary's score (its inner product with the server's view) holds nothing of another
+    canary, and m can reach d; they are stored by block (``index``, ``weight``: m x d // m), never as an m x d matrix
+    (20,000 canaries in 20,000 coordinates)."""
+
+    index: np.ndarray
+    weight: np.ndarray
+    dimension: int
+
+    @classmethod
+    def draw(cls, m: int, d: int, rng: np.random.Generator) -> "CanaryDirections":
+        if not 1 <= m <= d:
+            raise ValueError(f"need 1 <= canaries <= coordinates, got {m} and {d}")
+        size = d // m
+        index = rng.permutation(d)[:m * size].reshape(m, size)
+        weight = rng.standard_normal((m, size))
+        return cls(index, weight / np.linalg.norm(weight, axis=1, keepdims=True), int(d))
+
+    def sum(self, canaries) -> np.ndarray:
+        """The sum of the directions of ``canaries`` (indices), as a dense vector."""
+        out = np.zeros(self.dimension)
+        rows = np.asarray(canaries, dtype=np.int64)
+        np.add.at(out, self.index[rows].ravel(), self.weight[rows].ravel())
+        return out
+
+    def scores(self, seen: np.ndarray) -> np.ndarray:
+        """Each canary's score from the server's view ``seen`` (the sum over rounds of the audited channel's noised
+        aggregates): ``<seen, u_i>``, fixed before the run, as the bound requires."""
+        return (np.asarray(seen, dtype=np.float64)[self.index] * self.weight).sum(axis=1)
 
 
 class _Scaled(NoiseSource):
@@ -149,10 +172,10 @@ def _audited_channel(algorithm):
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
-        if algorithm.name != "dp_fedsgd" or channel is None or not channel.record_sampled:
+        if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
-                f"per-record sums on Poisson lots with q < 1); {algorithm.name} at unit='example' is not built "
+                f"per-record sums on Poisson lots, bands 1); {algorithm.name} at unit='example' is not built "
                 f"(DP-SGD FedAvg's records act only inside each client's training); audit client level with "
                 f"dp_fedavg")
         return channel
@@ -229,7 +252,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         norm = CANARY_NORM * unit if fault == "no_clip" else unit
         name = view["channel"].name
         released = out.values[name]
-        value = np.clip(released.value + norm * view["directions"][drawn].sum(axis=0), -algorithm.bound,
+        value = np.clip(released.value + norm * view["directions"].sum(drawn), -algorithm.bound,
                         algorithm.bound)  # the client's box on its whole sum, as it boxes its records' own
         values = {**out.values, name: dataclasses.replace(released, value=value)}
         return dataclasses.replace(out, values=values)
@@ -240,7 +263,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         if k not in canary_of:
             return real_update(k, dataset, rnd, rng_k)
         bound = view["channel"].clip.bound  # the channel's own clip (FedBNR's cross term: its own bound)
-        value = (CANARY_NORM * bound * view["directions"][canary_of[k]]).astype(np.float32)
+        value = (CANARY_NORM * bound * view["directions"].sum([canary_of[k]])).astype(np.float32)
         values = {c.name: np.zeros(c.shape, dtype=np.float32) for c in view["channels"]}  # inside every clip
         values[view["channel"].name] = value
         weight = (algorithm.release_weight(dataset, k) if hasattr(algorithm, "release_weight")
@@ -260,13 +283,12 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             super().prepare()
             channel = view["channel"] = _audited_channel(algorithm)
             view["channels"] = list(self.channels)
-            if canaries > channel.shape[0] // 2:
+            if canaries > channel.shape[0]:
                 raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
-                                         f"{channel.shape[0]} coordinates, too few to tell that many canaries' "
-                                         f"directions apart; give at most {channel.shape[0] // 2} canaries or a "
-                                         f"larger model (nothing was charged)")
-            directions = rng.standard_normal((canaries, channel.shape[0]))
-            view["directions"] = directions / np.linalg.norm(directions, axis=1, keepdims=True)
+                                         f"{channel.shape[0]} coordinates, too few for that many orthogonal canary "
+                                         f"directions; give at most {channel.shape[0]} canaries or a larger model "
+                                         f"(nothing was charged)")
+            view["directions"] = CanaryDirections.draw(canaries, channel.shape[0], rng)
             view["seen"] = np.zeros(channel.shape[0])
             if fault == "half_noise":
                 for pipeline in self.pipelines:
@@ -279,7 +301,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
     result = sim.run()
-    scores = canary_scores(view["directions"], view["seen"])
+    scores = view["directions"].scores(view["seen"])
     order = np.argsort(scores)
     truth = np.zeros(canaries, dtype=bool)
     truth[included] = True
@@ -297,4 +319,5 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                     violated=bool(bound > ledger_eps * (1 + 1e-9)))
 
 
-__all__ = ["CANARY_NORM", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound", "one_run_p_value"]
+__all__ = ["CANARY_NORM", "CanaryDirections", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound",
+           "one_run_p_value"]

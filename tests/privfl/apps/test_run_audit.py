@@ -14,10 +14,10 @@ import pytest
 import scipy.stats
 
 from privfl.apps.cli import main
-from privfl.apps.run_audit import audit_run, canary_scores, one_run_lower_bound, one_run_p_value
+from privfl.apps.run_audit import CanaryDirections, audit_run, one_run_lower_bound, one_run_p_value
 from privfl.algorithms import make_algorithm
 from privfl.core.config import FederationConfig, PrivacyConfig
-from privfl.data import make_federated
+from privfl.data import federated_from_arrays, make_federated
 from privfl.errors import ConfigurationError
 
 
@@ -34,14 +34,21 @@ def test_the_bound_is_the_binomial_tails_and_delta_only_lowers_it():
     assert one_run_p_value(400, 0, 0, 1.0, 1e-5) == 1.0
 
 
-def test_least_squares_scores_undo_the_canaries_crosstalk():
+@pytest.mark.parametrize("m, d", [(50, 400), (400, 400), (7, 23)])
+def test_canary_directions_are_orthonormal_and_scores_are_exactly_the_inclusions(m, d):
+    """Disjoint supports: the m directions are orthonormal (up to m = d); with no noise a canary's score is exactly
+    its own inclusion, nothing of another's."""
     rng = np.random.default_rng(0)
-    u = rng.standard_normal((50, 400))
-    u /= np.linalg.norm(u, axis=1, keepdims=True)
-    included = rng.random(50) < 0.5
-    seen = 7.0 * included @ u  # no noise: the coefficients are exactly the inclusions
-    assert np.allclose(canary_scores(u, seen), 7.0 * included)
-    assert np.allclose(canary_scores(u[:, :30], seen[:30]), u[:, :30] @ seen[:30])  # more canaries than coordinates
+    u = CanaryDirections.draw(m, d, rng)
+    dense = np.stack([u.sum([i]) for i in range(m)])
+    assert np.allclose(dense @ dense.T, np.eye(m))
+    included = np.flatnonzero(rng.random(m) < 0.5)
+    seen = 7.0 * u.sum(included)
+    expected = np.zeros(m)
+    expected[included] = 7.0
+    assert np.allclose(u.scores(seen), expected)
+    with pytest.raises(ValueError, match="canaries <= coordinates"):
+        CanaryDirections.draw(d + 1, d, rng)
 
 
 def _run(fault, canaries=400, epsilon=2.0):
@@ -122,7 +129,7 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
-    (["--canaries", "5000"], "give at most"),
+    (["--canaries", "50000"], "give at most"),
     (["--unit", "example", "--algorithm", "dpsgd_fedavg"], "inserts record canaries into DP-FedSGD"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
@@ -157,7 +164,7 @@ def _client_run(name, fault, canaries=40, epsilon=2.0):
 
 @pytest.mark.parametrize("name, channel, canaries, epsilon", [
     ("fola", "natural_mean_delta", 200, 2.0), ("hbfl", "natural_mean", 200, 2.0),
-    ("fedbnr", "cross", 50, 0.5)])  # FedBNR's cross term has 100 coordinates: at most 50 canaries, 25 guesses
+    ("fedbnr", "cross", 100, 1.0)])  # FedBNR's cross term has 100 coordinates: at most 100 canaries
 def test_client_canaries_in_algorithms_with_several_channels(name, channel, canaries, epsilon):
     """FOLA, HBFL and FedBNR at client level: the honest run's bound stays below its ledger's epsilon; a run whose
     pipeline does not clip is caught above it."""
@@ -166,3 +173,38 @@ def test_client_canaries_in_algorithms_with_several_channels(name, channel, cana
         assert r.channel == channel and r.epsilon_ledger <= epsilon * (1 + 1e-9) and r.guesses > 0
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
+
+
+def _wide_run(fault, seed=3, canaries=20_000, epsilon=2.0):
+    """DP-FedSGD on a wide linear model (2,000 features x 10 classes: 20,010 coordinates) with every record in every
+    lot (q = 1: each round one Gaussian, which the sum over rounds tests at the ledger's exact privacy parameter),
+    4 clients of 10 records, 5 rounds, 20,000 record canaries in orthogonal directions."""
+    features, classes, clients, records = 2000, 10, 4, 10
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(features, classes))
+    parts = []
+    for _ in range(clients):
+        x = (rng.normal(size=(records, features)) / np.sqrt(features)).astype(np.float32)
+        parts.append((x, np.argmax(x @ w, 1).astype(np.int64)))
+    x = (rng.normal(size=(50, features)) / np.sqrt(features)).astype(np.float32)
+    data = federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
+                                 num_classes=classes, name="wide", design_size=records)
+    fed = FederationConfig(rounds=5, lr=0.1, hidden=(), pool=1, seed=seed, client_size=records)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="example", clip=1.0, placement="central",
+                            secure_noise=False, accountant="pld")
+    return audit_run(make_algorithm("dp_fedsgd", fed, privacy, lot_size=clients * records), data, fed, privacy,
+                     canaries=canaries, fault=fault)
+
+
+@pytest.mark.timeout(300)
+def test_half_the_noise_is_caught_with_enough_orthogonal_canaries():
+    """With 20,000 canaries (as many as an ideal auditor of a pure Gaussian needs, experiments/results/
+    run_audit_default.md) the one-run bound catches half the noise above the ledger's epsilon, and the honest run
+    stays below it (seeds 0-5 all do: honest 0.95-1.14, half the noise 2.10-2.43, against 2.00); the unclipped
+    canaries are caught far above."""
+    honest, half, unclipped = (_wide_run(fault) for fault in ("none", "half_noise", "no_clip"))
+    for r in (honest, half, unclipped):
+        assert r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.canaries == 20_000 and r.channel == "gradient_sum"
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
+    assert unclipped.epsilon_lower_bound > 2 * unclipped.epsilon_ledger and unclipped.violated
