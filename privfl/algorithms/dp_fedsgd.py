@@ -369,8 +369,8 @@ class DPFedSGD(FedAvg):
                     "groups": torch.randint(self.bands, (n,), generator=generator, dtype=torch.int16).numpy(),
                     "history": np.zeros((0, self.dim))}
             if len(state["groups"]) != n:
-                raise ConfigurationError(f"dp_fedsgd: client {client} holds {n} records but drew its {self.bands} "
-                                         f"groups over {len(state['groups'])}; a banded run keeps its records")
+                raise ConfigurationError("dp_fedsgd: a client's records changed during a banded run (its groups "
+                                         "were drawn at its first round); keep each client's records for the run")
             candidates = torch.from_numpy(np.flatnonzero(state["groups"] == round % self.bands))
             rate = min(1.0, self.bands * self.sample_rate)
         if self.class_weights is not None:  # each record at q * w[y] / max(w): at most q, so the events still hold

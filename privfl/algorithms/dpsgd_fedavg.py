@@ -145,9 +145,11 @@ class DPSGDFedAvg(FedAvg):
         [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=self.adaptive is not None)
         return out
 
-    def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
+    def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool, clipped_term=None):
         """The client step, written once: each schedule's clients trained by the DP-SGD engine
-        (``privfl.privacy.record_level.DPSGD``), each change from the broadcast bounded and charged its round."""
+        (``privfl.privacy.record_level.DPSGD``), each change from the broadcast bounded and charged its round.
+        ``clipped_term(members, epoch, step, grads)``: the engine's hook on the clipped sums (vectorised only;
+        ``privfl audit-run``'s record canaries), ``members`` indexing ``clients``."""
         groups: dict[DPSGDSchedule, list[int]] = {}
         for i, k in enumerate(clients):
             groups.setdefault(dpsgd_schedule(self, k), []).append(i)
@@ -158,8 +160,12 @@ class DPSGDFedAvg(FedAvg):
                            optimizer=self.user.optimizer, algorithm=self.name, adaptive=self.adaptive)
             clips = None if self.adaptive is None else [self._clips.get(clients[i], self.privacy.clip)
                                                         for i in members]
+            term = None if clipped_term is None else (
+                lambda rows, epoch, step, grads, members=members: clipped_term([members[r] for r in rows], epoch,
+                                                                               step, grads))
             for row, final, stats in engine.train(self.global_params, [datasets[i].tensors() for i in members],
-                                                  [rngs[i] for i in members], vectorised=vectorised, clips=clips):
+                                                  [rngs[i] for i in members], vectorised=vectorised, clips=clips,
+                                                  clipped_term=term):
                 i = members[row]
                 if self.adaptive is not None:  # the client's own clip for its next round (kept, never sent)
                     self._clips[clients[i]] = stats.pop("clip")

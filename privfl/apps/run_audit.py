@@ -41,8 +41,11 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record canaries are built for DP-FedSGD, whose clients release per-record sums; DP-SGD FedAvg's records act only
-inside each client's training (a canary gradient there needs the engine's step), not built.
+Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg, inside each
+client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's Poisson
+lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only through
+the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise there).
+FOLA's and HBFL's record-level training and FedBNN are not built (FOLA, HBFL and FedBNR take client canaries).
 """
 
 from __future__ import annotations
@@ -55,12 +58,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import scipy.optimize
 import scipy.stats
+import torch
 
 from privfl.core.channels import NormClip
 from privfl.mechanisms import NoiseSource
 from privfl.errors import ConfigurationError
 
 FAULTS = ("none", "half_noise", "no_clip")
+#: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's per-record sums, DP-SGD FedAvg's steps
+RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg")
 #: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
 CANARY_NORM = 10.0
 #: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
@@ -170,6 +176,11 @@ class _Scaled(NoiseSource):
 def _audited_channel(algorithm):
     """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
+    if algorithm.privacy.unit == "example" and algorithm.name == "dpsgd_fedavg":
+        if getattr(algorithm, "adaptive", None) is not None or not algorithm.vectorisable:
+            raise ConfigurationError("audit-run inserts DP-SGD FedAvg's record canaries into its vectorised DP-SGD "
+                                     "step (a model of stateless layers, the default loss and SGD, a fixed clip)")
+        return {c.name: c for c in algorithm.channels()}["update"]
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
@@ -199,6 +210,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     view): give a fresh one, as ``privfl audit-run`` does."""
     from privfl.algorithms.base import ClientOutput
     from privfl.core.public import release_weight
+    from privfl.privacy.record_level import dpsgd_schedule
     from privfl.runtime.engine import Simulation
 
     if fault not in FAULTS:
@@ -217,10 +229,10 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         raise ConfigurationError("--fault half_noise scales Gaussian draws; distributed noise is discrete shares: "
                                  "audit a central or local run")
     records = privacy.unit == "example"
-    if records and algorithm.name != "dp_fedsgd":
-        raise ConfigurationError(f"audit-run at --unit example inserts record canaries into DP-FedSGD (--algorithm "
-                                 f"dp_fedsgd); {algorithm.name}'s records act only inside each client's training, "
-                                 f"where canaries are not built: audit dp_fedsgd, or client level with dp_fedavg")
+    if records and algorithm.name not in RECORD_CANARIES:
+        raise ConfigurationError(f"audit-run at --unit example inserts record canaries into {list(RECORD_CANARIES)}; "
+                                 f"{algorithm.name}'s records act inside training where canaries are not built: audit "
+                                 f"one of those, or client level (--unit client)")
     # the auditor's own stream, apart from every stream of the run plan (privfl.core.plan.seed_stream)
     rng = (np.random.default_rng(np.random.SeedSequence(fed.seed, spawn_key=(AUDIT_STREAM,)))
            if not privacy.secure_noise else np.random.default_rng(secrets.randbits(128)))
@@ -257,7 +269,33 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         values = {**out.values, name: dataclasses.replace(released, value=value)}
         return dataclasses.replace(out, values=values)
 
+    def dpsgd_update(k, dataset, rnd, rng_k):
+        """DP-SGD FedAvg's client step with client k's included canary records in its training: at every DP-SGD
+        step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds its clipped
+        gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the step's
+        noise."""
+        mine = [i for i in included if i % len(data.train_parts) == k]
+        q = dpsgd_schedule(algorithm, k).sample_rate
+        norm = CANARY_NORM * clip if fault == "no_clip" else clip
+        shapes = [(name, p.shape, p.numel()) for name, p in algorithm.model.named_parameters()]
+
+        def term(rows, epoch, step, grads):
+            for pos, _ in enumerate(rows):
+                drawn = [i for i in mine if rng.random() < q]
+                if not drawn:
+                    continue
+                vec, offset = norm * view["directions"].sum(drawn), 0
+                for name, shape, size in shapes:
+                    grads[name][pos] += torch.as_tensor(vec[offset:offset + size].reshape(shape),
+                                                        dtype=grads[name].dtype)
+                    offset += size
+
+        [(_, out)] = algorithm._dpsgd_updates([k], [dataset], [rng_k], vectorised=True, clipped_term=term)
+        return out
+
     def client_update(k, dataset, rnd, rng_k):
+        if records and algorithm.name == "dpsgd_fedavg":
+            return dpsgd_update(k, dataset, rnd, rng_k)
         if records:
             return record_canaries(k, real_update(k, dataset, rnd, rng_k))
         if k not in canary_of:
@@ -300,8 +338,24 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
-    result = sim.run()
+    if fault == "half_noise" and records and algorithm.name == "dpsgd_fedavg":  # the DP-SGD step's own noise
+        import privfl.privacy.record_level as record_level
+
+        real_noised_mean = record_level.noised_mean
+
+        def half_noised_mean(clipped_sum, *, std, **kwargs):
+            return real_noised_mean(clipped_sum, std=0.5 * std, **kwargs)
+
+        record_level.noised_mean = half_noised_mean
+        try:
+            result = sim.run()
+        finally:
+            record_level.noised_mean = real_noised_mean
+    else:
+        result = sim.run()
     scores = view["directions"].scores(view["seen"])
+    if records and algorithm.name == "dpsgd_fedavg":  # a canary's step moves the model against its gradient
+        scores = -scores
     order = np.argsort(scores)
     truth = np.zeros(canaries, dtype=bool)
     truth[included] = True

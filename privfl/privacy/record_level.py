@@ -561,7 +561,8 @@ class VectorisedDPSGD:
     def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
                      before_step: Callable | None = None, extra_gradient: Callable | None = None,
-                     clips: Sequence[float] | None = None) -> Iterator[tuple[int, np.ndarray, dict]]:
+                     clips: Sequence[float] | None = None, clipped_term: Callable | None = None
+                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
 
         With ``adaptive`` clipping client i starts at ``clips[i]`` (default the run's clip) and its stats carry the
@@ -571,20 +572,22 @@ class VectorisedDPSGD:
         the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
         chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
         ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
-        place before the update."""
+        place before the update. ``clipped_term(members, epoch, step, grads)`` adds to each client's clipped sum,
+        before the noise (``privfl audit-run``'s record canaries: records of the auditor's own that the step's lot
+        drew; it is given nothing of the clients' records)."""
         start32 = torch.as_tensor(global_params, dtype=torch.float32)
         step = self.chunk()
         for lo in range(0, len(datasets), step):
             members = list(range(lo, min(lo + step, len(datasets))))
             final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
                                              members, before_step, extra_gradient,
-                                             None if clips is None else [clips[i] for i in members])
+                                             None if clips is None else [clips[i] for i in members], clipped_term)
             rows = final.numpy()
             for row, i in enumerate(members):
                 yield i, rows[row], stats[row]
 
     def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None,
-                     clips=None):
+                     clips=None, clipped_term=None):
         c = len(datasets)
         adaptive = self.adaptive
         if adaptive is not None:  # each client's own clip, moved by its own noisy counts
@@ -626,6 +629,8 @@ class VectorisedDPSGD:
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
+                if clipped_term is not None:
+                    clipped_term(members, epoch, step, grads)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
                     batch = expected if expected is not None else q * len(x)
                     if adaptive is None:
@@ -672,7 +677,7 @@ class DPSGD:
 
     def train(self, start: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
               rngs: Sequence[np.random.Generator], *, vectorised: bool, torch_seeds: Sequence[int] | None = None,
-              before_step=None, extra_gradient=None, clips: Sequence[float] | None = None
+              before_step=None, extra_gradient=None, clips: Sequence[float] | None = None, clipped_term=None
               ) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, params_i, stats_i)`` for every client: its parameters after training (a float32 row) and
         ``{"train_loss", "dpsgd_steps"}``.
@@ -685,10 +690,14 @@ class DPSGD:
         ``torch_seeds[i]``: torch's global seed as client i's training starts one after another (its layers' own
         randomness; a vectorised model has none). ``clips[i]``: with ``adaptive`` clipping, client i's clip as its
         training starts (default the run's); its stats then carry the clip it ended at (``"clip"``). Adaptive
-        clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound)."""
+        clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound), as
+        does ``clipped_term`` (:meth:`VectorisedDPSGD.train_models`)."""
         if self.adaptive is not None and not vectorised:
             raise ConfigurationError(f"{self.algorithm}: adaptive clipping needs the vectorised DP-SGD executor (a "
                                      "model of stateless layers, the default loss and SGD); give a number for clip")
+        if clipped_term is not None and not vectorised:
+            raise ConfigurationError(f"{self.algorithm}: a term added to the clipped sums needs the vectorised DP-SGD "
+                                     "executor (a model of stateless layers, the default loss and SGD)")
         if vectorised:
             secure = self.secure_noise
             generators = [(private_torch_generator(r, secure), private_torch_generator(r, secure)) for r in rngs]
@@ -696,7 +705,8 @@ class DPSGD:
                                        lr=self.lr, momentum=self.momentum, secure_noise=secure, adaptive=self.adaptive)
             yield from executor.train_models(
                 start, datasets, generators, before_step=None if before_step is None else before_step.on_stack,
-                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack, clips=clips)
+                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack, clips=clips,
+                clipped_term=clipped_term)
             return
         for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
             local = copy.deepcopy(self.model)

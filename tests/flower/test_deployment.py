@@ -174,17 +174,22 @@ def test_a_paused_private_run_resumes_and_equals_an_uninterrupted_run(deployment
     pytest.param("dpsgd_fedavg", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0,
                                                secure_noise=False, clip_quantile=0.7), {},
                  marks=pytest.mark.slow),
+    # correlated noise (issue 29): each client's record groups and last sums in its SuperNode's state
+    pytest.param("dp_fedsgd", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
+                                            secure_noise=False), {"lot_size": 64, "bands": 2},
+                 marks=pytest.mark.slow),
 ], ids=["fola-client", "fola-example", "dpsgd_fedavg", "hbfl-client", "dp_fedsgd-laplace", "dp_fedsgd-variational",
-        "dp_fedsgd-adaptive", "dpsgd_fedavg-adaptive"])
+        "dp_fedsgd-adaptive", "dpsgd_fedavg-adaptive", "dp_fedsgd-banded"])
 def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_process_reference, name, privacy,
                                                     _deploy, options):
     """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
     Poisson batches come from each client's own generators, HBFL, whose clients keep their local models between
-    rounds on their own SuperNodes, DP-FedSGD with its two noise-once posteriors (options in the spec), and adaptive
-    clipping (DP-FedSGD's clip in the broadcast, DP-SGD FedAvg's each client's own state): the same global state as
-    the in-process run."""
+    rounds on their own SuperNodes, DP-FedSGD with its two noise-once posteriors (options in the spec), adaptive
+    clipping (DP-FedSGD's clip in the broadcast, DP-SGD FedAvg's each client's own state) and correlated noise (each
+    client's record groups and last sums its own state): the same global state as the in-process run."""
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=13)
-    tag = f"{name}-{privacy.unit}-{options.get('posterior', '')}{'-adaptive' if privacy.clip_quantile else ''}"
+    tag = (f"{name}-{privacy.unit}-{options.get('posterior', '')}{'-adaptive' if privacy.clip_quantile else ''}"
+           f"{'-banded' if options.get('bands', 1) > 1 else ''}")
     spec = _spec(name, federation, fed, privacy, tag, options)
     reference = in_process_reference(spec, deployment.workdir)
     result = _deploy(deployment, spec, tag)

@@ -130,7 +130,7 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
 @pytest.mark.parametrize("extra, needle", [
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
     (["--canaries", "50000"], "give at most"),
-    (["--unit", "example", "--algorithm", "dpsgd_fedavg"], "inserts record canaries into DP-FedSGD"),
+    (["--unit", "example", "--algorithm", "fola"], "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg']"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
 ])
@@ -175,11 +175,9 @@ def test_client_canaries_in_algorithms_with_several_channels(name, channel, cana
     assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
 
 
-def _wide_run(fault, seed=3, canaries=20_000, epsilon=2.0):
-    """DP-FedSGD on a wide linear model (2,000 features x 10 classes: 20,010 coordinates) with every record in every
-    lot (q = 1: each round one Gaussian, which the sum over rounds tests at the ledger's exact privacy parameter),
-    4 clients of 10 records, 5 rounds, 20,000 record canaries in orthogonal directions."""
-    features, classes, clients, records = 2000, 10, 4, 10
+def _wide_data(clients, records, features=2000, classes=10):
+    """A wide linear task (2,000 features x 10 classes: a linear model of 20,010 coordinates, room for 20,000
+    orthogonal canaries), ``clients`` of ``records`` each."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(features, classes))
     parts = []
@@ -187,8 +185,16 @@ def _wide_run(fault, seed=3, canaries=20_000, epsilon=2.0):
         x = (rng.normal(size=(records, features)) / np.sqrt(features)).astype(np.float32)
         parts.append((x, np.argmax(x @ w, 1).astype(np.int64)))
     x = (rng.normal(size=(50, features)) / np.sqrt(features)).astype(np.float32)
-    data = federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
+    return federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
                                  num_classes=classes, name="wide", design_size=records)
+
+
+def _wide_run(fault, seed=3, canaries=20_000, epsilon=2.0):
+    """DP-FedSGD on the wide linear model with every record in every lot (q = 1: each round one Gaussian, which the
+    sum over rounds tests at the ledger's exact privacy parameter), 4 clients of 10 records, 5 rounds, 20,000 record
+    canaries in orthogonal directions."""
+    clients, records = 4, 10
+    data = _wide_data(clients, records)
     fed = FederationConfig(rounds=5, lr=0.1, hidden=(), pool=1, seed=seed, client_size=records)
     privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="example", clip=1.0, placement="central",
                             secure_noise=False, accountant="pld")
@@ -208,3 +214,28 @@ def test_half_the_noise_is_caught_with_enough_orthogonal_canaries():
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
     assert unclipped.epsilon_lower_bound > 2 * unclipped.epsilon_ledger and unclipped.violated
+
+
+@pytest.mark.timeout(300)
+def test_record_canaries_inside_dp_sgd_fedavgs_steps():
+    """DP-SGD FedAvg (record level, local DP-SGD on each client): canary records in the clients' DP-SGD steps, each
+    in a step's Poisson lot with the schedule's rate and clipped like any record; the server sees them only through
+    the trained models. The honest run stays below its ledger, the unclipped canaries are caught, half the noise
+    is not (the sum over rounds tests the sampled steps below their tight accounting)."""
+    records = 64
+    data = _wide_data(4, records)
+
+    def run(fault):
+        fed = FederationConfig(rounds=5, local_epochs=1, batch_size=16, lr=0.1, hidden=(), pool=1, seed=3,
+                               client_size=records)
+        privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False,
+                                accountant="pld")
+        return audit_run(make_algorithm("dpsgd_fedavg", fed, privacy), data, fed, privacy, canaries=20_000,
+                         fault=fault)
+
+    honest, unclipped, half = run("none"), run("no_clip"), run("half_noise")
+    for r in (honest, unclipped, half):
+        assert r.channel == "update" and r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.included == honest.included
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
+    assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
