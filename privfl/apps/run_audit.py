@@ -45,7 +45,8 @@ Record canaries go into DP-FedSGD, whose clients release per-record sums, and in
 client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's Poisson
 lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only through
 the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise there).
-FOLA's and HBFL's record-level training and FedBNN are not built (FOLA, HBFL and FedBNR take client canaries).
+FOLA's and HBFL's record-level training is not built (they take client canaries). On a channel of probability rows
+(FedBNN's), whose bound is its range, a client canary releases one-hot rows at secret labels (:class:`CanaryRows`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import scipy.optimize
 import scipy.stats
 import torch
 
-from privfl.core.channels import NormClip
+from privfl.core.channels import NormClip, RangeBound
 from privfl.mechanisms import NoiseSource
 from privfl.errors import ConfigurationError
 
@@ -163,6 +164,31 @@ class CanaryDirections:
         return (np.asarray(seen, dtype=np.float64)[self.index] * self.weight).sum(axis=1)
 
 
+@dataclass(frozen=True)
+class CanaryRows:
+    """Canaries on a channel of probability rows (FedBNN's class probabilities on the public alignment set), whose
+    bound is its range, not a clip: canary i releases a one-hot row per alignment point at secret labels
+    ``labels[i]``, the largest change a client can make there. Its score is the server's view at its labels, less
+    the view's mean over the classes (what a canary with other labels would read)."""
+
+    labels: np.ndarray  # canaries x rows
+    classes: int
+
+    @classmethod
+    def draw(cls, m: int, rows: int, classes: int, rng: np.random.Generator) -> "CanaryRows":
+        return cls(rng.integers(0, classes, size=(m, rows)), int(classes))
+
+    def release(self, i: int) -> np.ndarray:
+        out = np.zeros((self.labels.shape[1], self.classes))
+        out[np.arange(self.labels.shape[1]), self.labels[i]] = 1.0
+        return out
+
+    def scores(self, seen: np.ndarray) -> np.ndarray:
+        seen = np.asarray(seen, dtype=np.float64).reshape(self.labels.shape[1], self.classes)
+        rows = np.arange(self.labels.shape[1])
+        return seen[rows, self.labels].sum(axis=1) - seen.sum() / self.classes
+
+
 class _Scaled(NoiseSource):
     """A noise source whose standard normals are ``factor`` times its inner source's (the ``half_noise`` fault)."""
 
@@ -186,18 +212,19 @@ def _audited_channel(algorithm):
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
-                f"per-record sums on Poisson lots, bands 1); {algorithm.name} at unit='example' is not built "
-                f"(DP-SGD FedAvg's records act only inside each client's training); audit client level with "
-                f"dp_fedavg")
+                f"per-record sums on Poisson lots, bands 1) and DP-SGD FedAvg; {algorithm.name} at unit='example' is "
+                f"not built; audit it at client level")
         return channel
-    clipped = [c for c in algorithm.channels() if c.private and isinstance(c.clip, NormClip) and len(c.shape) == 1]
-    if algorithm.privacy.unit != "client" or not clipped:
+    private = [c for c in algorithm.channels() if c.private]
+    clipped = [c for c in private if isinstance(c.clip, NormClip) and len(c.shape) == 1]
+    ranged = [c for c in private if isinstance(c.clip, RangeBound)]
+    if algorithm.privacy.unit != "client" or not (clipped or ranged):
         raise ConfigurationError(
-            f"audit-run inserts client canaries into a client-level run with a norm-clipped vector channel "
-            f"(dp_fedavg, fola, hbfl, fedbnr, or an algorithm of yours registered with privfl.register_algorithm, at "
-            f"--unit client); {algorithm.name} at unit={algorithm.privacy.unit!r} releases "
-            f"{[c.name for c in algorithm.channels() if c.private]}")
-    return clipped[0]  # the first: its canaries send zeros on the others (inside every clip)
+            f"audit-run inserts client canaries into a client-level run with a norm-clipped vector channel or a "
+            f"channel of probability rows (dp_fedavg, fola, hbfl, fedbnr, fedbnn, or an algorithm of yours registered "
+            f"with privfl.register_algorithm, at --unit client); {algorithm.name} at "
+            f"unit={algorithm.privacy.unit!r} releases {[c.name for c in private]}")
+    return (clipped or ranged)[0]  # the first: its canaries send zeros on the others (inside every clip)
 
 
 def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str = "none",
@@ -300,8 +327,11 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             return record_canaries(k, real_update(k, dataset, rnd, rng_k))
         if k not in canary_of:
             return real_update(k, dataset, rnd, rng_k)
-        bound = view["channel"].clip.bound  # the channel's own clip (FedBNR's cross term: its own bound)
-        value = (CANARY_NORM * bound * view["directions"].sum([canary_of[k]])).astype(np.float32)
+        if isinstance(view["directions"], CanaryRows):  # probability rows: the canary's one-hot rows
+            value = view["directions"].release(canary_of[k])
+        else:
+            bound = view["channel"].clip.bound  # the channel's own clip (FedBNR's cross term: its own bound)
+            value = (CANARY_NORM * bound * view["directions"].sum([canary_of[k]])).astype(np.float32)
         values = {c.name: np.zeros(c.shape, dtype=np.float32) for c in view["channels"]}  # inside every clip
         values[view["channel"].name] = value
         weight = (algorithm.release_weight(dataset, k) if hasattr(algorithm, "release_weight")
@@ -321,13 +351,21 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             super().prepare()
             channel = view["channel"] = _audited_channel(algorithm)
             view["channels"] = list(self.channels)
-            if canaries > channel.shape[0]:
-                raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
-                                         f"{channel.shape[0]} coordinates, too few for that many orthogonal canary "
-                                         f"directions; give at most {channel.shape[0]} canaries or a larger model "
-                                         f"(nothing was charged)")
-            view["directions"] = CanaryDirections.draw(canaries, channel.shape[0], rng)
-            view["seen"] = np.zeros(channel.shape[0])
+            if isinstance(channel.clip, RangeBound):
+                if fault == "no_clip":
+                    raise ConfigurationError(f"--fault no_clip: {algorithm.name}'s channel {channel.name!r} is "
+                                             "bounded by its range (probability rows), not by a clip; audit "
+                                             "--fault none or half_noise (nothing was charged)")
+                view["directions"] = CanaryRows.draw(canaries, channel.shape[0], channel.shape[1], rng)
+                view["seen"] = np.zeros(channel.shape)
+            else:
+                if canaries > channel.shape[0]:
+                    raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
+                                             f"{channel.shape[0]} coordinates, too few for that many orthogonal "
+                                             f"canary directions; give at most {channel.shape[0]} canaries or a "
+                                             f"larger model (nothing was charged)")
+                view["directions"] = CanaryDirections.draw(canaries, channel.shape[0], rng)
+                view["seen"] = np.zeros(channel.shape[0])
             if fault == "half_noise":
                 for pipeline in self.pipelines:
                     pipeline.noise = _Scaled(pipeline.noise, 0.5)
@@ -373,5 +411,5 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                     violated=bool(bound > ledger_eps * (1 + 1e-9)))
 
 
-__all__ = ["CANARY_NORM", "CanaryDirections", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound",
+__all__ = ["CANARY_NORM", "CanaryDirections", "CanaryRows", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound",
            "one_run_p_value"]

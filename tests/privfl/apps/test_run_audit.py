@@ -239,3 +239,28 @@ def test_record_canaries_inside_dp_sgd_fedavgs_steps():
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
     assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
+
+
+def _fedbnn_run(fault, epsilon, canaries=400):
+    """FedBNN at client level with central noise (the server's view is the noisy sum; with local noise every
+    canary client's own noise would drown the others in the sum), 200 alignment points x 10 classes."""
+    data = make_federated("digits", 4, partition="iid", seed=0)
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), pool=2, seed=3)
+    privacy = PrivacyConfig(epsilon=epsilon, delta=1e-5, unit="client", placement="central", secure_noise=False)
+    alg = make_algorithm("fedbnn", fed, privacy, alignment_size=200, warmup_epochs=1, prior_steps=2, mc_samples=2)
+    return audit_run(alg, data, fed, privacy, canaries=canaries, fault=fault)
+
+
+def test_client_canaries_on_fedbnns_probability_rows():
+    """FedBNN at client level releases class probabilities on the public alignment set, bounded by their range: a
+    canary releases one-hot rows at secret labels. The honest run's bound stays below its ledger's epsilon; at a
+    large epsilon the canaries are plainly seen (the bound well above 0, still below the ledger); ``no_clip`` has
+    no clip to turn off and is refused before anything is charged."""
+    honest = _fedbnn_run("none", 2.0)
+    assert honest.channel == "alignment_probs" and honest.guesses > 0
+    assert honest.epsilon_ledger <= 2.0 * (1 + 1e-9)
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    loose = _fedbnn_run("none", 50.0)
+    assert 1.0 < loose.epsilon_lower_bound < loose.epsilon_ledger
+    with pytest.raises(ConfigurationError, match="bounded by its range"):
+        _fedbnn_run("no_clip", 2.0)
