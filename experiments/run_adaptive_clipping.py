@@ -33,7 +33,6 @@ import os
 import platform
 import sys
 import time
-from multiprocessing import Pool
 
 import numpy as np
 import torch
@@ -41,6 +40,9 @@ import torch
 from privfl.algorithms import make_algorithm
 from privfl.apps.compare import CompareConfig, RunSpec, _configs, _options, federation
 from privfl.runtime.engine import Simulation
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_trajectory_posterior import pool_map  # noqa: E402
 
 OUT = "experiments/results"
 CONFIG = "experiments/configs/default.toml"
@@ -155,13 +157,6 @@ def markdown(table: list[dict], validation: list[dict], chosen: dict, smoke: boo
     return "\n".join(lines)
 
 
-def _map(smoke: bool, jobs: list) -> list:
-    if smoke:  # in this process (importable from tests)
-        return [run(job) for job in jobs]
-    with Pool(2) as pool:
-        return pool.map(run, jobs)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     smoke = "--smoke" in argv
@@ -169,14 +164,15 @@ def main(argv=None) -> int:
     points = [tuple(p) for p in itertools.product(*ADAPTIVE.values())][:2 if smoke else None]
     rounds = 2 if smoke else None
     start = time.perf_counter()
-    validation = _map(smoke, [(name, 3.0, 0, None, p, rounds, "val") for name in ALGORITHMS for p in points])
+    validation = pool_map(run, [(name, 3.0, 0, None, p, rounds, "val") for name in ALGORITHMS for p in points],
+                          smoke)
     chosen = {name: tuple(max((v for v in validation if v["algorithm"] == name),
                               key=lambda v: v["accuracy"])["adaptive"]) for name in ALGORITHMS}
     jobs = [(name, eps, seed, clip, None, rounds, "test") for name in ALGORITHMS for eps in epsilons
             for seed in seeds for clip in clips]
     jobs += [(name, eps, seed, None, p, rounds, "test") for name in ALGORITHMS for eps in epsilons for seed in seeds
              for p in sorted({DEFAULT, chosen[name]})]
-    rows = _map(smoke, jobs)
+    rows = pool_map(run, jobs, smoke)
     for r in rows:
         print(f"{r['algorithm']} eps={r['epsilon']:g} seed={r['seed']} {_label(r)}: acc {r['accuracy']:.4f} "
               f"spent {r['epsilon_spent']:.3f} ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)

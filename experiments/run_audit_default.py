@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 import platform
 import sys
 import time
-from multiprocessing import Pool
 
 import numpy as np
 import torch
@@ -38,6 +36,9 @@ import torch
 from privfl.algorithms import make_algorithm
 from privfl.apps.compare import CompareConfig, RunSpec, _configs, _options, federation
 from privfl.apps.run_audit import audit_run
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_trajectory_posterior import pool_map, publish  # noqa: E402
 
 OUT = "experiments/results"
 CONFIG = "experiments/configs/default.toml"
@@ -151,24 +152,14 @@ def main(argv=None) -> int:
     jobs = ([(3.0, 0, f, 64, 3) for f in FAULTS] if smoke else
             [(eps, seed, f, CANARIES, None) for eps in EPSILONS for f in FAULTS for seed in SEEDS])
     start = time.perf_counter()
-    if smoke:
-        rows = [run(job) for job in jobs]
-    else:
-        with Pool(2) as pool:
-            rows = pool.map(run, jobs)
+    rows = pool_map(run, jobs, smoke)
     for r in rows:
         print(f"eps={r['epsilon']:g} seed={r['seed']} {r['fault']}: bound {r['epsilon_lower_bound']:.3f} ledger "
               f"{r['epsilon_ledger']:.3f} ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
     ideal = ideal_bounds()
-    text = markdown(rows, ideal, smoke)
-    if not smoke:
-        with open(os.path.join(OUT, "run_audit_default.json"), "w") as f:
-            json.dump({"rows": rows, "ideal": ideal, "wall_s": time.perf_counter() - start, "machine": platform.machine(),
-                       "python": platform.python_version()}, f, indent=1)
-        with open(os.path.join(OUT, "run_audit_default.md"), "w") as f:
-            f.write(text)
-    print(text)
-    return 0
+    out = {"rows": rows, "ideal": ideal, "wall_s": time.perf_counter() - start, "machine": platform.machine(),
+           "python": platform.python_version()}
+    return publish("run_audit_default", out, markdown(rows, ideal, smoke), smoke)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import os
 import platform
 import sys
 import time
-from multiprocessing import Pool
 
 import numpy as np
 import torch
@@ -43,6 +41,9 @@ from privfl.apps.compare import CompareConfig, RunSpec, _configs, _options, fede
 from privfl.mechanisms.matrix_factorization import banded_toeplitz, squared_error
 from privfl.privacy.secure import SecureAggregation
 from privfl.runtime.engine import Simulation
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_trajectory_posterior import pool_map, publish  # noqa: E402
 
 OUT = "experiments/results"
 CONFIG = "experiments/configs/default.toml"
@@ -159,13 +160,6 @@ def markdown(table, smoke: bool) -> str:
     return "\n".join(lines)
 
 
-def _map(smoke: bool, jobs: list) -> list:
-    if smoke:
-        return [run(job) for job in jobs]
-    with Pool(2) as pool:
-        return pool.map(run, jobs)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     smoke = "--smoke" in argv
@@ -173,8 +167,8 @@ def main(argv=None) -> int:
     bands, lrs, clips = ((1, 2), LRS[1:2], CLIPS[1:2]) if smoke else (BANDS, LRS, CLIPS)
     rounds = 4 if smoke else None
     start = time.perf_counter()
-    validation = _map(smoke, [(eps, 0, b, lr, clip, rounds, "val", "central")
-                              for eps, b, lr, clip in itertools.product(epsilons, bands, lrs, clips)])
+    validation = pool_map(run, [(eps, 0, b, lr, clip, rounds, "val", "central")
+                                for eps, b, lr, clip in itertools.product(epsilons, bands, lrs, clips)], smoke)
     best = {(eps, b): max((v for v in validation if v["epsilon"] == eps and v["bands"] == b),
                           key=lambda v: v["accuracy"]) for eps in epsilons for b in bands}
     chosen = {eps: max(bands, key=lambda b: best[(eps, b)]["accuracy"]) for eps in epsilons}
@@ -182,23 +176,16 @@ def main(argv=None) -> int:
             for eps in epsilons for b in bands for seed in seeds]
     jobs += [(eps, seed, b, best[(eps, b)]["lr"], best[(eps, b)]["clip"], rounds, "test", "distributed")
              for eps in epsilons for b in sorted({1, chosen[eps]}, key=str) for seed in seeds]
-    rows = _map(smoke, jobs)
+    rows = pool_map(run, jobs, smoke)
     for r in rows:
         print(f"eps={r['epsilon']:g} seed={r['seed']} b={r['b']} {r['placement']}: acc {r['accuracy']:.4f} "
               f"z {r['noise_multiplier']:.3f} spent {r['epsilon_spent']:.3f} ({r['seconds']:.1f} s)",
               file=sys.stderr, flush=True)
     table = summary(rows, validation, chosen)
-    text = markdown(table, smoke)
-    if not smoke:
-        with open(os.path.join(OUT, "correlated_noise.json"), "w") as f:
-            json.dump({"rows": rows, "validation": validation, "chosen": {str(k): v for k, v in chosen.items()},
-                       "summary": table, "bands": list(BANDS), "lrs": list(LRS), "clips": list(CLIPS),
-                       "wall_s": time.perf_counter() - start, "machine": platform.machine(),
-                       "python": platform.python_version()}, f, indent=1)
-        with open(os.path.join(OUT, "correlated_noise.md"), "w") as f:
-            f.write(text)
-    print(text)
-    return 0
+    out = {"rows": rows, "validation": validation, "chosen": {str(k): v for k, v in chosen.items()}, "summary": table,
+           "bands": list(BANDS), "lrs": list(LRS), "clips": list(CLIPS), "wall_s": time.perf_counter() - start,
+           "machine": platform.machine(), "python": platform.python_version()}
+    return publish("correlated_noise", out, markdown(table, smoke), smoke)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,17 @@ def publish_choice(stem: str, out: dict) -> int:
     return 0
 
 
+def pool_map(run, jobs: list, smoke: bool) -> list:
+    """``run`` over ``jobs``: two at a time (the machine's two cores), or in this process for a smoke run (importable
+    from tests)."""
+    if smoke:
+        return [run(job) for job in jobs]
+    from multiprocessing import Pool
+
+    with Pool(2) as pool:
+        return pool.map(run, jobs)
+
+
 def publish(stem: str, out: dict, text: str, smoke: bool) -> int:
     """Print a comparison's table; unless it is a smoke run, also write ``OUT/<stem>.json`` (``out``) and
     ``OUT/<stem>.md`` (``text``). The posterior comparisons' one ending (returns their exit code, 0)."""

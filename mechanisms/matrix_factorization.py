@@ -112,11 +112,21 @@ def banded_toeplitz(n: int, bands: int, momentum: float = 0.0) -> np.ndarray:
 
 class BandedEncoder:
     """A client's side of the strategy: ``encode(x_t)`` returns ``sum_k c_k x_{t-k}`` from the last b - 1 values it
-    keeps (zero before the first step). Its ``history`` (rows newest first) is the client's own state."""
+    keeps (zero before the first step, and for a step it missed: :meth:`skip`). Its ``history`` (rows newest first)
+    is the client's own state."""
 
     def __init__(self, coefficients, history=None):
         self.c = np.asarray(coefficients, dtype=np.float64)
         self.history = None if history is None else np.asarray(history, dtype=np.float64)
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps passed without a value (a round the client missed): each counts as x = 0, so the next
+        value is mixed with the right coefficients (c_k for the value k steps back, absolute steps)."""
+        b = len(self.c)
+        if steps <= 0 or self.history is None or b == 1:
+            return
+        zeros = np.zeros((min(int(steps), b - 1), *self.history.shape[1:]))
+        self.history = np.concatenate([zeros, self.history])[:b - 1]
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)
@@ -141,6 +151,10 @@ class BandedDecoder:
     @property
     def history(self):
         return self.encoder.history
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps passed without a released value (an aborted round): decoded as zeros."""
+        self.encoder.skip(steps)
 
     def decode(self, y: np.ndarray) -> np.ndarray:
         c, enc = self.encoder.c, self.encoder

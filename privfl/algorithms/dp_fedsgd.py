@@ -63,7 +63,10 @@ models, SGD with the run's momentum, over the run's rounds; public, computed fro
 fresh every round, placed as below; the server decodes ``x_hat = C^{-1} y`` (post-processing), so its model sees
 noise C^{-1} z, correlated across rounds. A record's participations are b rounds apart and touch disjoint blocks of
 b rows, each one Poisson-sampled Gaussian at rate b q: ceil(rounds / b) such events meet the target
-(``Channel.record_bands``). b q must be at most 1. Refused with adaptive clipping and the Laplace posterior.
+(``Channel.record_bands``). b q must be at most 1. Refused with adaptive clipping and the Laplace posterior. A
+client that drops out of a round under secure aggregation still mixes that round's sum into its next b - 1 values,
+which the server decodes without it: a bias in those rounds' decoded sums (utility), never a release the ledger does
+not hold.
 
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
 (``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
@@ -118,7 +121,7 @@ class DPFedSGD(FedAvg):
     default_unit = "example"  # record-level by construction: every example's gradient is clipped
     broadcast_state = ("global_params",)
     # the optimiser's moments, the posterior's moments, the banded decoder's last rounds
-    server_only_state = ("_optimizer_state", "_trajectory", "_decoded")
+    server_only_state = ("_optimizer_state", "_trajectory", "_decoded", "_decoded_round")
     # logistic regression on 2x2-pooled images (fewer weights, less total noise); lr is the server's step size
     defaults = {"hidden": (), "pool": 2, "lr": 0.5, "clip": 1.0}
     adaptive_clipping = True  # PrivacyConfig.clip_quantile: the clip follows a quantile of the record norms
@@ -205,6 +208,7 @@ class DPFedSGD(FedAvg):
         #: client -> {"groups": each record's group, "history": its last b - 1 boxed sums, newest first}
         self._banded: dict[int, dict] = {}
         self._decoded: np.ndarray | None = None  # the server's last b - 1 decoded sums, newest first
+        self._decoded_round = -1  # the round of the newest
         self.band_coefficients = np.ones(1)
         self.sample_rate = 1.0
         self.expected_lot = 1.0
@@ -261,6 +265,7 @@ class DPFedSGD(FedAvg):
         self._trajectory = None
         self._banded = {}
         self._decoded = None
+        self._decoded_round = -1
         #: the accounting's relation (class-weighted sampling is sound under add/remove only)
         self._relation = self.privacy.adjacency if self.privacy.private else "add_remove"
         if self.class_weights is not None:  # refused here, before anything is charged
@@ -367,7 +372,7 @@ class DPFedSGD(FedAvg):
             if state is None:  # each record's group, uniform and independent: the same for every neighbour
                 state = self._banded[client] = {
                     "groups": torch.randint(self.bands, (n,), generator=generator, dtype=torch.int16).numpy(),
-                    "history": np.zeros((0, self.dim))}
+                    "history": np.zeros((0, self.dim)), "round": -1}
             if len(state["groups"]) != n:
                 raise ConfigurationError("dp_fedsgd: a client's records changed during a banded run (its groups "
                                          "were drawn at its first round); keep each client's records for the run")
@@ -442,12 +447,14 @@ class DPFedSGD(FedAvg):
                 np.clip(traces, -self.bound * self.privacy.clip, self.bound * self.privacy.clip, out=traces)
         return out, traces
 
-    def _output(self, value: np.ndarray, trace: np.ndarray | None, client: int | None = None) -> ClientOutput:
-        if self.bands > 1:  # the banded mixture of the client's boxed sums (its history is its own state)
+    def _output(self, value: np.ndarray, trace: np.ndarray | None, client: int | None = None,
+                round: int = 0) -> ClientOutput:
+        if self.bands > 1:  # the banded mixture of the client's boxed sums by absolute round (its own state)
             state = self._banded[client]
             encoder = BandedEncoder(self.band_coefficients, state["history"] if len(state["history"]) else None)
+            encoder.skip(round - int(state["round"]) - 1)  # rounds it missed count as zero sums
             mixed = encoder.encode(value)
-            state["history"] = encoder.history
+            state["history"], state["round"] = encoder.history, int(round)
             return ClientOutput({"gradient_sum": ClippedValue(mixed, self.privacy.clip, "sum")}, weight=1.0)
         if self.adaptive:
             return ClientOutput({"gradient_sum": ClippedValue(value, 1.0, "sum"),
@@ -482,7 +489,7 @@ class DPFedSGD(FedAvg):
             sums, traces = self._gradient_sums(lots[lo:lo + step],
                                                None if generators is None else generators[lo:lo + step])
             for row, k in enumerate(clients[lo:lo + step]):
-                yield k, self._output(sums[row], None if traces is None else traces[row], k)
+                yield k, self._output(sums[row], None if traces is None else traces[row], k, round)
 
     # -- the server step -----------------------------------------------------------------------------------------
 
@@ -492,8 +499,9 @@ class DPFedSGD(FedAvg):
         total = np.asarray(agg.total, dtype=np.float64)
         if self.bands > 1:  # x_hat = C^{-1} y, row by row (post-processing of the released stream)
             decoder = BandedDecoder(self.band_coefficients, self._decoded)
+            decoder.skip(round - self._decoded_round - 1)  # aborted rounds: nothing released, decoded as zeros
             total = decoder.decode(total)
-            self._decoded = decoder.history
+            self._decoded, self._decoded_round = decoder.history, int(round)
         gradient = total / self.expected_lot
         if self.adaptive:  # the sum was released in units of the round's clip
             gradient = gradient * self.current_clip

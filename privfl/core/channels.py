@@ -185,10 +185,12 @@ class Channel:
     participation, ``privfl.mechanisms.matrix_factorization``): the client's records are split at random into b
     groups, group ``t mod b`` is the one sampled (at ``record_sampling_rate``) in round t, and the value is the
     client's banded mixture ``sum_{k < b} c_k x_{t-k}`` of its rounds' sums (``||c|| = 1``). One record's
-    participations then touch disjoint blocks of b rounds, each a Poisson-sampled Gaussian of the channel's
-    sensitivity (Choquette-Choo et al., NeurIPS 2023): the pipeline charges that event in rounds ``t = 0 mod b`` and
-    a no-op in the b - 1 rounds after (covered by it), so every prefix of the run is charged ceil(t / b) such events,
-    at least the blocks any record's group has begun; the run plan calibrates ceil(rounds / b) of them.
+    participations then touch disjoint runs of b rounds (the client mixes by absolute round: a round it missed
+    counts as a zero sum), each a Poisson-sampled Gaussian of the channel's sensitivity (Choquette-Choo et al.,
+    NeurIPS 2023), and a record takes part at most once in each block of rounds k b to k b + b - 1 (its group's
+    round), only in a round its client released. The pipeline charges that event at the client's first release in a
+    block and a no-op at its other releases there (``ReleasePipeline.opens_block``), so a client is charged one event
+    per block it released in: ceil(rounds / b) in a full run, which the run plan calibrates.
     """
 
     name: str
@@ -232,11 +234,6 @@ class Channel:
         if b > 1 and self.unit != "example":
             raise InvalidRelease(f"channel {self.name}: banded participation separates a record's rounds; it needs "
                                  f"unit='example', got {self.unit!r}")
-
-    def charged_in(self, round: int) -> bool:
-        """Whether ``round`` is charged this channel's event (every round, or the first round of each block of
-        ``record_bands``; see the class docstring)."""
-        return int(round) % self.record_bands == 0
 
     @property
     def record_sampled(self) -> bool:

@@ -277,7 +277,7 @@ class RunPlan:
                     return None
                 events[c.name] = trained[c.name]
             else:
-                events[c.name] = pipe.event_for(c.name)
+                events[c.name] = pipe.event_for(c.name)  # a banded channel: its block's event
         return events
 
 

@@ -160,11 +160,12 @@ class ReleasePipeline:
         self._noise_after_charge = placement == "local" and any(m is not None for m in self.mechanisms.values())
         self._buffers: dict[str, np.ndarray] = {}  # per channel: the float64 array the last release was made in
         self._fixed_requests: dict[tuple[bool, ...], list[ChargeRequest]] = {}  # see _requests
+        self._opened: dict[str, int] = {}  # banded channel -> the last block this client's ledger holds a charge in
 
-    def event_for(self, name: str, value: object = None, round: int | None = None) -> PrivacyEvent:
-        """The event one release of channel ``name`` in ``round`` costs (the ledger charges exactly this). A banded
-        channel (``Channel.record_bands``) is charged its block's event in the block's first round and a no-op in the
-        others; ``round=None``: the block's event."""
+    def event_for(self, name: str, value: object = None, opens: bool = True) -> PrivacyEvent:
+        """The event one release of channel ``name`` costs (the ledger charges exactly this). A banded channel
+        (``Channel.record_bands``) is charged its block's event by the client's first release in a block of b
+        rounds (``opens``, :meth:`opens_block`) and a no-op by its other releases in the block."""
         mech = self.mechanisms[name]
         if isinstance(self.channels[name].clip, TrainedPrivately):
             if not isinstance(value, PrivatizedValue):
@@ -172,8 +173,8 @@ class ReleasePipeline:
             return value.event
         if mech is None:
             return NonPrivateEvent()
-        if round is not None and not self.channels[name].charged_in(round):
-            return NoOpEvent()  # covered by the charge of the block's first round (Channel.record_bands)
+        if not opens and self.channels[name].record_bands > 1:
+            return NoOpEvent()  # covered by this client's block charge (Channel.record_bands)
         if self.placement == "distributed":
             if name not in self.distributed_events:
                 raise InvalidRelease(f"no distributed-noise event planned for channel {name}")
@@ -194,16 +195,36 @@ class ReleasePipeline:
         """Whether rounds are charged as Poisson-sampled events (see the class docstring)."""
         return amplifies(self.sampling_rate, self.privacy_unit, self.placement)
 
+    def opens_block(self, name: str, round: int) -> bool:
+        """Whether this client's release of banded channel ``name`` in ``round`` is its first in the round's block of
+        b rounds (rounds k b to k b + b - 1): the ledger holds no charge of the channel for this client in the block
+        before ``round``. A record takes part at most once per block (its group's round), only in a round its client
+        released, so one block event per block a client released in covers every record's participations, whatever
+        rounds the client missed (dropped out, sat out past its budget: a refused block charge leaves the block
+        unopened). Always True for other channels. Read from the ledger, so a pipeline rebuilt every round (a
+        deployment's client) decides as one kept for the run."""
+        b = self.channels[name].record_bands
+        if b == 1:
+            return True
+        block = int(round) // b
+        if self._opened.get(name) == block:
+            return False
+        start = block * b
+        if any(c.channel == name and start <= c.round < int(round) for c in self.ledger.charges(self.client_id)):
+            self._opened[name] = block
+            return False
+        return True
+
     def _requests(self, round: int, values: Mapping[str, object] | None = None) -> list[ChargeRequest]:
         """Round ``round``'s charge requests, in channel order. Without a DP-SGD-trained channel they depend on the
-        pipeline's fixed configuration and on whether the round opens a block of a banded channel only, so each
-        list is built once and reused (the requests are frozen)."""
-        phase = tuple(ch.charged_in(round) for ch in self.channels.values())
+        pipeline's fixed configuration and on which banded channels the round opens a block of only, so each list is
+        built once and reused (the requests are frozen)."""
+        phase = tuple(self.opens_block(name, round) for name in self.channels)
         if phase in self._fixed_requests:
             return self._fixed_requests[phase]
         values = values or {}
-        requests = [ChargeRequest(name, self.event_for(name, values.get(name), round), ch.unit)
-                    for name, ch in self.channels.items()]
+        requests = [ChargeRequest(name, self.event_for(name, values.get(name), opens), ch.unit)
+                    for (name, ch), opens in zip(self.channels.items(), phase)]
         if not any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
             self._fixed_requests[phase] = requests
         return requests
@@ -274,6 +295,9 @@ class ReleasePipeline:
         marked = mark and not self._noise_after_charge
         requests = self._requests(round, validated)
         charges = {c.channel: c for c in self.ledger.charge_all(self.client_id, round, requests, release=marked)}
+        for name, ch in self.channels.items():
+            if ch.record_bands > 1:
+                self._opened[name] = int(round) // ch.record_bands
         releases = {}
         for name, ch in self.channels.items():
             mech = self.mechanisms[name]

@@ -259,7 +259,7 @@ def _dp_fedsgd_banded(trials: int = 30_000, epsilon: float = 4.0, delta: float =
         streams.append(np.stack(rows, axis=1))  # trials x rounds x d
     accountant = make_accountant("pld")
     for rnd in range(bands):
-        accountant.compose(sim.pipelines[0].event_for(channel.name, None, rnd))
+        accountant.compose(sim.pipelines[0].event_for(channel.name, None, opens=rnd == 0))
     std = sim.plan.noise_multipliers[channel.name] * channel.sensitivity
     return streams, sim.algorithm.band_coefficients, std, accountant.get_epsilon(delta)
 

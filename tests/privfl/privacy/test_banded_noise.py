@@ -82,6 +82,27 @@ def test_the_decoder_inverts_the_encoder_and_bad_arguments_are_refused():
             banded_toeplitz(**bad)
 
 
+def test_missed_steps_count_as_zero_sums_on_both_sides():
+    """A client that misses rounds mixes by absolute round (``skip``): what it sends is C x with the missed rounds'
+    x = 0, so a value enters only the b rows from its own round on; the server, skipping the same rounds, decodes the
+    values exactly."""
+    c = banded_toeplitz(12, 4)
+    rng = np.random.default_rng(1)
+    xs = rng.normal(size=(12, 3))
+    ran = [0, 1, 3, 4, 8, 9, 10]  # rounds 2, 5-7 and 11 missed
+    full = np.zeros_like(xs)
+    full[ran] = xs[ran]
+    expected = _toeplitz(c, 12) @ full
+    enc, dec, last = BandedEncoder(c), BandedDecoder(c), -1
+    for t in ran:
+        enc.skip(t - last - 1)
+        dec.skip(t - last - 1)
+        y = enc.encode(xs[t])
+        assert np.allclose(y, expected[t])
+        assert np.allclose(dec.decode(y), xs[t])
+        last = t
+
+
 def _data(seed=0, extra=False):
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(DIM, CLASSES))
@@ -259,3 +280,44 @@ def test_a_non_private_run_ignores_the_bands():
     cfg = PrivacyConfig(epsilon=math.inf, unit="example")
     alg = ALGORITHMS["dp_fedsgd"](fed, cfg, bands=2)
     assert alg.bands == 1
+
+
+def test_a_client_that_misses_a_blocks_first_round_is_charged_at_its_first_release_in_the_block():
+    """The block's event is charged by the client's first release in each block of b rounds, whatever rounds it
+    missed (a dropped node, a round sat out): bands 4, client 0 releasing in rounds 1, 2, 5 and 9 only is charged
+    the block event in rounds 1, 5 and 9 and a no-op in round 2; each of its values mixes by absolute round."""
+    sim = _run(bands=4, rounds=10)
+    sim.prepare()
+    for rnd in (1, 2, 5, 9):
+        sim.client_step(0, rnd)
+    kinds = {c.round: c.event.kind for c in sim.ledger.charges("0")}
+    assert kinds == {1: "poisson_sampled", 2: "noop", 5: "poisson_sampled", 9: "poisson_sampled"}
+    assert _groups(sim, 0) is not None and sim.client_states[0]["_banded"]["round"] == 9
+    # a pipeline rebuilt in the middle of a block (a deployment's client, a fresh process each round) reads the
+    # block's charge from the ledger: no second block event
+    fresh = sim.plan.pipeline(0, sim.ledger, 0)
+    assert not fresh.opens_block("gradient_sum", 10) and fresh.opens_block("gradient_sum", 12)
+
+
+def test_a_refused_block_charge_leaves_the_block_unopened():
+    """A client whose block charge is refused (its budget spent, e.g. by an earlier run on the same ledger) sits the
+    round out, and its next release in the block is refused as the block's opening too: no value of the block goes
+    out on a no-op."""
+    from privfl.accounting.ledger import PrivacyBudgetExceeded
+
+    sim = _run(bands=4, rounds=10)
+    sim.prepare()
+    pipe = sim.pipelines[0]
+    assert pipe.opens_block("gradient_sum", 0)
+    real = sim.ledger.charge_all
+
+    def refuse(client, rnd, requests, **kw):
+        if any(r.event.kind != "noop" for r in requests):
+            raise PrivacyBudgetExceeded("spent")
+        return real(client, rnd, requests, **kw)
+
+    sim.ledger.charge_all = refuse
+    for rnd in (0, 1):
+        with pytest.raises(PrivacyBudgetExceeded):
+            sim.client_step(0, rnd)
+    assert sim.ledger.charges("0") == [] and pipe.opens_block("gradient_sum", 2)
