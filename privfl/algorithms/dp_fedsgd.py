@@ -63,10 +63,12 @@ models, SGD with the run's momentum, over the run's rounds; public, computed fro
 fresh every round, placed as below; the server decodes ``x_hat = C^{-1} y`` (post-processing), so its model sees
 noise C^{-1} z, correlated across rounds. A record's participations are b rounds apart and touch disjoint blocks of
 b rows, each one Poisson-sampled Gaussian at rate b q: ceil(rounds / b) such events meet the target
-(``Channel.record_bands``). b q must be at most 1. Refused with adaptive clipping and the Laplace posterior. A
-client that drops out of a round under secure aggregation still mixes that round's sum into its next b - 1 values,
-which the server decodes without it: a bias in those rounds' decoded sums (utility), never a release the ledger does
-not hold.
+(``Channel.record_bands``; a client is charged at its first release in each block of b rounds, whatever rounds it
+missed). b q must be at most 1. Refused with adaptive clipping and the Laplace posterior. Clients and server mix
+and decode by absolute round (a missed or aborted round is a zero sum). A client whose round sum the server never
+decodes (it dropped out under secure aggregation after computing it) still mixes it into its next b - 1 values: a
+bias in those rounds' decoded sums (utility); privacy is unaffected (the sum touches only its own b rounds, and its
+block is charged).
 
 z is the smallest noise multiplier for which ``rounds`` such events meet (epsilon, delta) under the run's accountant
 (``privfl.core.plan.noise_multipliers_for``: one search). Nothing private leaves a client outside its channel: the
