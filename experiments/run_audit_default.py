@@ -40,7 +40,6 @@ from privfl.apps.run_audit import audit_run
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_trajectory_posterior import pool_map, publish  # noqa: E402
 
-OUT = "experiments/results"
 CONFIG = "experiments/configs/default.toml"
 EPSILONS = (1.0, 3.0, 8.0)
 SEEDS = (0, 1, 2)
