@@ -409,37 +409,25 @@ def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit,
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
-#: adaptive clipping (issue 29): DP-FedSGD's records' gradients clipped to the round's clip and released over it
-#: (norm <= 1), and their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 (both sensitivities) and
-#: sampled (one event per lot); DP-SGD FedAvg's clients' step clips following their own norms (the step's event
-#: unchanged); under each relation and placement, with and without secure aggregation
-ADAPTIVE_GRID = [(name, "example", adjacency, placement, secure, False)
-                 for name, adjacency, placement, secure in itertools.product(
-                     ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled", "dpsgd_fedavg_adaptive"),
-                     ("add_remove", "replace_one"),
-                     ("local", "central", "distributed"), (False, True))
-                 if secure or placement != "distributed"]
+#: issue 29's record-level mechanisms, under each relation and placement, with and without secure aggregation:
+#: adaptive clipping (DP-FedSGD's records' gradients clipped to the round's clip and released over it, norm <= 1, and
+#: their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 and sampled; DP-SGD FedAvg's clients' step
+#: clips following their own norms, the step's event unchanged) and DP-FedSGD's correlated noise (bands = 2: round 0
+#: opens a block, charged the group's sampled event at 2 q; the rounds after it and the mixing of a client's sums are
+#: checked in tests/privfl/privacy/test_banded_noise.py)
+MECHANISM_GRID = [(name, "example", adjacency, placement, secure, False)
+                  for name, adjacency, placement, secure in itertools.product(
+                      ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled", "dpsgd_fedavg_adaptive",
+                       "dp_fedsgd_banded"),
+                      ("add_remove", "replace_one"),
+                      ("local", "central", "distributed"), (False, True))
+                  if secure or placement != "distributed"]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", ADAPTIVE_GRID,
-                         ids=["-".join(map(str, g)) for g in ADAPTIVE_GRID])
-def test_dp_fedsgd_with_adaptive_clipping_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
-    test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
-
-
-#: DP-FedSGD with correlated noise (bands = 2): round 0 opens a block, charged the group's sampled event at 2 q (the
-#: rounds after it, and the mixing of a client's sums, are checked in tests/privfl/privacy/test_banded_noise.py)
-BANDED_GRID = [("dp_fedsgd_banded", "example", adjacency, placement, secure, False)
-               for adjacency, placement, secure in itertools.product(
-                   ("add_remove", "replace_one"), ("local", "central", "distributed"), (False, True))
-               if secure or placement != "distributed"]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", BANDED_GRID,
-                         ids=["-".join(map(str, g)) for g in BANDED_GRID])
-def test_dp_fedsgd_with_banded_noise_keeps_the_contract(name, unit, adjacency, placement, secure, sampling):
+@pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", MECHANISM_GRID,
+                         ids=["-".join(map(str, g)) for g in MECHANISM_GRID])
+def test_adaptive_clipping_and_banded_noise_keep_the_contract(name, unit, adjacency, placement, secure, sampling):
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
 
 
