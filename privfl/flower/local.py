@@ -452,11 +452,10 @@ class LocalDeployment:
         return proc
 
     def close(self) -> None:
-        for proc in self.workers:
-            if proc is not None:
-                _stop(proc)
-        for proc in reversed(self.procs):
-            _stop(proc)
+        # every process but the SuperLink at once (each SuperNode says goodbye to the SuperLink as it ends, so they
+        # end together in about the time one takes), then the SuperLink
+        _stop_all([proc for proc in self.workers if proc is not None] + list(reversed(self.procs[1:])))
+        _stop_all(self.procs[:1])
 
     def __enter__(self) -> "LocalDeployment":
         try:
@@ -485,22 +484,35 @@ def _die_with_parent() -> None:
 
 def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """End the process group ``proc`` leads (it was started in a new session): SIGTERM, then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    _stop_all([proc], grace)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """End the process groups ``procs`` lead, together: SIGTERM to each, up to ``grace`` seconds for all of them to
+    end, SIGKILL to any left; then SIGKILL to each group, so that no child of a group whose leader has ended
+    (SuperExec, ClientApp) is left behind."""
+
+    def signal_group(proc, sig):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    for proc in procs:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)
+    for proc in procs:
         try:
             proc.wait(timeout=grace)
-            if sig == signal.SIGTERM:
-                # the leader is gone; make sure no child of its group (SuperExec, ClientApp) is left behind
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
 
 
 __all__ = ["CONNECTION", "Credentials", "LocalDeployment", "free_ports", "make_credentials", "write_ca",

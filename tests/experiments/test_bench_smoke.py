@@ -102,13 +102,16 @@ def printed_keys(stdout: str) -> set[str]:
 
 
 def run_benchmark(command: list[str]) -> str:
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (f"{' '.join(command[1:])} exited with {proc.returncode}\n"
                                   f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc.stdout
 
 
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+# bench_flower.py's smallest configuration starts five loopback deployments and Ray (three to four minutes on 2 cores):
+# make test-all (CI time); test_benchmark_completes_without_flwr runs its in-process part in make test
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "bench_flower.py" else n
+                                  for n in sorted(BENCHMARKS)])
 def test_benchmark_smallest_configuration(name):
     flags, keys = BENCHMARKS[name]
     stdout = run_benchmark([sys.executable, f"experiments/{name}", *flags])

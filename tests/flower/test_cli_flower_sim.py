@@ -118,6 +118,7 @@ def test_audit_of_a_folder_composes_the_clients_own_ledgers(capsys, tmp_path):
     assert code == 2 and "--run-id" in err and "other" in err
 
 
+@pytest.mark.slow  # make test-all (CI time): Ray's start-up, about two minutes
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAS_ENGINE, reason="Flower's Simulation Engine is not installed (pip install "
                                            "'privfl[flower]')")

@@ -35,11 +35,11 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env, write_orgs, fast_supernode):
+def deployment(federation, tmp_path_factory, write_orgs, quick_deployment):
     work = tmp_path_factory.mktemp("flower")
     configs = write_orgs(federation, work)
-    # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (experiments/fast_supernode.py)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_command=fast_supernode) as dep:
+    # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (conftest.QUICK)
+    with quick_deployment(work, configs) as dep:
         yield dep
     assert all(p.poll() is not None for p in dep.procs)
 
@@ -83,6 +83,7 @@ def test_fedavg_deployment_equals_in_process(deployment, federation, in_process_
         assert result["audits"][str(k)]["releases"] == ROUNDS
 
 
+@pytest.mark.slow  # make test-all (CI time): the secure deployment keeps DP noise on Flower in make test
 def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federation, in_process_reference, _deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
@@ -99,6 +100,7 @@ def test_dp_fedavg_local_noise_deployment_equals_in_process(deployment, federati
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
 
 
+@pytest.mark.slow  # make test-all (CI time): test_resume.py checks the checkpoint and ledger logic in process
 def test_a_resumed_run_continues_from_the_checkpoint_and_equals_an_uninterrupted_run(deployment, federation,
                                                                                    in_process_reference, _deploy):
     """Resume (issue 31): a run id launched with 2 rounds, then again with 3. The second ``flwr run`` resumes at round
@@ -121,6 +123,7 @@ def test_a_resumed_run_continues_from_the_checkpoint_and_equals_an_uninterrupted
         assert audit["releases"] == 3  # each round released once over the two launches
 
 
+@pytest.mark.slow  # make test-all (CI time): test_resume.py checks pause and resume in process
 def test_a_paused_private_run_resumes_and_equals_an_uninterrupted_run(deployment, federation, in_process_reference):
     """Pause and resume (issue 31): DP-FedAvg with seeded local noise, 3 rounds planned, launched with
     ``--run-config pause-after=2`` (the plan stays that of 3 rounds), then launched again: the second launch resumes at
@@ -235,6 +238,7 @@ def test_fedbnn_deployed_equals_in_process(deployment, federation, in_process_re
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+@pytest.mark.slow  # make test-all (CI time): client sampling's neighbouring tests run in process
 def test_client_sampling_deployed_equals_in_process(deployment, federation, in_process_reference, _deploy):
     """Poisson client sampling with central noise (amplified): the server draws the run plan's sampling stream as the
     in-process runtime does, sends the round to the sampled organisations only, and every left-out member charges its
@@ -338,6 +342,7 @@ def _rows(path, run_id):
         ledger.close()
 
 
+@pytest.mark.slow  # make test-all (CI time): three launches on stock SuperNodes, about three minutes
 def test_a_supernode_killed_mid_run_aborts_then_restarted_resumes_within_budget(federation, tmp_path, write_orgs):
     """Organisation 2's SuperNode (and its ClientApp) is killed once its ledger holds the release of round 0: for the
     round in flight the ServerApp gets Flower's "node unavailable" error reply (or no reply within its round timeout)

@@ -28,7 +28,6 @@ from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.data import federated_from_arrays  # noqa: E402
 from privfl.data.offline import load_diabetes  # noqa: E402
 from privfl.flower.app import RunSpec  # noqa: E402
-from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
 from privfl.runtime.phases import composed_audit, phase_runs_of  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
@@ -78,11 +77,11 @@ def federation():
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env, write_orgs):
+def deployment(federation, tmp_path_factory, quick_deployment, write_orgs):
     work = tmp_path_factory.mktemp("fedbnr")
     configs = write_orgs(federation, work)
     np.savez(work / "test.npz", x=federation.test.x, y=federation.test.y)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True) as dep:  # warm workers (privfl.flower.warm)
+    with quick_deployment(work, configs) as dep:  # warm workers (privfl.flower.warm)
         yield dep
     assert all(p.poll() is not None for p in dep.procs)
 
@@ -194,6 +193,7 @@ def test_fedbnr_with_kernel_learning_deployed_equals_in_process(deployment, fede
     assert result["state"] == {}  # phase 2 broadcasts nothing: its clients need only the kernel
 
 
+@pytest.mark.slow  # make test-all (CI time): FedBNR under secure aggregation is tested in process
 @pytest.mark.timeout(600)
 def test_fedbnr_under_secure_aggregation_deployed_equals_in_process(deployment, federation, repro_env, _deploy):
     """One round of each phase under secure aggregation, each client noising its own release (seeded): each client

@@ -45,21 +45,21 @@ def test_a_missing_result_is_a_failure(tmp_path, monkeypatch):
     assert launch.run([], out=io.StringIO()) == 2
 
 
+@pytest.mark.slow  # make test-all (CI time): the launcher's exit codes are tested on a fake flwr above
 @pytest.mark.timeout(300)
-def test_a_failed_deployment_exits_non_zero(federation, tmp_path, repro_env, write_orgs):
+def test_a_failed_deployment_exits_non_zero(federation, tmp_path, quick_deployment, write_orgs):
     """A real loopback run whose organisation 1 has no data file: its ClientApp fails, the ServerApp raises, and
     the launcher exits with Flower's code 201 where flwr run exits 0."""
     pytest.importorskip("flwr")
     from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.flower.app import RunSpec, write_app
-    from privfl.flower.local import LocalDeployment
 
     configs = write_orgs(federation, tmp_path)
     configs[1]["data-path"] = str(tmp_path / "missing.npz")
     fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=1)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="fails", node_wait=60, round_timeout=60)
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=str(tmp_path / "result.bin"))
         proc = subprocess.run([sys.executable, "-m", "privfl.flower.launch", app, "privfl-local",
                                "--expect-result", str(tmp_path / "result.bin")], capture_output=True, text=True,
@@ -114,8 +114,9 @@ def test_the_launcher_fails_when_the_stream_carried_no_result(tmp_path, monkeypa
     assert launch.run(["--from-log", "3", "--result", str(tmp_path / "r.bin")], out=io.StringIO()) == 1
 
 
+@pytest.mark.slow  # make test-all (CI time): the launcher's stream parsing is tested above
 @pytest.mark.timeout(300)
-def test_the_coordinator_gets_the_result_through_flower(federation, tmp_path, repro_env, write_orgs):
+def test_the_coordinator_gets_the_result_through_flower(federation, tmp_path, quick_deployment, write_orgs):
     """A real loopback run: the coordinator's ``--result`` copy, carried by Flower's log stream, is the result the
     ServerApp wrote on the SuperLink's host, byte for byte; so is the one ``--from-log`` reads from the run's stored
     log afterwards."""
@@ -124,14 +125,13 @@ def test_the_coordinator_gets_the_result_through_flower(federation, tmp_path, re
 
     from privfl.core.config import FederationConfig, PrivacyConfig
     from privfl.flower.app import RunSpec, read_result, write_app
-    from privfl.flower.local import LocalDeployment
 
     configs = write_orgs(federation, tmp_path)
     fed = FederationConfig(rounds=1, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=1)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="fetched", node_wait=60, round_timeout=60)
     on_host, here, later = (str(tmp_path / name) for name in ("host.bin", "coordinator.bin", "later.bin"))
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=on_host)
         proc = subprocess.run([sys.executable, "-m", "privfl.flower.launch", app, "privfl-local", "--result", here],
                               capture_output=True, text=True, env=dep.env, cwd=dep.workdir, timeout=240)

@@ -25,7 +25,6 @@ pytest.importorskip("flwr")
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
-from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
 N_CLIENTS = 3
@@ -98,13 +97,14 @@ def _spec(federation, public, run_id, secure=SECURE, placement="local"):
                       secure=secure, identities=public)
 
 
+@pytest.mark.slow  # make test-all (CI time): dropout recovery is tested in process (tests/secure_agg)
 @pytest.mark.timeout(400)
-def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(federation, tmp_path, repro_env,
-                                                                               write_orgs, run_killing_after_share_keys):
+def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(
+        federation, tmp_path, quick_deployment, write_orgs, run_killing_after_share_keys):
     configs, public = _configs(federation, tmp_path, write_orgs)
     spec = _spec(federation, public, "malicious-kill")
     victim = 2
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         result_path = run_killing_after_share_keys(dep, spec, tmp_path, victim, RUN_TIMEOUT)
     result = read_result(result_path)
     (round0,) = result["history"]
@@ -119,11 +119,11 @@ def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(f
 
 
 @pytest.mark.timeout(400)
-def test_an_active_server_substituting_keys_learns_nothing(federation, tmp_path, repro_env, write_orgs, deploy):
+def test_an_active_server_substituting_keys_learns_nothing(federation, tmp_path, quick_deployment, write_orgs, deploy):
     configs, public = _configs(federation, tmp_path, write_orgs)
     spec = _spec(federation, public, "malicious-substitution")
     result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
         with open(os.path.join(app, "privfl_flower_app.py"), "w") as f:
             f.write(ACTIVE_SERVER_APP)
@@ -145,12 +145,12 @@ def test_an_active_server_substituting_keys_learns_nothing(federation, tmp_path,
 
 
 @pytest.mark.timeout(300)
-def test_supernodes_refuse_a_weaker_or_semi_honest_run_than_their_federation_file(federation, tmp_path, repro_env,
-                                                                                  write_orgs, deploy):
+def test_supernodes_refuse_a_weaker_or_semi_honest_run_than_their_federation_file(federation, tmp_path,
+                                                                                  quick_deployment, write_orgs, deploy):
     configs, public = _configs(federation, tmp_path, write_orgs)
     weaker = _spec(federation, public, "weaker", secure=SecureAggregation(bits=48, malicious=True, dropout=0.0))
     semi_honest = _spec(federation, public, "semi", secure=SecureAggregation(bits=48, malicious=False))
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         for spec in (weaker, semi_honest):
             app = write_app(str(tmp_path / f"app-{spec.run_id}"), spec,
                             result_path=str(tmp_path / f"{spec.run_id}.bin"))

@@ -12,7 +12,6 @@ pytest.importorskip("flwr")
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.errors import ConfigurationError  # noqa: E402
 from privfl.flower.app import SPEC_KEY, RunSpec, read_result, read_run_spec, write_app  # noqa: E402
-from privfl.flower.local import LocalDeployment  # noqa: E402
 
 
 def _spec(federation, rounds=2):
@@ -32,12 +31,13 @@ def test_overrides_apply_to_the_spec_and_bad_ones_are_refused(federation):
         read_run_spec({**config, "rounds": -3})
 
 
+@pytest.mark.slow  # make test-all (CI time): the overrides are tested on the spec above
 @pytest.mark.timeout(300)
-def test_flwr_run_config_overrides_rounds_and_run_id(federation, tmp_path, repro_env, write_orgs):
+def test_flwr_run_config_overrides_rounds_and_run_id(federation, tmp_path, quick_deployment, write_orgs):
     spec = _spec(federation, rounds=3)
     configs = write_orgs(federation, tmp_path)
     result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
         dep.run(app, timeout=240, run_config="rounds=1 run-id='short'")
     assert os.path.exists(result_path), open(tmp_path / "flwr-run.log", errors="replace").read()[-3000:]

@@ -44,8 +44,9 @@ N_CLIENTS, ROUNDS = 3, 2
 #: the client whose ledger holds an earlier charge: room for one of the run's rounds, not two
 EXHAUSTED = "2"
 HAS_ENGINE = importlib.util.find_spec("flwr") is not None and importlib.util.find_spec("ray") is not None
-RUNTIMES = ["inprocess", pytest.param("flower-sim", marks=pytest.mark.skipif(
-    not HAS_ENGINE, reason="Flower's Simulation Engine is not installed (pip install 'privfl[flower]')"))]
+# flower-sim: make test-all (CI time: Ray's start-up, about two minutes a case)
+RUNTIMES = ["inprocess", pytest.param("flower-sim", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not HAS_ENGINE, reason="Flower's Simulation Engine is not installed (pip install 'privfl[flower]')")])]
 
 #: name -> (algorithm, federation, privacy); the private case's noise is seeded so both runtimes draw the same
 CASES = {

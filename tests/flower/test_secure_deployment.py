@@ -25,7 +25,6 @@ pytest.importorskip("flwr")
 from privfl.accounting.ledger import PrivacyLedger  # noqa: E402
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result  # noqa: E402
-from privfl.flower.local import LocalDeployment  # noqa: E402
 from privfl.flower.records import from_bytes  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
@@ -85,13 +84,14 @@ def _audit(path, run_id, k):
     return audit["clients"].get(str(k))
 
 
-def _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy):
+def _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy,
+                                                    quick_deployment):
     """The organisations' node configs, the in-process reference (its own process) and the deployment's result
     (3 warm SuperNodes under ``tmp_path``) of a two-round run that no round may abort on either runtime."""
     configs = write_orgs(federation, tmp_path)
     reference = _reference(spec, tmp_path, repro_env)
     assert reference["aborted"] == [False, False]
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         result = deploy(dep, spec, spec.run_id, RUN_TIMEOUT)
     assert [(h["participants"], h["aborted"]) for h in result["history"]] == [(N_CLIENTS, False)] * 2
     return configs, reference, result
@@ -99,13 +99,14 @@ def _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy
 
 @pytest.mark.timeout(400)
 def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path, repro_env,
-                                                                             write_orgs, deploy):
+                                                                             write_orgs, deploy, quick_deployment):
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="distributed",
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="dpfedavg-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy)
+    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy,
+                                                    quick_deployment)
     got, expected = result["state"]["global_params"], reference["state"]["global_params"]
     # each client's encoding draws from its own generator on both runtimes: the same words, the same sum
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
@@ -123,8 +124,8 @@ def test_dp_fedavg_distributed_noise_under_secure_aggregation_equals_in_process(
 
 @pytest.mark.slow  # make test-all: the DP-FedAvg deployment above keeps distributed noise under secure aggregation in make test
 @pytest.mark.timeout(400)
-def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(federation, tmp_path,
-                                                                                       repro_env, write_orgs, deploy):
+def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_process(
+        federation, tmp_path, repro_env, write_orgs, deploy, quick_deployment):
     """FOLA at client level: its two channels (the changes of the natural mean and of the precision) have norm
     clips, so their quantiser ranges are public; each round runs secure_agg's stages over Flower messages and the
     server's posterior equals the in-process run's up to quantisation (the same words on both runtimes)."""
@@ -133,7 +134,8 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
                             accountant="zcdp", secure_noise=False)
     spec = RunSpec.of("fola", federation, fed, privacy, run_id="fola-secagg", node_wait=60,
                       round_timeout=120, secure=SecureAggregation(bits=48, malicious=False))
-    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy)
+    configs, reference, result = _deploy_two_rounds(spec, federation, tmp_path, repro_env, write_orgs, deploy,
+                                                    quick_deployment)
     assert set(result["state"]) == set(reference["state"])
     for key, expected in reference["state"].items():
         got = np.asarray(result["state"][key])
@@ -148,8 +150,9 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
+@pytest.mark.slow  # make test-all (CI time): dropout recovery is tested in process (tests/secure_agg)
 @pytest.mark.timeout(400)
-def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, repro_env,
+def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, quick_deployment,
                                                                               write_orgs, run_killing_after_share_keys):
     """SuperNode 2 is killed as soon as it has answered the share-keys stage (charged, not released): the round
     completes from the two survivors, whose shares of its mask key remove its masks. Its ledger keeps the charge,
@@ -162,7 +165,7 @@ def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(f
                       round_timeout=90, secure=secure)
     configs = write_orgs(federation, tmp_path)
     victim = 2
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         result_path = run_killing_after_share_keys(dep, spec, tmp_path, victim, RUN_TIMEOUT)
     (round0,) = read_result(result_path)["history"]
     # the victim's row: charged, never marked released (its masked input never left)
@@ -197,7 +200,8 @@ def test_a_secure_spec_round_trips_and_unsafe_settings_are_refused_up_front(fede
 
 @pytest.mark.slow  # make test-all: two secure launches and a reference, about two minutes
 @pytest.mark.timeout(600)
-def test_a_paused_secure_run_resumes_and_equals_an_uninterrupted_run(federation, tmp_path, repro_env, write_orgs):
+def test_a_paused_secure_run_resumes_and_equals_an_uninterrupted_run(federation, tmp_path, repro_env, quick_deployment,
+                                                                     write_orgs):
     """Resume under secure aggregation (issue 31, "up to quantisation"): DP-FedAvg with distributed noise and seeded
     generators, 3 rounds planned, launched with ``pause-after=2``, then again. The second launch resumes at round 2
     from the ServerApp's checkpoint and each SuperNode's generators (training, noise, encoding) from its client-state
@@ -213,7 +217,7 @@ def test_a_paused_secure_run_resumes_and_equals_an_uninterrupted_run(federation,
     configs = write_orgs(federation, tmp_path)
     reference = _reference(spec, tmp_path, repro_env)
     result_path = str(tmp_path / "paused-result.bin")
-    with LocalDeployment(str(tmp_path), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path, configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
         dep.run(app, timeout=RUN_TIMEOUT, run_config="pause-after=2")
         assert read_result(result_path)["paused_after"] == 2

@@ -63,6 +63,7 @@ def test_fedavg_on_the_simulation_engine_equals_in_process(tmp_path, in_process_
             ledger.close()
 
 
+@pytest.mark.slow  # make test-all (CI time): Ray's start-up, about two minutes
 def test_virtual_organisations_load_their_partitions_through_flower_datasets(tmp_path, in_process_reference,
                                                                              repro_env):
     """Issue 31: the Simulation Engine's virtual SuperNodes take their data from Flower Datasets (one CSV cut into the

@@ -17,7 +17,6 @@ pytest.importorskip("flwr")
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.errors import ConfigurationError  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
-from privfl.flower.local import LocalDeployment  # noqa: E402
 
 
 def _released(path, run_id):
@@ -40,8 +39,9 @@ def test_min_replies_is_checked(federation):
             RunSpec.of("dp_fedavg", federation, fed, privacy, min_replies=bad)
 
 
+@pytest.mark.slow  # make test-all (CI time): the round engine's survivor rule is tested in process
 @pytest.mark.timeout(400)
-def test_a_killed_supernode_is_left_out_and_the_run_completes(federation, tmp_path, write_orgs, repro_env):
+def test_a_killed_supernode_is_left_out_and_the_run_completes(federation, tmp_path, write_orgs, quick_deployment):
     configs = write_orgs(federation, tmp_path)
     fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
     privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
@@ -49,7 +49,7 @@ def test_a_killed_supernode_is_left_out_and_the_run_completes(federation, tmp_pa
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="survivors", node_wait=60, round_timeout=60,
                       min_replies=2)
     result_path = str(tmp_path / "result.bin")
-    with LocalDeployment(str(tmp_path / "dep"), configs, env=repro_env, warm=True) as dep:
+    with quick_deployment(tmp_path / "dep", configs) as dep:
         app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
         runner = threading.Thread(target=dep.run, args=(app,), kwargs={"timeout": 300}, daemon=True)
         runner.start()

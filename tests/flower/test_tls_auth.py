@@ -61,12 +61,11 @@ def federation():
 
 
 @pytest.fixture(scope="module")
-def deployment(federation, tmp_path_factory, repro_env, write_orgs, fast_supernode):
+def deployment(federation, tmp_path_factory, write_orgs, quick_deployment):
     work = tmp_path_factory.mktemp("tls-auth")
     configs = write_orgs(federation, work)
     credentials = make_credentials(str(work / "credentials"), N_CLIENTS)
-    with LocalDeployment(str(work), configs, env=repro_env, warm=True, supernode_command=fast_supernode, tls=True, auth=True,
-                         credentials=credentials) as dep:
+    with quick_deployment(work, configs, tls=True, auth=True, credentials=credentials) as dep:
         _wait_online(dep, set(dep.node_ids))
         yield dep
     assert all(p.poll() is not None for p in dep.procs) and all(w.poll() is not None for w in dep.workers)
@@ -141,6 +140,7 @@ def test_the_deployment_runs_over_tls_with_registered_keys_only(deployment):
         assert f"SuperNode ID: {node_id}" in _log(dep, f"supernode{k}")
 
 
+@pytest.mark.slow  # make test-all (CI time): the refusals below run over the same TLS deployment
 def test_dp_fedavg_over_tls_and_auth_equals_in_process(deployment, federation, in_process_reference, deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)

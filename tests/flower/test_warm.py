@@ -189,6 +189,7 @@ def test_a_failing_task_gets_an_error_reply_and_the_worker_keeps_serving(warm):
         assert warm.workers[k].poll() is None
 
 
+@pytest.mark.slow  # make test-all (CI time): the warm workers serve every deployment of make test
 def test_kill_and_restart_a_warm_node_stop_and_start_its_worker(warm):
     """Runs last in this module: it leaves a restarted SuperNode whose old node id the SuperLink still lists."""
     old_node, old_worker = warm.procs[1], warm.workers[0]

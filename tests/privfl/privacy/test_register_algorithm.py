@@ -241,6 +241,7 @@ def test_the_contract_grid_runs_fedadam_privately_at_both_units(fedadam_file):
 # ------------------------------------------------------------------------------- on Flower's Simulation Engine
 
 
+@pytest.mark.slow  # make test-all (CI time): Ray's start-up; the same FedAdam runs in process above
 def test_fedadam_on_the_simulation_engine_with_distributed_noise(fedadam_file, tmp_path):
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
