@@ -96,12 +96,6 @@ def quick_deployment():
 
 
 @pytest.fixture(scope="session")
-def fast_supernode():
-    """``LocalDeployment(supernode_command=...)`` for SuperNodes under the test tool :data:`FAST_SUPERNODE`."""
-    return FAST_SUPERNODE
-
-
-@pytest.fixture(scope="session")
 def repro_env():
     """The environment every Flower process of a bit-exact comparison gets (``LocalDeployment(env=...)``)."""
     return dict(REPRO_ENV)

@@ -60,6 +60,11 @@ def federation():
                                  design_size=round(sum(map(len, parts)) / len(parts)))
 
 
+#: the tests on the module's TLS deployment: make test-all (CI time: the deployment and its keys' registration, about
+#: two minutes on 2 cores); test_node_keys.py checks the key-to-partition binding in process in make test
+TLS_DEPLOYMENT = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def deployment(federation, tmp_path_factory, write_orgs, quick_deployment):
     work = tmp_path_factory.mktemp("tls-auth")
@@ -124,8 +129,7 @@ def _log(dep, name: str) -> str:
         return f.read()
 
 
-@pytest.mark.slow  # make test-all (CI time: the TLS deployment and its keys' registration, about two minutes);
-# test_node_keys.py checks the key-to-partition binding in process
+@TLS_DEPLOYMENT
 def test_the_deployment_runs_over_tls_with_registered_keys_only(deployment):
     """What the fixture started is what it claims: the SuperLink serves HTTPS with SuperNode authentication on, the
     coordinator's connection verifies it with the CA, and only the registered keys' node ids are known."""
@@ -142,7 +146,7 @@ def test_the_deployment_runs_over_tls_with_registered_keys_only(deployment):
         assert f"SuperNode ID: {node_id}" in _log(dep, f"supernode{k}")
 
 
-@pytest.mark.slow  # make test-all (CI time)
+@TLS_DEPLOYMENT
 def test_dp_fedavg_over_tls_and_auth_equals_in_process(deployment, federation, in_process_reference, deploy):
     fed = FederationConfig(rounds=ROUNDS, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=11)
     privacy = PrivacyConfig(epsilon=8.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
@@ -170,8 +174,7 @@ def test_dp_fedavg_over_tls_and_auth_equals_in_process(deployment, federation, i
         assert math.isclose(audit["clients"][str(k)]["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-12)
 
 
-@pytest.mark.slow  # make test-all (CI time: the TLS deployment and its keys' registration, about two minutes);
-# test_node_keys.py checks the key-to-partition binding in process
+@TLS_DEPLOYMENT
 def test_a_supernode_claiming_another_partition_than_its_key_is_refused_before_any_charge(deployment, federation):
     """Partition ids bound to authenticated identities: the spec declares organisation 0's registered key as
     partition 1's and the other way round, so each SuperNode's node config (partition-id k, its own data and ledger)
@@ -285,8 +288,7 @@ def _refused_supernodes(dep, transports: dict[str, list[str]]) -> dict[str, str]
     return logs
 
 
-@pytest.mark.slow  # make test-all (CI time: the TLS deployment and its keys' registration, about two minutes);
-# test_node_keys.py checks the key-to-partition binding in process
+@TLS_DEPLOYMENT
 def test_a_supernode_whose_key_is_not_registered_cannot_join(deployment, tmp_path):
     dep = deployment
     rogue = str(tmp_path / "rogue.key")
@@ -303,8 +305,7 @@ def test_a_supernode_whose_key_is_not_registered_cannot_join(deployment, tmp_pat
     assert sorted(int(n["node-id"]) for n in dep.list_supernodes()) == sorted(dep.node_ids)
 
 
-@pytest.mark.slow  # make test-all (CI time: the TLS deployment and its keys' registration, about two minutes);
-# test_node_keys.py checks the key-to-partition binding in process
+@TLS_DEPLOYMENT
 def test_a_client_claiming_a_registered_node_id_with_another_key_gets_nothing(deployment, tmp_path):
     """Flower's own Fleet client, as a modified SuperNode would use it: a pull of organisation 0's messages signed
     with an unregistered key is refused with 401 (and the same request signed with the registered key is answered,
