@@ -38,11 +38,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from privfl.accounting.events import NoOpEvent
 from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
-from privfl.privacy.record_level import (DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
+from privfl.privacy.record_level import (CLIP_RATIOS, DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
                                          check_class_weights, check_opacus_model, dpsgd_schedule, loss_class_weight)
 from privfl.training.local import TaskLoss
 from privfl.training.stacked import vectorisable
@@ -53,7 +54,7 @@ class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
     default_unit = "example"  # record-level by construction: DP-SGD bounds each example's gradient
-    adaptive_clipping = True  # PrivacyConfig.clip_quantile: each client's step clip follows its norms' quantile
+    adaptive_clipping = True  # PrivacyConfig.clip_quantile: the round's clip follows the federation's norms' quantile
 
     def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None,
                  update_bound: float | None = None, class_weights=None):
@@ -74,13 +75,17 @@ class DPSGDFedAvg(FedAvg):
         self._multipliers: dict[DPSGDSchedule, float] = {}
         if privacy.private and loss is not None:
             TaskLoss(loss).require_per_example(self.name)
-        #: adaptive clipping (``PrivacyConfig.clip_quantile``): each client's step clip follows the quantile of its
-        #: own records' gradient norms, from noisy counts inside its DP-SGD steps (``record_level.AdaptiveClip``);
-        #: the clip a client ended a round at is its own state (never sent), where its next round starts
+        #: adaptive clipping (``PrivacyConfig.clip_quantile``; ``record_level.AdaptiveClip.round_clip``): every
+        #: client trains round t at the broadcast clip C_t and sends its noisy clip counts (the "clip_count"
+        #: channel, drawn inside its DP-SGD steps' events); the server sets C_{t+1} to the quantile they estimate
         self.adaptive = AdaptiveClip.of(privacy)
-        self._clips: dict[int, float] = {}
+        if self.adaptive is not None and self.adaptive.lr > 1:
+            raise ConfigurationError(f"{self.name}: adaptive clipping moves the round's clip clip_lr of the way to "
+                                     f"the federation's estimated quantile (in log space); clip_lr must be at most "
+                                     f"1, got {self.adaptive.lr:g}")
+        self.current_clip = float(privacy.clip)
         if self.adaptive is not None:
-            self.client_state = ("_clips",)
+            self.broadcast_state = ("global_params", "current_clip")
 
     def setup(self, data, rng):
         super().setup(data, rng)
@@ -100,9 +105,16 @@ class DPSGDFedAvg(FedAvg):
     def channels(self):
         if not self.privacy.private:
             return super().channels()
-        return [unit_channel(self.privacy, "update", (self.dim,), client=None, record=TrainedPrivately(),
-                             value_bound=self.update_bound,
-                             description="local model change after DP-SGD training (post-processing)")]
+        update = unit_channel(self.privacy, "update", (self.dim,), client=None, record=TrainedPrivately(),
+                              value_bound=self.update_bound,
+                              description="local model change after DP-SGD training (post-processing)")
+        if self.adaptive is None:
+            return [update]
+        return [update, unit_channel(
+            self.privacy, "clip_count", (len(CLIP_RATIOS),), client=None, record=TrainedPrivately(), value_bound=1.0,
+            description="adaptive clipping: per threshold r C_t, the round's noisy sum of the lot records' "
+                        "[gradient norm <= r C_t] - 1/2 over the public count of expected terms, boxed to [-1, 1]; "
+                        "drawn inside the DP-SGD steps the update's event charges (its own: a no-op)")]
 
     def _bounded(self, update: np.ndarray) -> np.ndarray:
         """The change clipped to the public ``update_bound`` (post-processing of the DP-SGD output)."""
@@ -113,7 +125,10 @@ class DPSGDFedAvg(FedAvg):
         if not self.privacy.private:
             return {}
         schedule = dpsgd_schedule(self, client)
-        return {"update": schedule.round_event(self.noise_multiplier(schedule))}
+        events = {"update": schedule.round_event(self.noise_multiplier(schedule))}
+        if self.adaptive is not None:  # inside the steps the update's event charges
+            events["clip_count"] = NoOpEvent()
+        return events
 
     def noise_multiplier(self, schedule: DPSGDSchedule) -> float:
         """z for a client with this schedule, calibrated once per distinct schedule."""
@@ -158,8 +173,7 @@ class DPSGDFedAvg(FedAvg):
             engine = DPSGD(self.model, schedule, noise_multiplier=z, clip=self.privacy.clip, lr=self.fed.lr,
                            momentum=self.fed.momentum, secure_noise=self.privacy.secure_noise, loss=self.user.loss,
                            optimizer=self.user.optimizer, algorithm=self.name, adaptive=self.adaptive)
-            clips = None if self.adaptive is None else [self._clips.get(clients[i], self.privacy.clip)
-                                                        for i in members]
+            clips = None if self.adaptive is None else [self.current_clip] * len(members)
             term = None if clipped_term is None else (
                 lambda rows, epoch, step, grads, members=members: clipped_term([members[r] for r in rows], epoch,
                                                                                step, grads))
@@ -167,13 +181,23 @@ class DPSGDFedAvg(FedAvg):
                                                   [rngs[i] for i in members], vectorised=vectorised, clips=clips,
                                                   clipped_term=term):
                 i = members[row]
-                if self.adaptive is not None:  # the client's own clip for its next round (kept, never sent)
-                    self._clips[clients[i]] = stats.pop("clip")
                 update = np.subtract(final, self.global_params, dtype=np.float64)
-                yield clients[i], ClientOutput({"update": PrivatizedValue(self._bounded(update),
-                                                                          schedule.round_event(z))},
-                                               weight=self.release_weight(datasets[i], clients[i]),
+                values = {"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))}
+                if self.adaptive is not None:  # post-processing of the same steps: boxed, charged by the update
+                    values["clip_count"] = PrivatizedValue(np.clip(stats.pop("clip_fractions"), -1.0, 1.0),
+                                                           NoOpEvent())
+                yield clients[i], ClientOutput(values, weight=self.release_weight(datasets[i], clients[i]),
                                                metrics={"noise_multiplier": z, **stats})
+
+    def server_update(self, aggregates, round):
+        super().server_update(aggregates, round)
+        if self.adaptive is not None and self.privacy.private:  # the mean of the clients' noisy fractions
+            agg = aggregates["clip_count"]
+            self.current_clip = self.adaptive.round_clip(self.current_clip,
+                                                         np.asarray(agg.total, dtype=np.float64) / agg.total_weight)
+
+    def round_clip(self) -> float | None:
+        return self.current_clip if self.adaptive is not None else None
 
 
 __all__ = ["DPSGDFedAvg"]

@@ -17,9 +17,10 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
   per-example gradients are materialised (HBFL's meme); a class-weighted loss becomes class-weighted sampling
   (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
 - :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name;
-- :class:`AdaptiveClip` and :func:`clip_bits`: adaptive clipping's rule (the clip's step from a noisy count of
-  centred bits, the noise split), used inside the step (the vectorised executor: each client's clip following a
-  quantile of its records' norms, within the step's one event) and by DP-FedSGD (one clip, its count a channel).
+- :class:`AdaptiveClip`, :func:`clip_bits` and :func:`clip_bit_counts`: adaptive clipping's rules (Andrew et al.'s
+  step from a noisy count of centred bits; the federation's quantile from noisy counts at :data:`CLIP_RATIOS` times
+  the clip) and the noise split, used inside the step (the vectorised executor: the round's clip, its counts within
+  the step's one event) and by DP-FedSGD (one clip, its count a channel).
 """
 
 from __future__ import annotations
@@ -215,15 +216,46 @@ def clip_bits(norms2: torch.Tensor, clip, weight: torch.Tensor) -> torch.Tensor:
     return ((norms2 <= clip * clip).to(weight.dtype) - 0.5) * weight
 
 
+#: the thresholds of DP-SGD FedAvg's round-level clip counts, as multiples of the round's clip C_t: C_t 2^(j/2),
+#: j = -4..4 (a quarter of C_t to four times it, a factor sqrt(2) apart)
+CLIP_RATIOS = tuple(2.0 ** (j / 2) for j in range(-4, 5))
+
+
+def clip_bit_counts(norms2: torch.Tensor, clips: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each client's sums of its lot records' centred bits [||g|| <= r C_i] - 1/2 at every ratio r of
+    :data:`CLIP_RATIOS` (``norms2``: (clients, width) squared norms; ``clips``: (clients,) the clients' clips;
+    ``weight``: (clients, width) 0/1, padding out): a (clients, len(CLIP_RATIOS)) tensor. One record's vector of
+    centred bits has L2 norm exactly sqrt(len(CLIP_RATIOS)) / 2."""
+    ratios = torch.tensor(CLIP_RATIOS, dtype=norms2.dtype)
+    bounds = (clips[:, None] * ratios[None, :]) ** 2  # (clients, K)
+    bits = (norms2[:, :, None] <= bounds[:, None, :]).to(weight.dtype) - 0.5
+    return (bits * weight[:, :, None]).sum(1)
+
+
 @dataclass(frozen=True)
 class AdaptiveClip:
-    """Adaptive clipping inside DP-SGD's step (Andrew et al. 2021, at record level): the step also sums each lot
-    record's centred bit [||g|| <= C_t] - 1/2 (sensitivity 1/2) and adds noise to it; the client's clip then moves by
-    C <- C exp(-``lr`` (b - ``quantile``)), b = noisy sum / expected batch + 1/2. The step's one noise multiplier z is
-    split by the rule every two-part release follows (``accounting.calibration.calibrate``): the count at z /
-    sqrt(``share``), the gradient at z / sqrt(1 - ``share``); the per-record vector (g C_t^-1 / z_g, 2 b / z_b) then
-    has norm at most 1 / z, so the step is the same ``PoissonSampled(q, Gaussian(1, z))`` as a fixed clip's, and the
-    count, a value of the client's own training never sent, is inside that event."""
+    """Adaptive clipping (Andrew et al. 2021) at record level, its noise inside the privacy events the clipped value
+    already costs. Two rules:
+
+    - :meth:`step` (DP-FedSGD, one clip for the federation, its count a channel of the round's lot): each lot
+      record's centred bit [||g|| <= C_t] - 1/2 (sensitivity 1/2) summed with noise;
+      C <- C exp(-``lr`` (b - ``quantile``)), b = noisy sum / expected lot + 1/2.
+    - :meth:`round_clip` (DP-SGD FedAvg: every client trains its round at the broadcast clip C_t): in each DP-SGD
+      step a client also sums its lot records' centred bits at the thresholds r C_t, r in :data:`CLIP_RATIOS`
+      (:func:`clip_bit_counts`; sensitivity sqrt(K) / 2 for K thresholds), with noise; it sends the round's noisy
+      sums over its public count of expected terms (steps x expected batch): the fraction of its terms below each
+      threshold, minus 1/2. The server averages the clients' fractions, reads the ``quantile`` off them (q_t:
+      log-linear between thresholds, at most a factor 4 from C_t) and moves the clip ``lr`` of the way there in
+      log space: log C_{t+1} = log C_t + ``lr`` (log q_t - log C_t) (``lr`` <= 1; the norms depend on the clip a
+      round trained at, and a full jump oscillates). Counts summed over a federation's whole round are precise
+      where one client's per-step count is noise (a client of 50 records at a lot of 32 has z of several: its own
+      counts would move its clip by noise alone).
+
+    Either way the step's one noise multiplier z is split by the rule every two-part release follows
+    (``accounting.calibration.calibrate``): the count at z / sqrt(``share``) in units of its sensitivity, the
+    gradient at z / sqrt(1 - ``share``); the per-record vector (g C_t^-1 / z_g, b / (s_b z_b)) then has norm at most
+    1 / z, so a DP-SGD step is the same ``PoissonSampled(q, Gaussian(1, z))`` as a fixed clip's, the counts inside
+    that event, and what a client sends of them post-processing of it."""
 
     quantile: float
     lr: float = 0.2
@@ -245,6 +277,30 @@ class AdaptiveClip:
         [0, 1]: the noise cannot move the clip by more than exp(``lr``) a step)."""
         unclipped = min(1.0, max(0.0, noisy_count / expected_batch + 0.5))
         return float(clip * math.exp(-self.lr * (unclipped - self.quantile)))
+
+    def round_clip(self, clip: float, fractions) -> float:
+        """The next round's clip from the federation's noisy fractions of terms with norm at most r ``clip``, r in
+        :data:`CLIP_RATIOS` (centred: minus 1/2, as the clients send them). The fractions are made non-decreasing in
+        r (a running maximum, clamped to [0, 1]) and the clip is where they cross ``quantile``, log-linearly between
+        the two thresholds around it; C_t / 4 if even the lowest threshold keeps more than the quantile, 4 C_t if
+        the highest keeps less; then ``lr`` of the way from ``clip`` to it in log space."""
+        return float(clip * (self.round_quantile(clip, fractions) / clip) ** self.lr)
+
+    def round_quantile(self, clip: float, fractions) -> float:
+        """The ``quantile`` of the norms read off the federation's fractions (see :meth:`round_clip`)."""
+        raw = np.asarray(fractions, dtype=np.float64)
+        if raw.shape != (len(CLIP_RATIOS),) or not np.all(np.isfinite(raw)):
+            raise ValueError(f"round_clip needs {len(CLIP_RATIOS)} finite fractions, got {fractions!r}")
+        f = np.clip(np.maximum.accumulate(raw + 0.5), 0.0, 1.0)
+        logs = np.log(np.asarray(CLIP_RATIOS))
+        q = self.quantile
+        if f[0] >= q:
+            return float(clip * CLIP_RATIOS[0])
+        if f[-1] < q:
+            return float(clip * CLIP_RATIOS[-1])
+        j = int(np.argmax(f >= q))  # first threshold at or above the quantile (j >= 1)
+        t = (q - f[j - 1]) / (f[j] - f[j - 1])
+        return float(clip * math.exp(logs[j - 1] + t * (logs[j] - logs[j - 1])))
 
 
 def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
@@ -531,14 +587,15 @@ class VectorisedDPSGD:
     def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor,
                       clips: torch.Tensor | None = None):
         """(each client's sum of clipped per-example gradients, per parameter; the per-example losses; with
-        ``clips``, each client's own clip, also each client's sum of centred clip bits, else None). On a linear stack
-        without materialising per-example gradients (ghost clipping, as opacus does it)."""
+        ``clips``, each client's own clip, also each client's sums of centred clip bits at the :data:`CLIP_RATIOS`
+        (:func:`clip_bit_counts`), else None). On a linear stack without materialising per-example gradients (ghost
+        clipping, as opacus does it)."""
         terms = self.per_example(params, xb, yb, weight)
         if clips is None:
             return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses, None
         norms2 = terms.norms2()
-        bound = clips[:, None]
-        return terms.sums(clip_factor(norms2, bound) * weight), terms.losses, clip_bits(norms2, bound, weight).sum(1)
+        return (terms.sums(clip_factor(norms2, clips[:, None]) * weight), terms.losses,
+                clip_bit_counts(norms2, clips, weight))
 
     def chunk(self) -> int:
         """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
@@ -565,8 +622,11 @@ class VectorisedDPSGD:
                      ) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
 
-        With ``adaptive`` clipping client i starts at ``clips[i]`` (default the run's clip) and its stats carry the
-        clip it ended at (``"clip"``; the client keeps it: it never leaves the client but through its model).
+        With ``adaptive`` clipping client i trains at ``clips[i]`` (default the run's clip; the round's broadcast
+        clip) and each step also draws the noisy sums of its lot's centred clip bits at the :data:`CLIP_RATIOS`
+        (:class:`AdaptiveClip`: noise std s_b z / sqrt(share), s_b = sqrt(K) / 2, inside the step's event); its stats
+        carry their round's totals over its public count of expected terms (steps x expected batch),
+        ``"clip_fractions"``: a float64 vector, what :meth:`AdaptiveClip.round_clip` reads.
 
         The hooks are ``dpsgd_train``'s, for a chunk at once: ``before_step(members, epoch, step, params)`` runs after
         the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
@@ -590,9 +650,12 @@ class VectorisedDPSGD:
                      clips=None, clipped_term=None):
         c = len(datasets)
         adaptive = self.adaptive
-        if adaptive is not None:  # each client's own clip, moved by its own noisy counts
+        if adaptive is not None:  # the round's clip; the counts at its thresholds summed over the round, with noise
             clip_now = torch.tensor([self.clip] * c if clips is None else list(clips), dtype=torch.float32)
             z_grad, z_count = adaptive.multipliers(self.z)
+            count_std = 0.5 * math.sqrt(len(CLIP_RATIOS)) * z_count
+            counted = np.zeros((c, len(CLIP_RATIOS)))
+            terms = [0.0] * c
         shapes = [p.shape for _, p in self.model.named_parameters()]
         flat = start32.unsqueeze(0).repeat(c, 1)
         params, offset = {}, 0
@@ -612,7 +675,7 @@ class VectorisedDPSGD:
                     before_step(members, epoch, step, params)
                 width = max(len(i) for i in idx)
                 grads = {k: torch.zeros_like(v) for k, v in params.items()}
-                counts = torch.zeros(c)
+                counts = torch.zeros(c, len(CLIP_RATIOS))
                 if width:
                     feats = datasets[0][0].shape[1:]
                     xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
@@ -642,9 +705,9 @@ class VectorisedDPSGD:
                     for k in self.names:
                         grads[k][r] = noised_mean(grads[k][r], std=z_grad * clip_r, expected_batch=batch,
                                                   generator=generators[r][0], secure=self.secure_noise)
-                    noisy = float(counts[r]) + float(step_noise((1,), 0.5 * z_count, generators[r][0],
-                                                                self.secure_noise, torch.float64)[0])
-                    clip_now[r] = adaptive.step(clip_r, noisy, batch)
+                    counted[r] += counts[r].double().numpy() + step_noise(
+                        (len(CLIP_RATIOS),), count_std, generators[r][0], self.secure_noise, torch.float64).numpy()
+                    terms[r] += batch
                 if extra_gradient is not None:
                     extra_gradient(members, params, grads)
                 buf = sgd_step(params, grads, buf, lr=self.lr, momentum=self.momentum)
@@ -652,7 +715,7 @@ class VectorisedDPSGD:
         stats = [{"train_loss": loss_total[r] / max(seen[r], 1), "dpsgd_steps": float(steps)} for r in range(c)]
         if adaptive is not None:
             for r in range(c):
-                stats[r]["clip"] = float(clip_now[r])
+                stats[r]["clip_fractions"] = counted[r] / max(terms[r], 1e-12)
         return flat, stats
 
 
@@ -810,7 +873,8 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
                                                     secure=secure))
 
 
-__all__ = ["DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "dpsgd_gradients", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
+__all__ = ["CLIP_RATIOS", "clip_bit_counts",
+           "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "dpsgd_gradients", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
            "check_opacus_model", "class_sampling_rates", "dpsgd_schedule", "dpsgd_train", "loss_class_weight",
            "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian",
            "step_noise", "VectorisedDPSGD", "clip_factor"]

@@ -484,14 +484,15 @@ def test_dp_fedsgd_posteriors_through_federate_and_the_flower_spec_are_the_same_
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name, channels", [("dp_fedsgd", {"gradient_sum", "clip_count"}),
-                                            ("dpsgd_fedavg", {"update"})])
+                                            ("dpsgd_fedavg", {"update", "clip_count"})])
 @pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
 def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, adjacency, name,
                                                                         channels):
     """Adaptive clipping (issue 29) as users ask for it: ``privfl run --clip adaptive --clip-quantile Q`` (local,
     central and distributed noise, with and without secure aggregation), a compare TOML's ``clip = "adaptive"``
     and ``privfl.federate(..., clip="adaptive")``: the same prepared run (DP-FedSGD's clip-count channel among the
-    charged ones; DP-SGD FedAvg's count inside each client's step) or the same refusal on D and D', and the same
+    charged ones; DP-SGD FedAvg's counts a channel drawn inside each client's steps) or the same refusal on D and
+    D', and the same
     Flower spec; a quantile without ``--clip adaptive`` exits 2 before anything runs."""
     parts, test = _arrays("classification")
     worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}

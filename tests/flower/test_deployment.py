@@ -170,7 +170,7 @@ def test_a_paused_private_run_resumes_and_equals_an_uninterrupted_run(deployment
     pytest.param("dp_fedsgd", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
                                             secure_noise=False), {"posterior": "variational", "lot_size": 64},
                  marks=pytest.mark.slow),
-    # adaptive clipping (issue 29): DP-FedSGD's clip in the broadcast, DP-SGD FedAvg's in each SuperNode's state
+    # adaptive clipping (issue 29): the round's clip in the broadcast (DP-SGD FedAvg's counts a channel of its own)
     pytest.param("dp_fedsgd", PrivacyConfig(epsilon=8.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
                                             secure_noise=False, clip_quantile=0.7), {"lot_size": 64},
                  marks=pytest.mark.slow),
@@ -188,7 +188,7 @@ def test_split_algorithms_deployed_equal_in_process(deployment, federation, in_p
     """An algorithm whose broadcast is more than a model (FOLA's posterior), record-level DP-SGD, whose noise and
     Poisson batches come from each client's own generators, HBFL, whose clients keep their local models between
     rounds on their own SuperNodes, DP-FedSGD with its two noise-once posteriors (options in the spec), adaptive
-    clipping (DP-FedSGD's clip in the broadcast, DP-SGD FedAvg's each client's own state) and correlated noise (each
+    clipping (the round's clip in the broadcast, moved by the clients' counts) and correlated noise (each
     client's record groups and last sums its own state): the same global state as the in-process run."""
     fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), seed=13)
     tag = (f"{name}-{privacy.unit}-{options.get('posterior', '')}{'-adaptive' if privacy.clip_quantile else ''}"

@@ -151,7 +151,7 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy)
     if name == "dp_fedsgd_banded":  # correlated noise: each round's group sampled at b q, the round's sums mixed
         return ALGORITHMS["dp_fedsgd"](fed, privacy, bands=2)
-    if name == "dpsgd_fedavg_adaptive":  # each client's step clip follows its norms; the step's event unchanged
+    if name == "dpsgd_fedavg_adaptive":  # the broadcast clip, its counts a channel inside the steps' event
         return ALGORITHMS["dpsgd_fedavg"](fed, privacy)
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
@@ -411,8 +411,8 @@ def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit,
 
 #: issue 29's record-level mechanisms, under each relation and placement, with and without secure aggregation:
 #: adaptive clipping (DP-FedSGD's records' gradients clipped to the round's clip and released over it, norm <= 1, and
-#: their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 and sampled; DP-SGD FedAvg's clients' step
-#: clips following their own norms, the step's event unchanged) and DP-FedSGD's correlated noise (bands = 2: round 0
+#: their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 and sampled; DP-SGD FedAvg's clients
+#: training at the broadcast clip and sending their noisy clip counts, drawn inside the steps' event, a no-op charge) and DP-FedSGD's correlated noise (bands = 2: round 0
 #: opens a block, charged the group's sampled event at 2 q; the rounds after it and the mixing of a client's sums are
 #: checked in tests/privfl/privacy/test_banded_noise.py)
 MECHANISM_GRID = [(name, "example", adjacency, placement, secure, False)

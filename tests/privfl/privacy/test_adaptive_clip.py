@@ -1,7 +1,8 @@
 """Adaptive clipping inside DP-SGD's step (issue 29; ``privfl.privacy.record_level.AdaptiveClip``), as DP-SGD FedAvg
-runs it: the step's one noise multiplier split between the gradient and the clip count by the budget rule, the
-step's event unchanged, each client's clip following the quantile of its own records' norms and kept as its own
-state, and the configurations it cannot run refused before anything is charged."""
+runs it: the step's one noise multiplier split between the gradient and the clip counts by the budget rule, the
+step's event unchanged, every client training a round at the broadcast clip and sending its noisy counts, the
+server's next clip the quantile they estimate, and the configurations it cannot run refused before anything is
+charged."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import privfl.privacy.record_level as R
+from privfl.accounting.events import NoOpEvent
 from privfl.algorithms import ALGORITHMS
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
@@ -44,8 +46,9 @@ def _configs(quantile=None, **kw):
 
 def test_the_step_event_is_the_fixed_clips_and_the_noise_is_split_by_the_budget_rule(monkeypatch):
     """Charged: the same SelfComposed(PoissonSampled(q, Gaussian(1, z)), steps) per round as a fixed clip, at the same
-    z. Drawn: every step's gradient noise at std z / sqrt(1 - share) x the client's clip in force, then its count's at
-    0.5 z / sqrt(share); the clip in force starts at the run's and moves."""
+    z, on the update; the clip counts a no-op (drawn inside those steps). Drawn: every step's gradient noise at std
+    z / sqrt(1 - share) x the round's clip, then its counts' at sqrt(K) / 2 z / sqrt(share); the clip is fixed within
+    a round and moves between rounds."""
     charged = {}
     for quantile in (None, 0.5):
         fed, privacy = _configs(quantile)
@@ -58,55 +61,95 @@ def test_the_step_event_is_the_fixed_clips_and_the_noise_is_split_by_the_budget_
 
         monkeypatch.setattr(R, "step_noise", spy)
         sim = Simulation(ALGORITHMS["dpsgd_fedavg"](fed, privacy), _data(), fed, privacy)
-        sim.run()
+        result = sim.run()
         monkeypatch.setattr(R, "step_noise", real)
-        charged[quantile] = [[c.event for c in sim.ledger.charges(str(k))] for k in range(K)]
+        charged[quantile] = [[c.event for c in sim.ledger.charges(str(k)) if c.channel == "update"]
+                             for k in range(K)]
         z = sim.algorithm.noise_multiplier(R.dpsgd_schedule(sim.algorithm, 0))
         if quantile is None:
             assert draws and all(std == pytest.approx(z) for _, std in draws)
             continue
-        share = privacy.clip_share
-        counts = [std for shape, std in draws if shape == (1,)]
-        grads = [std / (z / math.sqrt(1 - share)) for shape, std in draws if shape != (1,)]
-        assert counts and all(c == pytest.approx(0.5 * z / math.sqrt(share)) for c in counts)
-        assert grads[0] == pytest.approx(1.0) and len({round(g, 6) for g in grads}) > 10  # the clip moves
+        others = {c.event for k in range(K) for c in sim.ledger.charges(str(k)) if c.channel == "clip_count"}
+        assert others == {NoOpEvent()}
+        share, ratios = privacy.clip_share, len(R.CLIP_RATIOS)
+        counts = [std for shape, std in draws if shape == (ratios,)]
+        grads = [std / (z / math.sqrt(1 - share)) for shape, std in draws if shape != (ratios,)]
+        assert counts and all(c == pytest.approx(0.5 * math.sqrt(ratios) * z / math.sqrt(share)) for c in counts)
         schedule = R.dpsgd_schedule(sim.algorithm, 0)
+        per_round = len(grads) // fed.rounds
+        assert {round(g, 9) for g in grads[:per_round]} == {1.0}  # round 0 at the run's clip throughout
+        clips = [r.clip for r in result.history]
+        assert clips[0] == 1.0 and clips[1] != 1.0
+        assert {round(g, 6) for g in grads[per_round:]} == {round(clips[1], 6)}
         assert len(counts) == K * fed.rounds * schedule.steps
     assert charged[None] == charged[0.5]
 
 
-def test_each_clients_clip_tracks_the_quantile_of_its_own_norms():
-    """Almost no noise and a model that does not move: each client's clip settles where a fraction Q of its records'
-    gradient norms lie below it."""
+def _norms(model, x, y):
+    norms = []
+    for j in range(len(y)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[j:j + 1]), y[j:j + 1]).backward()
+        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))))
+    return np.array(norms)
+
+
+def test_the_clients_fractions_estimate_how_many_norms_lie_below_each_threshold():
+    """Almost no noise and a model that does not move: each client's fractions are those of its records' norms
+    below r C (minus 1/2), up to the Poisson lots' own spread."""
     data = _data()
     model = nn.Linear(DIM, CLASSES)
     start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     schedule = DPSGDSchedule.for_client(N, 30, 150)
     datasets = [p.tensors() for p in data.train_parts]
-    for quantile in (0.25, 0.75):
-        engine = VectorisedDPSGD(model, schedule=schedule, noise_multiplier=1e-4, clip=1.0, lr=1e-12, momentum=0.0,
-                                 secure_noise=False, adaptive=AdaptiveClip(quantile, lr=0.2))
-        gens = [(torch.Generator().manual_seed(2 * i), torch.Generator().manual_seed(2 * i + 1)) for i in range(K)]
-        for i, _, stats in engine.train_models(start, datasets, gens):
-            x, y = datasets[i]
-            norms = []
-            for j in range(len(y)):
-                model.zero_grad()
-                nn.functional.cross_entropy(model(x[j:j + 1]), y[j:j + 1]).backward()
-                norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))))
-            below = np.mean(np.array(norms) <= stats["clip"])
-            assert abs(below - quantile) < 0.1, (i, quantile, stats["clip"], below)
+    engine = VectorisedDPSGD(model, schedule=schedule, noise_multiplier=1e-4, clip=1.0, lr=1e-12, momentum=0.0,
+                             secure_noise=False, adaptive=AdaptiveClip(0.5))
+    gens = [(torch.Generator().manual_seed(2 * i), torch.Generator().manual_seed(2 * i + 1)) for i in range(K)]
+    for i, _, stats in engine.train_models(start, datasets, gens, clips=[1.5] * K):
+        norms = _norms(model, *datasets[i])
+        expected = np.array([np.mean(norms <= 1.5 * r) - 0.5 for r in R.CLIP_RATIOS])
+        assert np.abs(stats["clip_fractions"] - expected).max() < 0.06, (i, stats["clip_fractions"], expected)
 
 
-def test_a_clients_clip_is_its_own_state_between_rounds():
-    """The clip a client ends a round at is where its next round starts; the server half never holds it."""
+def test_the_federations_clip_goes_to_the_quantile_of_the_clients_norms():
+    """The server's rule on exact fractions: the quantile read off log-linearly, then lr of the way in log space;
+    a quantile beyond the thresholds is met at the edge, a factor 4 a round."""
+    norms = np.random.default_rng(0).lognormal(mean=-1.0, sigma=0.7, size=20_000)
+    for quantile in (0.2, 0.5, 0.8):
+        target = float(np.quantile(norms, quantile))
+        for lr in (1.0, 0.5):
+            clip = 1.0
+            for _ in range(12):
+                fractions = [np.mean(norms <= clip * r) - 0.5 for r in R.CLIP_RATIOS]
+                clip = AdaptiveClip(quantile, lr=lr).round_clip(clip, fractions)
+            assert clip == pytest.approx(target, rel=0.05), (quantile, lr, clip, target)
+    adaptive = AdaptiveClip(0.5, lr=1.0)
+    assert adaptive.round_clip(2.0, [0.5] * len(R.CLIP_RATIOS)) == pytest.approx(0.5)
+    assert adaptive.round_clip(2.0, [-0.5] * len(R.CLIP_RATIOS)) == pytest.approx(8.0)
+    assert AdaptiveClip(0.5, lr=0.5).round_clip(2.0, [-0.5] * len(R.CLIP_RATIOS)) == pytest.approx(4.0)
+    noisy = [-0.5, -0.2, -0.25, 0.1, 0.2, 0.15, 0.4, 0.5, 0.6]  # noise breaks the order: a running maximum
+    assert AdaptiveClip(0.4).round_quantile(1.0, noisy) == pytest.approx(2 ** (-1 + 0.5 / 3))  # 0.3 at 2^-1
+    with pytest.raises(ValueError, match="finite fractions"):
+        adaptive.round_clip(1.0, [float("nan")] * len(R.CLIP_RATIOS))
+
+
+def test_the_clip_is_broadcast_state_and_clients_keep_none():
+    """The round's clip is the server's, in the broadcast; the clients hold no clip of their own between rounds, and
+    the clip counts are a channel of every client's release (boxed to [-1, 1])."""
     fed, privacy = _configs(0.8)
     alg = ALGORITHMS["dpsgd_fedavg"](fed, privacy)
     sim = Simulation(alg, _data(), fed, privacy)
-    sim.run()
-    clips = [s["_clips"] for s in sim.client_states]
-    assert len(set(clips)) == K and all(c != 1.0 for c in clips) and alg._clips == {}
-    assert "_clips" not in alg.broadcast(fed.rounds).values
+    result = sim.run()
+    assert alg.client_state == () and "current_clip" in alg.broadcast(fed.rounds).values
+    assert result.history[0].clip == 1.0 != result.history[1].clip  # each round's clip, before the server step
+    assert [c.name for c in alg.channels()] == ["update", "clip_count"]
+    assert alg.channels()[1].value_bound == 1.0 and alg.channels()[1].shape == (len(R.CLIP_RATIOS),)
+
+
+def test_a_clip_step_beyond_the_quantile_is_refused():
+    fed, privacy = _configs(0.5, clip_lr=1.5)
+    with pytest.raises(ConfigurationError, match="clip_lr must be at most 1"):
+        ALGORITHMS["dpsgd_fedavg"](fed, privacy)
 
 
 def test_adaptive_clipping_needs_the_vectorised_executor():
@@ -137,8 +180,8 @@ def test_the_split_keeps_the_steps_privacy():
 def _step_scores(noise_scale: float, trials: int = 40_000, z: float = 0.8, quantile: float = 0.5):
     """``trials`` one-step runs of the vectorised engine with adaptive clipping on D = {an outlier record} and
     D' = {} at q = 1/2, one run per stacked client: the noisy gradient read back from the model's change and the
-    noisy count from the clip the step ended at (so the audit sees more than the client ever sends); the
-    likelihood-ratio score of both against the outlier's clipped gradient and centred bit. ``noise_scale`` scales
+    noisy clip counts the client sends (the audit sees both); the likelihood-ratio score of both against the
+    outlier's clipped gradient and its centred bits (-1/2 at every threshold: its norm is above 4 C). ``noise_scale`` scales
     the noise the engine draws while the claim stays at z. Returns (scores on D, scores on D', claimed epsilon)."""
     from privfl.accounting.accountants import make_accountant
 
@@ -149,10 +192,12 @@ def _step_scores(noise_scale: float, trials: int = 40_000, z: float = 0.8, quant
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     g = torch.cat([p.grad.reshape(-1) for p in (model.weight, model.bias)]).double().numpy()
-    u = g / np.linalg.norm(g)  # its gradient clipped to C = 1 (the norm is far above 1: the bit is 0, centred -1/2)
+    assert np.linalg.norm(g) > 4 * max(R.CLIP_RATIOS)
+    u = g / np.linalg.norm(g)  # its gradient clipped to C = 1 (the norm is far above 4: every bit 0, centred -1/2)
     schedule = DPSGDSchedule(0.5, 1, 1, 2)  # q = 1/2, one step, expected batch 1
     adaptive = AdaptiveClip(quantile)
     z_g, z_c = adaptive.multipliers(z)
+    count_std = 0.5 * math.sqrt(len(R.CLIP_RATIOS)) * z_c
     lr = 0.1
     scores = []
     for present in (True, False):
@@ -164,8 +209,8 @@ def _step_scores(noise_scale: float, trials: int = 40_000, z: float = 0.8, quant
         out = np.empty(trials)
         for i, final, stats in engine.train_models(start, data, gens):
             grad = (start - final.astype(np.float64)) / lr  # over the expected batch of 1
-            count = -math.log(stats["clip"]) / adaptive.lr - 0.5 + quantile
-            out[i] = grad @ u / z_g ** 2 + count * -0.5 / (0.5 * z_c) ** 2
+            counts = stats["clip_fractions"]  # over one step's expected batch of 1: the noisy counts themselves
+            out[i] = grad @ u / z_g ** 2 + counts.sum() * -0.5 / count_std ** 2
         scores.append(out)
     claimed = make_accountant("pld").compose(schedule.step_event(z)).get_epsilon(1e-5)
     return scores[0], scores[1], claimed
@@ -181,3 +226,22 @@ def test_the_adaptive_steps_audit_stays_below_the_claim_and_catches_a_quarter_of
     score_in, score_out, claimed = _step_scores(0.25)
     faulty, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
     assert faulty > claimed, (faulty, claimed)
+
+
+@pytest.mark.timeout(240)
+def test_the_clip_counts_go_through_secure_aggregation_and_give_the_plain_runs_clips():
+    """Under secure aggregation (the update's public range from update_bound, the counts' [-1, 1]) the server sees only
+    the sums, and the clips and the model equal the plain run's up to quantisation; every ledger holds its target."""
+    from privfl.algorithms import make_algorithm
+    from privfl.privacy.secure import SecureAggregation
+
+    fed, privacy = _configs(0.5)
+    runs = {}
+    for secure in (None, SecureAggregation(bits=48)):
+        alg = make_algorithm("dpsgd_fedavg", fed, privacy, update_bound=0.5)
+        result = Simulation(alg, _data(), fed, privacy, secure=secure).run()
+        assert result.audit["max_epsilon"] <= privacy.epsilon * (1 + 1e-9)
+        runs[secure is not None] = ([r.clip for r in result.history] + [alg.current_clip], alg.global_params)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    np.testing.assert_allclose(runs[True][1], runs[False][1], atol=1e-6)
+    assert len(set(runs[True][0])) == fed.rounds + 1
