@@ -41,11 +41,14 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg, inside each
-client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's Poisson
-lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only through
-the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise there).
-FOLA's and HBFL's record-level training is not built (they take client canaries). On a channel of probability rows
+Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg and FOLA, inside
+each client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's
+Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only
+through the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise
+there). FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: the server's view is the sum over
+rounds of the aggregate minus what the broadcast mean contributes to it (public). A canary there is a gradient only
+(it adds nothing to the Fisher channels, as a record whose gradient vanishes at the Fisher passes' points would),
+within what the composed guarantee covers. HBFL's record-level training is not built (it takes client canaries). On a channel of probability rows
 (FedBNN's), whose bound is its range, a client canary releases one-hot rows at secret labels (:class:`CanaryRows`).
 """
 
@@ -66,8 +69,11 @@ from privfl.mechanisms import NoiseSource
 from privfl.errors import ConfigurationError
 
 FAULTS = ("none", "half_noise", "no_clip")
-#: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's per-record sums, DP-SGD FedAvg's steps
-RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg")
+#: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's per-record sums, DP-SGD FedAvg's and
+#: FOLA's DP-SGD steps
+RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola")
+#: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook)
+STEP_CANARIES = ("dpsgd_fedavg", "fola")
 #: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
 CANARY_NORM = 10.0
 #: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
@@ -207,12 +213,18 @@ def _audited_channel(algorithm):
             raise ConfigurationError("audit-run inserts DP-SGD FedAvg's record canaries into its vectorised DP-SGD "
                                      "step (a model of stateless layers, the default loss and SGD, a fixed clip)")
         return {c.name: c for c in algorithm.channels()}["update"]
+    if algorithm.privacy.unit == "example" and algorithm.name == "fola":
+        if not algorithm.vectorisable:
+            raise ConfigurationError("audit-run inserts FOLA's record canaries into its vectorised DP-SGD step (a "
+                                     "model of stateless layers, the default loss and SGD)")
+        return {c.name: c for c in algorithm.channels()}["mean"]
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
-                f"per-record sums on Poisson lots, bands 1) and DP-SGD FedAvg; {algorithm.name} at unit='example' is "
+                f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg and FOLA; {algorithm.name} at "
+                f"unit='example' is "
                 f"not built; audit it at client level")
         return channel
     private = [c for c in algorithm.channels() if c.private]
@@ -297,9 +309,9 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         return dataclasses.replace(out, values=values)
 
     def dpsgd_update(k, dataset, rnd, rng_k):
-        """DP-SGD FedAvg's client step with client k's included canary records in its training: at every DP-SGD
-        step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds its clipped
-        gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the step's
+        """DP-SGD FedAvg's (FOLA's) client step with client k's included canary records in its training: at every
+        DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds its
+        clipped gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the step's
         noise."""
         mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
@@ -317,11 +329,14 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                                                         dtype=grads[name].dtype)
                     offset += size
 
-        [(_, out)] = algorithm._dpsgd_updates([k], [dataset], [rng_k], vectorised=True, clipped_term=term)
+        if algorithm.name == "fola":
+            [(_, out)] = algorithm.form.updates([k], [dataset], rnd, [rng_k], vectorised=True, clipped_term=term)
+        else:
+            [(_, out)] = algorithm._dpsgd_updates([k], [dataset], [rng_k], vectorised=True, clipped_term=term)
         return out
 
     def client_update(k, dataset, rnd, rng_k):
-        if records and algorithm.name == "dpsgd_fedavg":
+        if records and algorithm.name in STEP_CANARIES:
             return dpsgd_update(k, dataset, rnd, rng_k)
         if records:
             return record_canaries(k, real_update(k, dataset, rnd, rng_k))
@@ -339,7 +354,11 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         return ClientOutput(values, weight=weight)
 
     def server_update(aggregates, rnd):
-        view["seen"] += np.asarray(aggregates[view["channel"].name].total, dtype=np.float64)  # what the server saw
+        agg = aggregates[view["channel"].name]
+        seen = np.asarray(agg.total, dtype=np.float64)  # what the server saw
+        if records and algorithm.name == "fola":  # absolute means: less the broadcast mean's public share
+            seen = seen - agg.total_weight * np.asarray(algorithm.mean, dtype=np.float64)
+        view["seen"] += seen
         real_server(aggregates, rnd)
 
     algorithm.client_update, algorithm.server_update = client_update, server_update
@@ -376,7 +395,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
-    if fault == "half_noise" and records and algorithm.name == "dpsgd_fedavg":  # the DP-SGD step's own noise
+    if fault == "half_noise" and records and algorithm.name in STEP_CANARIES:  # the DP-SGD step's own noise
         import privfl.privacy.record_level as record_level
 
         real_noised_mean = record_level.noised_mean
@@ -392,7 +411,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     else:
         result = sim.run()
     scores = view["directions"].scores(view["seen"])
-    if records and algorithm.name == "dpsgd_fedavg":  # a canary's step moves the model against its gradient
+    if records and algorithm.name in STEP_CANARIES:  # a canary's step moves the model against its gradient
         scores = -scores
     order = np.argsort(scores)
     truth = np.zeros(canaries, dtype=bool)
@@ -411,5 +430,5 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                     violated=bool(bound > ledger_eps * (1 + 1e-9)))
 
 
-__all__ = ["CANARY_NORM", "CanaryDirections", "CanaryRows", "FAULTS", "RunAudit", "audit_run", "one_run_lower_bound",
-           "one_run_p_value"]
+__all__ = ["CANARY_NORM", "CanaryDirections", "CanaryRows", "FAULTS", "RECORD_CANARIES", "RunAudit", "audit_run",
+           "one_run_lower_bound", "one_run_p_value"]

@@ -1,6 +1,7 @@
 """``privfl audit-run`` (issue 29): the one-run audit of a real federated run (privfl.apps.run_audit). The bound's
 arithmetic; from the user's entry point, an honest run's lower bound stays below its ledger's epsilon while a run
-whose pipeline does not clip is caught above it, with client canaries (DP-FedAvg) and record canaries (DP-FedSGD);
+whose pipeline does not clip is caught above it, with client canaries (DP-FedAvg) and record canaries (DP-FedSGD,
+and inside DP-SGD FedAvg's and FOLA's DP-SGD steps);
 the half-noise fault is visible (a higher bound on the same seeds) but not caught at this size, as the README says;
 the JSON contract and the refusals."""
 
@@ -130,7 +131,8 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
 @pytest.mark.parametrize("extra, needle", [
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
     (["--canaries", "50000"], "give at most"),
-    (["--unit", "example", "--algorithm", "fola"], "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg']"),
+    (["--unit", "example", "--algorithm", "hbfl"],
+     "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola']"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
 ])
@@ -217,11 +219,13 @@ def test_half_the_noise_is_caught_with_enough_orthogonal_canaries():
 
 
 @pytest.mark.timeout(300)
-def test_record_canaries_inside_dp_sgd_fedavgs_steps():
-    """DP-SGD FedAvg (record level, local DP-SGD on each client): canary records in the clients' DP-SGD steps, each
-    in a step's Poisson lot with the schedule's rate and clipped like any record; the server sees them only through
-    the trained models. The honest run stays below its ledger, the unclipped canaries are caught, half the noise
-    is not (the sum over rounds tests the sampled steps below their tight accounting)."""
+@pytest.mark.parametrize("name, channel", [("dpsgd_fedavg", "update"), ("fola", "mean")])
+def test_record_canaries_inside_the_clients_dp_sgd_steps(name, channel):
+    """DP-SGD FedAvg and FOLA (record level, local DP-SGD on each client; FOLA's Fisher channels beside it): canary
+    records in the clients' DP-SGD steps, each in a step's Poisson lot with the schedule's rate and clipped like any
+    record; the server sees them only through the trained models (FOLA's: absolute means, the broadcast's share
+    taken off). The honest run stays below its ledger, the unclipped canaries are caught, half the noise is not (the
+    sum over rounds tests the sampled steps below their tight accounting)."""
     records = 64
     data = _wide_data(4, records)
 
@@ -230,12 +234,11 @@ def test_record_canaries_inside_dp_sgd_fedavgs_steps():
                                client_size=records)
         privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False,
                                 accountant="pld")
-        return audit_run(make_algorithm("dpsgd_fedavg", fed, privacy), data, fed, privacy, canaries=20_000,
-                         fault=fault)
+        return audit_run(make_algorithm(name, fed, privacy), data, fed, privacy, canaries=20_000, fault=fault)
 
     honest, unclipped, half = run("none"), run("no_clip"), run("half_noise")
     for r in (honest, unclipped, half):
-        assert r.channel == "update" and r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.included == honest.included
+        assert r.channel == channel and r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.included == honest.included
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
     assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
