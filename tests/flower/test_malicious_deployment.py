@@ -97,7 +97,7 @@ def _spec(federation, public, run_id, secure=SECURE, placement="local"):
                       secure=secure, identities=public)
 
 
-@pytest.mark.slow  # make test-all (CI time): dropout recovery is tested in process (tests/secure_agg)
+@pytest.mark.slow  # make test-all (CI time): the same through the apps in process: test_loopback.py
 @pytest.mark.timeout(400)
 def test_the_malicious_variant_runs_with_a_supernode_killed_after_sharing_keys(
         federation, tmp_path, quick_deployment, write_orgs, run_killing_after_share_keys):

@@ -150,7 +150,7 @@ def test_fola_client_level_distributed_noise_under_secure_aggregation_equals_in_
         assert math.isclose(audit["epsilon"], sim_clients[str(k)]["epsilon"], rel_tol=1e-9)
 
 
-@pytest.mark.slow  # make test-all (CI time): dropout recovery is tested in process (tests/secure_agg)
+@pytest.mark.slow  # make test-all (CI time): the same through the apps in process: test_loopback.py
 @pytest.mark.timeout(400)
 def test_a_supernode_killed_after_sharing_keys_is_recovered_from_the_survivors(federation, tmp_path, quick_deployment,
                                                                               write_orgs, run_killing_after_share_keys):

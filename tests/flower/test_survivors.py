@@ -39,7 +39,7 @@ def test_min_replies_is_checked(federation):
             RunSpec.of("dp_fedavg", federation, fed, privacy, min_replies=bad)
 
 
-@pytest.mark.slow  # make test-all (CI time): the round engine's survivor rule is tested in process
+@pytest.mark.slow  # make test-all (CI time): the survivor rule runs in process in tests/flower/test_loopback.py
 @pytest.mark.timeout(400)
 def test_a_killed_supernode_is_left_out_and_the_run_completes(federation, tmp_path, write_orgs, quick_deployment):
     configs = write_orgs(federation, tmp_path)

@@ -177,7 +177,7 @@ def test_the_split_keeps_the_steps_privacy():
 # -- black-box audit of one adaptive step: everything the step computes, as if the client sent it ------------------
 
 
-def _step_scores(noise_scale: float, trials: int = 40_000, z: float = 0.8, quantile: float = 0.5):
+def _step_scores(noise_scale: float, trials: int = 20_000, z: float = 0.8, quantile: float = 0.5):
     """``trials`` one-step runs of the vectorised engine with adaptive clipping on D = {an outlier record} and
     D' = {} at q = 1/2, one run per stacked client: the noisy gradient read back from the model's change and the
     noisy clip counts the client sends (the audit sees both); the likelihood-ratio score of both against the

@@ -1,0 +1,153 @@
+"""The ServerApp and ClientApp of privfl's Flower app (``privfl.flower.app.server_main`` and ``client_app``) run in
+one process over a loopback Grid: each message pushed is handed to the addressed organisation's ClientApp as Flower
+would deliver it, and an organisation that has "died" never answers. What this shows in seconds, without a
+SuperLink: the plaintext survivor rule of the ServerApp (``RunSpec(min_replies=...)``: a round completes with the
+organisations that replied, the silent one named in the log by its partition id; fewer replies than min_replies stop
+the run with an error), secure aggregation's dropout recovery through the ServerApp's and ClientApp's own stages
+(semi-honest and malicious: an organisation that dies after sharing its keys), and that no ledger holds a row that
+was not released, nor a release without its row. The same on real deployments (a SuperNode process killed
+mid-run) is tests/flower/test_survivors.py, test_secure_deployment.py and test_malicious_deployment.py, in make
+test-all."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.server import Grid  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.flower import app as flower_app  # noqa: E402
+from privfl.flower.app import DeploymentError, RunSpec, read_result  # noqa: E402
+from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
+from privfl.privacy.secure import SecureAggregation  # noqa: E402
+
+
+class Loopback(Grid):
+    """A Grid whose SuperNodes are ClientApps in this process: a pushed message is handed to its node's ClientApp at
+    once (given a message id, as a transport would), and the reply waits to be pulled; a node for which
+    ``silent(node, group_id)`` holds has died before that message and never answers (group ids: the round, or
+    "round.stage" for secure aggregation's stages)."""
+
+    def __init__(self, contexts: dict, silent=lambda node, group: False):
+        self.contexts, self.silent = contexts, silent
+        self.replies: dict[str, object] = {}
+
+    def set_run(self, run_id):
+        pass
+
+    @property
+    def run(self):
+        return None
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            message_id = uuid.uuid4().hex
+            message.metadata.__dict__["_message_id"] = message_id
+            ids.append(message_id)
+            node = message.metadata.dst_node_id
+            if self.silent(node, message.metadata.group_id):
+                continue
+            self.replies[message_id] = flower_app.client_app(message, self.contexts[node])
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self.pull_messages(self.push_messages(messages))
+
+
+def _released(path, run_id):
+    if not os.path.exists(path):
+        return []
+    with sqlite3.connect(path) as conn:
+        return sorted(conn.execute("SELECT round, released FROM charges WHERE run_id=?", (run_id,)).fetchall())
+
+
+def _from_round(nodes, first):
+    """Silence for ``nodes`` from round ``first`` on."""
+    return lambda node, group: node in nodes and group.split(".")[0].isdigit() and int(group.split(".")[0]) >= first
+
+
+def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=None, secure=None, rounds=3):
+    monkeypatch.setenv("PRIVFL_REPLY_POLL", "0.01")
+    for name in ("_run_id", "_node_id", "_task_id"):  # what Flower's runtime sets in a ServerApp's process
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    configs = write_orgs(federation, tmp_path)
+    identities = None
+    if secure is not None and secure.malicious:  # each organisation's identity key and the federation file
+        keys, federation_file, identities = make_identities(str(tmp_path / "identities"), len(configs), secure)
+        for config, key in zip(configs, keys):
+            config.update({IDENTITY_KEY: key, FEDERATION_KEY: federation_file})
+    fed = FederationConfig(rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local",
+                            secure_noise=False)
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="loopback", node_wait=1, round_timeout=0.5,
+                      min_replies=min_replies, secure=secure, **({} if identities is None else
+                                                                 {"identities": identities}))
+    result_path = str(tmp_path / "result.bin")
+    run_config = {flower_app.SPEC_KEY: spec.to_json(), flower_app.RESULT_KEY: result_path}  # one run's, for all
+    contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config=config, state=RecordDict(),
+                                 run_config=run_config) for k, config in enumerate(configs)}
+    grid = Loopback(contexts, silent)
+    flower_app.server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                         run_config=run_config))
+    return spec, configs, read_result(result_path)
+
+
+def test_a_silent_organisation_is_left_out_and_the_run_completes(federation, tmp_path, write_orgs, monkeypatch,
+                                                                 caplog):
+    with caplog.at_level(logging.WARNING):
+        spec, configs, result = _run(federation, tmp_path, write_orgs, monkeypatch, min_replies=2,
+                                     silent=_from_round({102}, 1))
+    assert [(h["round"], h["participants"], h["aborted"]) for h in result["history"]] == [
+        (0, 3, False), (1, 2, False), (2, 2, False)]
+    assert np.all(np.isfinite(result["state"]["global_params"]))
+    assert "(partition 2)" in caplog.text and "completes with the others" in caplog.text
+    for k, config in enumerate(configs):  # every row released; the silent one charged nothing it did not send
+        assert _released(config["ledger-path"], spec.run_id) == ([(r, 1) for r in range(3)] if k != 2 else [(0, 1)])
+
+
+def test_fewer_replies_than_min_replies_stop_the_run(federation, tmp_path, write_orgs, monkeypatch):
+    with pytest.raises(DeploymentError, match="1 of 3 organisations replied, fewer than min_replies=2"):
+        _run(federation, tmp_path, write_orgs, monkeypatch, min_replies=2, silent=_from_round({101, 102}, 1))
+
+
+def test_without_min_replies_a_silent_organisation_stops_the_run(federation, tmp_path, write_orgs, monkeypatch):
+    with pytest.raises(DeploymentError, match="did not reply"):
+        _run(federation, tmp_path, write_orgs, monkeypatch, silent=_from_round({102}, 1))
+
+
+@pytest.mark.parametrize("malicious", [False, True], ids=["semi-honest", "malicious"])
+def test_an_organisation_that_dies_after_sharing_its_keys_is_recovered_from_the_survivors(
+        federation, tmp_path, write_orgs, monkeypatch, malicious):
+    """Secure aggregation (both variants; the malicious one with signed messages and the federation file): partition
+    2 answers the share-keys stage and never anything after. The round completes from the two survivors, whose
+    shares of its mask key remove its masks; its ledger keeps the charge, never marked released (its masked input
+    never left); the survivors' ledgers mark exactly what they sent."""
+    secure = SecureAggregation(bits=48, malicious=malicious, dropout=0.34)
+    stages = ("masked_input", "consistency_check", "unmask")
+    dead = lambda node, group: node == 102 and group.split(".")[-1] in stages  # noqa: E731
+    spec, configs, result = _run(federation, tmp_path, write_orgs, monkeypatch, silent=dead, secure=secure,
+                                 rounds=1)
+    (round0,) = result["history"]
+    assert (round0["participants"], round0["aborted"]) == (2, False)
+    assert np.all(np.isfinite(result["state"]["global_params"]))
+    assert [_released(c["ledger-path"], spec.run_id) for c in configs] == [[(0, 1)], [(0, 1)], [(0, 0)]]
