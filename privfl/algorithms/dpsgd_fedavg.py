@@ -43,8 +43,9 @@ from privfl.algorithms.base import ClientOutput
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
-from privfl.privacy.record_level import (CLIP_RATIOS, DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd, check_dpsgd_privacy,
-                                         check_class_weights, check_opacus_model, dpsgd_schedule, loss_class_weight)
+from privfl.privacy.record_level import (CLIP_RATIOS, DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd,
+                                         check_class_weights, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule,
+                                         loss_class_weight)
 from privfl.training.local import TaskLoss
 from privfl.training.stacked import vectorisable
 from privfl.errors import ConfigurationError

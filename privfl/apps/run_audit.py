@@ -48,8 +48,9 @@ through the trained models, so a canary's score is minus the inner product; ``ha
 there). FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: the server's view is the sum over
 rounds of the aggregate minus what the broadcast mean contributes to it (public). A canary there is a gradient only
 (it adds nothing to the Fisher channels, as a record whose gradient vanishes at the Fisher passes' points would),
-within what the composed guarantee covers. HBFL's record-level training is not built (it takes client canaries). On a channel of probability rows
-(FedBNN's), whose bound is its range, a client canary releases one-hot rows at secret labels (:class:`CanaryRows`).
+within what the composed guarantee covers. HBFL's record-level training is not built (it takes client canaries).
+On a channel of probability rows (FedBNN's), whose bound is its range, a client canary releases one-hot rows at
+secret labels (:class:`CanaryRows`).
 """
 
 from __future__ import annotations
@@ -224,8 +225,7 @@ def _audited_channel(algorithm):
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
                 f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg and FOLA; {algorithm.name} at "
-                f"unit='example' is "
-                f"not built; audit it at client level")
+                f"unit='example' is not built; audit it at client level")
         return channel
     private = [c for c in algorithm.channels() if c.private]
     clipped = [c for c in private if isinstance(c.clip, NormClip) and len(c.shape) == 1]

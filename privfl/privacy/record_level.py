@@ -873,8 +873,8 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
                                                     secure=secure))
 
 
-__all__ = ["CLIP_RATIOS", "clip_bit_counts",
-           "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "dpsgd_gradients", "SAMPLED_ACCOUNTANTS", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy",
-           "check_opacus_model", "class_sampling_rates", "dpsgd_schedule", "dpsgd_train", "loss_class_weight",
-           "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian",
-           "step_noise", "VectorisedDPSGD", "clip_factor"]
+__all__ = ["CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "AdaptiveClip",
+           "VectorisedDPSGD", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
+           "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "dpsgd_gradients", "dpsgd_schedule",
+           "dpsgd_train", "loss_class_weight", "noised_mean", "other_round_events", "poisson_lot",
+           "privatise_gradient_sum", "secure_gaussian", "step_noise"]

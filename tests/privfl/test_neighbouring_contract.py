@@ -412,9 +412,9 @@ def test_dp_fedsgd_with_its_variational_posterior_keeps_the_contract(name, unit,
 #: issue 29's record-level mechanisms, under each relation and placement, with and without secure aggregation:
 #: adaptive clipping (DP-FedSGD's records' gradients clipped to the round's clip and released over it, norm <= 1, and
 #: their clip bits [norm <= C_t] - 1/2 summed on the same lot, at q = 1 and sampled; DP-SGD FedAvg's clients
-#: training at the broadcast clip and sending their noisy clip counts, drawn inside the steps' event, a no-op charge) and DP-FedSGD's correlated noise (bands = 2: round 0
-#: opens a block, charged the group's sampled event at 2 q; the rounds after it and the mixing of a client's sums are
-#: checked in tests/privfl/privacy/test_banded_noise.py)
+#: training at the broadcast clip and sending their noisy clip counts, drawn inside the steps' event, a no-op charge)
+#: and DP-FedSGD's correlated noise (bands = 2: round 0 opens a block, charged the group's sampled event at 2 q; the
+#: rounds after it and the mixing of a client's sums are checked in tests/privfl/privacy/test_banded_noise.py)
 MECHANISM_GRID = [(name, "example", adjacency, placement, secure, False)
                   for name, adjacency, placement, secure in itertools.product(
                       ("dp_fedsgd_adaptive", "dp_fedsgd_adaptive_sampled", "dpsgd_fedavg_adaptive",
