@@ -45,8 +45,10 @@ Record canaries go into DP-FedSGD, whose clients release per-record sums, and in
 each client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's
 Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only
 through the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise
-there). FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: the server's view is the sum over
-rounds of the aggregate minus what the broadcast mean contributes to it (public). A canary there is a gradient only
+there). Their noise is the clients' own (local DP-SGD: the guarantee holds against a server that sees every
+client's upload), so the auditor reads each canary against its own client's uploads summed over the rounds, not
+against the sum over clients, whose other clients' noise would only hide it. FOLA's audited channel is its
+DP-SGD-trained ``mean``, an absolute model: each upload less the broadcast mean (public). A canary there is a gradient only
 (it adds nothing to the Fisher channels, as a record whose gradient vanishes at the Fisher passes' points would),
 within what the composed guarantee covers. HBFL's record-level training is not built (it takes client canaries).
 On a channel of probability rows (FedBNN's), whose bound is its range, a client canary releases one-hot rows at
@@ -288,7 +290,9 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             parts.append(data.train_parts[0])
     audited = dataclasses.replace(data, train_parts=parts, name=f"{data.name}+canaries")
     clip = float(privacy.clip)
-    view = {}  # the audited channel, the canaries' directions and the server's sum over rounds (set after setup)
+    # the audited channel, the canaries' directions and the server's sum over rounds (set after setup); with step
+    # canaries also each client's uploads summed over rounds
+    view = {"uploads": {}}
     real_update, real_server = algorithm.client_update, algorithm.server_update
 
     def record_canaries(k, out):
@@ -333,6 +337,10 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             [(_, out)] = algorithm.form.updates([k], [dataset], rnd, [rng_k], vectorised=True, clipped_term=term)
         else:
             [(_, out)] = algorithm._dpsgd_updates([k], [dataset], [rng_k], vectorised=True, clipped_term=term)
+        upload = np.asarray(out.values[view["channel"].name].value, dtype=np.float64)  # what the server receives
+        if algorithm.name == "fola":  # an absolute mean: less the broadcast mean (public)
+            upload = upload - np.asarray(algorithm.mean, dtype=np.float64)
+        view["uploads"][k] = view["uploads"].get(k, 0.0) + upload
         return out
 
     def client_update(k, dataset, rnd, rng_k):
@@ -411,8 +419,12 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     else:
         result = sim.run()
     scores = view["directions"].scores(view["seen"])
-    if records and algorithm.name in STEP_CANARIES:  # a canary's step moves the model against its gradient
-        scores = -scores
+    if records and algorithm.name in STEP_CANARIES:  # each canary against its own client's uploads
+        owners = np.arange(canaries) % len(data.train_parts)
+        for k, uploads in view["uploads"].items():
+            mine = owners == k
+            scores[mine] = view["directions"].scores(uploads)[mine]
+        scores = -scores  # a canary's step moves the model against its gradient
     order = np.argsort(scores)
     truth = np.zeros(canaries, dtype=bool)
     truth[included] = True
