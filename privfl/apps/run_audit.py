@@ -41,18 +41,19 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg and FOLA, inside
-each client's DP-SGD steps (the engine's ``clipped_term`` hook: at every step an included canary is in the step's
-Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise; the server sees it only
-through the trained models, so a canary's score is minus the inner product; ``half_noise`` halves the steps' noise
-there). Their noise is the clients' own (local DP-SGD: the guarantee holds against a server that sees every
-client's upload), so the auditor reads each canary against its own client's uploads summed over the rounds, not
-against the sum over clients, whose other clients' noise would only hide it. FOLA's audited channel is its
-DP-SGD-trained ``mean``, an absolute model: each upload less the broadcast mean (public). A canary there is a gradient only
-(it adds nothing to the Fisher channels, as a record whose gradient vanishes at the Fisher passes' points would),
-within what the composed guarantee covers. HBFL's record-level training is not built (it takes client canaries).
-On a channel of probability rows (FedBNN's), whose bound is its range, a client canary releases one-hot rows at
-secret labels (:class:`CanaryRows`).
+Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg, FOLA and HBFL,
+inside each client's DP-SGD steps (the engine's ``clipped_term`` hook; for HBFL's meme, its lot source's): at every
+step an included canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before
+the step's noise; the server sees it only through the trained models, so a canary's score is minus the inner
+product; ``half_noise`` halves the steps' noise there. Their noise is the clients' own (local DP-SGD: the guarantee
+holds against a server that sees every client's upload), so the auditor reads each canary against its own client's
+uploads summed over the rounds, not against the sum over clients, whose other clients' noise would only hide it.
+FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: each upload less the broadcast mean
+(public). A canary there is a gradient only (it adds nothing to the Fisher channels, as a record whose gradient
+vanishes at the Fisher passes' points would), within what the composed guarantee covers. HBFL's canaries go into its
+meme's mean coordinates; the server reads the client's meme mean off its two uploads (natural mean over precision,
+the broadcast's added back), less the broadcast mean. On a channel of probability rows (FedBNN's), whose bound is
+its range, a client canary releases one-hot rows at secret labels (:class:`CanaryRows`).
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ from privfl.errors import ConfigurationError
 FAULTS = ("none", "half_noise", "no_clip")
 #: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's per-record sums, DP-SGD FedAvg's and
 #: FOLA's DP-SGD steps
-RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola")
-#: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook)
-STEP_CANARIES = ("dpsgd_fedavg", "fola")
+RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl")
+#: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook; HBFL's
+#: meme: its lot source's, ``record_level.DPSGDLots``)
+STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
 #: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
 CANARY_NORM = 10.0
 #: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
@@ -221,12 +223,14 @@ def _audited_channel(algorithm):
             raise ConfigurationError("audit-run inserts FOLA's record canaries into its vectorised DP-SGD step (a "
                                      "model of stateless layers, the default loss and SGD)")
         return {c.name: c for c in algorithm.channels()}["mean"]
+    if algorithm.privacy.unit == "example" and algorithm.name == "hbfl":
+        return {c.name: c for c in algorithm.channels()}["natural_mean"]
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
-                f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg and FOLA; {algorithm.name} at "
+                f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg, FOLA and HBFL; {algorithm.name} at "
                 f"unit='example' is not built; audit it at client level")
         return channel
     private = [c for c in algorithm.channels() if c.private]
@@ -251,6 +255,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     view): give a fresh one, as ``privfl audit-run`` does."""
     from privfl.algorithms.base import ClientOutput
     from privfl.core.public import release_weight
+    from privfl.models.vectors import _gaussian_entries
     from privfl.privacy.record_level import dpsgd_schedule
     from privfl.runtime.engine import Simulation
 
@@ -313,13 +318,15 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         return dataclasses.replace(out, values=values)
 
     def dpsgd_update(k, dataset, rnd, rng_k):
-        """DP-SGD FedAvg's (FOLA's) client step with client k's included canary records in its training: at every
-        DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds its
-        clipped gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the step's
-        noise."""
+        """DP-SGD FedAvg's (FOLA's, HBFL's) client step with client k's included canary records in its training:
+        at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds
+        its clipped gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the
+        step's noise."""
         mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
         norm = CANARY_NORM * clip if fault == "no_clip" else clip
+        if algorithm.name == "hbfl":
+            return hbfl_update(k, dataset, rnd, rng_k, mine, q, norm)
         shapes = [(name, p.shape, p.numel()) for name, p in algorithm.model.named_parameters()]
 
         def term(rows, epoch, step, grads):
@@ -340,6 +347,39 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         upload = np.asarray(out.values[view["channel"].name].value, dtype=np.float64)  # what the server receives
         if algorithm.name == "fola":  # an absolute mean: less the broadcast mean (public)
             upload = upload - np.asarray(algorithm.mean, dtype=np.float64)
+        view["uploads"][k] = view["uploads"].get(k, 0.0) + upload
+        return out
+
+    def hbfl_update(k, dataset, rnd, rng_k, mine, q, norm):
+        """HBFL's client step (its meme's DP-SGD, per client) with client k's included canaries in each step's
+        clipped sum (the lot source's hook), on the meme's mean coordinates; the server's view of the client's
+        meme mean: (natural mean) / (precision), both uploads plus the broadcast's (public), less the broadcast
+        mean."""
+        meme = algorithm._fork_meme()
+        offsets, offset = {}, 0
+        for p in meme.parameters():
+            offsets[id(p)] = offset
+            offset += p.numel()
+        mean_index = np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
+                                     for _, _, mu, _ in _gaussian_entries(meme)])
+
+        def term(r, step, summed):
+            drawn = [i for i in mine if rng.random() < q]
+            if not drawn:
+                return summed
+            vec = torch.zeros_like(summed)
+            vec[torch.as_tensor(mean_index)] = torch.as_tensor(norm * view["directions"].sum(drawn),
+                                                               dtype=summed.dtype)
+            return summed + vec
+
+        algorithm.loop.clipped_term = term
+        try:
+            out = real_update(k, dataset, rnd, rng_k)
+        finally:
+            algorithm.loop.clipped_term = None
+        precision = np.asarray(out.values["precision"].value, dtype=np.float64) + algorithm.global_precision
+        natural = np.asarray(out.values["natural_mean"].value, dtype=np.float64) + algorithm.global_natural_mean
+        upload = natural / precision - np.asarray(algorithm.global_mean, dtype=np.float64)
         view["uploads"][k] = view["uploads"].get(k, 0.0) + upload
         return out
 

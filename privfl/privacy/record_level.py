@@ -331,18 +331,23 @@ def noised_mean(clipped_sum: torch.Tensor, *, std: float, expected_batch: float,
     return (clipped_sum + step_noise(clipped_sum.shape, std, generator, secure, clipped_sum.dtype)) / expected_batch
 
 
+def clipped_gradient_sum(per_example: torch.Tensor, dim: int, clip: float) -> torch.Tensor:
+    """The sum of a lot's per-example gradient rows, each clipped by :func:`clip_factor` (zeros of ``dim`` for an
+    empty lot)."""
+    if len(per_example):
+        return (per_example * clip_factor(per_example.pow(2).sum(1), clip)[:, None]).sum(dim=0)
+    return torch.zeros(dim)
+
+
 def privatise_gradient_sum(per_example: torch.Tensor, dim: int, *, clip: float, noise_multiplier: float,
                            expected_batch: float, generator: torch.Generator, secure: bool) -> torch.Tensor:
     """One DP-SGD step's gradient from a Poisson lot's per-example gradients (Abadi et al. 2016): each row of
     ``per_example`` (one example's flattened gradient; none for an empty lot) clipped by :func:`clip_factor`,
-    summed, then :func:`noised_mean` (noise of std ``noise_multiplier * clip``, over the public expected lot); a
-    vector of ``dim``. For steps whose per-example gradients are materialised (HBFL's meme)."""
-    if len(per_example):
-        summed = (per_example * clip_factor(per_example.pow(2).sum(1), clip)[:, None]).sum(dim=0)
-    else:
-        summed = torch.zeros(dim)
-    return noised_mean(summed, std=noise_multiplier * clip, expected_batch=expected_batch, generator=generator,
-                       secure=secure)
+    summed (:func:`clipped_gradient_sum`), then :func:`noised_mean` (noise of std ``noise_multiplier * clip``, over
+    the public expected lot); a vector of ``dim``. For steps whose per-example gradients are materialised (HBFL's
+    meme)."""
+    return noised_mean(clipped_gradient_sum(per_example, dim, clip), std=noise_multiplier * clip,
+                       expected_batch=expected_batch, generator=generator, secure=secure)
 
 
 def check_opacus_model(model: nn.Module, algorithm: str) -> None:
@@ -791,12 +796,14 @@ class DPSGDLots:
     client's sampling generator) and ``privatise(r, rows)``, client r's per-example gradient rows clipped, summed,
     noised and divided by the public expected batch (:func:`privatise_gradient_sum`, from its noise generator). Each
     client's generators come from ``rngs[r]`` in :func:`dpsgd_train`'s order (noise, then sampling); the entropy-like
-    terms of the loop divide by the public size (``reg_size``), never the private n_k."""
+    terms of the loop divide by the public size (``reg_size``), never the private n_k. ``clipped_term(r, step,
+    summed)``: a hook that returns client r's clipped sum of the step with a term added, before the noise (``privfl
+    audit-run``'s record canaries; given nothing of the clients' records)."""
 
     per_example = True
 
     def __init__(self, schedule: DPSGDSchedule, *, noise_multiplier: float, clip: float, secure_noise: bool,
-                 rngs: Sequence[np.random.Generator], sizes: Sequence[int]):
+                 rngs: Sequence[np.random.Generator], sizes: Sequence[int], clipped_term: Callable | None = None):
         self.schedule, self.z, self.clip, self.secure = schedule, float(noise_multiplier), float(clip), secure_noise
         self.sizes = [int(n) for n in sizes]
         self.noise, self.coins = [], []
@@ -804,16 +811,19 @@ class DPSGDLots:
             self.noise.append(private_torch_generator(rng, secure_noise))
             self.coins.append(private_torch_generator(rng, secure_noise))
         self.reg_size = schedule.size
+        self.clipped_term, self.step = clipped_term, -1
 
     def __iter__(self) -> Iterator[list[np.ndarray]]:
         q = self.schedule.sample_rate
-        for _ in range(self.schedule.steps):
+        for self.step in range(self.schedule.steps):
             yield [poisson_lot(q, n, coin).numpy() for coin, n in zip(self.coins, self.sizes)]
 
     def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
-        return privatise_gradient_sum(rows, rows.shape[1], clip=self.clip, noise_multiplier=self.z,
-                                      expected_batch=self.schedule.expected_batch, generator=self.noise[r],
-                                      secure=self.secure)
+        summed = clipped_gradient_sum(rows, rows.shape[1], self.clip)
+        if self.clipped_term is not None:
+            summed = self.clipped_term(r, self.step, summed)
+        return noised_mean(summed, std=self.z * self.clip, expected_batch=self.schedule.expected_batch,
+                           generator=self.noise[r], secure=self.secure)
 
 
 class DPSGDLoop:
@@ -823,7 +833,7 @@ class DPSGDLoop:
     outputs carry: the channels ``trained`` charge the training's per-round event, the others (computed from the same
     trained model) nothing more. Its client-level and non-private counterpart is
     ``privfl.training.distill.MiniBatchLoop``; an algorithm declares both and ``privfl.privacy.units.at_unit``
-    picks."""
+    picks. ``clipped_term``: :class:`DPSGDLots`'s hook, for the lot sources it makes (None: none)."""
 
     per_example = True
 
@@ -831,6 +841,7 @@ class DPSGDLoop:
         self.alg = alg
         self.accountant = check_dpsgd_privacy(alg.privacy, alg.name)
         self._z: dict[DPSGDSchedule, float] = {}
+        self.clipped_term: Callable | None = None
 
     def key(self, client: int, n: int) -> DPSGDSchedule:
         """What clients must share to train together: the schedule."""
@@ -849,7 +860,7 @@ class DPSGDLoop:
     def lots(self, key: DPSGDSchedule, rngs, sizes) -> DPSGDLots:
         p = self.alg.privacy
         return DPSGDLots(key, noise_multiplier=self.noise_multiplier(key), clip=p.clip, secure_noise=p.secure_noise,
-                         rngs=rngs, sizes=sizes)
+                         rngs=rngs, sizes=sizes, clipped_term=self.clipped_term)
 
     def events(self, client: int, channels: Sequence[str], trained: Sequence[str]) -> dict:
         schedule = dpsgd_schedule(self.alg, client)
@@ -875,6 +886,6 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
 
 __all__ = ["CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "AdaptiveClip",
            "VectorisedDPSGD", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
-           "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "dpsgd_gradients", "dpsgd_schedule",
-           "dpsgd_train", "loss_class_weight", "noised_mean", "other_round_events", "poisson_lot",
-           "privatise_gradient_sum", "secure_gaussian", "step_noise"]
+           "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "clipped_gradient_sum",
+           "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train", "loss_class_weight", "noised_mean",
+           "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian", "step_noise"]

@@ -131,8 +131,8 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
 @pytest.mark.parametrize("extra, needle", [
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
     (["--canaries", "50000"], "give at most"),
-    (["--unit", "example", "--algorithm", "hbfl"],
-     "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola']"),
+    (["--unit", "example", "--algorithm", "fedbnn"],
+     "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola', 'hbfl']"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
 ])
@@ -221,16 +221,19 @@ def test_half_the_noise_is_caught_with_enough_orthogonal_canaries():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, channel, batch, half_caught", [("dpsgd_fedavg", "update", 16, False),
                                                                ("dpsgd_fedavg", "update", 64, True),
-                                                               ("fola", "mean", 64, False)])
+                                                               ("fola", "mean", 64, False),
+                                                               ("hbfl", "natural_mean", 64, False)])
 def test_record_canaries_inside_the_clients_dp_sgd_steps(name, channel, batch, half_caught):
-    """DP-SGD FedAvg and FOLA (record level, local DP-SGD on each client; FOLA's Fisher channels beside it): canary
-    records in the clients' DP-SGD steps, each in a step's Poisson lot with the schedule's rate and clipped like any
-    record; the server sees them only through each client's trained model (FOLA's: absolute means, the broadcast
+    """DP-SGD FedAvg, FOLA and HBFL (record level, local DP-SGD on each client; FOLA's Fisher channels beside it;
+    HBFL's Bayesian meme, trained by DP-SGD then Adam): canary records in the clients' DP-SGD steps, each in a step's
+    Poisson lot with the schedule's rate and clipped like any record; the server sees them only through each
+    client's trained model (FOLA's absolute means and HBFL's meme mean, natural mean over precision, the broadcast
     taken off), and the auditor reads each canary against its own client's uploads. The honest run stays below its
     ledger and the unclipped canaries are caught. Half the noise: with every record in every step (batch = the
     client's 64 records, q = 1: five Gaussian steps, the sum over them the exact test) DP-SGD FedAvg's is caught;
-    with Poisson lots (batch 16) the sum tests the sampled steps below their tight accounting, and in FOLA the
-    Fisher channels hold part of the budget the canaries do not read: visible, not caught."""
+    with Poisson lots (batch 16) the sum tests the sampled steps below their tight accounting, in FOLA the Fisher
+    channels hold part of the budget the canaries do not read, and HBFL's Adam rescales each step: visible, not
+    caught."""
     records = 64
     data = _wide_data(4, records)
 
