@@ -41,11 +41,12 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record canaries go into DP-FedSGD, whose clients release per-record sums, and into DP-SGD FedAvg, FOLA and HBFL,
-inside each client's DP-SGD steps (the engine's ``clipped_term`` hook; for HBFL's meme, its lot source's): at every
-step an included canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before
-the step's noise; the server sees it only through the trained models, so a canary's score is minus the inner
-product; ``half_noise`` halves the steps' noise there. Their noise is the clients' own (local DP-SGD: the guarantee
+Record canaries go into DP-FedSGD and FedBNR (its Phi^T y), whose clients release per-record sums (a canary adds its
+direction at the record's bound before the noise), and into DP-SGD FedAvg, FOLA and HBFL, inside each client's
+DP-SGD steps (the engine's ``clipped_term`` hook; for HBFL's meme, its lot source's): at every step an included
+canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise;
+the server sees it only through the trained models, so a canary's score is minus the inner product;
+``half_noise`` halves the steps' noise there. Their noise is the clients' own (local DP-SGD: the guarantee
 holds against a server that sees every client's upload), so the auditor reads each canary against its own client's
 uploads summed over the rounds, not against the sum over clients, whose other clients' noise would only hide it.
 FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: each upload less the broadcast mean
@@ -73,9 +74,9 @@ from privfl.mechanisms import NoiseSource
 from privfl.errors import ConfigurationError
 
 FAULTS = ("none", "half_noise", "no_clip")
-#: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's per-record sums, DP-SGD FedAvg's and
-#: FOLA's DP-SGD steps
-RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl")
+#: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's and FedBNR's per-record sums, DP-SGD
+#: FedAvg's, FOLA's and HBFL's DP-SGD steps
+RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl", "fedbnr")
 #: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook; HBFL's
 #: meme: its lot source's, ``record_level.DPSGDLots``)
 STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
@@ -225,6 +226,8 @@ def _audited_channel(algorithm):
         return {c.name: c for c in algorithm.channels()}["mean"]
     if algorithm.privacy.unit == "example" and algorithm.name == "hbfl":
         return {c.name: c for c in algorithm.channels()}["natural_mean"]
+    if algorithm.privacy.unit == "example" and algorithm.name == "fedbnr":
+        return {c.name: c for c in algorithm.channels()}["cross"]  # Phi^T y: a sum of records' clipped terms
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
@@ -304,17 +307,18 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         """Client k's output with its included canary records that this round's Poisson coins drew: each adds its
         direction at 10 C, clipped to C by the per-record clip (not clipped under ``no_clip``), in the units the
         channel is released in (the round's clip under adaptive clipping)."""
-        unit = 1.0 if getattr(algorithm, "adaptive", False) else clip
+        channel = view["channel"]
+        unit = channel.clip.bound  # a record's term's bound (DP-FedSGD: C, or 1 in units of the round's clip)
         mine = [i for i in included if i % len(data.train_parts) == k]
-        drawn = [i for i in mine if rng.random() < algorithm.sample_rate]
+        drawn = [i for i in mine if rng.random() < channel.record_sampling_rate]
         if not drawn:
             return out
         norm = CANARY_NORM * unit if fault == "no_clip" else unit
-        name = view["channel"].name
-        released = out.values[name]
-        value = np.clip(released.value + norm * view["directions"].sum(drawn), -algorithm.bound,
-                        algorithm.bound)  # the client's box on its whole sum, as it boxes its records' own
-        values = {**out.values, name: dataclasses.replace(released, value=value)}
+        released = out.values[channel.name]
+        value = released.value + norm * view["directions"].sum(drawn)
+        if channel.value_bound is not None:  # the client's box on its whole sum, as it boxes its records' own
+            value = np.clip(value, -channel.value_bound, channel.value_bound)
+        values = {**out.values, channel.name: dataclasses.replace(released, value=value)}
         return dataclasses.replace(out, values=values)
 
     def dpsgd_update(k, dataset, rnd, rng_k):

@@ -132,7 +132,7 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
     (["--canaries", "4"], "--canaries must be an integer >= 8"),
     (["--canaries", "50000"], "give at most"),
     (["--unit", "example", "--algorithm", "fedbnn"],
-     "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola', 'hbfl']"),
+     "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola', 'hbfl', 'fedbnr']"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
 ])
@@ -253,6 +253,21 @@ def test_record_canaries_inside_the_clients_dp_sgd_steps(name, channel, batch, h
         assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
     else:
         assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
+
+
+def test_record_canaries_in_fedbnrs_cross_term():
+    """FedBNR at record level (central noise): canary records add their direction at the record's bound B B_y to a
+    client's Phi^T y before the noise, as a record's clipped term would. The honest run's bound stays below its
+    ledger's epsilon; canaries whose clip is off are caught."""
+    data = make_federated("diabetes", 4, partition="iid", seed=0)
+    fed = FederationConfig(rounds=1, seed=3)
+    privacy = PrivacyConfig(epsilon=1.0, delta=1e-5, unit="example", placement="central", secure_noise=False)
+    honest, unclipped = (audit_run(make_algorithm("fedbnr", fed, privacy), data, fed, privacy, canaries=100,
+                                   fault=fault) for fault in ("none", "no_clip"))
+    for r in (honest, unclipped):
+        assert r.channel == "cross" and r.epsilon_ledger <= 1.0 * (1 + 1e-9) and r.guesses > 0
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
 
 
 def _fedbnn_run(fault, epsilon, canaries=400):
