@@ -19,8 +19,11 @@ Canaries here are **clients** at client level (``unit="client"``): each included
 federation whose client step releases, every round, its own secret direction ``u_i`` (a random unit vector of the
 channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C u_i``: the largest change one client
 may make. The audited channel is the algorithm's first norm-clipped vector channel (DP-FedAvg's update, FOLA's and
-HBFL's natural mean, FedBNR's cross term); a canary sends zeros on the others (inside every clip), charged like any
-member's release. At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client
+HBFL's natural mean, FedBNR's cross term); a canary also releases a direction of its own on every other norm-clipped
+vector channel with room for one per canary (FOLA's and HBFL's precision) and zeros on the rest (inside every clip),
+charged like any member's release, and its score sums its inner products with each such channel's view weighted by
+the channel's clip over its noise's claimed variance (:func:`_weight`: the likelihood ratio of its Gaussian
+releases, so that the canaries read the whole budget, not one channel's share). At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client
 i mod K, and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
 coin, which the server never sees) and then adds its per-record term to the client's gradient sum: its direction at
 norm 10 C clipped to C, the largest term one record may add (a gradient canary, as white-box DP-SGD audits insert
@@ -211,6 +214,14 @@ class _Scaled(NoiseSource):
         return np.asarray(self.inner.standard_normal(shape), dtype=np.float64) * self.factor
 
 
+def _weight(aggregate, channel) -> float:
+    """A channel's weight in a canary's score: its clip over the variance of the noise its sum carries (as claimed),
+    so that the sum over channels of the canary's inner products is the likelihood-ratio statistic of its releases on
+    all of them (a Gaussian per channel); 1 for a channel without noise."""
+    std = float(aggregate.noise_std)
+    return channel.clip.bound / std ** 2 if std > 0 else 1.0
+
+
 def _audited_channel(algorithm):
     """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
@@ -300,7 +311,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     clip = float(privacy.clip)
     # the audited channel, the canaries' directions and the server's sum over rounds (set after setup); with step
     # canaries also each client's uploads summed over rounds
-    view = {"uploads": {}}
+    view = {"uploads": {}, "extra": []}
     real_update, real_server = algorithm.client_update, algorithm.server_update
 
     def record_canaries(k, out):
@@ -401,6 +412,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             value = (CANARY_NORM * bound * view["directions"].sum([canary_of[k]])).astype(np.float32)
         values = {c.name: np.zeros(c.shape, dtype=np.float32) for c in view["channels"]}  # inside every clip
         values[view["channel"].name] = value
+        for extra, directions in view["extra"]:  # its own direction on every other norm-clipped vector channel
+            values[extra.name] = (CANARY_NORM * extra.clip.bound * directions.sum([canary_of[k]])).astype(np.float32)
         weight = (algorithm.release_weight(dataset, k) if hasattr(algorithm, "release_weight")
                   else release_weight(algorithm.privacy, algorithm.public, k, dataset))  # the public constant
         return ClientOutput(values, weight=weight)
@@ -410,6 +423,11 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         seen = np.asarray(agg.total, dtype=np.float64)  # what the server saw
         if records and algorithm.name == "fola":  # absolute means: less the broadcast mean's public share
             seen = seen - agg.total_weight * np.asarray(algorithm.mean, dtype=np.float64)
+        if view["extra"]:  # each channel's view weighted by its clip over its noise's variance (the claimed one)
+            seen = seen * _weight(agg, view["channel"])
+            for extra, _ in view["extra"]:
+                other = aggregates[extra.name]
+                view["extra_seen"][extra.name] += np.asarray(other.total, dtype=np.float64) * _weight(other, extra)
         view["seen"] += seen
         real_server(aggregates, rnd)
 
@@ -437,6 +455,11 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                                              f"larger model (nothing was charged)")
                 view["directions"] = CanaryDirections.draw(canaries, channel.shape[0], rng)
                 view["seen"] = np.zeros(channel.shape[0])
+                if not records:  # client canaries also on every other norm-clipped vector channel wide enough
+                    view["extra"] = [(c, CanaryDirections.draw(canaries, c.shape[0], rng)) for c in self.channels
+                                     if c.name != channel.name and c.private and isinstance(c.clip, NormClip)
+                                     and len(c.shape) == 1 and c.shape[0] >= canaries]
+                    view["extra_seen"] = {c.name: np.zeros(c.shape[0]) for c, _ in view["extra"]}
             if fault == "half_noise":
                 for pipeline in self.pipelines:
                     pipeline.noise = _Scaled(pipeline.noise, 0.5)
@@ -463,6 +486,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     else:
         result = sim.run()
     scores = view["directions"].scores(view["seen"])
+    for extra, directions in view["extra"]:  # the likelihood-ratio score of the canary's releases on all of them
+        scores = scores + directions.scores(view["extra_seen"][extra.name])
     if records and algorithm.name in STEP_CANARIES:  # each canary against its own client's uploads
         owners = np.arange(canaries) % len(data.train_parts)
         for k, uploads in view["uploads"].items():

@@ -72,19 +72,25 @@ def test_an_honest_run_stays_below_its_ledger_and_a_run_that_does_not_clip_is_ca
 
 
 @pytest.mark.timeout(300)
-def test_twenty_thousand_canary_clients_catch_half_the_noise():
-    """Client level (DP-FedAvg, central noise, every client in every round) on the 20,010-coordinate linear model:
-    20,000 canary clients, each releasing its own direction at the clip every round. The sum over the rounds is the
-    exact test of the three Gaussian rounds the ledger composes, so half the noise is caught above the ledger (seeds
-    0-5: 2.07-2.29 against 2.00, honest 0.99-1.03), the honest run stays below it."""
+@pytest.mark.parametrize("name, channel", [
+    ("dp_fedavg", "update"), ("hbfl", "natural_mean"),
+    # make test-all (CI time): HBFL's run above already reads a canary on two channels
+    pytest.param("fola", "natural_mean_delta", marks=pytest.mark.slow)])
+def test_twenty_thousand_canary_clients_catch_half_the_noise(name, channel):
+    """Client level (central noise, every client in every round) on the 20,010-coordinate linear model: 20,000
+    canary clients, each releasing its own direction at the clip every round on every norm-clipped vector channel
+    (DP-FedAvg's update; HBFL's and FOLA's natural mean and precision), scored by the likelihood ratio over all of
+    them. The sum over the rounds is then the exact test of the three Gaussian rounds the ledger composes, so half
+    the noise is caught above the ledger (seeds 0-5 for DP-FedAvg: 2.07-2.29 against 2.00, honest 0.99-1.03; seeds
+    0-2 for HBFL 2.13-2.33, FOLA 2.17-2.45), and the honest run stays below it."""
     data = _wide_data(4, 64)
     fed = FederationConfig(rounds=3, local_epochs=1, batch_size=32, lr=0.1, hidden=(), pool=1, seed=3)
     privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="client", clip=0.5, placement="central",
                             secure_noise=False)
-    honest, half = (audit_run(make_algorithm("dp_fedavg", fed, privacy), data, fed, privacy, canaries=20_000,
+    honest, half = (audit_run(make_algorithm(name, fed, privacy), data, fed, privacy, canaries=20_000,
                               fault=fault) for fault in ("none", "half_noise"))
     for r in (honest, half):
-        assert r.channel == "update" and r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.included == honest.included
+        assert r.channel == channel and r.epsilon_ledger <= 2.0 * (1 + 1e-9) and r.included == honest.included
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
 
