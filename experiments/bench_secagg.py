@@ -47,14 +47,12 @@ test whose values are not a measurement.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import platform
 import statistics
 import sys
 import time
-import uuid
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -216,7 +214,7 @@ def flower_round(vectors: dict, clip: float, drop_after_share: set, num_shares: 
     from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.common.logger import FLOWER_LOGGER
     from flwr.compat.common import recorddict_compat as compat
-    from flwr.server import Grid, LegacyContext, ServerConfig, SimpleClientManager
+    from flwr.server import LegacyContext, ServerConfig, SimpleClientManager
     from flwr.server.compat.grid_client_proxy import GridClientProxy
     from flwr.server.strategy import FedAvg
     from flwr.server.workflow import SecAggPlusWorkflow
@@ -225,45 +223,15 @@ def flower_round(vectors: dict, clip: float, drop_after_share: set, num_shares: 
     FLOWER_LOGGER.setLevel(logging.ERROR)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
 
-    class Loopback(Grid):
-        """Delivers each message to its ClientApp in this process; dropped nodes never answer."""
+    from loopback_grid import LoopbackGrid
 
-        def __init__(self, apps):
-            self.apps, self.gone = apps, set()
+    gone = set()
 
-        def set_run(self, run):
-            pass
-
-        @property
-        def run(self):
-            return None
-
-        def create_message(self, *args, **kwargs):
-            raise NotImplementedError
-
-        def get_node_ids(self):
-            return list(self.apps)
-
-        def push_messages(self, messages):
-            raise NotImplementedError
-
-        def pull_messages(self, message_ids):
-            raise NotImplementedError
-
-        def send_and_receive(self, messages, *, timeout=None):
-            replies = []
-            for message in messages:
-                stage = message.content.config_records["secaggplus_configs"]["stage"]
-                if stage == "collect_masked_vectors":
-                    self.gone |= drop_after_share
-                node = message.metadata.dst_node_id
-                if node in self.gone:
-                    continue
-                message = copy.deepcopy(message)  # a real transport serialises; the workflow shares one content
-                message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-                app, context = self.apps[node]
-                replies.append(app(message, context))
-            return replies
+    def silent(node, message):
+        """The nodes of ``drop_after_share`` never answer from the masked-vectors stage on."""
+        if message.content.config_records["secaggplus_configs"]["stage"] == "collect_masked_vectors":
+            gone.update(drop_after_share)
+        return node in gone
 
     class Client(NumPyClient):
         def __init__(self, node):
@@ -275,7 +243,7 @@ def flower_round(vectors: dict, clip: float, drop_after_share: set, num_shares: 
     app = ClientApp(client_fn=lambda ctx: Client(ctx.node_id).to_client(), mods=[secaggplus_mod])
     apps = {node: (app, Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}))
             for node in vectors}
-    grid = Loopback(apps)
+    grid = LoopbackGrid(apps, silent, copy_messages=True)
     n, d = len(vectors), len(next(iter(vectors.values())))
     start = time.perf_counter()
     context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),

@@ -1,6 +1,6 @@
 """The ServerApp and ClientApp of privfl's Flower app (``privfl.flower.app.server_main`` and ``client_app``) run in
-one process over a loopback Grid: each message pushed is handed to the addressed organisation's ClientApp as Flower
-would deliver it, and an organisation that has "died" never answers. What this shows in seconds, without a
+one process over a loopback Grid (experiments/loopback_grid.py): each message pushed is handed to the addressed
+organisation's ClientApp as Flower would deliver it, and an organisation that has "died" never answers. What this shows in seconds, without a
 SuperLink: the plaintext survivor rule of the ServerApp (``RunSpec(min_replies=...)``: a round completes with the
 organisations that replied, the silent one named in the log by its partition id; fewer replies than min_replies stop
 the run with an error), secure aggregation's dropout recovery through the ServerApp's and ClientApp's own stages
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import uuid
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr.app import Context, RecordDict  # noqa: E402
-from flwr.server import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
@@ -31,47 +30,9 @@ from privfl.flower.app import DeploymentError, RunSpec, read_result  # noqa: E40
 from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
-
-class Loopback(Grid):
-    """A Grid whose SuperNodes are ClientApps in this process: a pushed message is handed to its node's ClientApp at
-    once (given a message id, as a transport would), and the reply waits to be pulled; a node for which
-    ``silent(node, group_id)`` holds has died before that message and never answers (group ids: the round, or
-    "round.stage" for secure aggregation's stages)."""
-
-    def __init__(self, contexts: dict, silent=lambda node, group: False):
-        self.contexts, self.silent = contexts, silent
-        self.replies: dict[str, object] = {}
-
-    def set_run(self, run_id):
-        pass
-
-    @property
-    def run(self):
-        return None
-
-    def create_message(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for message in messages:
-            message_id = uuid.uuid4().hex
-            message.metadata.__dict__["_message_id"] = message_id
-            ids.append(message_id)
-            node = message.metadata.dst_node_id
-            if self.silent(node, message.metadata.group_id):
-                continue
-            self.replies[message_id] = flower_app.client_app(message, self.contexts[node])
-        return ids
-
-    def pull_messages(self, message_ids):
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self.pull_messages(self.push_messages(messages))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "experiments"))
+from loopback_grid import LoopbackGrid  # noqa: E402  (a test tool: experiments/loopback_grid.py)
 
 
 def _released(path, run_id):
@@ -82,8 +43,11 @@ def _released(path, run_id):
 
 
 def _from_round(nodes, first):
-    """Silence for ``nodes`` from round ``first`` on."""
-    return lambda node, group: node in nodes and group.split(".")[0].isdigit() and int(group.split(".")[0]) >= first
+    """Silence for ``nodes`` from round ``first`` on (a message's group id: its round, or "round.stage")."""
+    def silent(node, message):
+        head = message.metadata.group_id.split(".")[0]
+        return node in nodes and head.isdigit() and int(head) >= first
+    return silent
 
 
 def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=None, secure=None, rounds=3):
@@ -104,9 +68,10 @@ def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=N
                                                                  {"identities": identities}))
     result_path = str(tmp_path / "result.bin")
     run_config = {flower_app.SPEC_KEY: spec.to_json(), flower_app.RESULT_KEY: result_path}  # one run's, for all
-    contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config=config, state=RecordDict(),
-                                 run_config=run_config) for k, config in enumerate(configs)}
-    grid = Loopback(contexts, silent)
+    apps = {100 + k: (flower_app.client_app, Context(run_id=1, node_id=100 + k, node_config=config,
+                                                     state=RecordDict(), run_config=run_config))
+            for k, config in enumerate(configs)}
+    grid = LoopbackGrid(apps, silent)
     flower_app.server_main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                          run_config=run_config))
     return spec, configs, read_result(result_path)
@@ -144,7 +109,7 @@ def test_an_organisation_that_dies_after_sharing_its_keys_is_recovered_from_the_
     never left); the survivors' ledgers mark exactly what they sent."""
     secure = SecureAggregation(bits=48, malicious=malicious, dropout=0.34)
     stages = ("masked_input", "consistency_check", "unmask")
-    dead = lambda node, group: node == 102 and group.split(".")[-1] in stages  # noqa: E731
+    dead = lambda node, message: node == 102 and message.metadata.group_id.split(".")[-1] in stages  # noqa: E731
     spec, configs, result = _run(federation, tmp_path, write_orgs, monkeypatch, silent=dead, secure=secure,
                                  rounds=1)
     (round0,) = result["history"]
