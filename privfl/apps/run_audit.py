@@ -21,17 +21,17 @@ channel's dimension) scaled to ``10 C``, which the release pipeline clips to ``C
 may make. The audited channel is the algorithm's first norm-clipped vector channel (DP-FedAvg's update, FOLA's and
 HBFL's natural mean, FedBNR's cross term); a canary also releases a direction of its own on every other norm-clipped
 vector channel with room for one per canary (FOLA's and HBFL's precision) and zeros on the rest (inside every clip),
-charged like any member's release, and its score sums its inner products with each such channel's view weighted by
-the channel's clip over its noise's claimed variance (:func:`_weight`: the likelihood ratio of its Gaussian
-releases, so that the canaries read the whole budget, not one channel's share). At record level (``unit="example"``, DP-FedSGD) they are **records**: canary i belongs to client
-i mod K, and an included canary is, in every round, in its client's Poisson lot with the lot's probability q (the auditor's
-coin, which the server never sees) and then adds its per-record term to the client's gradient sum: its direction at
-norm 10 C clipped to C, the largest term one record may add (a gradient canary, as white-box DP-SGD audits insert
-them; in units of the round's clip under adaptive clipping). The server's view is the sum over rounds of the
-channel's noised aggregates, ``S``; a canary's score is ``<S, u_i>``, the directions exactly orthogonal (disjoint
-supports, :class:`CanaryDirections`), so no canary's score holds another's. Everything else is the user's run as
-``privfl run`` builds it (algorithm, data, noise placement, calibration, ledger), with client canaries' own ledger
-rows in the same ledger.
+charged like any member's release, and its score sums its inner products with each such channel's view weighted by the
+channel's clip over its noise's claimed variance (:func:`_weight`: the likelihood ratio of its Gaussian releases, so
+that the canaries read the whole budget, not one channel's share). At record level (``unit="example"``, DP-FedSGD) they
+are **records**: canary i belongs to client i mod K, and an included canary is, in every round, in its client's Poisson
+lot with the lot's probability q (the auditor's coin, which the server never sees) and then adds its per-record term to
+the client's gradient sum: its direction at norm 10 C clipped to C, the largest term one record may add (a gradient
+canary, as white-box DP-SGD audits insert them; in units of the round's clip under adaptive clipping). The server's view
+is the sum over rounds of the channel's noised aggregates, ``S``; a canary's score is ``<S, u_i>``, the directions
+exactly orthogonal (disjoint supports, :class:`CanaryDirections`), so no canary's score holds another's. Everything else
+is the user's run as ``privfl run`` builds it (algorithm, data, noise placement, calibration, ledger), with client
+canaries' own ledger rows in the same ledger.
 
 ``fault`` injects the faults the mechanism audit catches, on the whole run, leaving every charge as calibrated (so
 the ledger still claims the target): ``half_noise`` scales every Gaussian draw of the run by 1/2 (the clients' and the

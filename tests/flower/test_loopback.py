@@ -1,20 +1,19 @@
-"""The ServerApp and ClientApp of privfl's Flower app (``privfl.flower.app.server_main`` and ``client_app``) run in
-one process over a loopback Grid (experiments/loopback_grid.py): each message pushed is handed to the addressed
-organisation's ClientApp as Flower would deliver it, and an organisation that has "died" never answers. What this shows in seconds, without a
-SuperLink: the plaintext survivor rule of the ServerApp (``RunSpec(min_replies=...)``: a round completes with the
-organisations that replied, the silent one named in the log by its partition id; fewer replies than min_replies stop
-the run with an error), secure aggregation's dropout recovery through the ServerApp's and ClientApp's own stages
-(semi-honest and malicious: an organisation that dies after sharing its keys), and that no ledger holds a row that
-was not released, nor a release without its row. The same on real deployments (a SuperNode process killed
-mid-run) is tests/flower/test_survivors.py, test_secure_deployment.py and test_malicious_deployment.py, in make
-test-all."""
+"""The ServerApp and ClientApp of privfl's Flower app (``privfl.flower.app.server_main`` and ``client_app``) run in one
+process over a loopback Grid (experiments/loopback_grid.py): each message pushed is handed to the addressed
+organisation's ClientApp as Flower would deliver it, and an organisation that has "died" never answers. What this shows
+in seconds, without a SuperLink: the plaintext survivor rule of the ServerApp (``RunSpec(min_replies=...)``: a round
+completes with the organisations that replied, the silent one named in the log by its partition id; fewer replies than
+min_replies stop the run with an error), secure aggregation's dropout recovery through the ServerApp's and ClientApp's
+own stages (semi-honest and malicious: an organisation that dies after sharing its keys), and that no ledger holds a row
+that was not released, nor a release without its row. The same on real deployments (a SuperNode process killed mid-run)
+is tests/flower/test_survivors.py, test_secure_deployment.py and test_malicious_deployment.py, in make test-all."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sqlite3
-import sys
 
 import numpy as np
 import pytest
@@ -30,9 +29,18 @@ from privfl.flower.app import DeploymentError, RunSpec, read_result  # noqa: E40
 from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "experiments"))
-from loopback_grid import LoopbackGrid  # noqa: E402  (a test tool: experiments/loopback_grid.py)
+
+def _test_tool(name: str):
+    """A module of experiments/ (a test tool, not part of privfl), loaded from its file."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments",
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LoopbackGrid = _test_tool("loopback_grid").LoopbackGrid
 
 
 def _released(path, run_id):

@@ -182,7 +182,8 @@ def _step_scores(noise_scale: float, trials: int = 20_000, z: float = 0.8, quant
     D' = {} at q = 1/2, one run per stacked client: the noisy gradient read back from the model's change and the
     noisy clip counts the client sends (the audit sees both); the likelihood-ratio score of both against the
     outlier's clipped gradient and its centred bits (-1/2 at every threshold: its norm is above 4 C).
-    ``noise_scale`` scales the noise the engine draws while the claim stays at z. Returns (scores on D, scores on D', claimed epsilon)."""
+    ``noise_scale`` scales the noise the engine draws while the claim stays at z. Returns (scores on D, scores on
+    D', claimed epsilon)."""
     from privfl.accounting.accountants import make_accountant
 
     torch.manual_seed(0)
