@@ -226,9 +226,9 @@ def _audited_channel(algorithm):
     """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
     if algorithm.privacy.unit == "example" and algorithm.name == "dpsgd_fedavg":
-        if getattr(algorithm, "adaptive", None) is not None or not algorithm.vectorisable:
+        if not algorithm.vectorisable:
             raise ConfigurationError("audit-run inserts DP-SGD FedAvg's record canaries into its vectorised DP-SGD "
-                                     "step (a model of stateless layers, the default loss and SGD, a fixed clip)")
+                                     "step (a model of stateless layers, the default loss and SGD)")
         return {c.name: c for c in algorithm.channels()}["update"]
     if algorithm.privacy.unit == "example" and algorithm.name == "fola":
         if not algorithm.vectorisable:
@@ -335,11 +335,13 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     def dpsgd_update(k, dataset, rnd, rng_k):
         """DP-SGD FedAvg's (FOLA's, HBFL's) client step with client k's included canary records in its training:
         at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds
-        its clipped gradient, its direction at C (10 C under ``no_clip``), to the client's clipped sum before the
+        its clipped gradient, its direction at C (the round's clip under adaptive clipping; 10 C under ``no_clip``),
+        to the client's clipped sum before the
         step's noise."""
         mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
-        norm = CANARY_NORM * clip if fault == "no_clip" else clip
+        unit = (algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip  # adaptive: C_t
+        norm = CANARY_NORM * unit if fault == "no_clip" else unit
         if algorithm.name == "hbfl":
             return hbfl_update(k, dataset, rnd, rng_k, mine, q, norm)
         shapes = [(name, p.shape, p.numel()) for name, p in algorithm.model.named_parameters()]

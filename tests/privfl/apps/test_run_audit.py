@@ -280,6 +280,19 @@ def test_record_canaries_inside_the_clients_dp_sgd_steps(name, channel, batch, o
         assert honest.epsilon_lower_bound < half.epsilon_lower_bound < half.epsilon_ledger
 
 
+def test_record_canaries_in_dp_sgd_fedavg_with_adaptive_clipping():
+    """DP-SGD FedAvg with the federation's adaptive clip: each canary's term at the round's clip C_t (10 C_t under
+    no_clip), as any record's; the honest run stays below its ledger, unclipped canaries are caught."""
+    data = _wide_data(4, 64)
+    fed = FederationConfig(rounds=5, local_epochs=1, batch_size=64, lr=0.1, hidden=(), pool=1, seed=3, client_size=64)
+    privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False, accountant="pld",
+                            clip_quantile=0.5)
+    honest, unclipped = (audit_run(make_algorithm("dpsgd_fedavg", fed, privacy), data, fed, privacy,
+                                   canaries=20_000, fault=fault) for fault in ("none", "no_clip"))
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger <= 2.0 * (1 + 1e-9) and not honest.violated
+    assert unclipped.epsilon_lower_bound > unclipped.epsilon_ledger and unclipped.violated
+
+
 def test_record_canaries_in_fedbnrs_cross_term():
     """FedBNR at record level (central noise): canary records add their direction at the record's bound B B_y to a
     client's Phi^T y before the noise, as a record's clipped term would. The honest run's bound stays below its
