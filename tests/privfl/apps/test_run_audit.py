@@ -73,8 +73,10 @@ def test_an_honest_run_stays_below_its_ledger_and_a_run_that_does_not_clip_is_ca
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, channel", [
-    ("dp_fedavg", "update"), ("hbfl", "natural_mean"),
-    # make test-all (CI time): HBFL's run above already reads a canary on two channels
+    ("dp_fedavg", "update"),
+    # make test-all (CI time, about 50 s each): the CI-sized FOLA and HBFL runs of
+    # test_client_canaries_in_algorithms_with_several_channels already score canaries on two channels
+    pytest.param("hbfl", "natural_mean", marks=pytest.mark.slow),
     pytest.param("fola", "natural_mean_delta", marks=pytest.mark.slow)])
 def test_twenty_thousand_canary_clients_catch_half_the_noise(name, channel):
     """Client level (central noise, every client in every round) on the 20,010-coordinate linear model: 20,000
