@@ -269,7 +269,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     view): give a fresh one, as ``privfl audit-run`` does."""
     from privfl.algorithms.base import ClientOutput
     from privfl.core.public import release_weight
-    from privfl.models.vectors import _gaussian_entries
+    from privfl.models.vectors import mean_parameters
     from privfl.privacy.record_level import dpsgd_schedule
     from privfl.runtime.engine import Simulation
 
@@ -377,8 +377,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         for p in meme.parameters():
             offsets[id(p)] = offset
             offset += p.numel()
-        mean_index = np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
-                                     for _, _, mu, _ in _gaussian_entries(meme)])
+        mean_index = np.concatenate([offsets[id(mu)] + np.arange(mu.numel()) for mu in mean_parameters(meme)])
 
         def term(r, step, summed):
             drawn = [i for i in mine if rng.random() < q]

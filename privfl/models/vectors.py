@@ -71,6 +71,11 @@ def gaussian_layout(model: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]
     return tuple((f"{layer}.{p}" if layer else p, tuple(mu.shape)) for layer, p, mu, _ in _gaussian_entries(model))
 
 
+def mean_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The mean parameters (mu) of a Bayesian model's Gaussian weights, in (mean, precision) vector order."""
+    return [mu for _, _, mu, _ in _gaussian_entries(model)]
+
+
 def get_mean_precision(model: nn.Module) -> tuple[np.ndarray, np.ndarray]:
     """(mean, precision) float64 vectors of a Bayesian model: mu and 1 / softplus(rho)^2."""
     entries = _gaussian_entries(model)
@@ -118,5 +123,5 @@ def split_gaussian_vectors(model: nn.Module, mean: np.ndarray, precision: np.nda
     return out
 
 
-__all__ = ["gaussian_layout", "get_mean_precision", "num_parameters", "parameter_layout", "parameters_to_vector",
-           "set_mean_precision", "split_gaussian_vectors", "vector_to_parameters"]
+__all__ = ["gaussian_layout", "get_mean_precision", "mean_parameters", "num_parameters", "parameter_layout",
+           "parameters_to_vector", "set_mean_precision", "split_gaussian_vectors", "vector_to_parameters"]
