@@ -83,6 +83,9 @@ RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl", "fedbnr")
 #: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook; HBFL's
 #: meme: its lot source's, ``record_level.DPSGDLots``)
 STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
+#: the audited channel of the record-level algorithms other than DP-FedSGD (FedBNR's Phi^T y: a sum of records'
+#: clipped terms; the others' DP-SGD-trained uploads)
+RECORD_CHANNEL = {"dpsgd_fedavg": "update", "fola": "mean", "hbfl": "natural_mean", "fedbnr": "cross"}
 #: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
 CANARY_NORM = 10.0
 #: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
@@ -225,26 +228,17 @@ def _weight(aggregate, channel) -> float:
 def _audited_channel(algorithm):
     """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
-    if algorithm.privacy.unit == "example" and algorithm.name == "dpsgd_fedavg":
-        if not algorithm.vectorisable:
-            raise ConfigurationError("audit-run inserts DP-SGD FedAvg's record canaries into its vectorised DP-SGD "
-                                     "step (a model of stateless layers, the default loss and SGD)")
-        return {c.name: c for c in algorithm.channels()}["update"]
-    if algorithm.privacy.unit == "example" and algorithm.name == "fola":
-        if not algorithm.vectorisable:
-            raise ConfigurationError("audit-run inserts FOLA's record canaries into its vectorised DP-SGD step (a "
-                                     "model of stateless layers, the default loss and SGD)")
-        return {c.name: c for c in algorithm.channels()}["mean"]
-    if algorithm.privacy.unit == "example" and algorithm.name == "hbfl":
-        return {c.name: c for c in algorithm.channels()}["natural_mean"]
-    if algorithm.privacy.unit == "example" and algorithm.name == "fedbnr":
-        return {c.name: c for c in algorithm.channels()}["cross"]  # Phi^T y: a sum of records' clipped terms
+    if algorithm.privacy.unit == "example" and algorithm.name in RECORD_CHANNEL:
+        if algorithm.name in ("dpsgd_fedavg", "fola") and not algorithm.vectorisable:
+            raise ConfigurationError(f"audit-run inserts {algorithm.name}'s record canaries into its vectorised "
+                                     "DP-SGD step (a model of stateless layers, the default loss and SGD)")
+        return {c.name: c for c in algorithm.channels()}[RECORD_CHANNEL[algorithm.name]]
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
         if algorithm.name != "dp_fedsgd" or channel is None or channel.record_bands > 1:
             raise ConfigurationError(
                 f"audit-run inserts record canaries into DP-FedSGD (--algorithm dp_fedsgd, whose clients release "
-                f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg, FOLA and HBFL; {algorithm.name} at "
+                f"per-record sums on Poisson lots, bands 1), DP-SGD FedAvg, FOLA, HBFL and FedBNR; {algorithm.name} at "
                 f"unit='example' is not built; audit it at client level")
         return channel
     private = [c for c in algorithm.channels() if c.private]
@@ -336,8 +330,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         """DP-SGD FedAvg's (FOLA's, HBFL's) client step with client k's included canary records in its training:
         at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds
         its clipped gradient, its direction at C (the round's clip under adaptive clipping; 10 C under ``no_clip``),
-        to the client's clipped sum before the
-        step's noise."""
+        to the client's clipped sum before the step's noise."""
         mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
         unit = (algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip  # adaptive: C_t
@@ -372,19 +365,22 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         clipped sum (the lot source's hook), on the meme's mean coordinates; the server's view of the client's
         meme mean: (natural mean) / (precision), both uploads plus the broadcast's (public), less the broadcast
         mean."""
-        meme = algorithm._fork_meme()
-        offsets, offset = {}, 0
-        for p in meme.parameters():
-            offsets[id(p)] = offset
-            offset += p.numel()
-        mean_index = np.concatenate([offsets[id(mu)] + np.arange(mu.numel()) for mu in mean_parameters(meme)])
+        if "mean_index" not in view:  # where the meme's means sit in its flat parameter vector (fixed by its layout)
+            meme = algorithm._fork_meme()
+            offsets, offset = {}, 0
+            for p in meme.parameters():
+                offsets[id(p)] = offset
+                offset += p.numel()
+            view["mean_index"] = torch.as_tensor(np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
+                                                                 for mu in mean_parameters(meme)]))
+        mean_index = view["mean_index"]
 
         def term(r, step, summed):
             drawn = [i for i in mine if rng.random() < q]
             if not drawn:
                 return summed
             vec = torch.zeros_like(summed)
-            vec[torch.as_tensor(mean_index)] = torch.as_tensor(norm * view["directions"].sum(drawn),
+            vec[mean_index] = torch.as_tensor(norm * view["directions"].sum(drawn),
                                                                dtype=summed.dtype)
             return summed + vec
 

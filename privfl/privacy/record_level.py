@@ -226,10 +226,8 @@ def clip_bit_counts(norms2: torch.Tensor, clips: torch.Tensor, weight: torch.Ten
     :data:`CLIP_RATIOS` (``norms2``: (clients, width) squared norms; ``clips``: (clients,) the clients' clips;
     ``weight``: (clients, width) 0/1, padding out): a (clients, len(CLIP_RATIOS)) tensor. One record's vector of
     centred bits has L2 norm exactly sqrt(len(CLIP_RATIOS)) / 2."""
-    ratios = torch.tensor(CLIP_RATIOS, dtype=norms2.dtype)
-    bounds = (clips[:, None] * ratios[None, :]) ** 2  # (clients, K)
-    bits = (norms2[:, :, None] <= bounds[:, None, :]).to(weight.dtype) - 0.5
-    return (bits * weight[:, :, None]).sum(1)
+    thresholds = clips[:, None] * torch.tensor(CLIP_RATIOS, dtype=norms2.dtype)  # (clients, K)
+    return clip_bits(norms2[:, :, None], thresholds[:, None, :], weight[:, :, None]).sum(1)
 
 
 @dataclass(frozen=True)
