@@ -44,8 +44,12 @@ What one run can show is limited by the canaries' count: with ``r`` guesses all 
 calibration allows, so an honest run's bound sits well below the claim (Steinke et al. report the same looseness).
 A fault that multiplies the leak (``no_clip``: ten times the sensitivity) is caught; one that only doubles the
 Gaussian's privacy parameter (``half_noise``) needs many more canaries than a CI-sized run holds (see the README).
-Record canaries go into DP-FedSGD and FedBNR (its Phi^T y), whose clients release per-record sums (a canary adds its
-direction at the record's bound before the noise), and into DP-SGD FedAvg, FOLA and HBFL, inside each client's
+Record canaries go into DP-FedSGD and FedBNR, whose clients release per-record sums (a canary adds its direction at
+the record's bound before the noise: FedBNR's on the upper triangle of Phi^T Phi, where its noise is drawn, at
+:class:`~privfl.algorithms.fedbnr.PairedScatter`'s bound, and on Phi^T y at B B_y where it has room; FedBNR's sums do
+not depend on the run's earlier releases, so the auditor, who knows the non-canary records (the bound holds for any
+fixed non-canary data; only the canaries' coins are random), takes the clients' own sums off the server's view before
+scoring), and into DP-SGD FedAvg, FOLA and HBFL, inside each client's
 DP-SGD steps (the engine's ``clipped_term`` hook; for HBFL's meme, its lot source's): at every step an included
 canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise;
 the server sees it only through the trained models, so a canary's score is minus the inner product;
@@ -83,9 +87,9 @@ RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl", "fedbnr")
 #: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook; HBFL's
 #: meme: its lot source's, ``record_level.DPSGDLots``)
 STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
-#: the audited channel of the record-level algorithms other than DP-FedSGD (FedBNR's Phi^T y: a sum of records'
-#: clipped terms; the others' DP-SGD-trained uploads)
-RECORD_CHANNEL = {"dpsgd_fedavg": "update", "fola": "mean", "hbfl": "natural_mean", "fedbnr": "cross"}
+#: the audited channel of the record-level algorithms other than DP-FedSGD (FedBNR's Phi^T Phi, its widest sum of
+#: records' clipped terms, with Phi^T y beside it when it has room; the others' DP-SGD-trained uploads)
+RECORD_CHANNEL = {"dpsgd_fedavg": "update", "fola": "mean", "hbfl": "natural_mean", "fedbnr": "scatter"}
 #: a canary's raw norm, in clips: the pipeline's clip scales it to exactly C (``no_clip`` lets it out whole)
 CANARY_NORM = 10.0
 #: the auditor guesses "included" for the top and "excluded" for the bottom k = f m scores, for each f here, each test
@@ -217,12 +221,42 @@ class _Scaled(NoiseSource):
         return np.asarray(self.inner.standard_normal(shape), dtype=np.float64) * self.factor
 
 
+def _norm(channel) -> float:
+    """How far one canary moves ``channel``'s released coordinates (:func:`_coordinates`): the channel's add/remove
+    sensitivity (a client's clip at client level; a record's term's bound at record level, for FedBNR's scatter the
+    norm of the upper triangle of a record's phi phi^T, :class:`~privfl.algorithms.fedbnr.PairedScatter`)."""
+    return float(channel.clip.sensitivity("add_remove"))
+
+
+def _coordinates(channel) -> int:
+    """The number of coordinates ``channel`` releases: a symmetric matrix's upper triangle (its noise is drawn there
+    and mirrored), else its entries."""
+    if channel.symmetric:
+        return channel.shape[0] * (channel.shape[0] + 1) // 2
+    return int(np.prod(channel.shape))
+
+
+def _flat(channel, value) -> np.ndarray:
+    """``value`` of ``channel`` as the vector of its released coordinates (a symmetric matrix's upper triangle)."""
+    value = np.asarray(value, dtype=np.float64)
+    return value[np.triu_indices(channel.shape[0])] if channel.symmetric else value.reshape(-1)
+
+
+def _embed(channel, vector) -> np.ndarray:
+    """The value of ``channel`` whose released coordinates are ``vector`` (:func:`_flat`'s inverse)."""
+    if not channel.symmetric:
+        return np.asarray(vector, dtype=np.float64).reshape(channel.shape)
+    out = np.zeros(channel.shape)
+    out[np.triu_indices(channel.shape[0])] = vector
+    return out + np.triu(out, 1).T
+
+
 def _weight(aggregate, channel) -> float:
-    """A channel's weight in a canary's score: its clip over the variance of the noise its sum carries (as claimed),
-    so that the sum over channels of the canary's inner products is the likelihood-ratio statistic of its releases on
-    all of them (a Gaussian per channel); 1 for a channel without noise."""
+    """A channel's weight in a canary's score: the canary's norm there over the variance of the noise its sum carries
+    (as claimed), so that the sum over channels of the canary's inner products is the likelihood-ratio statistic of
+    its releases on all of them (a Gaussian per coordinate); 1 for a channel without noise."""
     std = float(aggregate.noise_std)
-    return channel.clip.bound / std ** 2 if std > 0 else 1.0
+    return _norm(channel) / std ** 2 if std > 0 else 1.0
 
 
 def _audited_channel(algorithm):
@@ -305,25 +339,32 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     clip = float(privacy.clip)
     # the audited channel, the canaries' directions and the server's sum over rounds (set after setup); with step
     # canaries also each client's uploads summed over rounds
-    view = {"uploads": {}, "extra": []}
+    view = {"uploads": {}, "extra": [], "known": {}}
     real_update, real_server = algorithm.client_update, algorithm.server_update
 
     def record_canaries(k, out):
         """Client k's output with its included canary records that this round's Poisson coins drew: each adds its
-        direction at 10 C, clipped to C by the per-record clip (not clipped under ``no_clip``), in the units the
-        channel is released in (the round's clip under adaptive clipping)."""
+        direction at 10 times a record's bound, clipped to the bound by the per-record clip (not clipped under
+        ``no_clip``), in the units the channel is released in (the round's clip under adaptive clipping); on the
+        audited channel and on each extra one (FedBNR: its direction on Phi^T Phi's upper triangle and on Phi^T y)."""
         channel = view["channel"]
-        unit = channel.clip.bound  # a record's term's bound (DP-FedSGD: C, or 1 in units of the round's clip)
+        if algorithm.name == "fedbnr":  # the clients' own sums, which the auditor may know (module docstring)
+            for ch in [channel] + [c for c, _ in view["extra"]]:
+                view["known"][ch.name] = view["known"].get(ch.name, 0.0) + _flat(ch, out.values[ch.name].value)
         mine = [i for i in included if i % len(data.train_parts) == k]
         drawn = [i for i in mine if rng.random() < channel.record_sampling_rate]
         if not drawn:
             return out
-        norm = CANARY_NORM * unit if fault == "no_clip" else unit
-        released = out.values[channel.name]
-        value = released.value + norm * view["directions"].sum(drawn)
-        if channel.value_bound is not None:  # the client's box on its whole sum, as it boxes its records' own
-            value = np.clip(value, -channel.value_bound, channel.value_bound)
-        values = {**out.values, channel.name: dataclasses.replace(released, value=value)}
+        values = dict(out.values)
+        for ch, directions in [(channel, view["directions"])] + view["extra"]:
+            # a record's term's bound (DP-FedSGD: C, or 1 in units of the round's clip; FedBNR's scatter: the upper
+            # triangle's)
+            norm = CANARY_NORM * _norm(ch) if fault == "no_clip" else _norm(ch)
+            released = values[ch.name]
+            value = released.value + norm * _embed(ch, directions.sum(drawn))
+            if ch.value_bound is not None:  # the client's box on its whole sum, as it boxes its records' own
+                value = np.clip(value, -ch.value_bound, ch.value_bound)
+            values[ch.name] = dataclasses.replace(released, value=value)
         return dataclasses.replace(out, values=values)
 
     def dpsgd_update(k, dataset, rnd, rng_k):
@@ -417,14 +458,16 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     def server_update(aggregates, rnd):
         agg = aggregates[view["channel"].name]
-        seen = np.asarray(agg.total, dtype=np.float64)  # what the server saw
+        # what the server saw, as the coordinates the noise is drawn on, less what the auditor knows of it (FedBNR)
+        seen = _flat(view["channel"], agg.total) - view["known"].pop(view["channel"].name, 0.0)
         if records and algorithm.name == "fola":  # absolute means: less the broadcast mean's public share
             seen = seen - agg.total_weight * np.asarray(algorithm.mean, dtype=np.float64)
         if view["extra"]:  # each channel's view weighted by its clip over its noise's variance (the claimed one)
             seen = seen * _weight(agg, view["channel"])
             for extra, _ in view["extra"]:
                 other = aggregates[extra.name]
-                view["extra_seen"][extra.name] += np.asarray(other.total, dtype=np.float64) * _weight(other, extra)
+                known = view["known"].pop(extra.name, 0.0)
+                view["extra_seen"][extra.name] += (_flat(extra, other.total) - known) * _weight(other, extra)
         view["seen"] += seen
         real_server(aggregates, rnd)
 
@@ -443,20 +486,26 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                                              "bounded by its range (probability rows), not by a clip; audit "
                                              "--fault none or half_noise (nothing was charged)")
                 view["directions"] = CanaryRows.draw(canaries, channel.shape[0], channel.shape[1], rng)
-                view["seen"] = np.zeros(channel.shape)
+                view["seen"] = np.zeros(_coordinates(channel))
             else:
-                if canaries > channel.shape[0]:
+                width = _coordinates(channel)
+                if canaries > width:
                     raise ConfigurationError(f"--canaries {canaries}: the audited channel {channel.name!r} has "
-                                             f"{channel.shape[0]} coordinates, too few for that many orthogonal "
-                                             f"canary directions; give at most {channel.shape[0]} canaries or a "
-                                             f"larger model (nothing was charged)")
-                view["directions"] = CanaryDirections.draw(canaries, channel.shape[0], rng)
-                view["seen"] = np.zeros(channel.shape[0])
+                                             f"{width} coordinates, too few for that many orthogonal canary "
+                                             f"directions; give at most {width} canaries or a larger model "
+                                             f"(nothing was charged)")
+                view["directions"] = CanaryDirections.draw(canaries, width, rng)
+                view["seen"] = np.zeros(width)
                 if not records:  # client canaries also on every other norm-clipped vector channel wide enough
-                    view["extra"] = [(c, CanaryDirections.draw(canaries, c.shape[0], rng)) for c in self.channels
-                                     if c.name != channel.name and c.private and isinstance(c.clip, NormClip)
-                                     and len(c.shape) == 1 and c.shape[0] >= canaries]
-                    view["extra_seen"] = {c.name: np.zeros(c.shape[0]) for c, _ in view["extra"]}
+                    extra = [c for c in self.channels if c.name != channel.name and c.private
+                             and isinstance(c.clip, NormClip) and len(c.shape) == 1 and c.shape[0] >= canaries]
+                elif algorithm.name == "fedbnr":  # record canaries on FedBNR's other sum too, where it has room
+                    extra = [c for c in self.channels if c.name != channel.name and c.private
+                             and _coordinates(c) >= canaries]
+                else:
+                    extra = []
+                view["extra"] = [(c, CanaryDirections.draw(canaries, _coordinates(c), rng)) for c in extra]
+                view["extra_seen"] = {c.name: np.zeros(_coordinates(c)) for c in extra}
             if fault == "half_noise":
                 for pipeline in self.pipelines:
                     pipeline.noise = _Scaled(pipeline.noise, 0.5)
