@@ -61,7 +61,7 @@ FOLA's audited channel is its DP-SGD-trained ``mean``, an absolute model: each u
 vanishes at the Fisher passes' points would), within what the composed guarantee covers. HBFL's canaries go into its
 meme's mean coordinates; the server reads the client's meme mean off its two uploads (natural mean over precision,
 the broadcast's added back), less the broadcast mean. On a channel of probability rows (FedBNN's), whose bound is
-its range, a client canary releases one-hot rows at secret labels (:class:`CanaryRows`).
+its range, a client canary releases one-hot rows at secret labels, fresh every round (:class:`CanaryRows`).
 """
 
 from __future__ import annotations
@@ -186,29 +186,35 @@ class CanaryDirections:
         return (np.asarray(seen, dtype=np.float64)[self.index] * self.weight).sum(axis=1)
 
 
-@dataclass(frozen=True)
 class CanaryRows:
     """Canaries on a channel of probability rows (FedBNN's class probabilities on the public alignment set), whose
-    bound is its range, not a clip: canary i releases a one-hot row per alignment point at secret labels
-    ``labels[i]``, the largest change a client can make there. Its score is the server's view at its labels, less
-    the view's mean over the classes (what a canary with other labels would read)."""
+    bound is its range, not a clip: in each round canary i releases one-hot rows at secret labels, the largest change
+    a client can make there, fresh labels every round (:meth:`start`, from the auditor's stream, before the round's
+    releases), so that what the other included canaries add to a canary's score is independent across rounds
+    instead of adding up coherently (one-hot rows cannot be orthogonal: with the same labels every round, 20,000
+    canaries on 1,000 rows interfere as much as half the noise). A round's score (:meth:`scores`) is the round's view
+    at the canary's labels, less the view's mean over the classes (what a canary with other labels would read); the
+    audit sums them over the rounds."""
 
-    labels: np.ndarray  # canaries x rows
-    classes: int
+    def __init__(self, m: int, rows: int, classes: int):
+        self.m, self.rows, self.classes = int(m), int(rows), int(classes)
+        self.labels: np.ndarray | None = None  # canaries x rows, this round's
+        self.round = None
 
-    @classmethod
-    def draw(cls, m: int, rows: int, classes: int, rng: np.random.Generator) -> "CanaryRows":
-        return cls(rng.integers(0, classes, size=(m, rows)), int(classes))
+    def start(self, rnd, rng: np.random.Generator) -> None:
+        """Draw round ``rnd``'s labels, once per round (every canary of the round releases and is scored by them)."""
+        if self.round != rnd:
+            dtype = np.uint8 if self.classes <= 256 else np.int64
+            self.labels, self.round = rng.integers(0, self.classes, size=(self.m, self.rows), dtype=dtype), rnd
 
     def release(self, i: int) -> np.ndarray:
-        out = np.zeros((self.labels.shape[1], self.classes))
-        out[np.arange(self.labels.shape[1]), self.labels[i]] = 1.0
+        out = np.zeros((self.rows, self.classes))
+        out[np.arange(self.rows), self.labels[i]] = 1.0
         return out
 
     def scores(self, seen: np.ndarray) -> np.ndarray:
-        seen = np.asarray(seen, dtype=np.float64).reshape(self.labels.shape[1], self.classes)
-        rows = np.arange(self.labels.shape[1])
-        return seen[rows, self.labels].sum(axis=1) - seen.sum() / self.classes
+        seen = np.asarray(seen, dtype=np.float64).reshape(self.rows, self.classes)
+        return seen[np.arange(self.rows), self.labels].sum(axis=1) - seen.sum() / self.classes
 
 
 class _Scaled(NoiseSource):
@@ -443,7 +449,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             return record_canaries(k, real_update(k, dataset, rnd, rng_k))
         if k not in canary_of:
             return real_update(k, dataset, rnd, rng_k)
-        if isinstance(view["directions"], CanaryRows):  # probability rows: the canary's one-hot rows
+        if isinstance(view["directions"], CanaryRows):  # probability rows: the canary's one-hot rows, this round's
+            view["directions"].start(rnd, rng)
             value = view["directions"].release(canary_of[k])
         else:
             bound = view["channel"].clip.bound  # the channel's own clip (FedBNR's cross term: its own bound)
@@ -468,7 +475,11 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                 other = aggregates[extra.name]
                 known = view["known"].pop(extra.name, 0.0)
                 view["extra_seen"][extra.name] += (_flat(extra, other.total) - known) * _weight(other, extra)
-        view["seen"] += seen
+        if isinstance(view["directions"], CanaryRows):  # scored round by round, by the round's labels
+            view["directions"].start(rnd, rng)
+            view["row_scores"] += view["directions"].scores(seen)
+        else:
+            view["seen"] += seen
         real_server(aggregates, rnd)
 
     algorithm.client_update, algorithm.server_update = client_update, server_update
@@ -485,7 +496,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                     raise ConfigurationError(f"--fault no_clip: {algorithm.name}'s channel {channel.name!r} is "
                                              "bounded by its range (probability rows), not by a clip; audit "
                                              "--fault none or half_noise (nothing was charged)")
-                view["directions"] = CanaryRows.draw(canaries, channel.shape[0], channel.shape[1], rng)
+                view["directions"] = CanaryRows(canaries, channel.shape[0], channel.shape[1])
+                view["row_scores"] = np.zeros(canaries)
                 view["seen"] = np.zeros(_coordinates(channel))
             else:
                 width = _coordinates(channel)
@@ -531,7 +543,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             record_level.noised_mean = real_noised_mean
     else:
         result = sim.run()
-    scores = view["directions"].scores(view["seen"])
+    scores = (view["row_scores"] if isinstance(view["directions"], CanaryRows)
+              else view["directions"].scores(view["seen"]))
     for extra, directions in view["extra"]:  # the likelihood-ratio score of the canary's releases on all of them
         scores = scores + directions.scores(view["extra_seen"][extra.name])
     if records and algorithm.name in STEP_CANARIES:  # each canary against its own client's uploads

@@ -355,3 +355,39 @@ def test_client_canaries_on_fedbnns_probability_rows():
     assert 1.0 < loose.epsilon_lower_bound < loose.epsilon_ledger
     with pytest.raises(ConfigurationError, match="bounded by its range"):
         _fedbnn_run("no_clip", 2.0)
+
+
+@pytest.mark.slow  # make test-all (CI time): about 35 s for the two runs
+@pytest.mark.timeout(300)
+def test_twenty_thousand_canary_clients_catch_half_of_fedbnns_noise():
+    """FedBNN at client level on a 100-class task with 1,000 alignment points: 20,000 canary clients, each releasing
+    one-hot rows at fresh secret labels every round. One-hot rows cannot be orthogonal: the other included canaries
+    add to each score what their labels share with it (1/C of their rows), which fresh labels every round keep
+    independent across rounds and 100 classes keep small; and a canary's own mass on the row mean costs a factor
+    1 - 1/C of its signal. Half the noise is then caught above the ledger (seeds 0-5: 2.17-2.26 against 2.00; honest
+    1.01-1.10); with the digits' 10 classes and the same labels every round it was not (1.36)."""
+    rng = np.random.default_rng(0)
+    features, classes, rows = 20, 100, 1000
+    w = rng.normal(size=(features, classes))
+    parts = []
+    for _ in range(4):
+        x = rng.normal(size=(64, features)).astype(np.float32)
+        parts.append((x, np.argmax(x @ w, 1).astype(np.int64)))
+    x = rng.normal(size=(2 * rows, features)).astype(np.float32)
+    data = federated_from_arrays(parts, (x, np.argmax(x @ w, 1).astype(np.int64)), task="classification",
+                                 num_classes=classes, name="wide", design_size=64)
+
+    def run(fault):
+        fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(16,), pool=1, seed=3)
+        privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="client", placement="central", secure_noise=False,
+                                accountant="pld")
+        alg = make_algorithm("fedbnn", fed, privacy, alignment_size=rows, warmup_epochs=1, prior_steps=2,
+                             mc_samples=2)
+        return audit_run(alg, data, fed, privacy, canaries=20_000, fault=fault)
+
+    honest, half = run("none"), run("half_noise")
+    for r in (honest, half):
+        assert r.channel == "alignment_probs" and r.epsilon_ledger <= 2.0 * (1 + 1e-9)
+        assert r.included == honest.included
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
