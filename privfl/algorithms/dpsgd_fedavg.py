@@ -161,11 +161,9 @@ class DPSGDFedAvg(FedAvg):
         [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=self.adaptive is not None)
         return out
 
-    def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool, clipped_term=None):
+    def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
         """The client step, written once: each schedule's clients trained by the DP-SGD engine
-        (``privfl.privacy.record_level.DPSGD``), each change from the broadcast bounded and charged its round.
-        ``clipped_term(members, epoch, step, grads)``: the engine's hook on the clipped sums (vectorised only;
-        ``privfl audit-run``'s record canaries), ``members`` indexing ``clients``."""
+        (``privfl.privacy.record_level.DPSGD``), each change from the broadcast bounded and charged its round."""
         groups: dict[DPSGDSchedule, list[int]] = {}
         for i, k in enumerate(clients):
             groups.setdefault(dpsgd_schedule(self, k), []).append(i)
@@ -175,12 +173,8 @@ class DPSGDFedAvg(FedAvg):
                            momentum=self.fed.momentum, secure_noise=self.privacy.secure_noise, loss=self.user.loss,
                            optimizer=self.user.optimizer, algorithm=self.name, adaptive=self.adaptive)
             clips = None if self.adaptive is None else [self.current_clip] * len(members)
-            term = None if clipped_term is None else (
-                lambda rows, epoch, step, grads, members=members: clipped_term([members[r] for r in rows], epoch,
-                                                                               step, grads))
             for row, final, stats in engine.train(self.global_params, [datasets[i].tensors() for i in members],
-                                                  [rngs[i] for i in members], vectorised=vectorised, clips=clips,
-                                                  clipped_term=term):
+                                                  [rngs[i] for i in members], vectorised=vectorised, clips=clips):
                 i = members[row]
                 update = np.subtract(final, self.global_params, dtype=np.float64)
                 values = {"update": PrivatizedValue(self._bounded(update), schedule.round_event(z))}

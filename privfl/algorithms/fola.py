@@ -518,12 +518,10 @@ class RecordPosterior:
                              budget_share=s["fisher_natural_mean"], value_bound=fisher_bound * alg.update_bound,
                              description="fisher_diag (.) clip(mu_n - mu_S, -B, B)")]
 
-    def updates(self, clients, datasets, round, rngs, *, vectorised: bool, clipped_term=None):
+    def updates(self, clients, datasets, round, rngs, *, vectorised: bool):
         """The client step of ``clients``, one DP-SGD schedule at a time, written once over the engine's two
         executors; each client's draws in one order: its torch seed, its Fisher steps' generator, then DP-SGD's
-        noise and Poisson coins (the engine's). ``clipped_term(members, epoch, step, grads)``: the engine's hook on
-        the clipped sums (vectorised only; ``privfl audit-run``'s record canaries), ``members`` indexing
-        ``clients``."""
+        noise and Poisson coins (the engine's)."""
         alg = self.alg
         groups: dict[DPSGDSchedule, list[int]] = {}
         for i, k in enumerate(clients):
@@ -543,12 +541,8 @@ class RecordPosterior:
             fisher = StepFisher(data, fisher_rngs, dim=alg.dim, clip=clip, epochs=epochs,
                                 steps_per_epoch=schedule.steps_per_epoch, loss_fn=alg._per_example_loss,
                                 per_example=PerExampleGradients(alg.model) if vectorised else None)
-            term = None if clipped_term is None else (
-                lambda rows, epoch, step, grads, members=members: clipped_term([members[r] for r in rows], epoch,
-                                                                               step, grads))
             for j, final, stats in engine.train(alg.mean, data, [rngs[i] for i in members], vectorised=vectorised,
-                                                torch_seeds=seeds, before_step=fisher, extra_gradient=prior,
-                                                clipped_term=term):
+                                                torch_seeds=seeds, before_step=fisher, extra_gradient=prior):
                 i = members[j]
                 yield clients[i], alg._record_output(np.asarray(final, dtype=np.float64), fisher.per_visit(j),
                                                      {**stats, "noise_multiplier": z}, schedule.round_event(z))

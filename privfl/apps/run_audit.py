@@ -50,7 +50,8 @@ the record's bound before the noise: FedBNR's on the upper triangle of Phi^T Phi
 not depend on the run's earlier releases, so the auditor, who knows the non-canary records (the bound holds for any
 fixed non-canary data; only the canaries' coins are random), takes the clients' own sums off the server's view before
 scoring), and into DP-SGD FedAvg, FOLA and HBFL, inside each client's
-DP-SGD steps (the engine's ``clipped_term`` hook; for HBFL's meme, its lot source's): at every step an included
+DP-SGD steps (the engine's one hook, ``record_level.audit_clipped_term``, which every DP-SGD executor reads at the
+same point, HBFL's meme's lot source too): at every step an included
 canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise;
 the server sees it only through the trained models, so a canary's score is minus the inner product;
 ``half_noise`` halves the steps' noise there. Their noise is the clients' own (local DP-SGD: the guarantee
@@ -84,8 +85,8 @@ FAULTS = ("none", "half_noise", "no_clip")
 #: the algorithms record canaries go into (``unit="example"``): DP-FedSGD's and FedBNR's per-record sums, DP-SGD
 #: FedAvg's, FOLA's and HBFL's DP-SGD steps
 RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl", "fedbnr")
-#: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's ``clipped_term`` hook; HBFL's
-#: meme: its lot source's, ``record_level.DPSGDLots``)
+#: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's one hook,
+#: ``record_level.audit_clipped_term``)
 STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
 #: the audited channel of the record-level algorithms other than DP-FedSGD (FedBNR's Phi^T Phi, its widest sum of
 #: records' clipped terms, with Phi^T y beside it when it has room; the others' DP-SGD-trained uploads)
@@ -269,9 +270,6 @@ def _audited_channel(algorithm):
     """The one channel canaries go into: at client level a private vector channel with a norm clip; at record level
     DP-FedSGD's gradient sum (a Poisson-sampled sum of per-record clipped terms)."""
     if algorithm.privacy.unit == "example" and algorithm.name in RECORD_CHANNEL:
-        if algorithm.name in ("dpsgd_fedavg", "fola") and not algorithm.vectorisable:
-            raise ConfigurationError(f"audit-run inserts {algorithm.name}'s record canaries into its vectorised "
-                                     "DP-SGD step (a model of stateless layers, the default loss and SGD)")
         return {c.name: c for c in algorithm.channels()}[RECORD_CHANNEL[algorithm.name]]
     if algorithm.privacy.unit == "example":
         channel = {c.name: c for c in algorithm.channels()}.get("gradient_sum")
@@ -304,7 +302,7 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     from privfl.algorithms.base import ClientOutput
     from privfl.core.public import release_weight
     from privfl.models.vectors import mean_parameters
-    from privfl.privacy.record_level import dpsgd_schedule
+    from privfl.privacy.record_level import audit_clipped_term, audit_noise_fault, dpsgd_schedule
     from privfl.runtime.engine import Simulation
 
     if fault not in FAULTS:
@@ -377,68 +375,45 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         """DP-SGD FedAvg's (FOLA's, HBFL's) client step with client k's included canary records in its training:
         at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds
         its clipped gradient, its direction at C (the round's clip under adaptive clipping; 10 C under ``no_clip``),
-        to the client's clipped sum before the step's noise."""
+        to the client's clipped sum before the step's noise (the engine's one hook,
+        ``record_level.audit_clipped_term``; for HBFL on its meme's mean coordinates). Then the server's view of the
+        client: its upload (FOLA's absolute mean less the broadcast mean; HBFL's meme mean, natural mean over
+        precision with the broadcast's added back, less the broadcast mean)."""
         mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
         unit = (algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip  # adaptive: C_t
         norm = CANARY_NORM * unit if fault == "no_clip" else unit
-        if algorithm.name == "hbfl":
-            return hbfl_update(k, dataset, rnd, rng_k, mine, q, norm)
-        shapes = [(name, p.shape, p.numel()) for name, p in algorithm.model.named_parameters()]
-
-        def term(rows, epoch, step, grads):
-            for pos, _ in enumerate(rows):
-                drawn = [i for i in mine if rng.random() < q]
-                if not drawn:
-                    continue
-                vec, offset = norm * view["directions"].sum(drawn), 0
-                for name, shape, size in shapes:
-                    grads[name][pos] += torch.as_tensor(vec[offset:offset + size].reshape(shape),
-                                                        dtype=grads[name].dtype)
-                    offset += size
-
-        if algorithm.name == "fola":
-            [(_, out)] = algorithm.form.updates([k], [dataset], rnd, [rng_k], vectorised=True, clipped_term=term)
-        else:
-            [(_, out)] = algorithm._dpsgd_updates([k], [dataset], [rng_k], vectorised=True, clipped_term=term)
-        upload = np.asarray(out.values[view["channel"].name].value, dtype=np.float64)  # what the server receives
-        if algorithm.name == "fola":  # an absolute mean: less the broadcast mean (public)
-            upload = upload - np.asarray(algorithm.mean, dtype=np.float64)
-        view["uploads"][k] = view["uploads"].get(k, 0.0) + upload
-        return out
-
-    def hbfl_update(k, dataset, rnd, rng_k, mine, q, norm):
-        """HBFL's client step (its meme's DP-SGD, per client) with client k's included canaries in each step's
-        clipped sum (the lot source's hook), on the meme's mean coordinates; the server's view of the client's
-        meme mean: (natural mean) / (precision), both uploads plus the broadcast's (public), less the broadcast
-        mean."""
-        if "mean_index" not in view:  # where the meme's means sit in its flat parameter vector (fixed by its layout)
+        if algorithm.name == "hbfl" and "layout" not in view:
+            # where the meme's means sit in its flat parameter vector (fixed by its layout)
             meme = algorithm._fork_meme()
             offsets, offset = {}, 0
             for p in meme.parameters():
                 offsets[id(p)] = offset
                 offset += p.numel()
-            view["mean_index"] = torch.as_tensor(np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
-                                                                 for mu in mean_parameters(meme)]))
-        mean_index = view["mean_index"]
+            view["layout"] = (offset, np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
+                                                      for mu in mean_parameters(meme)]))
 
-        def term(r, step, summed):
+        def term(step):
             drawn = [i for i in mine if rng.random() < q]
             if not drawn:
-                return summed
-            vec = torch.zeros_like(summed)
-            vec[mean_index] = torch.as_tensor(norm * view["directions"].sum(drawn),
-                                                               dtype=summed.dtype)
-            return summed + vec
+                return None
+            vec = norm * view["directions"].sum(drawn)
+            if algorithm.name == "hbfl":  # the meme's mean coordinates
+                full = np.zeros(view["layout"][0])
+                full[view["layout"][1]] = vec
+                vec = full
+            return torch.as_tensor(vec)
 
-        algorithm.loop.clipped_term = term
-        try:
+        with audit_clipped_term(term):
             out = real_update(k, dataset, rnd, rng_k)
-        finally:
-            algorithm.loop.clipped_term = None
-        precision = np.asarray(out.values["precision"].value, dtype=np.float64) + algorithm.global_precision
-        natural = np.asarray(out.values["natural_mean"].value, dtype=np.float64) + algorithm.global_natural_mean
-        upload = natural / precision - np.asarray(algorithm.global_mean, dtype=np.float64)
+        if algorithm.name == "hbfl":
+            precision = np.asarray(out.values["precision"].value, dtype=np.float64) + algorithm.global_precision
+            natural = np.asarray(out.values["natural_mean"].value, dtype=np.float64) + algorithm.global_natural_mean
+            upload = natural / precision - np.asarray(algorithm.global_mean, dtype=np.float64)
+        else:
+            upload = np.asarray(out.values[view["channel"].name].value, dtype=np.float64)  # what the server receives
+            if algorithm.name == "fola":  # an absolute mean: less the broadcast mean (public)
+                upload = upload - np.asarray(algorithm.mean, dtype=np.float64)
         view["uploads"][k] = view["uploads"].get(k, 0.0) + upload
         return out
 
@@ -528,19 +503,9 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
-    if fault == "half_noise" and records and algorithm.name in STEP_CANARIES:  # the DP-SGD step's own noise
-        import privfl.privacy.record_level as record_level
-
-        real_noised_mean = record_level.noised_mean
-
-        def half_noised_mean(clipped_sum, *, std, **kwargs):
-            return real_noised_mean(clipped_sum, std=0.5 * std, **kwargs)
-
-        record_level.noised_mean = half_noised_mean
-        try:
+    if fault == "half_noise" and records and algorithm.name in STEP_CANARIES:  # the DP-SGD steps' own noise
+        with audit_noise_fault(0.5):  # this run's steps only (the current context), until the run ends
             result = sim.run()
-        finally:
-            record_level.noised_mean = real_noised_mean
     else:
         result = sim.run()
     scores = (view["row_scores"] if isinstance(view["directions"], CanaryRows)

@@ -29,6 +29,8 @@ import copy
 import functools
 import math
 import warnings
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -311,11 +313,67 @@ def secure_gaussian(shape, std: float, dtype=torch.float32) -> torch.Tensor:
     return torch.from_numpy(np.asarray(draws, dtype=np.float64) * float(std)).to(dtype)
 
 
+#: the ``half_noise`` fault of ``privfl audit-run`` (:func:`audit_noise_fault`): a factor on every DP-SGD step's noise
+#: in the current context (thread or task) only, 1 everywhere else
+_STEP_NOISE_FAULT: ContextVar[float] = ContextVar("privfl_step_noise_fault", default=1.0)
+
+
+@contextmanager
+def audit_noise_fault(factor: float):
+    """Scale every DP-SGD step's noise (:func:`step_noise`) by ``factor`` inside the ``with`` block, in the current
+    context only: the injected fault of ``privfl audit-run --fault half_noise``, which shows that the run audit sees
+    a step whose noise is smaller than its ledger charges. Nothing else uses it; other threads and tasks (another run
+    in the same process) keep their noise, and it ends with the block."""
+    token = _STEP_NOISE_FAULT.set(float(factor))
+    try:
+        yield
+    finally:
+        _STEP_NOISE_FAULT.reset(token)
+
+
+#: ``privfl audit-run``'s record canaries in DP-SGD steps (:func:`audit_clipped_term`), in the current context only
+_CLIPPED_TERM: ContextVar[Callable | None] = ContextVar("privfl_clipped_term", default=None)
+
+
+@contextmanager
+def audit_clipped_term(term: Callable[[int], torch.Tensor | None]):
+    """Inside the ``with`` block, in the current context only, every DP-SGD step of the one client being trained
+    adds ``term(step)`` (``step`` counts the training's steps from 0; a flat vector in the layout of the trained
+    model's parameters, or None) to its sum of clipped per-example gradients, before the step's noise: ``privfl
+    audit-run``'s record canaries, records of the auditor's own that the step's lot drew, clipped by the auditor. It
+    is given nothing of the client's records. Every DP-SGD engine reads it at the same point (:class:`VectorisedDPSGD`,
+    :func:`dpsgd_train`, :class:`DPSGDLots`), and refuses it while training several clients at once."""
+    token = _CLIPPED_TERM.set(term)
+    try:
+        yield
+    finally:
+        _CLIPPED_TERM.reset(token)
+
+
+def _audit_term(step: int, clients: int) -> torch.Tensor | None:
+    """The term :func:`audit_clipped_term` adds at ``step`` (None outside an audit)."""
+    term = _CLIPPED_TERM.get()
+    if term is None:
+        return None
+    if clients != 1:
+        raise ConfigurationError("audit-run's record canaries go into one client's DP-SGD training at a time")
+    return term(step)
+
+
+def _add_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float = 1.0) -> None:
+    """Add the flat vector ``flat`` (times ``scale``) to ``tensors`` in place, in their order."""
+    offset = 0
+    for t in tensors:
+        t.add_(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype), alpha=scale)
+        offset += t.numel()
+
+
 def step_noise(shape, std: float, generator: torch.Generator, secure: bool, dtype=torch.float32) -> torch.Tensor:
     """The Gaussian noise of one DP-SGD step, N(0, std^2) per coordinate (std = z C): from the OS CSPRNG
     (:func:`secure_gaussian`) unless the run is seeded, then from the client's torch ``generator`` as opacus draws
     it. Every DP-SGD path in privfl draws its noise here (:func:`dpsgd_train`, :class:`VectorisedDPSGD`,
     :func:`privatise_gradient_sum`)."""
+    std = std * _STEP_NOISE_FAULT.get()
     if std == 0:
         return torch.zeros(shape, dtype=dtype)
     if secure:
@@ -503,6 +561,13 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
+        term = _audit_term(steps, 1)  # steps: the step being taken, counted from 0
+        if term is not None:  # audit-run's canaries, in the clipped sum (here already over B), in the layout of
+            offset = 0  # all the model's parameters (a frozen one takes no term)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.add_(term[offset:offset + p.numel()].reshape(p.shape).to(p.grad.dtype), alpha=1 / batch)
+                offset += p.numel()
         for p in opt.params:  # the step's noise, parameter by parameter, over the same expected batch
             p.grad.add_(step_noise(p.grad.shape, noise_multiplier * clip, noise_generator, secure_noise,
                                    p.grad.dtype) / batch)
@@ -621,8 +686,7 @@ class VectorisedDPSGD:
     def train_models(self, global_params: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      generators: Sequence[tuple[torch.Generator, torch.Generator]], *,
                      before_step: Callable | None = None, extra_gradient: Callable | None = None,
-                     clips: Sequence[float] | None = None, clipped_term: Callable | None = None
-                     ) -> Iterator[tuple[int, np.ndarray, dict]]:
+                     clips: Sequence[float] | None = None) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, model_i, stats_i)``: client i's trained parameters (a float32 row) and its statistics.
 
         With ``adaptive`` clipping client i trains at ``clips[i]`` (default the run's clip; the round's broadcast
@@ -635,22 +699,21 @@ class VectorisedDPSGD:
         the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
         chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
         ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
-        place before the update. ``clipped_term(members, epoch, step, grads)`` adds to each client's clipped sum,
-        before the noise (``privfl audit-run``'s record canaries: records of the auditor's own that the step's lot
-        drew; it is given nothing of the clients' records)."""
+        place before the update. Inside :func:`audit_clipped_term` (one client) its term joins the clipped sum
+        before the noise."""
         start32 = torch.as_tensor(global_params, dtype=torch.float32)
         step = self.chunk()
         for lo in range(0, len(datasets), step):
             members = list(range(lo, min(lo + step, len(datasets))))
             final, stats = self._train_chunk(start32, [datasets[i] for i in members], [generators[i] for i in members],
                                              members, before_step, extra_gradient,
-                                             None if clips is None else [clips[i] for i in members], clipped_term)
+                                             None if clips is None else [clips[i] for i in members])
             rows = final.numpy()
             for row, i in enumerate(members):
                 yield i, rows[row], stats[row]
 
     def _train_chunk(self, start32, datasets, generators, members=None, before_step=None, extra_gradient=None,
-                     clips=None, clipped_term=None):
+                     clips=None):
         c = len(datasets)
         adaptive = self.adaptive
         if adaptive is not None:  # the round's clip; the counts at its thresholds summed over the round, with noise
@@ -695,8 +758,9 @@ class VectorisedDPSGD:
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
-                if clipped_term is not None:
-                    clipped_term(members, epoch, step, grads)
+                term = _audit_term(steps, c)
+                if term is not None:  # audit-run's canaries, in the clipped sum before the noise
+                    _add_flat([grads[k][0] for k in self.names], term)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
                     batch = expected if expected is not None else q * len(x)
                     if adaptive is None:
@@ -743,7 +807,7 @@ class DPSGD:
 
     def train(self, start: np.ndarray, datasets: Sequence[tuple[torch.Tensor, torch.Tensor]],
               rngs: Sequence[np.random.Generator], *, vectorised: bool, torch_seeds: Sequence[int] | None = None,
-              before_step=None, extra_gradient=None, clips: Sequence[float] | None = None, clipped_term=None
+              before_step=None, extra_gradient=None, clips: Sequence[float] | None = None
               ) -> Iterator[tuple[int, np.ndarray, dict]]:
         """Yield ``(i, params_i, stats_i)`` for every client: its parameters after training (a float32 row) and
         ``{"train_loss", "dpsgd_steps"}``.
@@ -756,14 +820,10 @@ class DPSGD:
         ``torch_seeds[i]``: torch's global seed as client i's training starts one after another (its layers' own
         randomness; a vectorised model has none). ``clips[i]``: with ``adaptive`` clipping, client i's clip as its
         training starts (default the run's); its stats then carry the clip it ended at (``"clip"``). Adaptive
-        clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound), as
-        does ``clipped_term`` (:meth:`VectorisedDPSGD.train_models`)."""
+        clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound)."""
         if self.adaptive is not None and not vectorised:
             raise ConfigurationError(f"{self.algorithm}: adaptive clipping needs the vectorised DP-SGD executor (a "
                                      "model of stateless layers, the default loss and SGD); give a number for clip")
-        if clipped_term is not None and not vectorised:
-            raise ConfigurationError(f"{self.algorithm}: a term added to the clipped sums needs the vectorised DP-SGD "
-                                     "executor (a model of stateless layers, the default loss and SGD)")
         if vectorised:
             secure = self.secure_noise
             generators = [(private_torch_generator(r, secure), private_torch_generator(r, secure)) for r in rngs]
@@ -771,8 +831,7 @@ class DPSGD:
                                        lr=self.lr, momentum=self.momentum, secure_noise=secure, adaptive=self.adaptive)
             yield from executor.train_models(
                 start, datasets, generators, before_step=None if before_step is None else before_step.on_stack,
-                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack, clips=clips,
-                clipped_term=clipped_term)
+                extra_gradient=None if extra_gradient is None else extra_gradient.on_stack, clips=clips)
             return
         for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
             local = copy.deepcopy(self.model)
@@ -794,14 +853,13 @@ class DPSGDLots:
     client's sampling generator) and ``privatise(r, rows)``, client r's per-example gradient rows clipped, summed,
     noised and divided by the public expected batch (:func:`privatise_gradient_sum`, from its noise generator). Each
     client's generators come from ``rngs[r]`` in :func:`dpsgd_train`'s order (noise, then sampling); the entropy-like
-    terms of the loop divide by the public size (``reg_size``), never the private n_k. ``clipped_term(r, step,
-    summed)``: a hook that returns client r's clipped sum of the step with a term added, before the noise (``privfl
-    audit-run``'s record canaries; given nothing of the clients' records)."""
+    terms of the loop divide by the public size (``reg_size``), never the private n_k. Inside
+    :func:`audit_clipped_term` (one client) its term joins the clipped sum before the noise."""
 
     per_example = True
 
     def __init__(self, schedule: DPSGDSchedule, *, noise_multiplier: float, clip: float, secure_noise: bool,
-                 rngs: Sequence[np.random.Generator], sizes: Sequence[int], clipped_term: Callable | None = None):
+                 rngs: Sequence[np.random.Generator], sizes: Sequence[int]):
         self.schedule, self.z, self.clip, self.secure = schedule, float(noise_multiplier), float(clip), secure_noise
         self.sizes = [int(n) for n in sizes]
         self.noise, self.coins = [], []
@@ -809,7 +867,7 @@ class DPSGDLots:
             self.noise.append(private_torch_generator(rng, secure_noise))
             self.coins.append(private_torch_generator(rng, secure_noise))
         self.reg_size = schedule.size
-        self.clipped_term, self.step = clipped_term, -1
+        self.step = -1
 
     def __iter__(self) -> Iterator[list[np.ndarray]]:
         q = self.schedule.sample_rate
@@ -818,8 +876,9 @@ class DPSGDLots:
 
     def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
         summed = clipped_gradient_sum(rows, rows.shape[1], self.clip)
-        if self.clipped_term is not None:
-            summed = self.clipped_term(r, self.step, summed)
+        term = _audit_term(self.step, len(self.sizes))
+        if term is not None:  # audit-run's canaries, in the clipped sum before the noise
+            summed = summed + term.to(summed.dtype)
         return noised_mean(summed, std=self.z * self.clip, expected_batch=self.schedule.expected_batch,
                            generator=self.noise[r], secure=self.secure)
 
@@ -831,7 +890,7 @@ class DPSGDLoop:
     outputs carry: the channels ``trained`` charge the training's per-round event, the others (computed from the same
     trained model) nothing more. Its client-level and non-private counterpart is
     ``privfl.training.distill.MiniBatchLoop``; an algorithm declares both and ``privfl.privacy.units.at_unit``
-    picks. ``clipped_term``: :class:`DPSGDLots`'s hook, for the lot sources it makes (None: none)."""
+    picks."""
 
     per_example = True
 
@@ -839,7 +898,6 @@ class DPSGDLoop:
         self.alg = alg
         self.accountant = check_dpsgd_privacy(alg.privacy, alg.name)
         self._z: dict[DPSGDSchedule, float] = {}
-        self.clipped_term: Callable | None = None
 
     def key(self, client: int, n: int) -> DPSGDSchedule:
         """What clients must share to train together: the schedule."""
@@ -858,7 +916,7 @@ class DPSGDLoop:
     def lots(self, key: DPSGDSchedule, rngs, sizes) -> DPSGDLots:
         p = self.alg.privacy
         return DPSGDLots(key, noise_multiplier=self.noise_multiplier(key), clip=p.clip, secure_noise=p.secure_noise,
-                         rngs=rngs, sizes=sizes, clipped_term=self.clipped_term)
+                         rngs=rngs, sizes=sizes)
 
     def events(self, client: int, channels: Sequence[str], trained: Sequence[str]) -> dict:
         schedule = dpsgd_schedule(self.alg, client)
@@ -882,8 +940,9 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
                                                     secure=secure))
 
 
-__all__ = ["CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS", "AdaptiveClip",
-           "VectorisedDPSGD", "calibrate_dpsgd", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
-           "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "clipped_gradient_sum",
-           "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train", "loss_class_weight", "noised_mean",
-           "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian", "step_noise"]
+__all__ = ["AdaptiveClip", "CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS",
+           "VectorisedDPSGD", "audit_clipped_term", "audit_noise_fault", "calibrate_dpsgd", "check_class_weights",
+           "check_dpsgd_privacy", "check_opacus_model", "class_sampling_rates", "clip_bit_counts", "clip_bits",
+           "clip_factor", "clipped_gradient_sum", "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train",
+           "loss_class_weight", "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum",
+           "secure_gaussian", "step_noise"]

@@ -15,6 +15,7 @@ from privfl.accounting.events import SelfComposedEvent
 from privfl.algorithms import ALGORITHMS
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
+from privfl.errors import ConfigurationError
 from privfl.privacy import record_level as R
 from privfl.runtime.engine import Simulation
 
@@ -82,3 +83,72 @@ def test_opacus_clips_but_never_samples_or_noises():
     assert calls and all(any(k.arg == "noise_multiplier" and ast.unparse(k.value) == "0.0" for k in c.keywords)
                          and not any(k.arg in ("generator", "secure_mode") for k in c.keywords) for c in calls)
     assert "UniformWithReplacementSampler(" not in (ROOT / "privfl" / "privacy" / "record_level.py").read_text()
+
+
+def _trained(vectorised, term=None, clients=1):
+    """The DP-SGD engine's models for ``clients`` seeded clients of a linear model, inside ``audit_clipped_term(term)``
+    when a term is given."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3))
+    schedule = R.DPSGDSchedule.for_client(10, 4, 2)
+    engine = R.DPSGD(model, schedule, noise_multiplier=1.1, clip=0.7, lr=0.1, momentum=0.5, secure_noise=False)
+    data = _federation().train_parts[:clients]
+    start = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    rngs = [np.random.default_rng(7 + k) for k in range(clients)]
+
+    def run():
+        return [final for _, final, _ in engine.train(start, [d.tensors() for d in data], rngs,
+                                                      vectorised=vectorised)]
+
+    if term is None:
+        return run(), schedule
+    with R.audit_clipped_term(term):
+        return run(), schedule
+
+
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_audit_clipped_term_joins_the_clipped_sum_at_every_step_of_either_executor(vectorised):
+    """``audit_clipped_term`` (audit-run's record canaries) is read by both executors at the same point: once per
+    step, with the step's index; a zero term leaves the model exactly as without one, a nonzero one moves it, and
+    the opacus loop and the vectorised executor give the same model with the same term (to float tolerance)."""
+    plain, schedule = _trained(vectorised)
+    calls = []
+    dim = plain[0].size
+
+    def zero(step):
+        calls.append(step)
+        return torch.zeros(dim)
+
+    same, _ = _trained(vectorised, zero)
+    assert calls == list(range(schedule.steps))
+    np.testing.assert_array_equal(same[0], plain[0])
+    direction = torch.linspace(-1, 1, dim)
+    moved, _ = _trained(vectorised, lambda step: direction)
+    other, _ = _trained(not vectorised, lambda step: direction)
+    assert np.abs(moved[0] - plain[0]).max() > 1e-3
+    np.testing.assert_allclose(moved[0], other[0], rtol=1e-4, atol=1e-5)
+
+
+def test_audit_clipped_term_is_refused_for_several_clients_at_once():
+    with pytest.raises(ConfigurationError, match="one client's DP-SGD training at a time"):
+        _trained(True, lambda step: None, clients=2)
+
+
+def test_audit_noise_fault_is_scoped_to_its_context():
+    """The half_noise fault scales the step noise inside its block and context only: another thread's steps keep
+    their noise, and the factor ends with the block."""
+    import threading
+
+    def std_of_draws():
+        g = torch.Generator().manual_seed(0)
+        return float(R.step_noise((20_000,), 2.0, g, False).std())
+
+    seen = {}
+    with R.audit_noise_fault(0.5):
+        seen["inside"] = std_of_draws()
+        worker = threading.Thread(target=lambda: seen.setdefault("thread", std_of_draws()))
+        worker.start()
+        worker.join()
+    seen["after"] = std_of_draws()
+    assert seen["inside"] == pytest.approx(1.0, rel=0.03)
+    assert seen["thread"] == pytest.approx(2.0, rel=0.03) and seen["after"] == pytest.approx(2.0, rel=0.03)
