@@ -350,21 +350,26 @@ def audit_clipped_term(term: Callable[[int], torch.Tensor | None]):
         _CLIPPED_TERM.reset(token)
 
 
-def _audit_term(step: int, clients: int) -> torch.Tensor | None:
-    """The term :func:`audit_clipped_term` adds at ``step`` (None outside an audit)."""
+def _audit_term(step: int, clients: int, dim: int) -> torch.Tensor | None:
+    """The term :func:`audit_clipped_term` adds at ``step`` to the clipped sum of a model of ``dim`` parameters (None
+    outside an audit)."""
     term = _CLIPPED_TERM.get()
     if term is None:
         return None
     if clients != 1:
         raise ConfigurationError("audit-run's record canaries go into one client's DP-SGD training at a time")
-    return term(step)
+    term = term(step)
+    if term is not None and tuple(term.shape) != (dim,):
+        raise ConfigurationError(f"audit-run's record canaries are vectors of the trained model's {dim} parameters, "
+                                 f"got shape {tuple(term.shape)}")
+    return term
 
 
-def _add_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float = 1.0) -> None:
-    """Add the flat vector ``flat`` (times ``scale``) to ``tensors`` in place, in their order."""
+def _add_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Add the flat vector ``flat`` to ``tensors`` in place, in their order."""
     offset = 0
     for t in tensors:
-        t.add_(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype), alpha=scale)
+        t.add_(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
         offset += t.numel()
 
 
@@ -561,7 +566,7 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
-        term = _audit_term(steps, 1)  # steps: the step being taken, counted from 0
+        term = _audit_term(steps, 1, sum(p.numel() for p in model.parameters()))  # steps: this step, from 0
         if term is not None:  # audit-run's canaries, in the clipped sum (here already over B), in the layout of
             offset = 0  # all the model's parameters (a frozen one takes no term)
             for p in model.parameters():
@@ -758,7 +763,7 @@ class VectorisedDPSGD:
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
-                term = _audit_term(steps, c)
+                term = _audit_term(steps, c, sum(s.numel() for s in shapes))
                 if term is not None:  # audit-run's canaries, in the clipped sum before the noise
                     _add_flat([grads[k][0] for k in self.names], term)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
@@ -876,7 +881,7 @@ class DPSGDLots:
 
     def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
         summed = clipped_gradient_sum(rows, rows.shape[1], self.clip)
-        term = _audit_term(self.step, len(self.sizes))
+        term = _audit_term(self.step, len(self.sizes), rows.shape[1])
         if term is not None:  # audit-run's canaries, in the clipped sum before the noise
             summed = summed + term.to(summed.dtype)
         return noised_mean(summed, std=self.z * self.clip, expected_batch=self.schedule.expected_batch,
