@@ -1,5 +1,6 @@
 """``experiments/run_adaptive_clipping.py --smoke`` (two fixed clips and adaptive runs, 2 rounds of the default
-comparison's DP-FedSGD and DP-SGD FedAvg) goes to the end and prints its table, so the committed script does not rot."""
+comparison's DP-FedSGD and DP-SGD FedAvg) and its ``--fresh-seeds --smoke`` (the committed choices on one fresh seed)
+go to the end and print their tables, so the committed script does not rot."""
 
 import importlib.util
 from pathlib import Path
@@ -9,13 +10,25 @@ import pytest
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
-@pytest.mark.timeout(300)
-def test_the_adaptive_clipping_comparison_runs(capsys, monkeypatch):
-    monkeypatch.chdir(EXPERIMENTS.parent)  # it reads experiments/configs/default.toml
+def _module():
     spec = importlib.util.spec_from_file_location("run_adaptive_clipping", EXPERIMENTS / "run_adaptive_clipping.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--smoke"]) == 0
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_the_adaptive_clipping_comparison_runs(capsys, monkeypatch):
+    monkeypatch.chdir(EXPERIMENTS.parent)  # it reads experiments/configs/default.toml
+    assert _module().main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| dp_fedsgd | 3 | adaptive Q 0.5, eta 0.2, share 0.01" in out and "| dpsgd_fedavg | 3 | adaptive Q" in out
     assert "(best fixed)" in out and "NOT a measurement" in out
+
+
+@pytest.mark.timeout(300)
+def test_the_fresh_seed_check_runs(capsys, monkeypatch):
+    monkeypatch.chdir(EXPERIMENTS.parent)  # it reads the committed adaptive_clipping.json
+    assert _module().main(["--fresh-seeds", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| dpsgd_fedavg | 3 | 0.25 | adaptive Q 0.1, eta 0.2, share 0.01 | 1 |" in out and "NOT a measurement" in out
