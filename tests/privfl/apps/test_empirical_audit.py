@@ -176,7 +176,7 @@ def _dp_fedsgd_distributed_scores(sigma_scale: float):
 # -- DP-FedSGD with its Laplace posterior: two channels (gradient sums, Fisher traces) on one lot, black box ----------
 
 @functools.lru_cache(maxsize=3)
-def _dp_fedsgd_posterior(posterior: str, trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5):
+def _dp_fedsgd_posterior(posterior: str, trials: int = 20_000, epsilon: float = 4.0, delta: float = 1e-5):
     """``trials`` runs of the client step of ``dp_fedsgd`` with ``posterior`` (``"laplace"``: two channels on one lot;
     ``"variational"``: the Bayesian twin's gradient, each record at weight noise of its own; ``"adaptive"``: no
     posterior, adaptive clipping's two channels on one lot, the gradient in clips and the clip count; Poisson coin at
@@ -229,7 +229,7 @@ def _dp_fedsgd_posterior_scores(posterior: str, noise_scale: float):
 
 
 @functools.lru_cache(maxsize=1)
-def _dp_fedsgd_banded(trials: int = 30_000, epsilon: float = 4.0, delta: float = 1e-5, bands: int = 2):
+def _dp_fedsgd_banded(trials: int = 20_000, epsilon: float = 4.0, delta: float = 1e-5, bands: int = 2):
     """DP-FedSGD with correlated noise (``bands`` = 2): one block of b rounds of the canary client's own step (its
     one outlier record in a group drawn at random, sampled at b q = 1/2 in its group's round; its last b sums mixed
     by the strategy) on D = {the outlier} and D' = {}, each trial a client of its own carried over the rounds with
