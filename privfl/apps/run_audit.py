@@ -329,6 +329,12 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     rng = (np.random.default_rng(np.random.SeedSequence(fed.seed, spawn_key=(AUDIT_STREAM,)))
            if not privacy.secure_noise else np.random.default_rng(secrets.randbits(128)))
     included = np.flatnonzero(rng.random(canaries) < 0.5)
+    # record level: the included canaries each client holds (canary i of client i mod K)
+    owned = {k: [int(i) for i in included if i % len(data.train_parts) == k] for k in range(len(data.train_parts))}
+
+    def canary_norm(bound: float) -> float:
+        """A record canary's norm: a record's bound, or ten times it under ``no_clip`` (its clip off)."""
+        return CANARY_NORM * bound if fault == "no_clip" else bound
 
     # the federation: the user's clients, then (client level) one client per included canary (its records are a copy
     # of the first client's, which public facts need; the canary's step never reads them); at record level the
@@ -355,17 +361,15 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         if algorithm.name == "fedbnr":  # the clients' own sums, which the auditor may know (module docstring)
             for ch in [channel] + [c for c, _ in view["extra"]]:
                 view["known"][ch.name] = view["known"].get(ch.name, 0.0) + _flat(ch, out.values[ch.name].value)
-        mine = [i for i in included if i % len(data.train_parts) == k]
-        drawn = [i for i in mine if rng.random() < channel.record_sampling_rate]
+        drawn = [i for i in owned[k] if rng.random() < channel.record_sampling_rate]
         if not drawn:
             return out
         values = dict(out.values)
         for ch, directions in [(channel, view["directions"])] + view["extra"]:
             # a record's term's bound (DP-FedSGD: C, or 1 in units of the round's clip; FedBNR's scatter: the upper
             # triangle's)
-            norm = CANARY_NORM * _norm(ch) if fault == "no_clip" else _norm(ch)
             released = values[ch.name]
-            value = released.value + norm * _embed(ch, directions.sum(drawn))
+            value = released.value + canary_norm(_norm(ch)) * _embed(ch, directions.sum(drawn))
             if ch.value_bound is not None:  # the client's box on its whole sum, as it boxes its records' own
                 value = np.clip(value, -ch.value_bound, ch.value_bound)
             values[ch.name] = dataclasses.replace(released, value=value)
@@ -379,22 +383,17 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
         ``record_level.audit_clipped_term``; for HBFL on its meme's mean coordinates). Then the server's view of the
         client: its upload (FOLA's absolute mean less the broadcast mean; HBFL's meme mean, natural mean over
         precision with the broadcast's added back, less the broadcast mean)."""
-        mine = [i for i in included if i % len(data.train_parts) == k]
         q = dpsgd_schedule(algorithm, k).sample_rate
-        unit = (algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip  # adaptive: C_t
-        norm = CANARY_NORM * unit if fault == "no_clip" else unit
+        norm = canary_norm((algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip)  # C_t
         if algorithm.name == "hbfl" and "layout" not in view:
             # where the meme's means sit in its flat parameter vector (fixed by its layout)
             meme = algorithm._fork_meme()
-            offsets, offset = {}, 0
-            for p in meme.parameters():
-                offsets[id(p)] = offset
-                offset += p.numel()
-            view["layout"] = (offset, np.concatenate([offsets[id(mu)] + np.arange(mu.numel())
-                                                      for mu in mean_parameters(meme)]))
+            means = {id(mu) for mu in mean_parameters(meme)}
+            is_mean = np.concatenate([np.full(p.numel(), id(p) in means) for p in meme.parameters()])
+            view["layout"] = (is_mean.size, np.flatnonzero(is_mean))
 
         def term(step):
-            drawn = [i for i in mine if rng.random() < q]
+            drawn = [i for i in owned[k] if rng.random() < q]
             if not drawn:
                 return None
             vec = norm * view["directions"].sum(drawn)
@@ -486,7 +485,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                 if not records:  # client canaries also on every other norm-clipped vector channel wide enough
                     extra = [c for c in self.channels if c.name != channel.name and c.private
                              and isinstance(c.clip, NormClip) and len(c.shape) == 1 and c.shape[0] >= canaries]
-                elif algorithm.name == "fedbnr":  # record canaries on FedBNR's other sum too, where it has room
+                elif algorithm.name not in STEP_CANARIES:  # record canaries on the other per-record sums too,
+                    # where they have room (FedBNR's Phi^T y)
                     extra = [c for c in self.channels if c.name != channel.name and c.private
                              and _coordinates(c) >= canaries]
                 else:
@@ -503,10 +503,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
-    if fault == "half_noise" and records and algorithm.name in STEP_CANARIES:  # the DP-SGD steps' own noise
-        with audit_noise_fault(0.5):  # this run's steps only (the current context), until the run ends
-            result = sim.run()
-    else:
+    # the DP-SGD steps' own noise (the pipelines' and the server's are scaled in prepare): this run's context only
+    with audit_noise_fault(0.5 if fault == "half_noise" else 1.0):
         result = sim.run()
     scores = (view["row_scores"] if isinstance(view["directions"], CanaryRows)
               else view["directions"].scores(view["seen"]))

@@ -350,27 +350,28 @@ def audit_clipped_term(term: Callable[[int], torch.Tensor | None]):
         _CLIPPED_TERM.reset(token)
 
 
-def _audit_term(step: int, clients: int, dim: int) -> torch.Tensor | None:
-    """The term :func:`audit_clipped_term` adds at ``step`` to the clipped sum of a model of ``dim`` parameters (None
-    outside an audit)."""
-    term = _CLIPPED_TERM.get()
-    if term is None:
-        return None
+def _add_audit_term(step: int, clients: int, targets: Callable[[], Sequence[torch.Tensor | None]],
+                    shapes: Sequence[torch.Size], scale: float = 1.0) -> None:
+    """Inside :func:`audit_clipped_term`, add its term at ``step`` (times ``scale``) in place to the step's clipped
+    sum, held as ``targets()`` of ``shapes`` in the model's parameter order (a None target, a frozen parameter, takes
+    none); outside it, one ContextVar read and nothing else (the step's hot path)."""
+    term_of = _CLIPPED_TERM.get()
+    if term_of is None:
+        return
     if clients != 1:
         raise ConfigurationError("audit-run's record canaries go into one client's DP-SGD training at a time")
-    term = term(step)
-    if term is not None and tuple(term.shape) != (dim,):
-        raise ConfigurationError(f"audit-run's record canaries are vectors of the trained model's {dim} parameters, "
-                                 f"got shape {tuple(term.shape)}")
-    return term
-
-
-def _add_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Add the flat vector ``flat`` to ``tensors`` in place, in their order."""
+    term = term_of(step)
+    if term is None:
+        return
+    sizes = [math.prod(shape) for shape in shapes]
+    if tuple(term.shape) != (sum(sizes),):
+        raise ConfigurationError(f"audit-run's record canaries are vectors of the trained model's {sum(sizes)} "
+                                 f"parameters, got shape {tuple(term.shape)}")
     offset = 0
-    for t in tensors:
-        t.add_(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
-        offset += t.numel()
+    for target, shape, size in zip(targets(), shapes, sizes):
+        if target is not None:
+            target.add_(term[offset:offset + size].reshape(shape).to(target.dtype), alpha=scale)
+        offset += size
 
 
 def step_noise(shape, std: float, generator: torch.Generator, secure: bool, dtype=torch.float32) -> torch.Tensor:
@@ -566,19 +567,15 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
 
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
-        term = _audit_term(steps, 1, sum(p.numel() for p in model.parameters()))  # steps: this step, from 0
-        if term is not None:  # audit-run's canaries, in the clipped sum (here already over B), in the layout of
-            offset = 0  # all the model's parameters (a frozen one takes no term)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.add_(term[offset:offset + p.numel()].reshape(p.shape).to(p.grad.dtype), alpha=1 / batch)
-                offset += p.numel()
+        # audit-run's canaries, in the clipped sum (here already over B); steps: this step, from 0
+        _add_audit_term(steps, 1, lambda: [p.grad for p in model.parameters()], shapes, 1.0 / batch)
         for p in opt.params:  # the step's noise, parameter by parameter, over the same expected batch
             p.grad.add_(step_noise(p.grad.shape, noise_multiplier * clip, noise_generator, secure_noise,
                                    p.grad.dtype) / batch)
         if extra_gradient is not None:
             extra_gradient()
 
+    shapes = [p.shape for p in model.parameters()]
     optimizer.attach_step_hook(step_hook)
     criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
     sampler = _PoissonSampler(schedule.sample_rate if rates is None else rates, n, schedule.steps_per_epoch,
@@ -763,9 +760,8 @@ class VectorisedDPSGD:
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
-                term = _audit_term(steps, c, sum(s.numel() for s in shapes))
-                if term is not None:  # audit-run's canaries, in the clipped sum before the noise
-                    _add_flat([grads[k][0] for k in self.names], term)
+                # audit-run's canaries, in the clipped sum before the noise
+                _add_audit_term(steps, c, lambda: [grads[k][0] for k in self.names], shapes)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
                     batch = expected if expected is not None else q * len(x)
                     if adaptive is None:
@@ -881,9 +877,7 @@ class DPSGDLots:
 
     def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
         summed = clipped_gradient_sum(rows, rows.shape[1], self.clip)
-        term = _audit_term(self.step, len(self.sizes), rows.shape[1])
-        if term is not None:  # audit-run's canaries, in the clipped sum before the noise
-            summed = summed + term.to(summed.dtype)
+        _add_audit_term(self.step, len(self.sizes), lambda: [summed], [summed.shape])  # audit-run's canaries
         return noised_mean(summed, std=self.z * self.clip, expected_batch=self.schedule.expected_batch,
                            generator=self.noise[r], secure=self.secure)
 
