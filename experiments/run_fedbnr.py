@@ -37,7 +37,7 @@ from privfl import FederationConfig, PrivacyConfig, Simulation, make_federated
 from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm
 from privfl.privacy.record_level import DPSGDSchedule, calibrate_dpsgd, dpsgd_schedule
-from privfl.algorithms.fedbnr import FedBNR
+from privfl.algorithms.fedbnr import DEFAULT_LINEAR_SCALE, DEFAULT_LINEAR_SHARE, FedBNR
 from privfl.core.channels import Channel, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.data import FederatedData
 from privfl.models.features import RandomFourierFeatures
@@ -221,10 +221,12 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int, *, lr: f
     FedBNR (RFF)'s options (``num_samples``, ``ridge_scale``; default the earlier run's 50 and 0.25)."""
     fed = FederationConfig(rounds=1, seed=seed)
     exact = dict(accountant="exact")  # unsampled Gaussians only: the exact accountant is exact
-    if method in ("FedBNR (RFF)", "FedBNR (RFF, local noise)"):
+    if method in ("FedBNR (RFF)", "FedBNR (RFF, local noise)", "FedBNR (defaults)"):
         placement = "local" if "local" in method else "central"
         privacy = privacy_for(private, placement=placement, **exact)
         options = dict(rff or {})
+        if method != "FedBNR (defaults)":  # the paper's pure random Fourier features (issue 16's runs)
+            options.setdefault("linear_share", 0.0)
         factor = options.pop("lengthscale_factor", None)
         if factor is not None:  # a multiple of the default sqrt(input dimension)
             options["lengthscale"] = factor * math.sqrt(np.prod(data.input_shape))
@@ -248,9 +250,10 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int, *, lr: f
         privacy = privacy_for(private, clip=1.0, accountant="pld")
         sim = Simulation(FedAvgRegression(ffed, privacy), data, ffed, privacy)
         return _result(sim, sim.run(), data)
-    if method == "Central BLR (same features)":
+    if method in ("Central BLR (same features)", "Central BLR (default features)"):
         privacy = privacy_for(private, **exact)
-        sim = Simulation(FedBNR(fed, privacy), pooled(data), fed, privacy)
+        options = {} if "default" in method else {"linear_share": 0.0}
+        sim = Simulation(FedBNR(fed, privacy, **options), pooled(data), fed, privacy)
         return _result(sim, sim.run(), data)
     if method == "Central GP (exact kernel)":
         return {**exact_gp(data, math.sqrt(np.prod(data.input_shape)), 0.5, 1.0), "epsilon": math.inf}
@@ -371,8 +374,10 @@ def _config_name(method: str, kw: dict) -> str:
     return method
 
 
-def sets_rows(name: str, seeds, variants, lrs, rff_grid=RFF_GRID, phase1_clipped=False) -> list[dict]:
-    """Every candidate on every seed: test metrics and the same model's validation RMSE (``val_rmse``)."""
+def sets_rows(name: str, seeds, variants, lrs, rff_grid=RFF_GRID, phase1_clipped=False, repeats: int = 1) -> list[dict]:
+    """Every candidate on every seed: test metrics and the same model's validation RMSE (``val_rmse``); each private
+    job ``repeats`` times (fresh noise and Poisson coins from the OS CSPRNG, the same data split), so that a mean
+    over a few seeds is not decided by one noise draw."""
     rows = []
     for seed in seeds:
         data = make_federated(name, N_CLIENTS, seed=seed, val_fraction=VAL_FRACTION)
@@ -384,7 +389,10 @@ def sets_rows(name: str, seeds, variants, lrs, rff_grid=RFF_GRID, phase1_clipped
             jobs += [("FedBNR (+phase 1: hyperparameters)", True, {"rff": {"target_clip": 1.5}})]
         if "FedBNR (RFF)" in variants:  # phase 2's exactness, checked on every seed
             jobs += [("Central BLR (same features)", False, {})]
-        for method, private, kw in jobs:
+        if "FedBNR (defaults)" in variants:
+            jobs += [("Central BLR (default features)", False, {})]
+        jobs = [(m, p, kw, k) for m, p, kw in jobs for k in range(repeats if p else 1)]
+        for method, private, kw, repeat in jobs:
             t = time.perf_counter()
             try:
                 res = run_one(method, private, data, seed, **kw)
@@ -395,8 +403,8 @@ def sets_rows(name: str, seeds, variants, lrs, rff_grid=RFF_GRID, phase1_clipped
                 res = {m: math.inf for m in (*METRICS, "val_rmse")}
                 res.update(epsilon=math.nan, diverged=True)
             config = _config_name(method, kw)
-            row = {"dataset": name, "seed": seed, "method": method, "config": config, "private": private,
-                   "epsilon_target": EPSILON if private else math.inf, "delta": DELTA,
+            row = {"dataset": name, "seed": seed, "repeat": repeat, "method": method, "config": config,
+                   "private": private, "epsilon_target": EPSILON if private else math.inf, "delta": DELTA,
                    "seconds": time.perf_counter() - t, **res}
             rows.append(row)
             print(f"{name:9s} seed {seed} {config:40s} {'ε=3' if private else 'ε=∞'}  val {res['val_rmse']:.4g}  "
@@ -406,7 +414,8 @@ def sets_rows(name: str, seeds, variants, lrs, rff_grid=RFF_GRID, phase1_clipped
 
 def select_on_validation(rows: list[dict]) -> list[dict]:
     """Per (set, privacy, family: FedBNR / FedAvg MLP), the configuration with the lowest mean validation RMSE over
-    the seeds, and its test metrics (mean and std over the seeds). The test set plays no part in the choice."""
+    the seeds (and noise draws), and its test metrics (mean over everything; std over the seeds of each seed's mean).
+    The test set plays no part in the choice."""
     out = []
     for ds in dict.fromkeys(r["dataset"] for r in rows):
         for private in (False, True):
@@ -419,10 +428,11 @@ def select_on_validation(rows: list[dict]) -> list[dict]:
                 val = {c: float(np.mean([r["val_rmse"] for r in group if r["config"] == c])) for c in configs}
                 best = min(configs, key=val.get)
                 chosen = [r for r in group if r["config"] == best]
-                rmse = np.array([r["rmse"] for r in chosen])
+                seeds = sorted({r["seed"] for r in chosen})
+                rmse = np.array([np.mean([r["rmse"] for r in chosen if r["seed"] == k]) for k in seeds])
                 nll = np.array([r["nll"] for r in chosen])
                 out.append({"dataset": ds, "private": private, "family": family, "chosen": best,
-                            "val_rmse": val, "seeds": len(chosen), "rmse": float(rmse.mean()),
+                            "val_rmse": val, "seeds": len(seeds), "runs": len(chosen), "rmse": float(rmse.mean()),
                             "rmse_std": float(rmse.std(ddof=1)) if len(rmse) > 1 else 0.0,
                             "nll": float(nll.mean()), "epsilon_spent_max": max(r["epsilon"] for r in chosen)})
     return out
@@ -436,8 +446,8 @@ def verdicts(selected: list[dict], rows: list[dict]) -> list[dict]:
         pick = {(s["family"], s["private"]): s for s in selected if s["dataset"] == ds}
         if len(pick) < 4:
             continue
-        rff = {r["seed"]: r["rmse"] for r in rows if r["dataset"] == ds and r["config"] == "FedBNR (RFF)"
-               and not r["private"]}
+        rff = {r["seed"]: r["rmse"] for r in rows if r["dataset"] == ds
+               and r["config"] in ("FedBNR (RFF)", "FedBNR (defaults)") and not r["private"]}
         blr = {r["seed"]: r["rmse"] for r in rows if r["dataset"] == ds and r["method"].startswith("Central BLR")}
         gap = max(abs(rff[k] - blr[k]) for k in blr) if blr else math.nan
         ratio = pick[("FedBNR", False)]["rmse"] / pick[("FedAvg MLP", False)]["rmse"]
@@ -552,15 +562,20 @@ def write_sets(rows: list[dict], out: str, seconds: float) -> None:
         f.write(sets_markdown(selected, checks, rows, seconds) + "\n" + earlier)
 
 
-def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict], seconds: float) -> str:
+def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict], seconds: float,
+                      repeats: int = 1) -> str:
     """The table of ``--defaults``: FedBNR at its default settings (nothing chosen) against FedAvg MLP (learning rate
     chosen on validation), on sets the defaults were not chosen on."""
     seeds = sorted({r["seed"] for r in rows})
     lines = ["# FedBNR with its default settings on regression sets its defaults were not chosen on (issue 28)", "",
-             f"{N_CLIENTS} clients, sorted-chunk split, seeds {seeds}; test RMSE in the target's own units, mean ± std "
-             f"over seeds; private: (ε, δ) = ({EPSILON:g}, {DELTA:g}) per client, record level. FedBNR runs its "
-             "defaults (RFF, m = 50 feature pairs, ridge_scale 0.25, B_y = 3, scatter share 0.5; the defaults of "
-             "issue 16, chosen on diabetes, star98 and fair), nothing tuned; FedAvg MLP's learning rate is chosen on "
+             f"{N_CLIENTS} clients, sorted-chunk split, seeds {seeds}, {repeats} noise draw(s) per seed for every "
+             "private run (both methods: noise and Poisson coins from the OS CSPRNG); test RMSE in the target's own "
+             "units, mean over seeds and draws ± std over the seeds' means; private: "
+             f"(ε, δ) = ({EPSILON:g}, {DELTA:g}) per client, record level. FedBNR runs its "
+             f"defaults (a linear block of prior share {DEFAULT_LINEAR_SHARE:g} at input scale "
+             f"{DEFAULT_LINEAR_SCALE:g} beside m = 50 random Fourier feature pairs, ridge_scale 0.25, B_y = 3, "
+             "scatter share 0.5; chosen on the validation splits of diabetes, star98 and fair: fedbnr_linear.md), "
+             "nothing tuned here; FedAvg MLP's learning rate is chosen on "
              f"the validation split ({VAL_FRACTION:.0%}) among {{" + ", ".join(f"{v:g}" for v in FEDAVG_LRS) + "} "
              f"(30 rounds, 2 local epochs, batch 16, momentum 0.5, DP-SGD clip 1). `experiments/run_fedbnr.py "
              f"--defaults` ({seconds:.0f} s of runs on this 2-core {platform.machine()} machine, one process).", "",
@@ -736,6 +751,91 @@ def feature_rule_markdown(summary: dict, rows: list[dict], seconds: float, repea
     return "\n".join(lines) + "\n"
 
 
+# -- issue 28: a linear block beside the random features, chosen on the issue-16 sets' validation splits ---------
+
+#: (linear_share a, linear_scale c, num_samples m, ridge_scale) candidates; a = 0 is the paper's pure random Fourier
+#: features (c unused) at today's m = 50 and ridge 0.25, the reference. The first sweep (a with c, at m = 50 and ridge
+#: 0.25) found its best at a = 0.75-0.9 with c = 1; the second adds the feature count and the ridge around it
+LINEAR_CANDIDATES = (((0.0, 1.0, 50, 0.25),) + tuple((a, c, 50, 0.25) for a in (0.25, 0.5, 0.75, 0.9, 0.95)
+                                                    for c in (1.0, 2.0))
+                     + tuple((a, 1.0, m, r) for a in (0.75, 0.9) for m in (10, 20, 50) for r in (0.25, 1.0)
+                             if (m, r) != (50, 0.25)))
+
+
+def linear_rows(name: str, seeds, repeats: int) -> list[dict]:
+    """FedBNR with each (a, c) of ``LINEAR_CANDIDATES`` (everything else at its defaults: m = 50, ridge_scale 0.25,
+    B_y = 3, scatter share 0.5), without DP and at ε = 3 (``repeats`` noise draws per seed: the noise comes from the
+    OS CSPRNG). Only the validation RMSE is kept: the test split plays no part in the choice."""
+    rows = []
+    for seed in seeds:
+        data = make_federated(name, N_CLIENTS, seed=seed, val_fraction=VAL_FRACTION)
+        for a, c, m, ridge in LINEAR_CANDIDATES:
+            options = {"linear_share": a, "linear_scale": c, "num_samples": m, "ridge_scale": ridge}
+            for private, k in [(False, 0)] + [(True, k) for k in range(repeats)]:
+                res = run_one("FedBNR (defaults)", private, data, seed, rff=options)
+                rows.append({"dataset": name, "seed": seed, **options, "private": private, "repeat": k,
+                             "val_rmse": res["val_rmse"], "epsilon": res["epsilon"]})
+        print(f"{name:9s} seed {seed}: {len(LINEAR_CANDIDATES)} candidates done", flush=True)
+    return rows
+
+
+def linear_summary(rows: list[dict]) -> dict:
+    """Per candidate, its mean validation RMSE per (set, privacy) relative to a = 0 (the pure random features) at
+    the same privacy level, and the mean of those ratios over the sets and both privacy levels: the choice is the
+    candidate with the lowest mean (the rule was fixed before the runs)."""
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+    cells = [(ds, p) for ds in sets for p in (False, True)]
+
+    def mean_val(ds, private, candidate):
+        return float(np.mean([r["val_rmse"] for r in rows if (r["dataset"], r["private"]) == (ds, private) and
+                              (r["linear_share"], r["linear_scale"], r["num_samples"], r["ridge_scale"])
+                              == candidate]))
+
+    table = []
+    for a, c, m, ridge in LINEAR_CANDIDATES:
+        ratios = {f"{ds}|{'dp' if p else 'nodp'}": mean_val(ds, p, (a, c, m, ridge))
+                  / mean_val(ds, p, LINEAR_CANDIDATES[0]) for ds, p in cells}
+        table.append({"linear_share": a, "linear_scale": c, "num_samples": m, "ridge_scale": ridge,
+                      "ratios": ratios,
+                      "mean_ratio": float(np.mean(list(ratios.values()))),
+                      "mean_ratio_dp": float(np.mean([v for k, v in ratios.items() if k.endswith("|dp")])),
+                      "mean_ratio_nodp": float(np.mean([v for k, v in ratios.items() if k.endswith("|nodp")]))})
+    best = min(table, key=lambda t: t["mean_ratio"])
+    return {"sets": sets, "table": table, "chosen": {k: best[k] for k in ("linear_share", "linear_scale",
+                                                                          "num_samples", "ridge_scale")}}
+
+
+def linear_markdown(summary: dict, rows: list[dict], seconds: float, repeats: int) -> str:
+    seeds = sorted({r["seed"] for r in rows})
+    sets = summary["sets"]
+    head = "| a (linear share) | c (input scale) | m | ridge | " + " | ".join(f"{ds}, no DP | {ds}, ε = 3" for ds in sets) + \
+        " | mean, no DP | mean, ε = 3 | **mean** |"
+    lines = ["# FedBNR's default features: a linear block beside the random Fourier features (issue 28)", "",
+             f"FedBNR on the issue-16 sets ({', '.join(sets)}; {N_CLIENTS} clients, sorted-chunk split), seeds "
+             f"{seeds}, validation RMSE only (the sets' own {VAL_FRACTION:.0%} split; the test split was not scored "
+             f"into this file). At ε = {EPSILON:g} (δ = {DELTA:g}, record level, central noise) each seed has "
+             f"{repeats} noise draws. Candidates: the features [sqrt(a) l(x), sqrt(1 - a) r(x)] "
+             "(`privfl.models.features.LinearRandomFourierFeatures`: l(x) the inputs scaled by 1 / (c sqrt(d)) into "
+             "the unit ball with a bias, r(x) the m = 50 random Fourier features); a = 0 is the paper's pure random "
+             "features, the default until now. Everything else at its default (ridge_scale 0.25, B_y = 3, scatter "
+             "share 0.5). The scatter's sensitivity follows the rows' declared fourth-moment share kappa "
+             "(`ScatterBound`), so a linear block costs a little more noise than pure random features (0.752 "
+             "against 0.714 B^2 at a = 0.5). Each cell: mean validation RMSE relative to a = 0 at the same privacy "
+             "level (below 1 is better). Rule (fixed before the runs): the lowest mean over the six cells. "
+             f"`experiments/run_fedbnr.py --linear` ({seconds:.0f} s on this 2-core {platform.machine()} machine, "
+             "one process).", "", head, "|---|---|---|---|" + "---:|" * (2 * len(sets) + 3)]
+    for t in summary["table"]:
+        cells = " | ".join(f"{t['ratios'][ds + '|nodp']:.3f} | {t['ratios'][ds + '|dp']:.3f}" for ds in sets)
+        c = "–" if t["linear_share"] == 0 else f"{t['linear_scale']:g}"
+        lines.append(f"| {t['linear_share']:g} | {c} | {t['num_samples']} | {t['ridge_scale']:g} | {cells} | {t['mean_ratio_nodp']:.3f} | "
+                     f"{t['mean_ratio_dp']:.3f} | **{t['mean_ratio']:.3f}** |")
+    ch = summary["chosen"]
+    lines += ["", f"Chosen: a = {ch['linear_share']:g}, c = {ch['linear_scale']:g}, m = {ch['num_samples']}, ridge_scale "
+              f"{ch['ridge_scale']:g} (FedBNR's defaults). Its check on sets it was not chosen on: `fedbnr_defaults.md`.",
+              ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -760,7 +860,12 @@ def main(argv=None) -> None:
                         help="comma-separated sets (issue 16's: diabetes,star98,fair): FedBNR (RFF)'s validation RMSE "
                              "over feature counts and the default rule's candidate constants, written to "
                              "fedbnr_feature_rule.json/.md")
-    parser.add_argument("--repeats", type=int, default=3, help="with --feature-rule: noise draws per seed at ε = 3")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --feature-rule or --linear: noise draws per seed at ε = 3")
+    parser.add_argument("--linear", default=None, metavar="SETS",
+                        help="comma-separated sets (issue 16's: diabetes,star98,fair): FedBNR's validation RMSE with a "
+                             "linear block beside its random features (LINEAR_CANDIDATES), no DP and ε = 3; writes "
+                             "fedbnr_linear.json/.md")
     parser.add_argument("--merge", nargs="*", default=None,
                         help="summarise rows files written by --sets --rows into fedbnr.json/.md")
     args = parser.parse_args(argv)
@@ -772,6 +877,22 @@ def main(argv=None) -> None:
         rows = [{k: number(v) for k, v in r.items()} for path in args.merge for r in json.load(open(path))]
         write_sets(rows, args.out, sum(r["seconds"] for r in rows))
         print(f"wrote {args.out}/fedbnr.json and fedbnr.md")
+        return
+    if args.linear:
+        seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(10))
+        start = time.perf_counter()
+        rows = [r for name in args.linear.split(",") for r in linear_rows(name, seeds, args.repeats)]
+        seconds = time.perf_counter() - start
+        summary = linear_summary(rows)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fedbnr_linear.json"), "w") as f:
+            json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
+                                           "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
+                                           "candidates": LINEAR_CANDIDATES},
+                               "summary": summary, "runs": _columns(rows), "seconds": seconds}), f, indent=1)
+        with open(os.path.join(args.out, "fedbnr_linear.md"), "w") as f:
+            f.write(linear_markdown(summary, rows, seconds, args.repeats))
+        print(f"wrote {args.out}/fedbnr_linear.json and fedbnr_linear.md ({seconds:.0f} s)")
         return
     if args.feature_rule:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
@@ -795,18 +916,20 @@ def main(argv=None) -> None:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
         start = time.perf_counter()
         rows = [r for name in args.defaults.split(",")
-                for r in sets_rows(name, seeds, ("FedBNR (RFF)",), FEDAVG_LRS, ())]
+                for r in sets_rows(name, seeds, ("FedBNR (defaults)",), FEDAVG_LRS, (), repeats=args.repeats)]
         seconds = time.perf_counter() - start
         selected = select_on_validation(rows)
         checks = verdicts(selected, rows)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fedbnr_defaults.json"), "w") as f:
             json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
-                                           "val_fraction": VAL_FRACTION, "fedavg_lrs": FEDAVG_LRS, "seeds": seeds},
+                                           "val_fraction": VAL_FRACTION, "fedavg_lrs": FEDAVG_LRS, "seeds": seeds,
+                                           "repeats": args.repeats, "linear_share": DEFAULT_LINEAR_SHARE,
+                                           "linear_scale": DEFAULT_LINEAR_SCALE},
                                "selected": selected, "acceptance": checks, "runs": rows, "seconds": seconds}), f,
                       indent=2)
         with open(os.path.join(args.out, "fedbnr_defaults.md"), "w") as f:
-            f.write(defaults_markdown(selected, checks, rows, seconds))
+            f.write(defaults_markdown(selected, checks, rows, seconds, args.repeats))
         print(f"wrote {args.out}/fedbnr_defaults.json and fedbnr_defaults.md ({seconds:.0f} s)")
         return
     if args.sets:

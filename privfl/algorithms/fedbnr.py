@@ -2,7 +2,9 @@
 record-level private by sufficient-statistics perturbation.
 
 The model: f(x) = w^T phi(x), w ~ N(0, lambda^2 I), y = f(x) + N(0, sigma^2), where phi is a kernel network
-(``privfl.models.features``: random Fourier features from a public seed, optionally after a learned extractor). The
+(``privfl.models.features``: random Fourier features from a public seed, optionally after a learned extractor) or,
+by default when neither an extractor nor phase 1 is used, a linear block with a bias beside the random Fourier
+features (``LinearRandomFourierFeatures``, prior share ``linear_share``: the kernel a k_lin + (1 - a) k_gauss). The
 posterior over w is N(w_bar, A^-1) with (eqs. 20-21)
 
     A = sigma^-2 sum_c Phi_c^T Phi_c + lambda^-2 I,        w_bar = sigma^-2 A^-1 sum_c Phi_c^T y_c,
@@ -24,7 +26,11 @@ Privacy (record level, add/remove one record unless the config says replace one)
   B^2 sqrt((1 + 1/m) / 2) (add/remove) or B^2 sqrt(1 + 1/m) (replace-one), both attained:
   :class:`PairedScatter`, declared when ``cos_sin_pairs`` recognises the feature map (m = ``num_samples``, the
   number of frequencies, not the 2m features), with every row's pairs checked before release. At m = 20 that is
-  0.7246 B^2, at the default m = 50 0.7141 B^2.
+  0.7246 B^2, at m = 50 0.7141 B^2. The default features with a linear block are not pairs only: they declare
+  kappa >= sum_i phi_i^4 / |phi|^4 for every row (``fourth_moment_share``), the release moves by at most
+  B^2 sqrt((1 + kappa) / 2) (add/remove) or B^2 sqrt(1 + kappa) (replace-one), :class:`ScatterBound`, and every
+  row is checked against kappa before release (at a = 0.9, m = 50: kappa = 0.670, 0.914 B^2, the bias coordinate
+  carrying most of a row whose inputs are near 0).
 - ``cross``: targets are clipped to [-B_y, B_y] (``target_clip``), so each term phi_i y_i has norm <= B B_y and the
   sum moves by B B_y: ``PreClipped(B * B_y, "sum")`` on a ``ClippedValue`` of bound B B_y. No new clip kind is needed.
 - the budget is split between the two by ``scatter_share`` (calibration gives each channel its share of rho).
@@ -145,16 +151,46 @@ from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
 from privfl.core.channels import ClippedValue, NormClip, PreClipped
 from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
-from privfl.models.features import (KernelNetwork, RandomFourierFeatures, blr_log_marginal_likelihood, cos_sin_pairs,
-                             check_extractor, extractor_factory, pair_squared_norms)
+from privfl.models.features import (KernelNetwork, LinearRandomFourierFeatures, RandomFourierFeatures,
+                                   blr_log_marginal_likelihood, check_extractor, cos_sin_pairs, extractor_factory,
+                                   fourth_moment_share, pair_squared_norms, row_fourth_moment_shares)
 from privfl.metrics.regression import regression_metrics
 from privfl.training.local import flat_parameters, load_flat_parameters
 
 
-# -- the scatter channel's clip when feature rows are (cos, sin) pairs ------------------------------------------
+# -- the scatter channel's clip when feature rows spread their mass ---------------------------------------------
 
 @dataclass(frozen=True)
-class PairedScatter(PreClipped):
+class ScatterBound(PreClipped):
+    """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B whose every row has sum_i phi_i^4 <= kappa
+    |phi|^4 (``fourth_share`` = kappa, in (0, 1]), released on a ``symmetric`` channel: noise on the upper triangle
+    including the diagonal, mirrored. A record's term restricted to the upper triangle U has squared norm
+    (|phi|^4 + sum_i phi_i^4) / 2 <= B^4 (1 + kappa) / 2; for replace-one, as in :class:`PairedScatter`,
+    B^4 (1 + kappa). kappa = 1 holds for every row (PreClipped's bounds); :class:`PairedScatter` is kappa = 1 / m,
+    :class:`~privfl.models.features.LinearRandomFourierFeatures` declares its own, and the algorithm checks every
+    row against it before release."""
+
+    statistic: str = "squared_sum"
+    fourth_share: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.statistic != "squared_sum":
+            raise InvalidRelease(f"{type(self).__name__} bounds a squared_sum statistic, got {self.statistic!r}")
+        kappa = self.fourth_share
+        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not 0 < kappa <= 1:
+            raise InvalidRelease(f"fourth_share must lie in (0, 1], got {kappa!r}")
+        object.__setattr__(self, "fourth_share", float(kappa))
+
+    def sensitivity(self, adjacency: str) -> float:
+        share = 1.0 + self.fourth_share
+        if check_adjacency(adjacency) == "add_remove":
+            share /= 2.0
+        return self.bound ** 2 * math.sqrt(share)
+
+
+@dataclass(frozen=True)
+class PairedScatter(ScatterBound):
     """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B, each row made of ``pairs`` = m disjoint
     (cos, sin) pairs of equal norm (``privfl.models.features``), released on a ``symmetric`` channel: noise on the upper
     triangle including the diagonal, mirrored. Only for such a channel (noise on every entry would release the full
@@ -173,22 +209,14 @@ class PairedScatter(PreClipped):
     (B, ``"squared_sum"``) of a PreClipped channel; the algorithm checks every row's pairs before release.
     """
 
-    statistic: str = "squared_sum"
     pairs: int = 1
 
     def __post_init__(self):
-        super().__post_init__()
-        if self.statistic != "squared_sum":
-            raise InvalidRelease(f"PairedScatter bounds a squared_sum statistic, got {self.statistic!r}")
         if isinstance(self.pairs, bool) or not isinstance(self.pairs, (int, np.integer)) or self.pairs < 1:
             raise InvalidRelease(f"pairs must be an integer >= 1, got {self.pairs!r}")
         object.__setattr__(self, "pairs", int(self.pairs))
-
-    def sensitivity(self, adjacency: str) -> float:
-        share = 1.0 + 1.0 / self.pairs
-        if check_adjacency(adjacency) == "add_remove":
-            share /= 2.0
-        return self.bound ** 2 * math.sqrt(share)
+        object.__setattr__(self, "fourth_share", 1.0 / self.pairs)
+        super().__post_init__()
 
 
 def _check_pairs(rows: np.ndarray, pairs: int) -> None:
@@ -199,6 +227,14 @@ def _check_pairs(rows: np.ndarray, pairs: int) -> None:
     if not np.allclose(per_pair, expected, rtol=1e-9, atol=1e-12):
         raise InvalidRelease("the scatter channel's sensitivity assumes feature rows of (cos, sin) pairs of equal "
                              "norm, and these rows are not; nothing was released")
+
+
+def _check_fourth_share(rows: np.ndarray, kappa: float) -> None:
+    """Refuse (before anything is released) rows with sum_i phi_i^4 > kappa |phi|^4: the premise of
+    :class:`ScatterBound`'s sensitivity."""
+    if np.any(row_fourth_moment_shares(rows) > kappa * (1 + 1e-9) + 1e-15):
+        raise InvalidRelease(f"the scatter channel's sensitivity assumes feature rows with sum phi_i^4 <= {kappa:.6g} "
+                             "|phi|^4, and these rows are not; nothing was released")
 
 
 # -- Bayesian linear regression from sufficient statistics (server side) ------------------------------------------
@@ -340,6 +376,12 @@ class FedBNRClippingWarning(UserWarning):
     than the public record cap): raised on the client's side, from values it never releases."""
 
 
+#: FedBNR's default features without a model or kernel network: a linear block of this prior share beside the
+#: random Fourier features (``LinearRandomFourierFeatures``), its inputs at this scale; chosen on the validation
+#: splits of diabetes, star98 and fair (``experiments/run_fedbnr.py --linear``, results/fedbnr_linear.md)
+DEFAULT_LINEAR_SHARE, DEFAULT_LINEAR_SCALE = 0.9, 1.0
+
+
 class FedBNR(FederatedAlgorithm):
     """FedBNR phase 2 over a fixed kernel network; see the module docstring.
 
@@ -352,6 +394,13 @@ class FedBNR(FederatedAlgorithm):
             pure random Fourier features built from ``num_samples``, ``lengthscale`` and ``feature_seed``.
         num_samples: m, the number of omega samples (2m features). Default 50, the paper's.
         lengthscale: RFF lengthscale (default sqrt(input dimension), for standardised inputs).
+        linear_share: a in [0, 1): without ``model``, ``kernel`` or phase 1, the features are
+            :class:`~privfl.models.features.LinearRandomFourierFeatures` (a linear block with a bias, of prior share
+            a, beside the random Fourier features) when a > 0, and pure random Fourier features (the paper's) when
+            a = 0. Default (None): ``DEFAULT_LINEAR_SHARE`` for the pure feature map, 0 with a model or a kernel
+            network (they bring their own features; a > 0 is refused there).
+        linear_scale: c, the linear block's input scale: u = x / (c sqrt(d)), scaled down to norm 1 where longer
+            (default ``DEFAULT_LINEAR_SCALE``).
         noise_std, prior_std: sigma and lambda (default: the kernel's, else 0.5 and 1.0).
         feature_seed: the public seed of omega.
         target_clip: B_y, targets are clipped to [-B_y, B_y] under DP (default 3: standardised targets).
@@ -389,7 +438,8 @@ class FedBNR(FederatedAlgorithm):
     uses_alignment = False
 
     def __init__(self, fed, privacy, *, model=None, kernel: KernelNetwork | None = None, num_samples: int = 50,
-                 lengthscale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
+                 lengthscale: float | None = None, linear_share: float | None = None,
+                 linear_scale: float | None = None, noise_std: float | None = None, prior_std: float | None = None,
                  feature_seed: int = 0, target_clip: float = 3.0, scatter_share: float = 0.5,
                  ridge_scale: float = 0.25, fold_noise: bool = True, client_rows: int | None = None,
                  kernel_rounds: int = 0, kernel_aggregation: str = "fedavg", kernel_clip: float | None = None,
@@ -420,6 +470,16 @@ class FedBNR(FederatedAlgorithm):
         self.kernel = kernel
         self.num_samples = int(num_samples)
         self.lengthscale = None if lengthscale is None else _positive("lengthscale", lengthscale)
+        own_features = model is not None or kernel is not None or kernel_rounds
+        if linear_share is None:
+            linear_share = 0.0 if own_features else DEFAULT_LINEAR_SHARE
+        if isinstance(linear_share, bool) or not isinstance(linear_share, (int, float)) or not 0 <= linear_share < 1:
+            raise ConfigurationError(f"linear_share must lie in [0, 1), got {linear_share!r}")
+        if linear_share and own_features:
+            raise ConfigurationError("fedbnr: linear_share adds a linear block to the pure random-feature map; with "
+                                     "a model, a kernel network or phase 1 (kernel_rounds) leave it out (or 0)")
+        self.linear_share = float(linear_share)
+        self.linear_scale = _positive("linear_scale", DEFAULT_LINEAR_SCALE if linear_scale is None else linear_scale)
         self.noise_std = _positive("noise_std", noise_std if noise_std is not None else
                                    (kernel.noise_std if kernel is not None else 0.5))
         self.prior_std = _positive("prior_std", prior_std if prior_std is not None else
@@ -547,6 +607,10 @@ class FedBNR(FederatedAlgorithm):
                                 lengthscale=self.lengthscale, noise_std=self.noise_std, prior_std=self.prior_std,
                                 seed=self.feature_seed).double()
             self.feature_map, self.dim = net.features, net.dim
+        elif self.linear_share:
+            hybrid = LinearRandomFourierFeatures(input_dim, self.num_samples, self.lengthscale or math.sqrt(input_dim),
+                                                 self.feature_seed, self.linear_share, self.linear_scale)
+            self.feature_map, self.dim = hybrid, hybrid.dim
         else:
             rff = RandomFourierFeatures(input_dim, self.num_samples, self.lengthscale or math.sqrt(input_dim),
                                         self.feature_seed)
@@ -563,11 +627,12 @@ class FedBNR(FederatedAlgorithm):
                     unit_channel(p, "cross", (d,), description="Phi^T y")]
         b, by = self.feature_clip, self.target_clip
         scatter_bound, cross_bound = self.coordinate_bounds
-        pairs = self.feature_pairs
+        pairs, kappa = self.feature_pairs, fourth_moment_share(self.feature_map)
+        record = (PairedScatter(b, pairs=pairs) if pairs else ScatterBound(b, fourth_share=kappa) if kappa
+                  else PreClipped(b, "squared_sum"))
         # a record's term is a row clipped to B (its target to B_y); a client's whole sums lie within the public
         # record cap's bounds, which the pipeline's norm clips enforce
-        return [unit_channel(p, "scatter", (d, d), client=NormClip(scatter_bound),
-                             record=PairedScatter(b, pairs=pairs) if pairs else PreClipped(b, "squared_sum"),
+        return [unit_channel(p, "scatter", (d, d), client=NormClip(scatter_bound), record=record,
                              budget_share=self.scatter_share, symmetric=True, value_bound=scatter_bound,
                              description="Phi^T Phi of rows clipped to B, entries within client_rows B^2"),
                 unit_channel(p, "cross", (d,), client=NormClip(cross_bound), record=PreClipped(b * by, "sum"),
@@ -596,6 +661,8 @@ class FedBNR(FederatedAlgorithm):
         rows, targets = clip_rows(phi, b), clip_values(y, by)
         if self.feature_pairs:
             _check_pairs(rows.value, self.feature_pairs)
+        elif fourth_moment_share(self.feature_map):
+            _check_fourth_share(rows.value, fourth_moment_share(self.feature_map))
         scatter, cross = rows.value.T @ rows.value, rows.value.T @ targets.value
         # into the public coordinate bounds (binds only beyond client_rows records): an entrywise clip is a
         # contraction, of the upper triangle too, so the declared sensitivities still hold. Beyond them a

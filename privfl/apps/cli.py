@@ -1079,7 +1079,9 @@ def _add_run_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--lr", type=_float, default=None, help="client learning rate (default: the algorithm's)")
     r.add_argument("--server-lr", type=_float, default=1.0, help="server learning rate on the aggregated update")
     r.add_argument("--kernel-rounds", type=int, default=0, metavar="K",
-                   help="fedbnr: K rounds of phase 1 (kernel learning) before phase 2 (0: random features)")
+                   help="fedbnr: K rounds of phase 1 (kernel learning) before phase 2 (0: fixed features, a linear "
+                        "block beside random Fourier features; --option linear_share=0 for the paper's pure random "
+                        "features)")
     r.add_argument("--kernel-aggregation", choices=["fedavg", "distillation"], default="fedavg",
                    help="fedbnr phase 1: FedAvg of the kernel network, or kernel distillation on a server-held set "
                         "of --alignment-size examples (eq. 19)")

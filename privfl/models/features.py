@@ -191,6 +191,71 @@ class RandomFourierFeatures:
         return np.exp(-np.maximum(sq, 0.0) / (2.0 * self.lengthscale ** 2))
 
 
+class LinearRandomFourierFeatures:
+    """A linear block beside random Fourier features, the feature map of the kernel
+    ``a k_lin(x, x') + (1 - a) k_gauss(x, x')``: ``phi(x) = [sqrt(a) l(x), sqrt(1 - a) r(x)]`` where
+
+    - ``l(x) = [u(x), 1] / sqrt(2)``, ``u(x) = x / (c sqrt(d))`` scaled down to norm 1 where it is longer (c =
+      ``linear_scale``; standardised inputs have |x| ~ sqrt(d), so u is mostly inside the ball), the constant
+      coordinate a bias: ``d + 1`` features of squared norm (1 + |u|^2) / 2 in [1/2, 1];
+    - ``r(x)``: :class:`RandomFourierFeatures` (m = ``num_samples`` (cos, sin) pairs, norm exactly 1);
+
+    so every row has norm at most 1 (clipping rows to B = 1 changes none), shape ``(n, d + 1 + 2m)``, float64.
+
+    Why: on small federations under DP the Gaussian kernel's 2m directions each carry little of the pooled signal
+    and the released scatter's noise drowns them, while a linear trend (most of many tabular targets) lives in d + 1
+    directions that each carry much of it. ``a = linear_share`` is the prior's share of the linear part (the two
+    blocks are orthogonal, so a is the weight of k_lin in the kernel).
+
+    The scatter release's sensitivity needs ``kappa``, a bound on sum_i phi_i^4 / |phi|^4 over every possible row
+    (:func:`fourth_moment_share`): with s = |u|^2 in [0, 1], sum_i l_i^4 <= (1 + s^2) / 4 and sum_i r_i^4 <= 1 / m,
+    so the ratio is at most f(s) = (A (1 + s^2) + C) / (B (1 + s) + D)^2 with A = a^2 / 4, C = (1 - a)^2 / m,
+    B = a / 2, D = 1 - a. Its derivative vanishes only at s* = B (A + C) / (A (B + D)), so kappa = the largest of
+    f(0), f(1) and f(s*) when s* lies in [0, 1]. Row clipping scales a row, which leaves the ratio unchanged.
+    """
+
+    def __init__(self, input_dim: int, num_samples: int = 50, lengthscale: float = 1.0, seed: int = 0,
+                 linear_share: float = 0.5, linear_scale: float = 1.0):
+        self.rff = RandomFourierFeatures(input_dim, num_samples, lengthscale, seed)
+        self.input_dim, self.num_samples = self.rff.input_dim, self.rff.num_samples
+        self.lengthscale, self.seed = self.rff.lengthscale, self.rff.seed
+        share = linear_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+            raise ConfigurationError(f"linear_share must lie in (0, 1), got {share!r}")
+        self.linear_share = float(share)
+        self.linear_scale = _positive("linear_scale", linear_scale)
+        a, m = self.linear_share, self.num_samples
+        big_a, c, big_b, big_d = a * a / 4.0, (1.0 - a) ** 2 / m, a / 2.0, 1.0 - a
+
+        def ratio(s: float) -> float:
+            return (big_a * (1.0 + s * s) + c) / (big_b * (1.0 + s) + big_d) ** 2
+
+        candidates = [0.0, 1.0]
+        stationary = big_b * (big_a + c) / (big_a * (big_b + big_d))
+        if 0.0 <= stationary <= 1.0:
+            candidates.append(stationary)
+        #: sup over rows of sum_i phi_i^4 / |phi|^4 (see the class docstring)
+        self.kappa = max(ratio(s) for s in candidates)
+
+    @property
+    def dim(self) -> int:
+        return self.input_dim + 1 + self.rff.dim
+
+    def linear_block(self, x) -> np.ndarray:
+        """``l(x)``: the scaled inputs (within the unit ball) and the bias, over sqrt(2)."""
+        x = np.asarray(x, dtype=np.float64)
+        x = x.reshape(len(x), -1)
+        if x.shape[1] != self.input_dim:
+            raise ConfigurationError(f"feature map expects inputs of dimension {self.input_dim}, got {x.shape[1]}")
+        u = x / (self.linear_scale * math.sqrt(self.input_dim))
+        u = u / np.maximum(np.linalg.norm(u, axis=1, keepdims=True), 1.0)
+        return np.concatenate([u, np.ones((len(u), 1))], axis=1) / math.sqrt(2.0)
+
+    def __call__(self, x) -> np.ndarray:
+        a = self.linear_share
+        return np.concatenate([math.sqrt(a) * self.linear_block(x), math.sqrt(1.0 - a) * self.rff(x)], axis=1)
+
+
 class KernelNetwork(nn.Module):
     """A kernel network g(omega, f(x)) with its Bayesian linear regression hyperparameters.
 
@@ -307,6 +372,26 @@ def cos_sin_pairs(feature_map) -> int | None:
     return None
 
 
+def fourth_moment_share(feature_map) -> float | None:
+    """kappa, a bound on sum_i phi_i^4 / |phi|^4 over every row ``feature_map`` can produce, when the map is one of
+    this module's: 1 / m for m (cos, sin) pairs (:func:`cos_sin_pairs`), :class:`LinearRandomFourierFeatures`'s own
+    ``kappa``; None for any other callable (then only kappa = 1, true of every row, is known)."""
+    pairs = cos_sin_pairs(feature_map)
+    if pairs:
+        return 1.0 / pairs
+    if type(feature_map) is LinearRandomFourierFeatures:
+        return feature_map.kappa
+    return None
+
+
+def row_fourth_moment_shares(phi: np.ndarray) -> np.ndarray:
+    """sum_i phi_i^4 / |phi|^4 of each row of ``phi`` (0 for a zero row), to check a declared kappa before release."""
+    phi = np.asarray(phi, dtype=np.float64)
+    sq = np.sum(phi * phi, axis=1)
+    fourth = np.sum(phi ** 4, axis=1)
+    return np.divide(fourth, sq * sq, out=np.zeros_like(fourth), where=sq > 0)
+
+
 def pair_squared_norms(phi: np.ndarray, pairs: int) -> np.ndarray:
     """cos_k^2 + sin_k^2 of each row of ``phi`` (shape ``(n, 2 pairs)``, the layout of this module's feature maps:
     m cosines, then m sines): an ``(n, pairs)`` array, every entry of a row equal to |phi|^2 / m for a feature row
@@ -339,5 +424,6 @@ def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: t
             - 0.5 * (y @ y) / s2 + 0.5 * (b @ alpha))
 
 
-__all__ = ["KernelNetwork", "RandomFourierFeatures", "blr_log_marginal_likelihood", "check_extractor",
-           "cos_sin_pairs", "extractor_factory", "fourier_frequencies", "pair_squared_norms", "refuse_batch_norm"]
+__all__ = ["KernelNetwork", "LinearRandomFourierFeatures", "RandomFourierFeatures", "blr_log_marginal_likelihood",
+           "check_extractor", "cos_sin_pairs", "extractor_factory", "fourier_frequencies", "fourth_moment_share",
+           "pair_squared_norms", "refuse_batch_norm", "row_fourth_moment_shares"]

@@ -150,10 +150,11 @@ def test_default_feature_count_is_fifty_whatever_the_size_and_an_explicit_one_is
         data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=n)
         default = FedBNR(ONE_ROUND, privacy)
         default.setup(data, None)
-        assert (default.num_samples, default.dim) == (50, 100)
+        # 50 (cos, sin) pairs beside the linear block of the one input and its bias
+        assert (default.num_samples, default.dim) == (50, 100 + 2)
         given = FedBNR(ONE_ROUND, privacy, num_samples=7)
         given.setup(data, None)
-        assert (given.num_samples, given.dim) == (7, 14)
+        assert (given.num_samples, given.dim) == (7, 14 + 2)
 
 
 def test_default_feature_count_does_not_read_the_private_record_counts():
@@ -173,12 +174,13 @@ def test_default_feature_count_does_not_read_the_private_record_counts():
 
 def test_channels_follow_privacy():
     data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=40)
-    plain = FedBNR(ONE_ROUND, NONPRIVATE, num_samples=5)
+    plain = FedBNR(ONE_ROUND, NONPRIVATE, num_samples=5, linear_share=0.0)  # the paper's pure RFF
     plain.setup(data, None)
     assert [(c.name, c.shape, c.symmetric) for c in plain.channels()] == [("scatter", (10, 10), True),
                                                                         ("cross", (10,), False)]
     assert all(isinstance(c.clip, Unclipped) for c in plain.channels())
-    private = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5), num_samples=5, target_clip=2.0)
+    private = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5), num_samples=5, target_clip=2.0,
+                     linear_share=0.0)
     private.setup(data, None)
     scatter, cross = private.channels()
     # tightened (was PreClipped with B^2): RFF rows are m = 5 (cos, sin) pairs and the noise is on the upper triangle
@@ -195,7 +197,7 @@ def test_channels_follow_privacy():
     declared.setup(data, None)
     assert declared.client_rows == 7 and [c.clip for c in declared.channels()] == [NormClip(7.0), NormClip(14.0)]
     replace = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example", clip=0.5, adjacency="replace_one"),
-                     num_samples=5, target_clip=2.0)
+                     num_samples=5, target_clip=2.0, linear_share=0.0)
     replace.setup(data, None)
     # tightened from sqrt(2) B^2 to B^2 sqrt(1 + 1/m)
     assert [c.sensitivity for c in replace.channels()] == pytest.approx([math.sqrt(1 + 1 / 5) * 0.25, 2.0])
@@ -261,7 +263,7 @@ def _paired_fedbnr(privacy, kernel=None, client_rows=100, num_samples=M, target_
     x = np.zeros((4, IN), np.float32)
     part = ArrayDataset(x, np.zeros(4, np.float32), "regression", 1)
     alg = FedBNR(ONE_ROUND, privacy, kernel=kernel, num_samples=num_samples, lengthscale=1.3,
-                 target_clip=target_clip, client_rows=client_rows)
+                 target_clip=target_clip, client_rows=client_rows, linear_share=0.0)
     alg.setup(FederatedData([part], part, "adversarial", 1, (IN,), design_size=4), np.random.default_rng(0))
     return alg
 
@@ -473,7 +475,7 @@ def test_private_channels_have_public_coordinate_bounds_and_run_under_secure_agg
 
 def test_private_scatter_release_is_symmetric_noise_of_the_calibrated_size():
     data = make_federated("synthetic1d", 2, partition="iid", seed=0, n=60)
-    alg = FedBNR(ONE_ROUND, EXAMPLE_DP, num_samples=60)
+    alg = FedBNR(ONE_ROUND, EXAMPLE_DP, num_samples=60, linear_share=0.0)
     alg.setup(data, None)
     channels = alg.channels()
     ledger = PrivacyLedger(":memory:", "t", delta=1e-5, epsilon_budget=3.0)
