@@ -55,9 +55,13 @@ def _trained_model_description(algorithm, fed, user_model) -> dict | None:
         return {**module_description(net), **own}
     posterior = getattr(algorithm, "posterior", None)
     if posterior is not None and hasattr(posterior, "mean"):
+        features = getattr(algorithm, "feature_map", None)
+        features = getattr(features, "__self__", features)  # a kernel network's bound features method
         out = {"class": "BLRPredictor", "module": "privfl.algorithms.fedbnr",
                "parameters": int(np.size(posterior.mean)), "posterior": "Bayesian linear regression on "
-               f"{int(np.size(posterior.mean))} kernel features"}
+               f"{int(np.size(posterior.mean))} kernel features", "features": type(features).__name__}
+        if hasattr(features, "linear_share"):
+            out["linear_share"] = features.linear_share
         if user_model is not None:
             out["extractor"] = user_model_description(user_model)
         return out

@@ -13,6 +13,7 @@ release through ``privfl.federate`` on a worst-case neighbouring pair stays belo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 import privfl
 from privfl.algorithms.fedbnr import (DEFAULT_LINEAR_SHARE, FedBNR, PairedScatter, ScatterBound, _check_fourth_share,
                                       centralised_blr)
+from privfl.apps.cli import main
 from privfl.apps.empirical_audit import epsilon_lower_bound
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import ArrayDataset, FederatedData, make_federated
@@ -231,3 +233,15 @@ def test_a_black_box_audit_of_the_linear_block_release_stays_below_the_claim():
     inn = np.array([_prediction(d2, canary, 1.0, s) for s in range(trials)])
     bound = max(epsilon_lower_bound(inn, out, delta=1e-5)[0], epsilon_lower_bound(-inn, -out, delta=1e-5)[0])
     assert bound <= 1.0, bound
+
+
+@pytest.mark.parametrize("option, features", [([], "LinearRandomFourierFeatures"),
+                                              (["--option", "linear_share=0"], "RandomFourierFeatures")])
+def test_the_run_json_names_the_features_that_ran(tmp_path, option, features):
+    out = tmp_path / "run.json"
+    rc = main(["run", "--algorithm", "fedbnr", "--dataset", "synthetic1d", "--epsilon", "inf", "--rounds", "1",
+               "--clients", "4", "--quiet", "--json", str(out), *option])
+    assert rc == 0
+    model = json.loads(out.read_text())["model"]
+    assert model["class"] == "BLRPredictor" and model["features"] == features
+    assert model.get("linear_share") == (DEFAULT_LINEAR_SHARE if not option else None)
