@@ -836,6 +836,16 @@ def linear_markdown(summary: dict, rows: list[dict], seconds: float, repeats: in
     return "\n".join(lines)
 
 
+def _publish(out: str, stem: str, payload: dict, text: str, seconds: float, **json_format) -> None:
+    """Write ``out/<stem>.json`` (``payload``, non-finite numbers as strings) and ``out/<stem>.md`` (``text``)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(_finite(payload), f, **json_format)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text)
+    print(f"wrote {out}/{stem}.json and {stem}.md ({seconds:.0f} s)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -884,15 +894,12 @@ def main(argv=None) -> None:
         rows = [r for name in args.linear.split(",") for r in linear_rows(name, seeds, args.repeats)]
         seconds = time.perf_counter() - start
         summary = linear_summary(rows)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fedbnr_linear.json"), "w") as f:
-            json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
-                                           "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
-                                           "candidates": LINEAR_CANDIDATES},
-                               "summary": summary, "runs": _columns(rows), "seconds": seconds}), f, indent=1)
-        with open(os.path.join(args.out, "fedbnr_linear.md"), "w") as f:
-            f.write(linear_markdown(summary, rows, seconds, args.repeats))
-        print(f"wrote {args.out}/fedbnr_linear.json and fedbnr_linear.md ({seconds:.0f} s)")
+        _publish(args.out, "fedbnr_linear",
+                 {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
+                              "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
+                              "candidates": LINEAR_CANDIDATES},
+                  "summary": summary, "runs": _columns(rows), "seconds": seconds},
+                 linear_markdown(summary, rows, seconds, args.repeats), seconds, indent=1)
         return
     if args.feature_rule:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
@@ -900,17 +907,12 @@ def main(argv=None) -> None:
         rows = [r for name in args.feature_rule.split(",") for r in feature_rule_rows(name, seeds, args.repeats)]
         seconds = time.perf_counter() - start
         summary = feature_rule_summary(rows)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fedbnr_feature_rule.json"), "w") as f:
-            json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA,
-                                           "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
-                                           "constants": RULE_CONSTANTS, "m_sweep": M_SWEEP,
-                                           "ridges": RULE_RIDGES},
-                               "summary": summary, "runs": _columns(rows), "seconds": seconds}), f,
-                      separators=(",", ":"))
-        with open(os.path.join(args.out, "fedbnr_feature_rule.md"), "w") as f:
-            f.write(feature_rule_markdown(summary, rows, seconds, args.repeats))
-        print(f"wrote {args.out}/fedbnr_feature_rule.json and fedbnr_feature_rule.md ({seconds:.0f} s)")
+        _publish(args.out, "fedbnr_feature_rule",
+                 {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "val_fraction": VAL_FRACTION,
+                              "seeds": seeds, "repeats": args.repeats, "constants": RULE_CONSTANTS,
+                              "m_sweep": M_SWEEP, "ridges": RULE_RIDGES},
+                  "summary": summary, "runs": _columns(rows), "seconds": seconds},
+                 feature_rule_markdown(summary, rows, seconds, args.repeats), seconds, separators=(",", ":"))
         return
     if args.defaults:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
@@ -920,17 +922,13 @@ def main(argv=None) -> None:
         seconds = time.perf_counter() - start
         selected = select_on_validation(rows)
         checks = verdicts(selected, rows)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fedbnr_defaults.json"), "w") as f:
-            json.dump(_finite({"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
-                                           "val_fraction": VAL_FRACTION, "fedavg_lrs": FEDAVG_LRS, "seeds": seeds,
-                                           "repeats": args.repeats, "linear_share": DEFAULT_LINEAR_SHARE,
-                                           "linear_scale": DEFAULT_LINEAR_SCALE},
-                               "selected": selected, "acceptance": checks, "runs": rows, "seconds": seconds}), f,
-                      indent=2)
-        with open(os.path.join(args.out, "fedbnr_defaults.md"), "w") as f:
-            f.write(defaults_markdown(selected, checks, rows, seconds, args.repeats))
-        print(f"wrote {args.out}/fedbnr_defaults.json and fedbnr_defaults.md ({seconds:.0f} s)")
+        _publish(args.out, "fedbnr_defaults",
+                 {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
+                              "val_fraction": VAL_FRACTION, "fedavg_lrs": FEDAVG_LRS, "seeds": seeds,
+                              "repeats": args.repeats, "linear_share": DEFAULT_LINEAR_SHARE,
+                              "linear_scale": DEFAULT_LINEAR_SCALE},
+                  "selected": selected, "acceptance": checks, "runs": rows, "seconds": seconds},
+                 defaults_markdown(selected, checks, rows, seconds, args.repeats), seconds, indent=2)
         return
     if args.sets:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
