@@ -19,6 +19,11 @@ Facts the privacy analysis of FedBNR's phase 2 uses:
   sum_i phi_i^4 <= sum_k (cos_k^2 + sin_k^2)^2 = |phi|^4 / m, which FedBNR's symmetric scatter release uses
   (:func:`cos_sin_pairs` declares m for a feature map of this module, :func:`pair_squared_norms` checks it on rows).
   m counts frequencies, not features (2m); reading it as 2m would understate that bound.
+
+:class:`LinearRandomFourierFeatures` (FedBNR's default without an extractor) puts a linear block with a bias beside
+random Fourier features: its rows have norm at most 1 (not exactly 1) and are not pairs only, so it declares kappa,
+a bound on sum_i phi_i^4 / |phi|^4 over every row (:func:`fourth_moment_share`, checked on rows by
+:func:`row_fourth_moment_shares`); for pure pairs kappa = 1 / m.
 """
 
 from __future__ import annotations
