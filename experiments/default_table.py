@@ -1,6 +1,9 @@
 """The README's default-comparison table from ``privfl compare``'s JSON (``make demo`` writes
 ``runs/compare/results.json``): one row per algorithm and epsilon, the reference rows first, then the algorithms in
-alphabetical order, epsilon ascending.
+alphabetical order, epsilon ascending. The privacy SNR column is the median over the rounds of each round's privacy
+signal-to-noise ratio (``snr_median``: the mean over the noised channels of the sums' norm over the noise's,
+``privfl.runtime.rounds.privacy_snr``; "–" where the server knows no noise in its sums: noise inside the clients'
+DP-SGD steps, or no DP).
 
 Usage: python experiments/default_table.py RESULTS_JSON [OUT_MD]   (prints the table; writes it to OUT_MD if given)
 """
@@ -13,7 +16,7 @@ import sys
 
 REFERENCES = {"centralised": "∞ (data pooled)", "local_only": "0 (nothing leaves a client)"}
 HEADER = ("| algorithm | ε target | rounds | accuracy | validation accuracy | balanced accuracy | AUROC | NLL | ECE | "
-          "selective accuracy | ε spent (max / mean over clients) | seconds |")
+          "selective accuracy | privacy SNR (median over rounds) | ε spent (max / mean over clients) | seconds |")
 
 
 def _eps(value) -> float:
@@ -26,7 +29,7 @@ def _cell(value) -> str:
 
 def table(results: list[dict]) -> str:
     order = sorted(results, key=lambda r: (r["algorithm"] not in REFERENCES, r["algorithm"], _eps(r["epsilon_target"])))
-    lines = [HEADER, "|" + "---|" * 12]
+    lines = [HEADER, "|" + "---|" * 13]
     for r in order:
         target = _eps(r["epsilon_target"])
         if r["algorithm"] in REFERENCES:
@@ -38,7 +41,8 @@ def table(results: list[dict]) -> str:
         cells = [r["algorithm"], _cell(target), str(r["rounds"])]
         cells += [f"{float(r[k]):.3f}" for k in ("accuracy", "val_accuracy", "balanced_accuracy", "auroc", "nll", "ece",
                                                    "selective_accuracy")]
-        cells += [spent, f"{float(r['seconds']):.0f}"]
+        snr = r.get("snr_median")  # None: no noise the server knows of (inside DP-SGD steps, or no DP)
+        cells += ["–" if snr is None else f"{float(snr):.3g}", spent, f"{float(r['seconds']):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
