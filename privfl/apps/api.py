@@ -224,7 +224,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
       data (DP-SGD's sampling rate and steps), required for a private run: the clients' record counts are private
       and never set it. ``clip="adaptive"``: adaptive clipping from the algorithm's default clip towards the
       ``clip_quantile`` (default 0.5) of the norms it clips, the quantile's release charged in every ledger
-      (``PrivacyConfig.clip_quantile``; algorithms that take it: dp_fedsgd, dpsgd_fedavg). ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
+      (``PrivacyConfig.clip_quantile``; algorithms that take it: dp_fedavg, dp_fedsgd, dpsgd_fedavg). ``secure_noise``: draw the noise and the client sample from the OS CSPRNG (False:
       reproducible from ``seed``, and the audit says so). ``sampling_rate``: Poisson client sampling per round
       (amplified at client level with central noise). ``ledger``: a SQLite path to keep the ledger. ``options``:
       the algorithm's own options (e.g. FedProx's ``mu``). ``placement``: where client-level noise is added,

@@ -1026,7 +1026,7 @@ def _add_run_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--clip", type=_clip, default=None,
                    help="clip bound C (default: the algorithm's), or 'adaptive': the clip starts at the algorithm's "
                         "default and tracks a quantile of the norms it clips, released with noise and charged in "
-                        "every ledger (Andrew et al. 2021; algorithms that take it: dp_fedsgd, dpsgd_fedavg)")
+                        "every ledger (Andrew et al. 2021; algorithms that take it: dp_fedavg, dp_fedsgd, dpsgd_fedavg)")
     r.add_argument("--clip-quantile", type=_float, default=None,
                    help="with --clip adaptive: the quantile of the norms the clip tracks, in (0, 1) (default 0.5)")
     r.add_argument("--accountant", choices=["exact", "pld", "rdp", "zcdp"], default=None,

@@ -58,7 +58,15 @@ def _from_round(nodes, first):
     return silent
 
 
-def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=None, secure=None, rounds=3):
+def _configs(rounds=3, clip_quantile=None):
+    fed = FederationConfig(rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local",
+                            secure_noise=False, clip_quantile=clip_quantile)
+    return fed, privacy
+
+
+def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=None, secure=None, rounds=3,
+         clip_quantile=None):
     monkeypatch.setenv("PRIVFL_REPLY_POLL", "0.01")
     for name in ("_run_id", "_node_id", "_task_id"):  # what Flower's runtime sets in a ServerApp's process
         monkeypatch.setattr(TaskIdentity, name, 1)
@@ -68,9 +76,7 @@ def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=N
         keys, federation_file, identities = make_identities(str(tmp_path / "identities"), len(configs), secure)
         for config, key in zip(configs, keys):
             config.update({IDENTITY_KEY: key, FEDERATION_KEY: federation_file})
-    fed = FederationConfig(rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=2)
-    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local",
-                            secure_noise=False)
+    fed, privacy = _configs(rounds, clip_quantile)
     spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="loopback", node_wait=1, round_timeout=0.5,
                       min_replies=min_replies, secure=secure, **({} if identities is None else
                                                                  {"identities": identities}))
@@ -124,3 +130,28 @@ def test_an_organisation_that_dies_after_sharing_its_keys_is_recovered_from_the_
     assert (round0["participants"], round0["aborted"]) == (2, False)
     assert np.all(np.isfinite(result["state"]["global_params"]))
     assert [_released(c["ledger-path"], spec.run_id) for c in configs] == [[(0, 1)], [(0, 1)], [(0, 0)]]
+
+
+def test_client_level_adaptive_clipping_through_the_apps_equals_in_process(federation, tmp_path, write_orgs,
+                                                                           monkeypatch):
+    """DP-FedAvg with adaptive clipping (issue 29, client level) through the ServerApp and ClientApp under secure
+    aggregation: the broadcast clip and the clip counts travel as Flower messages, and the clips and the model equal
+    the in-process run's (same seeds; secure aggregation's quantisation aside); every organisation's ledger marks both
+    channels' rows released."""
+    from privfl.algorithms.dp_fedavg import DPFedAvg
+    from privfl.runtime.engine import Simulation
+
+    secure = SecureAggregation(bits=48)
+    spec, configs, result = _run(federation, tmp_path, write_orgs, monkeypatch, silent=lambda *_: False,
+                                 secure=secure, clip_quantile=0.5)
+    fed, privacy = _configs(3, 0.5)
+    alg = DPFedAvg(fed, privacy)
+    local = Simulation(alg, federation, fed, privacy, secure=secure).run()
+    clips = [h["clip"] for h in result["history"]]
+    assert len(set(clips)) > 1  # the clip moved
+    np.testing.assert_allclose(clips, [h.clip for h in local.history], rtol=1e-6)
+    np.testing.assert_allclose(result["state"]["global_params"], alg.global_params, atol=1e-5)
+    for config in configs:
+        with sqlite3.connect(config["ledger-path"]) as conn:
+            rows = conn.execute("SELECT channel, released FROM charges WHERE run_id=?", (spec.run_id,)).fetchall()
+        assert sorted(set(rows)) == [("clip_count", 1), ("update", 1)]

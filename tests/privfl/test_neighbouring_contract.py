@@ -153,6 +153,8 @@ def make(name, fed, privacy):
         return ALGORITHMS["dp_fedsgd"](fed, privacy, bands=2)
     if name == "dpsgd_fedavg_adaptive":  # the broadcast clip, its counts a channel inside the steps' event
         return ALGORITHMS["dpsgd_fedavg"](fed, privacy)
+    if name == "dp_fedavg_adaptive":  # client level: the change over the broadcast clip, and the client's clip bit
+        return ALGORITHMS["dp_fedavg"](fed, privacy)
     if name == "hbfl_sgd":  # the meme trained by plain SGD instead of Adam (issue 16's choice at record level)
         return ALGORITHMS["hbfl"](fed, privacy, meme_optimizer="sgd", meme_lr=0.5)
     return ALGORITHMS[name](fed, privacy)
@@ -422,6 +424,14 @@ MECHANISM_GRID = [(name, "example", adjacency, placement, secure, False)
                       ("add_remove", "replace_one"),
                       ("local", "central", "distributed"), (False, True))
                   if secure or placement != "distributed"]
+#: adaptive clipping at client level (DP-FedAvg, Andrew et al.'s algorithm): each client's change over the broadcast
+#: clip C_t (norm <= 1 after the pipeline's clip) and its bit [norm <= C_t] - 1/2 on a channel of its own; with and
+#: without client sampling (one sampled event for the round's two channels)
+MECHANISM_GRID += [("dp_fedavg_adaptive", "client", adjacency, placement, secure, sampling)
+                   for adjacency, placement, secure, sampling in itertools.product(
+                       ("add_remove", "replace_one"), ("local", "central", "distributed"), (False, True),
+                       (False, True))
+                   if (secure or placement != "distributed") and not (sampling and placement == "distributed")]
 
 
 @pytest.mark.timeout(600)
