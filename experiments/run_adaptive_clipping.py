@@ -32,7 +32,10 @@ Writes ``experiments/results/adaptive_clipping_fresh.{json,md}``.
 ``--fresh-hindsight`` (after ``--fresh-seeds``): at epsilon 3, every fixed clip on those fresh seeds, the best picked
 in hindsight on them, against the same seeds' adaptive runs (``adaptive_clipping_fresh_hindsight.{json,md}``).
 
-Usage: python experiments/run_adaptive_clipping.py [--smoke | --fresh-seeds | --fresh-hindsight]   (``--smoke``: epsilon 3, one seed, two
+``--client-level``: the same comparison for DP-FedAvg's client-level adaptive clipping (Andrew et al.'s own
+algorithm), its own fixed clips around its default 0.1 (``adaptive_clipping_client.{json,md}``).
+
+Usage: python experiments/run_adaptive_clipping.py [--smoke | --fresh-seeds | --fresh-hindsight | --client-level]   (``--smoke``: epsilon 3, one seed, two
 fixed clips, 2 rounds; not a measurement)
 """
 
@@ -119,9 +122,9 @@ def _label(r: dict) -> str:
     return f"{r['clip']:g}" if r["adaptive"] is None else _label_of(r["adaptive"])
 
 
-def summary(rows: list[dict], chosen: dict) -> list[dict]:
+def summary(rows: list[dict], chosen: dict, algorithms=ALGORITHMS) -> list[dict]:
     out = []
-    for name in ALGORITHMS:
+    for name in algorithms:
         for eps in sorted({r["epsilon"] for r in rows if r["algorithm"] == name}):
             at = [r for r in rows if r["algorithm"] == name and r["epsilon"] == eps and r["split"] == "test"]
             cells = {}
@@ -162,7 +165,13 @@ def markdown(table: list[dict], validation: list[dict], chosen: dict, smoke: boo
              + ", ".join(f"{k}: {_label_of(v)}" for k, v in chosen.items()) + "). Mean +- std over seeds "
              f"{list(SEEDS[:1] if smoke else SEEDS)} on the test split. "
              "`python experiments/run_adaptive_clipping.py`" + (" --smoke (NOT a measurement)" if smoke else "") + ".",
-             "", "| algorithm | epsilon | clip | accuracy | NLL | ECE | adaptive clip | channels charged | "
+             ""] + _table_lines(table)
+    return "\n".join(lines)
+
+
+def _table_lines(table: list[dict]) -> list[str]:
+    """The rows of :func:`summary` as a markdown table, then the adaptive-minus-best line."""
+    lines = ["| algorithm | epsilon | clip | accuracy | NLL | ECE | adaptive clip | channels charged | "
              "max epsilon spent |", "|---|---|---|---|---|---|---|---|---|"]
     for t in table:
         for label, c in t["cells"].items():
@@ -176,7 +185,58 @@ def markdown(table: list[dict], validation: list[dict], chosen: dict, smoke: boo
               + "; ".join(f"{t['algorithm']} epsilon {t['epsilon']:g}: {t['adaptive_minus_best']:+.4f} (defaults "
                           f"{t['default_minus_best']:+.4f}; best fixed C = {t['best_fixed']})" for t in table)
               + ".", ""]
-    return "\n".join(lines)
+    return lines
+
+
+#: client level (``--client-level``): DP-FedAvg's fixed clips around its default 0.1, and the adaptive settings the
+#: validation split chooses among (as ``ADAPTIVE``)
+CLIENT_CLIPS = (0.025, 0.05, 0.1, 0.2, 0.4, 1.0)
+CLIENT_ADAPTIVE = {"quantile": (0.1, 0.3, 0.5, 0.7, 0.9), "clip_lr": (0.2, 0.5), "clip_share": (0.01, 0.1)}
+
+
+def client_level(smoke: bool = False) -> int:
+    """DP-FedAvg (client level, Andrew et al.'s own algorithm) on the default comparison's setting as ``make demo``
+    runs it (15 rounds, logistic regression on 2x2-pooled images, clip 0.1): fixed clips ``CLIENT_CLIPS`` against
+    adaptive clipping at the defaults and as chosen on validation (epsilon 3, seed 0) over ``CLIENT_ADAPTIVE``,
+    seeds 0-2 at epsilon 1, 3, 8. Writes ``adaptive_clipping_client.{json,md}``."""
+    name = "dp_fedavg"
+    epsilons, seeds, clips = ((3.0,), SEEDS[:1], CLIENT_CLIPS[2:4]) if smoke else (EPSILONS, SEEDS, CLIENT_CLIPS)
+    points = [tuple(p) for p in itertools.product(*CLIENT_ADAPTIVE.values())][:2 if smoke else None]
+    rounds = 2 if smoke else None
+    start = time.perf_counter()
+    validation = pool_map(run, [(name, 3.0, 0, None, p, rounds, "val") for p in points], smoke)
+    chosen = {name: tuple(max(validation, key=lambda v: v["accuracy"])["adaptive"])}
+    jobs = [(name, eps, seed, clip, None, rounds, "test") for eps in epsilons for seed in seeds for clip in clips]
+    jobs += [(name, eps, seed, None, p, rounds, "test") for eps in epsilons for seed in seeds
+             for p in sorted({DEFAULT, chosen[name]})]
+    rows = pool_map(run, jobs, smoke)
+    table = summary(rows, chosen, (name,))
+    lines = ["# Adaptive clipping at client level against the best fixed clip in hindsight (issue 29)", "",
+             "DP-FedAvg as the default comparison runs it (`experiments/configs/default.toml`: MNIST-5k, 10 clients, "
+             "Dirichlet 0.1, client level, delta 1e-5, local noise, 15 rounds, logistic regression on 2x2-pooled "
+             f"images). Fixed clips: each of {list(CLIENT_CLIPS)} at every seed, the best picked in hindsight by mean "
+             "test accuracy. Adaptive (Andrew et al.'s client-level algorithm): the clip starts at the default 0.1; "
+             "each client sends its change over the round's clip and its bit [norm <= C_t] - 1/2 on a channel of its "
+             "own, charged in every ledger; the server steps the clip on the noisy count over the expected "
+             "participants. At privfl's defaults (Q 0.5, eta 0.2, share 0.01) and with Q, eta and share chosen over "
+             + ", ".join(f"{k} {list(v)}" for k, v in CLIENT_ADAPTIVE.items())
+             + f" on the comparison's validation split at epsilon 3, seed 0 (chosen: {_label_of(chosen[name])}). "
+             f"Mean +- std over seeds {list(seeds)} on the test split. "
+             "`python experiments/run_adaptive_clipping.py --client-level`"
+             + (" --smoke (NOT a measurement)" if smoke else "") + ".", ""] + _table_lines(table)
+    text = "\n".join(lines)
+    if not smoke:
+        for r in rows + validation:
+            r["clip_path"] = [float(f"{c:.4g}") for c in r.get("clip_path", [])]
+        with open(os.path.join(OUT, "adaptive_clipping_client.json"), "w") as f:
+            json.dump({"rows": rows, "validation": validation, "chosen": chosen, "summary": table,
+                       "clips": list(CLIENT_CLIPS), "adaptive_grid": CLIENT_ADAPTIVE,
+                       "wall_s": time.perf_counter() - start, "machine": platform.machine(),
+                       "python": platform.python_version()}, f, separators=(",", ":"))
+        with open(os.path.join(OUT, "adaptive_clipping_client.md"), "w") as f:
+            f.write(text)
+    print(text)
+    return 0
 
 
 def _fresh_run(job) -> dict:
@@ -340,6 +400,8 @@ def main(argv=None) -> int:
         return fresh_seeds(smoke)
     if "--fresh-hindsight" in argv:
         return fresh_hindsight(smoke)
+    if "--client-level" in argv:
+        return client_level(smoke)
     epsilons, seeds, clips = ((3.0,), SEEDS[:1], CLIPS[2:4]) if smoke else (EPSILONS, SEEDS, CLIPS)
     points = {name: [tuple(p) for p in itertools.product(*ADAPTIVE[name].values())][:2 if smoke else None]
               for name in ALGORITHMS}

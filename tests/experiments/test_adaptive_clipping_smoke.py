@@ -1,6 +1,7 @@
 """``experiments/run_adaptive_clipping.py --smoke`` (two fixed clips and adaptive runs, 2 rounds of the default
 comparison's DP-FedSGD and DP-SGD FedAvg) and its ``--fresh-seeds --smoke`` (the committed choices on one fresh seed)
-go to the end and print their tables, so the committed script does not rot."""
+go to the end and print their tables, as do ``--fresh-hindsight --smoke`` and ``--client-level --smoke``, so the
+committed script does not rot."""
 
 import importlib.util
 from pathlib import Path
@@ -32,3 +33,16 @@ def test_the_fresh_seed_check_runs(capsys, monkeypatch):
     assert _module().main(["--fresh-seeds", "--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| dpsgd_fedavg | 3 | 0.25 | adaptive Q 0.1, eta 0.2, share 0.01 | 1 |" in out and "NOT a measurement" in out
+
+
+@pytest.mark.timeout(300)
+def test_the_hindsight_on_fresh_seeds_and_the_client_level_comparisons_run(capsys, monkeypatch):
+    monkeypatch.chdir(EXPERIMENTS.parent)  # they read the committed adaptive_clipping_fresh.json and the config
+    module = _module()
+    assert module.main(["--fresh-hindsight", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| dpsgd_fedavg (1 seeds) | 0.1: " in out and "best in hindsight" in out and "NOT a measurement" in out
+    assert module.main(["--client-level", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| dp_fedavg | 3 | adaptive Q 0.5, eta 0.2, share 0.01" in out and "(best fixed)" in out
+    assert "NOT a measurement" in out
