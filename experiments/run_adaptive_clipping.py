@@ -226,15 +226,9 @@ def client_level(smoke: bool = False) -> int:
              + (" --smoke (NOT a measurement)" if smoke else "") + ".", ""] + _table_lines(table)
     text = "\n".join(lines)
     if not smoke:
-        for r in rows + validation:
-            r["clip_path"] = [float(f"{c:.4g}") for c in r.get("clip_path", [])]
-        with open(os.path.join(OUT, "adaptive_clipping_client.json"), "w") as f:
-            json.dump({"rows": rows, "validation": validation, "chosen": chosen, "summary": table,
-                       "clips": list(CLIENT_CLIPS), "adaptive_grid": CLIENT_ADAPTIVE,
-                       "wall_s": time.perf_counter() - start, "machine": platform.machine(),
-                       "python": platform.python_version()}, f, separators=(",", ":"))
-        with open(os.path.join(OUT, "adaptive_clipping_client.md"), "w") as f:
-            f.write(text)
+        _write("adaptive_clipping_client", {"rows": rows, "validation": validation, "chosen": chosen,
+                                            "summary": table, "clips": list(CLIENT_CLIPS),
+                                            "adaptive_grid": CLIENT_ADAPTIVE}, text, start)
     print(text)
     return 0
 
@@ -277,17 +271,23 @@ def fresh_seeds(smoke: bool = False) -> int:
                           "adaptive_accuracy": float(np.mean([adapt[k] for k in paired["seeds"]])), **paired})
     text = fresh_markdown(table, rows, seeds, smoke)
     if not smoke:
-        for r in rows:  # 410 rounds' clips per DP-FedSGD run: four significant digits keep the file small
-            if "clip_path" in r:
-                r["clip_path"] = [float(f"{c:.4g}") for c in r["clip_path"]]
-        with open(os.path.join(OUT, "adaptive_clipping_fresh.json"), "w") as f:
-            json.dump({"rows": rows, "summary": table, "seeds": list(seeds), "wall_s": time.perf_counter() - start,
-                       "machine": platform.machine(), "python": platform.python_version()}, f,
-                      separators=(",", ":"))
-        with open(os.path.join(OUT, "adaptive_clipping_fresh.md"), "w") as f:
-            f.write(text)
+        _write("adaptive_clipping_fresh", {"rows": rows, "summary": table, "seeds": list(seeds)}, text, start)
     print(text)
     return 0
+
+
+def _write(stem: str, payload: dict, text: str, start: float) -> None:
+    """``OUT/<stem>.json`` (``payload`` with the wall time and machine; every run's clip path at four significant
+    digits, 410 rounds' worth per DP-FedSGD run; compact) and ``OUT/<stem>.md`` (``text``)."""
+    for r in payload.get("rows", []) + payload.get("validation", []):
+        if "clip_path" in r:
+            r["clip_path"] = [float(f"{c:.4g}") for c in r["clip_path"]]
+    payload = {**payload, "wall_s": time.perf_counter() - start, "machine": platform.machine(),
+               "python": platform.python_version()}
+    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
+        json.dump(payload, f, separators=(",", ":"))
+    with open(os.path.join(OUT, f"{stem}.md"), "w") as f:
+        f.write(text)
 
 
 def fresh_markdown(table: list[dict], rows: list[dict], seeds, smoke: bool) -> str:
@@ -375,15 +375,8 @@ def fresh_hindsight(smoke: bool = False) -> int:
                      f"{len(t['seeds'])} | {t['verdict']} |")
     text = "\n".join(lines) + "\n"
     if not smoke:
-        new = [r for r in rows if r not in done]
-        for r in new:
-            r["clip_path"] = [float(f"{c:.4g}") for c in r.get("clip_path", [])]
-        with open(os.path.join(OUT, "adaptive_clipping_fresh_hindsight.json"), "w") as f:
-            json.dump({"rows": new, "summary": table, "seeds": list(seeds), "wall_s": time.perf_counter() - start,
-                       "machine": platform.machine(), "python": platform.python_version()}, f,
-                      separators=(",", ":"))
-        with open(os.path.join(OUT, "adaptive_clipping_fresh_hindsight.md"), "w") as f:
-            f.write(text)
+        _write("adaptive_clipping_fresh_hindsight", {"rows": [r for r in rows if r not in done], "summary": table,
+                                                     "seeds": list(seeds)}, text, start)
     print(text)
     return 0
 

@@ -234,13 +234,22 @@ def test_the_clip_counts_go_through_secure_aggregation_and_give_the_plain_runs_c
     """Under secure aggregation (the update's public range from update_bound, the counts' [-1, 1]) the server sees only
     the sums, and the clips and the model equal the plain run's up to quantisation; every ledger holds its target."""
     from privfl.algorithms import make_algorithm
-    from privfl.privacy.secure import SecureAggregation
 
     fed, privacy = _configs(0.5)
+    secure_run_equals_plain(lambda: make_algorithm("dpsgd_fedavg", fed, privacy, update_bound=0.5), _data(), fed,
+                            privacy)
+
+
+def secure_run_equals_plain(make, data, fed, privacy) -> None:
+    """A run of ``make()`` under secure aggregation gives the plain run's clips (every round's, then the next) and
+    model, up to quantisation; every ledger within its target; the clip moves every round. (Also used by the
+    client-level tests.)"""
+    from privfl.privacy.secure import SecureAggregation
+
     runs = {}
     for secure in (None, SecureAggregation(bits=48)):
-        alg = make_algorithm("dpsgd_fedavg", fed, privacy, update_bound=0.5)
-        result = Simulation(alg, _data(), fed, privacy, secure=secure).run()
+        alg = make()
+        result = Simulation(alg, data, fed, privacy, secure=secure).run()
         assert result.audit["max_epsilon"] <= privacy.epsilon * (1 + 1e-9)
         runs[secure is not None] = ([r.clip for r in result.history] + [alg.current_clip], alg.global_params)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,8 +30,10 @@ from privfl.core.channels import NormClip
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
 from privfl.privacy.record_level import AdaptiveClip
-from privfl.privacy.secure import SecureAggregation
 from privfl.runtime.engine import Simulation
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_adaptive_clip import secure_run_equals_plain  # noqa: E402  (the record-level tests' helper)
 
 K, N, DIM, CLASSES = 10, 30, 6, 3
 
@@ -138,15 +142,7 @@ def test_every_ledger_charges_both_channels_as_one_sampled_event_a_round():
 
 def test_secure_aggregation_gives_the_plain_runs_clips_and_model():
     fed, privacy = _configs(rounds=3)
-    runs = {}
-    for secure in (None, SecureAggregation(bits=48)):
-        alg = DPFedAvg(fed, privacy)
-        result = Simulation(alg, _data(), fed, privacy, secure=secure).run()
-        assert result.audit["max_epsilon"] <= privacy.epsilon * (1 + 1e-9)
-        runs[secure is not None] = ([r.clip for r in result.history] + [alg.current_clip], alg.global_params)
-    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
-    np.testing.assert_allclose(runs[True][1], runs[False][1], atol=1e-6)
-    assert len(set(runs[True][0])) == fed.rounds + 1
+    secure_run_equals_plain(lambda: DPFedAvg(fed, privacy), _data(), fed, privacy)
 
 
 def test_privfl_run_takes_clip_adaptive_for_dp_fedavg(tmp_path):
