@@ -30,7 +30,8 @@ Privacy (record level, add/remove one record unless the config says replace one)
   kappa >= sum_i phi_i^4 / |phi|^4 for every row (``fourth_moment_share``), the release moves by at most
   B^2 sqrt((1 + kappa) / 2) (add/remove) or B^2 sqrt(1 + kappa) (replace-one), :class:`ScatterBound`, and every
   row is checked against kappa before release (at a = 0.9, m = 50: kappa = 0.670, 0.914 B^2, the bias coordinate
-  carrying most of a row whose inputs are near 0).
+  carrying most of a row whose inputs are near 0). Valid but not attained: the sup ratio (x = 0) and the sup norm
+  (|u| = 1) are reached by different rows; a per-radius bound would give 0.838 B^2 at B = 1.
 - ``cross``: targets are clipped to [-B_y, B_y] (``target_clip``), so each term phi_i y_i has norm <= B B_y and the
   sum moves by B B_y: ``PreClipped(B * B_y, "sum")`` on a ``ClippedValue`` of bound B B_y. No new clip kind is needed.
 - the budget is split between the two by ``scatter_share`` (calibration gives each channel its share of rho).

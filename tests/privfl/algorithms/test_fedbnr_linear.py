@@ -245,3 +245,22 @@ def test_the_run_json_names_the_features_that_ran(tmp_path, option, features):
     model = json.loads(out.read_text())["model"]
     assert model["class"] == "BLRPredictor" and model["features"] == features
     assert model.get("linear_share") == (DEFAULT_LINEAR_SHARE if not option else None)
+
+
+@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")
+def test_the_ratio_bound_is_attained_at_zero_and_the_declared_sensitivity_is_not():
+    """At a = 0.9 kappa is f(0): the row of x = 0 (u = 0, the bias alone in the linear block; every random feature a
+    cosine of 0) has exactly that fourth-moment share. Its norm is sqrt(0.55), not B = 1, so adding it moves the
+    released upper triangle by 0.503, below the declared 0.914: the sup ratio and the sup norm are reached by different
+    rows (the per-radius bound, reached at |u| = 1 only in the limit, would be 0.838). Valid, not attained; README."""
+    privacy = PrivacyConfig(epsilon=1.0, unit="example")
+    alg = _fedbnr(privacy)
+    zero = np.zeros((1, IN))
+    assert row_fourth_moment_shares(alg.feature_map(zero))[0] == pytest.approx(alg.feature_map.kappa, rel=1e-12)
+    rest = np.random.default_rng(0).normal(size=(3, IN))
+    a, b = _released(alg, np.concatenate([rest, zero]), np.zeros(4)), _released(alg, rest, np.zeros(3))
+    (scatter, _) = alg.channels()
+    moved = _upper_norm(a["scatter"] - b["scatter"])
+    a_ = DEFAULT_LINEAR_SHARE
+    assert moved == pytest.approx(math.sqrt((1 + alg.feature_map.kappa) / 2) * (1 - a_ / 2), rel=1e-9)
+    assert moved < scatter.sensitivity == pytest.approx(math.sqrt((1 + alg.feature_map.kappa) / 2))
