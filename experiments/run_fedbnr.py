@@ -818,9 +818,9 @@ def linear_markdown(summary: dict, rows: list[dict], seconds: float, repeats: in
              "(`privfl.models.features.LinearRandomFourierFeatures`: l(x) the inputs scaled by 1 / (c sqrt(d)) into "
              "the unit ball with a bias, r(x) the m = 50 random Fourier features); a = 0 is the paper's pure random "
              "features, the default until now. Everything else at its default (ridge_scale 0.25, B_y = 3, scatter "
-             "share 0.5). The scatter's sensitivity follows the rows' declared fourth-moment share kappa "
-             "(`ScatterBound`), so a linear block costs a little more noise than pure random features (0.752 "
-             "against 0.714 B^2 at a = 0.5). Each cell: mean validation RMSE relative to a = 0 at the same privacy "
+             "share 0.5). The scatter's sensitivity is the linear block's per-radius bound on a record's term "
+             "(`ScatterBound`, `LinearRandomFourierFeatures.term_square_bound`), so a linear block costs a little "
+             "more noise than pure random features (at B = 1: 0.752 at a = 0.5, 0.838 at a = 0.9, against 0.714). Each cell: mean validation RMSE relative to a = 0 at the same privacy "
              "level (below 1 is better). Rule (fixed before the runs): the lowest mean over the six cells. "
              f"`experiments/run_fedbnr.py --linear` ({seconds:.0f} s on this 2-core {platform.machine()} machine, "
              "one process).", "", head, "|---|---|---|---|" + "---:|" * (2 * len(sets) + 3)]

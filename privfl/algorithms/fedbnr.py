@@ -26,12 +26,12 @@ Privacy (record level, add/remove one record unless the config says replace one)
   B^2 sqrt((1 + 1/m) / 2) (add/remove) or B^2 sqrt(1 + 1/m) (replace-one), both attained:
   :class:`PairedScatter`, declared when ``cos_sin_pairs`` recognises the feature map (m = ``num_samples``, the
   number of frequencies, not the 2m features), with every row's pairs checked before release. At m = 20 that is
-  0.7246 B^2, at m = 50 0.7141 B^2. The default features with a linear block are not pairs only: they declare
-  kappa >= sum_i phi_i^4 / |phi|^4 for every row (``fourth_moment_share``), the release moves by at most
-  B^2 sqrt((1 + kappa) / 2) (add/remove) or B^2 sqrt(1 + kappa) (replace-one), :class:`ScatterBound`, and every
-  row is checked against kappa before release (at a = 0.9, m = 50: kappa = 0.670, 0.914 B^2, the bias coordinate
-  carrying most of a row whose inputs are near 0). Valid but not attained: the sup ratio (x = 0) and the sup norm
-  (|u| = 1) are reached by different rows; a per-radius bound would give 0.838 B^2 at B = 1.
+  0.7246 B^2, at m = 50 0.7141 B^2. The default features with a linear block are not pairs only: they declare T,
+  the sup over rows clipped to B of the upper triangle's norm of phi phi^T, computed per radius of the linear block
+  (``LinearRandomFourierFeatures.term_square_bound``); the release moves by at most T (add/remove) or sqrt(2) T
+  (replace-one), :class:`ScatterBound`, and every row's term is checked against it before release (at a = 0.9,
+  m = 50, B = 1: T = 0.838, approached by rows with |u| = 1 on one axis; the cruder B^2 sqrt((1 + kappa) / 2) with
+  kappa the sup ratio would be 0.914, since the sup ratio is reached at u = 0, where |phi|^2 is only 0.55).
 - ``cross``: targets are clipped to [-B_y, B_y] (``target_clip``), so each term phi_i y_i has norm <= B B_y and the
   sum moves by B B_y: ``PreClipped(B * B_y, "sum")`` on a ``ClippedValue`` of bound B B_y. No new clip kind is needed.
 - the budget is split between the two by ``scatter_share`` (calibration gives each channel its share of rho).
@@ -154,7 +154,7 @@ from privfl.privacy.units import channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.models.features import (KernelNetwork, LinearRandomFourierFeatures, RandomFourierFeatures,
                                    blr_log_marginal_likelihood, check_extractor, cos_sin_pairs, extractor_factory,
-                                   fourth_moment_share, pair_squared_norms, row_fourth_moment_shares)
+                                   pair_squared_norms, scatter_term_square_bound)
 from privfl.metrics.regression import regression_metrics
 from privfl.training.local import flat_parameters, load_flat_parameters
 
@@ -163,13 +163,14 @@ from privfl.training.local import flat_parameters, load_flat_parameters
 
 @dataclass(frozen=True)
 class ScatterBound(PreClipped):
-    """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B whose every row has sum_i phi_i^4 <= kappa
-    |phi|^4 (``fourth_share`` = kappa, in (0, 1]), released on a ``symmetric`` channel: noise on the upper triangle
-    including the diagonal, mirrored. A record's term restricted to the upper triangle U has squared norm
-    (|phi|^4 + sum_i phi_i^4) / 2 <= B^4 (1 + kappa) / 2; for replace-one, as in :class:`PairedScatter`,
-    B^4 (1 + kappa). kappa = 1 holds for every row (PreClipped's bounds); :class:`PairedScatter` is kappa = 1 / m,
-    :class:`~privfl.models.features.LinearRandomFourierFeatures` declares its own, and the algorithm checks every
-    row against it before release."""
+    """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B, released on a ``symmetric`` channel (noise on
+    the upper triangle including the diagonal, mirrored), where every record's term restricted to the upper triangle
+    U has squared norm (|phi|^4 + sum_i phi_i^4) / 2 <= B^4 (1 + kappa) / 2 (``fourth_share`` = kappa, in (-1, 1]):
+    that is the add/remove sensitivity; for replace-one, as in :class:`PairedScatter` (the cross terms only subtract),
+    B^2 sqrt(1 + kappa). kappa = sup sum_i phi_i^4 / |phi|^4 always suffices (kappa = 1 holds for every row:
+    PreClipped's bounds; :class:`PairedScatter` is kappa = 1 / m); a feature map may declare less for its clip
+    (``LinearRandomFourierFeatures.term_square_bound``: below 0 when no row reaches the clip), and the algorithm
+    checks every row's term against the declared bound before release."""
 
     statistic: str = "squared_sum"
     fourth_share: float = 1.0
@@ -179,8 +180,8 @@ class ScatterBound(PreClipped):
         if self.statistic != "squared_sum":
             raise InvalidRelease(f"{type(self).__name__} bounds a squared_sum statistic, got {self.statistic!r}")
         kappa = self.fourth_share
-        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not 0 < kappa <= 1:
-            raise InvalidRelease(f"fourth_share must lie in (0, 1], got {kappa!r}")
+        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not -1 < kappa <= 1:
+            raise InvalidRelease(f"fourth_share must lie in (-1, 1], got {kappa!r}")
         object.__setattr__(self, "fourth_share", float(kappa))
 
     def sensitivity(self, adjacency: str) -> float:
@@ -230,12 +231,14 @@ def _check_pairs(rows: np.ndarray, pairs: int) -> None:
                              "norm, and these rows are not; nothing was released")
 
 
-def _check_fourth_share(rows: np.ndarray, kappa: float) -> None:
-    """Refuse (before anything is released) rows with sum_i phi_i^4 > kappa |phi|^4: the premise of
-    :class:`ScatterBound`'s sensitivity."""
-    if np.any(row_fourth_moment_shares(rows) > kappa * (1 + 1e-9) + 1e-15):
-        raise InvalidRelease(f"the scatter channel's sensitivity assumes feature rows with sum phi_i^4 <= {kappa:.6g} "
-                             "|phi|^4, and these rows are not; nothing was released")
+def _check_scatter_terms(rows: np.ndarray, term_square: float) -> None:
+    """Refuse (before anything is released) clipped rows whose upper-triangle term (|phi|^4 + sum_i phi_i^4) / 2
+    exceeds ``term_square``: the premise of :class:`ScatterBound`'s sensitivity."""
+    rows = np.asarray(rows, dtype=np.float64)
+    sq = np.sum(rows * rows, axis=1)
+    if np.any((sq * sq + np.sum(rows ** 4, axis=1)) / 2.0 > term_square * (1 + 1e-9) + 1e-15):
+        raise InvalidRelease("the scatter channel's sensitivity assumes every record's upper-triangle term of "
+                             f"phi phi^T has squared norm <= {term_square:.6g}, and one does not; nothing was released")
 
 
 # -- Bayesian linear regression from sufficient statistics (server side) ------------------------------------------
@@ -628,8 +631,9 @@ class FedBNR(FederatedAlgorithm):
                     unit_channel(p, "cross", (d,), description="Phi^T y")]
         b, by = self.feature_clip, self.target_clip
         scatter_bound, cross_bound = self.coordinate_bounds
-        pairs, kappa = self.feature_pairs, fourth_moment_share(self.feature_map)
-        record = (PairedScatter(b, pairs=pairs) if pairs else ScatterBound(b, fourth_share=kappa) if kappa
+        pairs, term_square = self.feature_pairs, scatter_term_square_bound(self.feature_map, b)
+        record = (PairedScatter(b, pairs=pairs) if pairs else
+                  ScatterBound(b, fourth_share=2.0 * term_square / b ** 4 - 1.0) if term_square is not None
                   else PreClipped(b, "squared_sum"))
         # a record's term is a row clipped to B (its target to B_y); a client's whole sums lie within the public
         # record cap's bounds, which the pipeline's norm clips enforce
@@ -662,8 +666,8 @@ class FedBNR(FederatedAlgorithm):
         rows, targets = clip_rows(phi, b), clip_values(y, by)
         if self.feature_pairs:
             _check_pairs(rows.value, self.feature_pairs)
-        elif fourth_moment_share(self.feature_map):
-            _check_fourth_share(rows.value, fourth_moment_share(self.feature_map))
+        elif scatter_term_square_bound(self.feature_map, b) is not None:
+            _check_scatter_terms(rows.value, scatter_term_square_bound(self.feature_map, b))
         scatter, cross = rows.value.T @ rows.value, rows.value.T @ targets.value
         # into the public coordinate bounds (binds only beyond client_rows records): an entrywise clip is a
         # contraction, of the upper triangle too, so the declared sensitivities still hold. Beyond them a

@@ -217,6 +217,8 @@ class LinearRandomFourierFeatures:
     so the ratio is at most f(s) = (A (1 + s^2) + C) / (B (1 + s) + D)^2 with A = a^2 / 4, C = (1 - a)^2 / m,
     B = a / 2, D = 1 - a. Its derivative vanishes only at s* = B (A + C) / (A (B + D)), so kappa = the largest of
     f(0), f(1) and f(s*) when s* lies in [0, 1]. Row clipping scales a row, which leaves the ratio unchanged.
+    The sup ratio (at s = 0 for a large share) and the sup norm (s = 1) belong to different rows, so the release is
+    charged by :meth:`term_square_bound`, the sup of the two together per s, which is smaller than B^4 (1 + kappa) / 2.
     """
 
     def __init__(self, input_dim: int, num_samples: int = 50, lengthscale: float = 1.0, seed: int = 0,
@@ -235,12 +237,37 @@ class LinearRandomFourierFeatures:
         def ratio(s: float) -> float:
             return (big_a * (1.0 + s * s) + c) / (big_b * (1.0 + s) + big_d) ** 2
 
-        candidates = [0.0, 1.0]
-        stationary = big_b * (big_a + c) / (big_a * (big_b + big_d))
-        if 0.0 <= stationary <= 1.0:
-            candidates.append(stationary)
+        self._ratio = ratio
+        self._stationary = big_b * (big_a + c) / (big_a * (big_b + big_d))
+        self._fourth = lambda s: big_a * (1.0 + s * s) + c  # N(s) >= sum_i phi_i^4 of a row at s = |u|^2
+        self._square = lambda s: big_b * (1.0 + s) + big_d  # L(s) = |phi|^2 of a row at s
         #: sup over rows of sum_i phi_i^4 / |phi|^4 (see the class docstring)
-        self.kappa = max(ratio(s) for s in candidates)
+        self.kappa = self._max_ratio(0.0, 1.0)
+
+    def _max_ratio(self, low: float, high: float) -> float:
+        """The largest f(s) for s in [low, high]: at an end or at the one stationary point."""
+        candidates = [low, high] + ([self._stationary] if low <= self._stationary <= high else [])
+        return max(self._ratio(s) for s in candidates)
+
+    def term_square_bound(self, clip: float) -> float:
+        """T^2, the sup over rows scaled down to norm ``clip`` where longer of (|phi|^4 + sum_i phi_i^4) / 2: the
+        squared norm of the upper triangle of one record's phi phi^T, so T is the symmetric scatter release's
+        add/remove sensitivity (``ScatterBound``). Per s = |u|^2: a row inside the clip gives at most
+        (L(s)^2 + N(s)) / 2, which grows with s; a row scaled to the clip gives at most clip^4 (1 + f(s)) / 2 (scaling
+        keeps the ratio). Rows are scaled where L(s) > clip^2, s > s_c, so T^2 is the larger of the first at
+        min(1, s_c) (when s_c >= 0) and the second with f's largest value on [max(0, s_c), 1] (when s_c < 1). Tight as
+        a sup: a row with u on one axis at |u| = 1 and every (cos, sin) pair all cosine or all sine (approached along
+        that axis) reaches N(1) (the same for the clipped form's ratio), though no input need attain it exactly."""
+        clip = _positive("clip", clip)
+        a = self.linear_share
+        s_c = (clip * clip - 1.0 + a / 2.0) * 2.0 / a  # L(s_c) = clip^2
+        values = []
+        if s_c >= 0.0:
+            s = min(1.0, s_c)
+            values.append((self._square(s) ** 2 + self._fourth(s)) / 2.0)
+        if s_c < 1.0:
+            values.append(clip ** 4 * (1.0 + self._max_ratio(max(0.0, s_c), 1.0)) / 2.0)
+        return max(values)
 
     @property
     def dim(self) -> int:
@@ -377,6 +404,14 @@ def cos_sin_pairs(feature_map) -> int | None:
     return None
 
 
+def scatter_term_square_bound(feature_map, clip: float) -> float | None:
+    """T^2 (:meth:`LinearRandomFourierFeatures.term_square_bound`) for such a map and row clip, else None (pure
+    (cos, sin) pairs have their own tight bound, ``PairedScatter``)."""
+    if type(feature_map) is LinearRandomFourierFeatures:
+        return feature_map.term_square_bound(clip)
+    return None
+
+
 def fourth_moment_share(feature_map) -> float | None:
     """kappa, a bound on sum_i phi_i^4 / |phi|^4 over every row ``feature_map`` can produce, when the map is one of
     this module's: 1 / m for m (cos, sin) pairs (:func:`cos_sin_pairs`), :class:`LinearRandomFourierFeatures`'s own
@@ -431,4 +466,4 @@ def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: t
 
 __all__ = ["KernelNetwork", "LinearRandomFourierFeatures", "RandomFourierFeatures", "blr_log_marginal_likelihood",
            "check_extractor", "cos_sin_pairs", "extractor_factory", "fourier_frequencies", "fourth_moment_share",
-           "pair_squared_norms", "refuse_batch_norm", "row_fourth_moment_shares"]
+           "pair_squared_norms", "refuse_batch_norm", "row_fourth_moment_shares", "scatter_term_square_bound"]

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import privfl
-from privfl.algorithms.fedbnr import (DEFAULT_LINEAR_SHARE, FedBNR, PairedScatter, ScatterBound, _check_fourth_share,
+from privfl.algorithms.fedbnr import (DEFAULT_LINEAR_SHARE, FedBNR, PairedScatter, ScatterBound, _check_scatter_terms,
                                       centralised_blr)
 from privfl.apps.cli import main
 from privfl.apps.empirical_audit import epsilon_lower_bound
@@ -93,7 +93,8 @@ def test_scatter_bound_sensitivities():
     assert PairedScatter(1.0, pairs=4).fourth_share == 0.25
     assert PairedScatter(1.0, pairs=4).sensitivity("add_remove") == ScatterBound(1.0, fourth_share=0.25).sensitivity(
         "add_remove")
-    for bad in (0.0, -0.1, 1.5, True, "0.5", math.nan):
+    assert ScatterBound(1.0, fourth_share=-0.5).sensitivity("add_remove") == pytest.approx(0.5)  # rows below B
+    for bad in (-1.0, -1.5, 1.5, True, "0.5", math.nan):
         with pytest.raises(InvalidRelease, match="fourth_share"):
             ScatterBound(1.0, fourth_share=bad)
     with pytest.raises(InvalidRelease, match="squared_sum"):
@@ -133,8 +134,9 @@ def test_neighbouring_records_move_the_release_by_at_most_the_declared_sensitivi
     privacy = PrivacyConfig(epsilon=1.0, unit="example", clip=clip, adjacency=adjacency)
     alg = _fedbnr(privacy, client_rows=client_rows, linear_share=share)
     scatter, cross = alg.channels()
-    assert type(scatter.clip) is ScatterBound and scatter.clip.fourth_share == alg.feature_map.kappa
-    assert scatter.symmetric
+    assert type(scatter.clip) is ScatterBound and scatter.symmetric
+    assert scatter.sensitivity == pytest.approx(math.sqrt(alg.feature_map.term_square_bound(clip)) * (
+        1.0 if adjacency == "add_remove" else math.sqrt(2.0)))
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
     n = data.draw(st.integers(2, 7))
     x = np.array([_inputs(data.draw(_kinds), rng, alg.feature_map) for _ in range(n)])
@@ -150,14 +152,15 @@ def test_neighbouring_records_move_the_release_by_at_most_the_declared_sensitivi
     assert np.linalg.norm(a["cross"] - b["cross"]) <= cross.sensitivity * (1 + 1e-9)
 
 
-def test_a_row_above_the_declared_kappa_is_refused_before_release():
+def test_a_row_above_the_declared_term_bound_is_refused_before_release(monkeypatch):
     with pytest.raises(InvalidRelease, match="nothing was released"):
-        _check_fourth_share(np.array([[1.0, 0.0, 0.0]]), 0.5)
-    _check_fourth_share(np.array([[0.6, 0.8, 0.0], [0.0, 0.0, 0.0]]), 0.6)  # 0.1296 + 0.4096 = 0.5392 <= 0.6
+        _check_scatter_terms(np.array([[1.0, 0.0, 0.0]]), 0.99)  # (1 + 1) / 2 = 1 > 0.99
+    _check_scatter_terms(np.array([[0.6, 0.8, 0.0], [0.0, 0.0, 0.0]]), 0.77)  # (1 + 0.5392) / 2 = 0.7696
     alg = _fedbnr(PrivacyConfig(epsilon=1.0, unit="example"))
     x = np.zeros((1, IN))  # u = 0: the linear block is the bias alone
     phi = alg.feature_map(x)
-    alg.feature_map.kappa = float(row_fourth_moment_shares(phi)[0]) * 0.99  # a map that under-declares its rows
+    term = float((np.sum(phi * phi) ** 2 + np.sum(phi ** 4)) / 2)
+    monkeypatch.setattr(alg.feature_map, "term_square_bound", lambda clip: 0.99 * term)  # under-declared
     with pytest.raises(InvalidRelease, match="nothing was released"):
         alg.client_update(0, ArrayDataset(x.astype(np.float32), np.zeros(1, np.float32), "regression", 1), 0, None)
 
@@ -247,20 +250,39 @@ def test_the_run_json_names_the_features_that_ran(tmp_path, option, features):
     assert model.get("linear_share") == (DEFAULT_LINEAR_SHARE if not option else None)
 
 
-@pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")
-def test_the_ratio_bound_is_attained_at_zero_and_the_declared_sensitivity_is_not():
-    """At a = 0.9 kappa is f(0): the row of x = 0 (u = 0, the bias alone in the linear block; every random feature a
-    cosine of 0) has exactly that fourth-moment share. Its norm is sqrt(0.55), not B = 1, so adding it moves the
-    released upper triangle by 0.503, below the declared 0.914: the sup ratio and the sup norm are reached by different
-    rows (the per-radius bound, reached at |u| = 1 only in the limit, would be 0.838). Valid, not attained; README."""
-    privacy = PrivacyConfig(epsilon=1.0, unit="example")
-    alg = _fedbnr(privacy)
-    zero = np.zeros((1, IN))
-    assert row_fourth_moment_shares(alg.feature_map(zero))[0] == pytest.approx(alg.feature_map.kappa, rel=1e-12)
-    rest = np.random.default_rng(0).normal(size=(3, IN))
-    a, b = _released(alg, np.concatenate([rest, zero]), np.zeros(4)), _released(alg, rest, np.zeros(3))
+def _term_square(phi) -> float:
+    return float((np.sum(phi * phi) ** 2 + np.sum(phi ** 4)) / 2)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, DEFAULT_LINEAR_SHARE, 0.99])
+@pytest.mark.parametrize("clip", [0.3, 0.7, 1.0, 1.7])
+def test_the_term_bound_is_approached_by_rows_on_an_axis_and_bounds_every_row(share, clip):
+    """T^2 per radius: every row of a random and adversarial sample stays below it; rows at the worst radius (u on
+    one axis, at the clip's crossing or at |u| = 1) come within a small margin of it (the random features' pairs
+    are all-cosine or all-sine only in the limit: the margin is theirs, at most (1 - a)^2 / m of the term); and it is
+    never above the crude B^4 (1 + kappa) / 2."""
+    fmap = LinearRandomFourierFeatures(IN, 5, 1.3, 7, share)
+    t2 = fmap.term_square_bound(clip)
+    assert t2 <= clip ** 4 * (1 + fmap.kappa) / 2 * (1 + 1e-12)
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=(2000, IN)) * rng.uniform(0, 5, size=(2000, 1)),
+                        np.outer(np.linspace(0, 3 * math.sqrt(IN), 400), np.eye(IN)[0])])
+    phi = fmap(x)
+    phi = phi / np.maximum(np.linalg.norm(phi, axis=1, keepdims=True) / clip, 1.0)  # the row clip
+    terms = (np.sum(phi * phi, axis=1) ** 2 + np.sum(phi ** 4, axis=1)) / 2
+    assert terms.max() <= t2 * (1 + 1e-9)
+    assert terms.max() >= t2 - (1 - share) ** 2 / 5 * clip ** 4, (terms.max(), t2)
+
+
+def test_at_the_default_the_charge_is_the_per_radius_bound():
+    """At a = 0.9, B = 1: T = 0.838 (rows with |u| = 1 on one axis), where the sup ratio kappa = 0.670 (reached at
+    u = 0, |phi|^2 = 0.55) would have charged B^2 sqrt((1 + kappa) / 2) = 0.914."""
+    x = np.zeros((4, IN), np.float32)
+    part = ArrayDataset(x, np.zeros(4, np.float32), "regression", 1)
+    alg = FedBNR(ONE_ROUND, PrivacyConfig(epsilon=1.0, unit="example"), client_rows=10)  # m = 50, a = 0.9, B = 1
+    alg.setup(FederatedData([part], part, "adversarial", 1, (IN,), design_size=4), np.random.default_rng(0))
     (scatter, _) = alg.channels()
-    moved = _upper_norm(a["scatter"] - b["scatter"])
-    a_ = DEFAULT_LINEAR_SHARE
-    assert moved == pytest.approx(math.sqrt((1 + alg.feature_map.kappa) / 2) * (1 - a_ / 2), rel=1e-9)
-    assert moved < scatter.sensitivity == pytest.approx(math.sqrt((1 + alg.feature_map.kappa) / 2))
+    assert alg.feature_map.kappa == pytest.approx(0.6701, abs=1e-4)
+    assert scatter.sensitivity == pytest.approx(0.8382, abs=1e-4)
+    assert _term_square(alg.feature_map(np.zeros((1, IN)))[0]) == pytest.approx(
+        0.55 ** 2 * (1 + alg.feature_map.kappa) / 2, rel=1e-9)  # the x = 0 row: 0.503
