@@ -415,12 +415,8 @@ def main(argv=None) -> int:
     table = summary(rows, chosen)
     text = markdown(table, validation, chosen, smoke)
     if not smoke:
-        with open(os.path.join(OUT, "adaptive_clipping.json"), "w") as f:
-            json.dump({"rows": rows, "validation": validation, "chosen": chosen, "summary": table,
-                       "clips": list(CLIPS), "adaptive_grid": ADAPTIVE, "wall_s": time.perf_counter() - start,
-                       "machine": platform.machine(), "python": platform.python_version()}, f, indent=1)
-        with open(os.path.join(OUT, "adaptive_clipping.md"), "w") as f:
-            f.write(text)
+        _write("adaptive_clipping", {"rows": rows, "validation": validation, "chosen": chosen, "summary": table,
+                                     "clips": list(CLIPS), "adaptive_grid": ADAPTIVE}, text, start)
     print(text)
     return 0
 

@@ -21,6 +21,8 @@ round's participants: with few participants per round (10 here) its share of the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from privfl.algorithms.base import ClientOutput
@@ -70,8 +72,8 @@ class DPFedAvg(FedAvg):
     def server_update(self, aggregates, round):
         if not self.adaptive:
             return super().server_update(aggregates, round)
-        agg = aggregates["update"]  # released in units of the round's clip
-        self.global_params = self.global_params + self.fed.server_lr * self.current_clip * agg.total / agg.total_weight
+        agg = aggregates["update"]  # released in units of the round's clip: FedAvg's step on it times C_t
+        super().server_update({"update": replace(agg, total=agg.total * self.current_clip)}, round)
         count = float(np.asarray(aggregates["clip_count"].total, dtype=np.float64)[0])
         expected = self.privacy.sampling_rate * self.public.n_clients  # public: never the round's realised count
         self.current_clip = self.adaptive.step(self.current_clip, count, expected)

@@ -165,30 +165,27 @@ from privfl.training.local import flat_parameters, load_flat_parameters
 class ScatterBound(PreClipped):
     """``Phi^T Phi`` of feature rows clipped (by scaling) to norm B, released on a ``symmetric`` channel (noise on
     the upper triangle including the diagonal, mirrored), where every record's term restricted to the upper triangle
-    U has squared norm (|phi|^4 + sum_i phi_i^4) / 2 <= B^4 (1 + kappa) / 2 (``fourth_share`` = kappa, in (-1, 1]):
-    that is the add/remove sensitivity; for replace-one, as in :class:`PairedScatter` (the cross terms only subtract),
-    B^2 sqrt(1 + kappa). kappa = sup sum_i phi_i^4 / |phi|^4 always suffices (kappa = 1 holds for every row:
-    PreClipped's bounds; :class:`PairedScatter` is kappa = 1 / m); a feature map may declare less for its clip
-    (``LinearRandomFourierFeatures.term_square_bound``: below 0 when no row reaches the clip), and the algorithm
-    checks every row's term against the declared bound before release."""
+    U has squared norm (|phi|^4 + sum_i phi_i^4) / 2 <= ``term_square`` = T^2: T is the add/remove sensitivity, and
+    sqrt(2) T the replace-one one (|U(phi phi^T - psi psi^T)|^2 is the two terms' squared norms minus
+    (phi.psi)^2 + sum_i phi_i^2 psi_i^2 >= 0). Any row gives at most B^4 (PreClipped's bounds);
+    :class:`PairedScatter` is T^2 = B^4 (1 + 1/m) / 2; a feature map may declare its own
+    (``LinearRandomFourierFeatures.term_square_bound``), and the algorithm checks every row's term against it before
+    release."""
 
     statistic: str = "squared_sum"
-    fourth_share: float = 1.0
+    term_square: float | None = None  # None: B^4, what any row gives
 
     def __post_init__(self):
         super().__post_init__()
         if self.statistic != "squared_sum":
             raise InvalidRelease(f"{type(self).__name__} bounds a squared_sum statistic, got {self.statistic!r}")
-        kappa = self.fourth_share
-        if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not -1 < kappa <= 1:
-            raise InvalidRelease(f"fourth_share must lie in (-1, 1], got {kappa!r}")
-        object.__setattr__(self, "fourth_share", float(kappa))
+        t2 = self.bound ** 4 if self.term_square is None else self.term_square
+        if isinstance(t2, bool) or not isinstance(t2, (int, float)) or not 0 < t2 <= self.bound ** 4 * (1 + 1e-12):
+            raise InvalidRelease(f"term_square must lie in (0, B^4], got {t2!r}")
+        object.__setattr__(self, "term_square", float(t2))
 
     def sensitivity(self, adjacency: str) -> float:
-        share = 1.0 + self.fourth_share
-        if check_adjacency(adjacency) == "add_remove":
-            share /= 2.0
-        return self.bound ** 2 * math.sqrt(share)
+        return math.sqrt(self.term_square * (1.0 if check_adjacency(adjacency) == "add_remove" else 2.0))
 
 
 @dataclass(frozen=True)
@@ -217,7 +214,7 @@ class PairedScatter(ScatterBound):
         if isinstance(self.pairs, bool) or not isinstance(self.pairs, (int, np.integer)) or self.pairs < 1:
             raise InvalidRelease(f"pairs must be an integer >= 1, got {self.pairs!r}")
         object.__setattr__(self, "pairs", int(self.pairs))
-        object.__setattr__(self, "fourth_share", 1.0 / self.pairs)
+        object.__setattr__(self, "term_square", self.bound ** 4 * (1.0 + 1.0 / self.pairs) / 2.0)
         super().__post_init__()
 
 
@@ -633,8 +630,7 @@ class FedBNR(FederatedAlgorithm):
         scatter_bound, cross_bound = self.coordinate_bounds
         pairs, term_square = self.feature_pairs, scatter_term_square_bound(self.feature_map, b)
         record = (PairedScatter(b, pairs=pairs) if pairs else
-                  ScatterBound(b, fourth_share=2.0 * term_square / b ** 4 - 1.0) if term_square is not None
-                  else PreClipped(b, "squared_sum"))
+                  ScatterBound(b, term_square=term_square) if term_square is not None else PreClipped(b, "squared_sum"))
         # a record's term is a row clipped to B (its target to B_y); a client's whole sums lie within the public
         # record cap's bounds, which the pipeline's norm clips enforce
         return [unit_channel(p, "scatter", (d, d), client=NormClip(scatter_bound), record=record,
@@ -664,10 +660,11 @@ class FedBNR(FederatedAlgorithm):
             return ClientOutput({"scatter": phi.T @ phi, "cross": phi.T @ y}, weight=1.0)
         b, by = self.feature_clip, self.target_clip
         rows, targets = clip_rows(phi, b), clip_values(y, by)
+        term_square = None if self.feature_pairs else scatter_term_square_bound(self.feature_map, b)
         if self.feature_pairs:
             _check_pairs(rows.value, self.feature_pairs)
-        elif scatter_term_square_bound(self.feature_map, b) is not None:
-            _check_scatter_terms(rows.value, scatter_term_square_bound(self.feature_map, b))
+        elif term_square is not None:
+            _check_scatter_terms(rows.value, term_square)
         scatter, cross = rows.value.T @ rows.value, rows.value.T @ targets.value
         # into the public coordinate bounds (binds only beyond client_rows records): an entrywise clip is a
         # contraction, of the upper triangle too, so the declared sensitivities still hold. Beyond them a

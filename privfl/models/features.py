@@ -21,9 +21,8 @@ Facts the privacy analysis of FedBNR's phase 2 uses:
   m counts frequencies, not features (2m); reading it as 2m would understate that bound.
 
 :class:`LinearRandomFourierFeatures` (FedBNR's default without an extractor) puts a linear block with a bias beside
-random Fourier features: its rows have norm at most 1 (not exactly 1) and are not pairs only, so it declares kappa,
-a bound on sum_i phi_i^4 / |phi|^4 over every row (:func:`fourth_moment_share`, checked on rows by
-:func:`row_fourth_moment_shares`); for pure pairs kappa = 1 / m.
+random Fourier features: its rows have norm at most 1 (not exactly 1) and are not pairs only, so it declares the
+bound on one record's scatter term itself (:func:`scatter_term_square_bound`), which FedBNR checks on every row.
 """
 
 from __future__ import annotations
@@ -212,8 +211,7 @@ class LinearRandomFourierFeatures:
     directions that each carry much of it. ``a = linear_share`` is the prior's share of the linear part (the two
     blocks are orthogonal, so a is the weight of k_lin in the kernel).
 
-    The scatter release's sensitivity needs ``kappa``, a bound on sum_i phi_i^4 / |phi|^4 over every possible row
-    (:func:`fourth_moment_share`): with s = |u|^2 in [0, 1], sum_i l_i^4 <= (1 + s^2) / 4 and sum_i r_i^4 <= 1 / m,
+    ``kappa`` bounds sum_i phi_i^4 / |phi|^4 over every possible row: with s = |u|^2 in [0, 1], sum_i l_i^4 <= (1 + s^2) / 4 and sum_i r_i^4 <= 1 / m,
     so the ratio is at most f(s) = (A (1 + s^2) + C) / (B (1 + s) + D)^2 with A = a^2 / 4, C = (1 - a)^2 / m,
     B = a / 2, D = 1 - a. Its derivative vanishes only at s* = B (A + C) / (A (B + D)), so kappa = the largest of
     f(0), f(1) and f(s*) when s* lies in [0, 1]. Row clipping scales a row, which leaves the ratio unchanged.
@@ -412,26 +410,6 @@ def scatter_term_square_bound(feature_map, clip: float) -> float | None:
     return None
 
 
-def fourth_moment_share(feature_map) -> float | None:
-    """kappa, a bound on sum_i phi_i^4 / |phi|^4 over every row ``feature_map`` can produce, when the map is one of
-    this module's: 1 / m for m (cos, sin) pairs (:func:`cos_sin_pairs`), :class:`LinearRandomFourierFeatures`'s own
-    ``kappa``; None for any other callable (then only kappa = 1, true of every row, is known)."""
-    pairs = cos_sin_pairs(feature_map)
-    if pairs:
-        return 1.0 / pairs
-    if type(feature_map) is LinearRandomFourierFeatures:
-        return feature_map.kappa
-    return None
-
-
-def row_fourth_moment_shares(phi: np.ndarray) -> np.ndarray:
-    """sum_i phi_i^4 / |phi|^4 of each row of ``phi`` (0 for a zero row), to check a declared kappa before release."""
-    phi = np.asarray(phi, dtype=np.float64)
-    sq = np.sum(phi * phi, axis=1)
-    fourth = np.sum(phi ** 4, axis=1)
-    return np.divide(fourth, sq * sq, out=np.zeros_like(fourth), where=sq > 0)
-
-
 def pair_squared_norms(phi: np.ndarray, pairs: int) -> np.ndarray:
     """cos_k^2 + sin_k^2 of each row of ``phi`` (shape ``(n, 2 pairs)``, the layout of this module's feature maps:
     m cosines, then m sines): an ``(n, pairs)`` array, every entry of a row equal to |phi|^2 / m for a feature row
@@ -465,5 +443,5 @@ def blr_log_marginal_likelihood(phi: torch.Tensor, y: torch.Tensor, noise_std: t
 
 
 __all__ = ["KernelNetwork", "LinearRandomFourierFeatures", "RandomFourierFeatures", "blr_log_marginal_likelihood",
-           "check_extractor", "cos_sin_pairs", "extractor_factory", "fourier_frequencies", "fourth_moment_share",
-           "pair_squared_norms", "refuse_batch_norm", "row_fourth_moment_shares", "scatter_term_square_bound"]
+           "check_extractor", "cos_sin_pairs", "extractor_factory", "fourier_frequencies",
+           "pair_squared_norms", "refuse_batch_norm", "scatter_term_square_bound"]

@@ -32,8 +32,7 @@ from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import ArrayDataset, FederatedData, make_federated
 from privfl.errors import ConfigurationError
 from privfl.mechanisms import InvalidRelease
-from privfl.models.features import (KernelNetwork, LinearRandomFourierFeatures, RandomFourierFeatures,
-                                    fourth_moment_share, row_fourth_moment_shares)
+from privfl.models.features import KernelNetwork, LinearRandomFourierFeatures, RandomFourierFeatures
 from privfl.runtime.engine import Simulation
 
 ONE_ROUND = FederationConfig(rounds=1, seed=0)
@@ -68,7 +67,6 @@ def test_rows_have_norm_at_most_one_and_their_fourth_moment_share_below_kappa(sh
     assert phi.shape == (len(x), dim + 1 + 2 * pairs) == (len(x), fmap.dim)
     assert np.all(np.linalg.norm(phi, axis=1) <= 1 + 1e-12)
     assert np.all(row_fourth_moment_shares(phi) <= fmap.kappa * (1 + 1e-9))
-    assert fourth_moment_share(fmap) == fmap.kappa
 
 
 @pytest.mark.parametrize("share", [0.05, 0.3, 0.5, 0.75, 0.9, 0.99])
@@ -87,18 +85,27 @@ def test_kappa_is_the_maximum_of_the_closed_form_over_the_linear_radius(share, p
 
 def test_scatter_bound_sensitivities():
     for b, kappa in ((1.0, 0.13), (0.5, 1.0), (2.0, 0.01)):
-        bound = ScatterBound(b, fourth_share=kappa)
+        bound = ScatterBound(b, term_square=b ** 4 * (1 + kappa) / 2)
         assert bound.sensitivity("add_remove") == pytest.approx(b * b * math.sqrt((1 + kappa) / 2))
         assert bound.sensitivity("replace_one") == pytest.approx(b * b * math.sqrt(1 + kappa))
-    assert PairedScatter(1.0, pairs=4).fourth_share == 0.25
-    assert PairedScatter(1.0, pairs=4).sensitivity("add_remove") == ScatterBound(1.0, fourth_share=0.25).sensitivity(
-        "add_remove")
-    assert ScatterBound(1.0, fourth_share=-0.5).sensitivity("add_remove") == pytest.approx(0.5)  # rows below B
-    for bad in (-1.0, -1.5, 1.5, True, "0.5", math.nan):
-        with pytest.raises(InvalidRelease, match="fourth_share"):
-            ScatterBound(1.0, fourth_share=bad)
+    assert PairedScatter(1.0, pairs=4).term_square == (1 + 0.25) / 2
+    assert PairedScatter(1.0, pairs=4).sensitivity("add_remove") == ScatterBound(
+        1.0, term_square=(1 + 0.25) / 2).sensitivity("add_remove")
+    assert ScatterBound(1.0, term_square=0.25).sensitivity("add_remove") == pytest.approx(0.5)  # rows below B
+    assert ScatterBound(0.5).sensitivity("add_remove") == pytest.approx(0.25)  # any row: B^2
+    for bad in (0.0, -1.5, 1.5, True, "0.5", math.nan):
+        with pytest.raises(InvalidRelease, match="term_square"):
+            ScatterBound(1.0, term_square=bad)
     with pytest.raises(InvalidRelease, match="squared_sum"):
         ScatterBound(1.0, "sum", 0.5)
+
+
+def row_fourth_moment_shares(phi: np.ndarray) -> np.ndarray:
+    """sum_i phi_i^4 / |phi|^4 of each row of ``phi`` (0 for a zero row)."""
+    phi = np.asarray(phi, dtype=np.float64)
+    sq = np.sum(phi * phi, axis=1)
+    fourth = np.sum(phi ** 4, axis=1)
+    return np.divide(fourth, sq * sq, out=np.zeros_like(fourth), where=sq > 0)
 
 
 def _fedbnr(privacy, client_rows=100, **options) -> FedBNR:
