@@ -379,7 +379,8 @@ def test_record_count_distinguisher_through_federate_stays_below_the_claim():
         assert bound <= 1.0, (size, bound)
 
 
-def _cli_and_compare_outcomes(tmp_path, capture, capsys, worlds, name, adjacency, run_extra, toml_tables):
+def _cli_and_compare_outcomes(tmp_path, capture, capsys, worlds, name, adjacency, run_extra, toml_tables,
+                              unit="example"):
     """Per world (D and D'), what ``privfl run`` of ``name`` with ``run_extra`` left the server to see in each
     placement (local, central, distributed), with and without secure aggregation, and what a compare TOML of the
     same data with ``toml_tables`` (its last lines: the algorithms and their tables) did: ``{key + (world,):
@@ -390,14 +391,14 @@ def _cli_and_compare_outcomes(tmp_path, capture, capsys, worlds, name, adjacency
     outcomes = {}
     for world in worlds:
         for placement, secure in cells:
-            argv = _cli_argv(name, "example", adjacency, placement, *paths[world], RECORDS, secure=secure,
+            argv = _cli_argv(name, unit, adjacency, placement, *paths[world], RECORDS, secure=secure,
                              extra=run_extra)
             outcomes[("run", placement, secure, world)] = (_outcome(lambda: main(argv), capture),
                                                            capsys.readouterr().err)
         cfg = tmp_path / f"{world}.toml"
         cfg.write_text(f'data = "{world}/*.csv"\ntarget = "y"\ntest_data = "{world}-test.csv"\n'
                        f'epsilons = [3.0]\nseeds = [0]\nrounds = 2\n'
-                       f'unit = "example"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
+                       f'unit = "{unit}"\nclient_size = {RECORDS}\nout_dir = "{tmp_path / "out" / world}"\n'
                        + toml_tables)
         outcomes[("compare", world)] = (_outcome(lambda: main(["compare", str(cfg), "--quiet"]), capture),
                                         capsys.readouterr().err)
@@ -483,26 +484,28 @@ def test_dp_fedsgd_posteriors_through_federate_and_the_flower_spec_are_the_same_
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, channels", [("dp_fedsgd", {"gradient_sum", "clip_count"}),
-                                            ("dpsgd_fedavg", {"update", "clip_count"})])
+@pytest.mark.parametrize("name, unit, channels", [("dp_fedsgd", "example", {"gradient_sum", "clip_count"}),
+                                                  ("dpsgd_fedavg", "example", {"update", "clip_count"}),
+                                                  ("dp_fedavg", "client", {"update", "clip_count"})])
 @pytest.mark.parametrize("adjacency", ["add_remove", "replace_one"])
 def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path, capture, capsys, adjacency, name,
-                                                                        channels):
+                                                                        unit, channels):
     """Adaptive clipping (issue 29) as users ask for it: ``privfl run --clip adaptive --clip-quantile Q`` (local,
     central and distributed noise, with and without secure aggregation), a compare TOML's ``clip = "adaptive"``
     and ``privfl.federate(..., clip="adaptive")``: the same prepared run (DP-FedSGD's clip-count channel among the
     charged ones; DP-SGD FedAvg's counts a channel drawn inside each client's steps) or the same refusal on D and
     D', and the same
-    Flower spec; a quantile without ``--clip adaptive`` exits 2 before anything runs."""
+    Flower spec; a quantile without ``--clip adaptive`` exits 2 before anything runs. DP-FedAvg at client level
+    (its change over the broadcast clip and its clip bit, two channels), on a client's whole data set replaced."""
     parts, test = _arrays("classification")
-    worlds = {"D": parts, "D2": _neighbour(parts, "example", adjacency)}
+    worlds = {"D": parts, "D2": _neighbour(parts, unit, adjacency)}
     bound = ("--option", "update_bound=0.5") if name == "dpsgd_fedavg" else ()  # a secure sum's public range
     outcomes, paths = _cli_and_compare_outcomes(
         tmp_path, capture, capsys, worlds, name, adjacency, ("--clip", "adaptive", "--clip-quantile", "0.7", *bound),
         f'algorithms = ["{name}"]\n[overrides.{name}]\nadjacency = "{adjacency}"\npool = 1\nclip = "adaptive"\n'
-        f'hidden = [8]\n')
+        f'hidden = [8]\n', unit=unit)
     for world in worlds:
-        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, name, "example", RECORDS,
+        outcomes[("federate", world)] = (_outcome(lambda: _federate(worlds[world], test, name, unit, RECORDS,
                                                                     clip="adaptive"), capture), "")
     accepted = _same_on_neighbours(outcomes)
     assert len(accepted) >= 6  # local and central, with and without secure aggregation; compare; federate
@@ -510,7 +513,7 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     if importlib.util.find_spec("flwr") is not None:  # the Flower spec every ServerApp and ClientApp plans from
         from privfl.flower.app import RunSpec
 
-        privacy = PrivacyConfig(epsilon=3.0, unit="example", adjacency=adjacency, clip=1.0, clip_quantile=0.7)
+        privacy = PrivacyConfig(epsilon=3.0, unit=unit, adjacency=adjacency, clip=1.0, clip_quantile=0.7)
         fed = FederationConfig(rounds=2, hidden=(8,), client_size=RECORDS)
         specs = [RunSpec.of(name, federated_from_arrays(w, test, task="classification", num_classes=CLASSES), fed,
                             privacy, run_id="r").to_json() for w in worlds.values()]
@@ -518,7 +521,7 @@ def test_adaptive_clipping_shows_the_server_the_same_run_on_neighbours(tmp_path,
     # a quantile without adaptive clipping, and adaptive clipping for an algorithm without it: exit 2, no run
     for extra, says in ((("--clip-quantile", "0.7"), "clip_quantile is adaptive clipping's target quantile"),
                         (("--clip", "adaptive", "--clip-quantile", "1.5"), "clip_quantile (adaptive clipping's")):
-        argv = _cli_argv(name, "example", adjacency, "central", *paths["D"], RECORDS, extra=extra)
+        argv = _cli_argv(name, unit, adjacency, "central", *paths["D"], RECORDS, extra=extra)
         assert _outcome(lambda: main(argv), capture) == ("exit", 2, 0)
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
