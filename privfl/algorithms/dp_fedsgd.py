@@ -99,7 +99,7 @@ from privfl.models import (BayesModule, ModelConfigError, bayesian_twin, get_mea
 from privfl.training.distill import BayesPerExampleGradients
 from privfl.training.local import load_flat_parameters
 from privfl.training.stacked import PerExampleGradients, unflatten
-from privfl.core.public import private_torch_generator
+from privfl.core.public import private_torch_generator, secret_seed
 
 OPTIMIZERS = ("sgd", "adam")
 #: bytes of per-client state (a lot's per-example terms, the stacked parameters) one vectorised chunk may hold
@@ -467,10 +467,13 @@ class DPFedSGD(FedAvg):
 
     def _weight_noise(self, rng) -> torch.Generator | None:
         """With ``posterior="variational"``, the generator of the client's per-record weight noise (drawn after its
-        lot's coins; not secret: the clipping bounds every record's term whatever the noise), else None."""
+        lot's coins), else None. Secret in a private run (:func:`privfl.core.public.secret_seed`): the draws go to
+        the lot's records by position, so with draws an adversary could compute from the run seed one record added
+        or removed would move every later record's term, far beyond the clip the release is charged for."""
         if self.posterior != "variational":
             return None
-        return torch.Generator().manual_seed(int(rng.integers(0, 2 ** 63 - 1)))
+        secure = self.privacy.private and self.privacy.secure_noise
+        return torch.Generator().manual_seed(secret_seed(rng, secure))
 
     def client_update(self, client, dataset, round, rng):
         [(_, out)] = self.client_updates([client], [dataset], round, [rng])

@@ -90,6 +90,7 @@ from privfl.privacy.record_level import DPSGDLoop, DPSGDSchedule, dpsgd_gradient
 from privfl.algorithms.gaussian_product import gaussian_product
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import NormClip, TrainedPrivately
+from privfl.core.public import secret_seed
 from privfl.privacy.units import at_unit, channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.metrics import classification_metrics
@@ -300,6 +301,10 @@ class HBFL(FederatedAlgorithm):
         global generator); returns the model and a generator holding the global state its meme's noise comes from."""
         torch.manual_seed(int(rng.integers(0, 2 ** 31 - 1)))
         local = self.local_model(client)
+        if self.privacy.private and self.privacy.secure_noise:
+            # the meme's weight noise goes to the lot's records by position: secret, or one record added or removed
+            # would move every later record's term beyond the clip (privfl.core.public.secret_seed)
+            torch.manual_seed(secret_seed(rng, True))
         g = torch.Generator()
         g.set_state(torch.get_rng_state())
         return local, g

@@ -165,6 +165,18 @@ def private_rng(rng: np.random.Generator, secure: bool) -> np.random.Generator:
     return np.random.default_rng(rng.integers(0, 2 ** 63 - 1))
 
 
+def secret_seed(rng: np.random.Generator, secure: bool) -> int:
+    """A seed for randomness inside a client's private computation that is not noise or sampling but that the
+    released value depends on record by record: per-record weight noise (a Bayesian twin's local reparameterisation),
+    dropout masks, other layers' own randomness. Such draws are handed out by position in the lot, so a record added
+    or removed moves every later record's draw: the clipping bounds one record's term only when the draws are
+    unknown to the adversary (then they are exchangeable and the mechanism is a mixture of Gaussian mechanisms of
+    sensitivity C). Hence from the OS CSPRNG when ``secure``; ``rng`` is stepped either way, so that a seeded run
+    (``secure=False``, marked as such in the ledger) draws exactly what it drew before."""
+    seed = int(rng.integers(0, 2 ** 63 - 1))
+    return secrets.randbits(63) if secure else seed
+
+
 def client_sampler(seq: np.random.SeedSequence, secure: bool) -> np.random.Generator:
     """The generator that draws which clients take part in each round (Poisson client sampling).
 
@@ -187,4 +199,5 @@ def private_torch_generator(rng: np.random.Generator, secure: bool):
 
 
 __all__ = ["PublicFacts", "SEEDED_NOISE_WARNING", "UNDECLARED_SIZE", "client_sampler", "private_rng", "private_torch_generator", "release_weight",
+           "secret_seed",
            "sizes_are_public"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import secrets
 import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -819,7 +820,8 @@ class DPSGD:
         and never sees the step's lot (:func:`dpsgd_train`); ``extra_gradient.on_model(i, model)`` or
         ``.on_stack(members, params, grads)`` adds a data-independent term after the noise (post-processing).
         ``torch_seeds[i]``: torch's global seed as client i's training starts one after another (its layers' own
-        randomness; a vectorised model has none). ``clips[i]``: with ``adaptive`` clipping, client i's clip as its
+        randomness; a vectorised model has none), in a seeded run; with secure noise that seed is the OS CSPRNG's
+        (a layer's draws go to records by position, so they must be secret: ``privfl.core.public.secret_seed``). ``clips[i]``: with ``adaptive`` clipping, client i's clip as its
         training starts (default the run's); its stats then carry the clip it ended at (``"clip"``). Adaptive
         clipping runs on the vectorised executor only (the per-client one clips inside opacus at one bound)."""
         if self.adaptive is not None and not vectorised:
@@ -837,7 +839,9 @@ class DPSGD:
         for i, ((x, y), rng) in enumerate(zip(datasets, rngs)):
             local = copy.deepcopy(self.model)
             load_flat_parameters(local, np.asarray(start, dtype=np.float32))
-            if torch_seeds is not None:
+            if self.secure_noise:  # the layers' own draws (dropout, ...) go to records by position: secret
+                torch.manual_seed(secrets.randbits(63))
+            elif torch_seeds is not None:
                 torch.manual_seed(torch_seeds[i])
             before = None if before_step is None else functools.partial(before_step.on_model, i, local)
             extra = None if extra_gradient is None else functools.partial(extra_gradient.on_model, i, local)

@@ -209,4 +209,6 @@ def flat_parameters(model: nn.Module) -> np.ndarray:
 
 
 def load_flat_parameters(model: nn.Module, vector: np.ndarray) -> None:
-    torch.nn.utils.vector_to_parameters(torch.as_tensor(vector, dtype=torch.float32), model.parameters())
+    """Set ``model``'s parameters from a flat vector, copied: training the model never writes into the caller's
+    array (a float32 array would otherwise share its memory with the parameters)."""
+    torch.nn.utils.vector_to_parameters(torch.tensor(vector, dtype=torch.float32), model.parameters())

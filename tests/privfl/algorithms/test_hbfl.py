@@ -308,3 +308,19 @@ def test_meme_optimizer_is_an_option_of_the_cli(cli_run, capsys):
 
 def test_meme_optimizer_names_are_case_insensitive():
     assert HBFL(FED, NONPRIVATE, meme_optimizer="SGD").meme_optimizer == "sgd"
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_the_memes_weight_noise_is_secret_in_a_private_run(digits, secure):
+    """The meme's weight noise goes to the lot's records by position, so a draw an adversary could compute from the
+    public run seed would let one record added or removed move every later record's term beyond the clip. With secure
+    noise the generator a client's meme draws from is the OS CSPRNG's: the same seeds give other draws; a seeded run
+    (secure_noise=False) draws the same, as before."""
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=1.0, accountant="pld",
+                            secure_noise=secure)
+    draws = []
+    for _ in range(2):
+        alg = _ready(digits, privacy)
+        _, g = alg._prepare(0, np.random.default_rng(7))
+        draws.append(torch.randn(64, generator=g))
+    assert (not torch.equal(draws[0], draws[1])) if secure else torch.equal(draws[0], draws[1])

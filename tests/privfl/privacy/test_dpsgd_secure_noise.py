@@ -85,3 +85,27 @@ def test_materialised_per_example_steps_draw_secure_noise(monkeypatch):
                                  generator=torch.Generator(), secure=True)
     expected = (torch.tensor([0.6, 0.8]) * (1 / (1 + 1e-6)) + torch.tensor([0.3, 0.4]) + 2.0 * 9.0) / 4.0
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_a_layers_own_draws_are_secret_under_secure_noise(monkeypatch, secure):
+    """Dropout's masks (any layer's own randomness) go to the batch's records by position: draws an adversary could
+    compute from the run seed would let one record added or removed change every later record's term beyond the
+    clip. With secure noise the per-client loop seeds torch from the OS CSPRNG before a client trains, so the same
+    seeds give other masks (DP-SGD's noise fixed at 0 here, q = 1: the masks are the only randomness left); a seeded
+    run (secure_noise=False) trains the same twice."""
+    from privfl.privacy.record_level import DPSGD
+
+    monkeypatch.setattr(SecureNoise, "standard_normal", _Constant(0.0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    start = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    x, y = torch.randn(12, 6), torch.randint(0, 2, (12,))
+    schedule = DPSGDSchedule(sample_rate=1.0, steps_per_epoch=1, epochs=2, size=12)
+    engine = DPSGD(model, schedule, noise_multiplier=1.0, clip=10.0, lr=1.0, momentum=0.0, secure_noise=secure)
+    runs = []
+    for _ in range(2):
+        [(_, params, _)] = engine.train(start.astype(np.float64), [(x, y)], [np.random.default_rng(3)], vectorised=False,
+                                        torch_seeds=[11])
+        runs.append(params)
+    assert (not np.array_equal(runs[0], runs[1])) if secure else np.array_equal(runs[0], runs[1])
