@@ -60,12 +60,20 @@ class DPFedAvg(FedAvg):
                 unit_channel(self.privacy, "clip_count", (1,), client=NormClip(0.5), budget_share=share,
                              description="adaptive clipping: [norm of the local model change <= C_t] - 1/2")]
 
+    def check_broadcast(self, round) -> None:
+        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``: a clip no honest
+        server reaches is refused, on the broadcast and public facts alone)."""
+        if self.adaptive:
+            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round)
+
     def _local_updates(self, clients, datasets, rngs, *, vectorised: bool):
         for k, out in super()._local_updates(clients, datasets, rngs, vectorised=vectorised):
             if self.adaptive:
                 change = np.asarray(out.values["update"], dtype=np.float64)
-                bit = float(np.linalg.norm(change) <= self.current_clip) - 0.5
-                out = ClientOutput({"update": change / self.current_clip, "clip_count": np.array([bit])},
+                norm, clip = float(np.linalg.norm(change)), self.current_clip
+                # clipped to C_t, then over C_t, written so that no clip and no change can overflow it: norm <= 1
+                scaled = change / clip if norm <= clip else change / norm
+                out = ClientOutput({"update": scaled, "clip_count": np.array([float(norm <= clip) - 0.5])},
                                    weight=out.weight, metrics=out.metrics)
             yield k, out
 

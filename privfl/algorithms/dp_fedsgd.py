@@ -475,13 +475,20 @@ class DPFedSGD(FedAvg):
         secure = self.privacy.private and self.privacy.secure_noise
         return torch.Generator().manual_seed(secret_seed(rng, secure))
 
+    def check_broadcast(self, round) -> None:
+        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``)."""
+        if self.adaptive:
+            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round)
+
     def client_update(self, client, dataset, round, rng):
         [(_, out)] = self.client_updates([client], [dataset], round, [rng])
         return out
 
     def client_updates(self, clients, datasets, round, rngs):
         """``(k, client_update(k, ...))`` for every client, their lots' per-example gradients computed together
-        (each client's coins drawn from its own generator, as :meth:`client_update` draws them)."""
+        (each client's coins drawn from its own generator, as :meth:`client_update` draws them). With adaptive
+        clipping the broadcast C_t is checked first (``AdaptiveClip.check_broadcast``), before any record is read."""
+        self.check_broadcast(round)
         lots, generators = [], []
         for k, dataset, rng in zip(clients, datasets, rngs):
             x, y = dataset.tensors()

@@ -153,13 +153,21 @@ class DPSGDFedAvg(FedAvg):
         if not self.privacy.private:
             yield from super().client_updates(clients, datasets, round, rngs)
             return
+        self.check_broadcast(round)
         yield from self._dpsgd_updates(clients, datasets, rngs, vectorised=self.vectorisable)
 
     def client_update(self, client, dataset, round, rng):
         if not self.privacy.private:
             return super().client_update(client, dataset, round, rng)
+        self.check_broadcast(round)
         [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=self.adaptive is not None)
         return out
+
+    def check_broadcast(self, round) -> None:
+        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``)."""
+        if self.adaptive is not None:
+            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round,
+                                                              rule="round_clip")
 
     def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
         """The client step, written once: each schedule's clients trained by the DP-SGD engine

@@ -95,8 +95,13 @@ class FedAvg(FederatedAlgorithm):
         return release_weight(self.privacy, self.public, client, dataset)
 
     def client_update(self, client, dataset, round, rng):
+        self.check_broadcast(round)
         [(_, out)] = self._local_updates([client], [dataset], [rng], vectorised=False)
         return out
+
+    def check_broadcast(self, round) -> None:
+        """A client's check of the round's broadcast state before any record is read (a subclass with state of its
+        own to check, such as DP-FedAvg's adaptive clip, overrides it); FedAvg's model needs none."""
 
     def _local_updates(self, clients, datasets, rngs, *, vectorised: bool):
         """The client step, written once: each client's change from the broadcast model after local training, by
@@ -143,6 +148,7 @@ class FedAvg(FederatedAlgorithm):
         """``(k, client_update(k, ...))`` for every client of ``clients``, computed together by the vectorised
         executor when :attr:`vectorisable` (the same outputs to float tolerance), else one after another. Yields in
         chunks, so a large federation never holds every client's training state at once."""
+        self.check_broadcast(round)
         if not self.vectorisable:  # a subclass's own client_update, or a step the executor cannot batch
             for k, dataset, rng in zip(clients, datasets, rngs):
                 yield k, self.client_update(k, dataset, round, rng)

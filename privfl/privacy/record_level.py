@@ -233,6 +233,10 @@ def clip_bit_counts(norms2: torch.Tensor, clips: torch.Tensor, weight: torch.Ten
     return clip_bits(norms2[:, :, None], thresholds[:, None, :], weight[:, :, None]).sum(1)
 
 
+#: the smallest clip a client accepts from a broadcast (float32's per-record scaling stays finite above it)
+SMALLEST_CLIP = 1e-30
+
+
 @dataclass(frozen=True)
 class AdaptiveClip:
     """Adaptive clipping (Andrew et al. 2021) at record level, its noise inside the privacy events the clipped value
@@ -278,6 +282,31 @@ class AdaptiveClip:
         [0, 1]: the noise cannot move the clip by more than exp(``lr``) a step)."""
         unclipped = min(1.0, max(0.0, noisy_count / expected_batch + 0.5))
         return float(clip * math.exp(-self.lr * (unclipped - self.quantile)))
+
+    def check_broadcast(self, clip, start: float, round: int, rule: str = "step") -> float:
+        """A client's check of the clip C_t the server broadcast for ``round`` (0-based), before any record is read:
+        finite, at least :data:`SMALLEST_CLIP`, and within what ``round + 1`` clip updates of ``rule`` can reach from
+        the public start ``start`` (``"step"``: a factor in [exp(-lr (1 - quantile)), exp(lr quantile)] an update;
+        ``"round_clip"``: in [4^-lr, 4^lr]). A server that broadcast a clip no honest run reaches (2e-310, say)
+        could make some clients' scaled values overflow and others' not: an error that depends on the records,
+        outside every channel. Decided on the broadcast and public facts only; returns the clip as a float."""
+        if isinstance(clip, bool) or not isinstance(clip, (int, float, np.integer, np.floating)):
+            raise ConfigurationError(f"the server broadcast a clip that is not a number ({clip!r}); refused before "
+                                     "any record was read")
+        c = float(clip)
+        n = max(int(round), 0) + 1
+        if rule == "step":
+            low, high = math.exp(-self.lr * (1.0 - self.quantile) * n), math.exp(self.lr * self.quantile * n)
+        elif rule == "round_clip":
+            low, high = 4.0 ** (-self.lr * n), 4.0 ** (self.lr * n)
+        else:
+            raise ValueError(f"rule must be 'step' or 'round_clip', got {rule!r}")
+        lowest, highest = max(start * low * (1 - 1e-9), SMALLEST_CLIP), start * high * (1 + 1e-9)
+        if not (math.isfinite(c) and lowest <= c <= highest):
+            raise ConfigurationError(f"the server broadcast the clip {c!r} for round {round}, outside [{lowest:.6g}, "
+                                     f"{highest:.6g}], what adaptive clipping can reach from {start:g} in {n} "
+                                     "update(s); refused before any record was read")
+        return c
 
     def round_clip(self, clip: float, fractions) -> float:
         """The next round's clip from the federation's noisy fractions of terms with norm at most r ``clip``, r in

@@ -146,6 +146,36 @@ def test_the_clip_is_broadcast_state_and_clients_keep_none():
     assert alg.channels()[1].value_bound == 1.0 and alg.channels()[1].shape == (len(R.CLIP_RATIOS),)
 
 
+@pytest.mark.parametrize("algorithm", ["dp_fedsgd", "dpsgd_fedavg"])
+@pytest.mark.parametrize("broadcast", [2e-310, 0.0, math.nan, 1e6])
+def test_a_broadcast_clip_no_honest_server_reaches_is_refused_before_training(algorithm, broadcast):
+    """The record-level clients check the broadcast C_t as DP-FedAvg's do (``AdaptiveClip.check_broadcast``): a
+    clip no run of the rule reaches from the public start in the rounds so far is refused before any record is
+    read, with the same text on neighbouring data; the clips an honest run reaches pass (the runs above)."""
+    fed, privacy = _configs(0.5)
+    texts = []
+    for seed in (0, 1):
+        data = _data(seed)
+        alg = ALGORITHMS[algorithm](fed, privacy)
+        alg.setup(data, np.random.default_rng(0))
+        alg.current_clip = broadcast
+        with pytest.raises(ConfigurationError, match="broadcast the clip") as err:
+            list(alg.client_updates(list(range(K)), data.train_parts, 1,
+                                    [np.random.default_rng([1, k]) for k in range(K)]))
+        texts.append(str(err.value))
+    assert texts[0] == texts[1]
+
+
+def test_the_round_clip_rule_stays_within_what_the_check_accepts():
+    rule = AdaptiveClip(0.5, lr=0.3)
+    low, high = [-0.5] * len(R.CLIP_RATIOS), [0.5] * len(R.CLIP_RATIOS)
+    for fractions in (low, high):
+        clip = 1.0
+        for t in range(30):
+            assert rule.check_broadcast(clip, 1.0, t, rule="round_clip") == clip
+            clip = rule.round_clip(clip, fractions)
+
+
 def test_a_clip_step_beyond_the_quantile_is_refused():
     fed, privacy = _configs(0.5, clip_lr=1.5)
     with pytest.raises(ConfigurationError, match="clip_lr must be at most 1"):

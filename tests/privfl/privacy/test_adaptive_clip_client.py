@@ -29,6 +29,7 @@ from privfl.core.aggregation import Aggregate
 from privfl.core.channels import NormClip
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.data import federated_from_arrays
+from privfl.errors import ConfigurationError
 from privfl.privacy.record_level import AdaptiveClip
 from privfl.runtime.engine import Simulation
 
@@ -87,10 +88,62 @@ def test_a_client_sends_its_change_over_the_clip_and_its_bit():
     for k in range(K):
         change = np.asarray(outs["fixed"][k].values["update"], dtype=np.float64)
         sent = outs["adaptive"][k].values
-        np.testing.assert_allclose(sent["update"] * 0.07, change, rtol=1e-6, atol=1e-9)
+        norm = np.linalg.norm(change)  # clipped to C_t, then over C_t (the pipeline's NormClip(1) then holds)
+        np.testing.assert_allclose(sent["update"], change / max(norm, 0.07), rtol=1e-6, atol=1e-9)
+        assert np.linalg.norm(sent["update"]) <= 1 + 1e-12
         assert sent["clip_count"].tolist() == [0.5 if np.linalg.norm(change) <= 0.07 else -0.5]
         bits.append(sent["clip_count"][0])
     assert set(bits) == {0.5, -0.5}  # the toy's norms straddle the clip
+
+
+@pytest.mark.parametrize("broadcast", [2e-310, 0.0, -0.1, math.nan, math.inf, 1e-12, 50.0, "0.1"])
+def test_a_clip_no_honest_server_reaches_is_refused_before_any_record_is_read(monkeypatch, broadcast):
+    """An active server's C_t = 2e-310 made change / C_t overflow for the clients whose change exceeded about 0.036
+    and not for the others: which clients erred was one bit of each client's data, outside every channel (found by a
+    review). The client now checks the broadcast against what adaptive clipping can reach from the public start in
+    the rounds so far, before its records are read, and the refusal's text is the same on neighbouring data."""
+    fed, privacy = _configs()
+    texts = []
+    for seed in (0, 1):  # two different data sets: the refusal may not depend on them
+        data = _data(seed)
+        alg = DPFedAvg(fed, privacy)
+        alg.setup(data, np.random.default_rng(0))
+        alg.current_clip = broadcast
+
+        def no_records(*a, **k):
+            raise AssertionError("a record was read")
+
+        monkeypatch.setattr(DPFedAvg.__mro__[1], "_local_updates", no_records)
+        with pytest.raises(ConfigurationError, match="broadcast") as err:
+            list(alg.client_updates(list(range(K)), data.train_parts, 1,
+                                    [np.random.default_rng([1, k]) for k in range(K)]))
+        with pytest.raises(ConfigurationError, match="broadcast"):
+            alg.client_update(0, data.train_parts[0], 1, np.random.default_rng(1))
+        monkeypatch.undo()
+        texts.append(str(err.value))
+    assert texts[0] == texts[1]
+
+
+def test_the_clips_an_honest_server_reaches_are_accepted_and_scaled_without_overflow():
+    """Every clip the server's step can reach, whatever the noisy counts (extreme ones included), passes the check;
+    at the smallest clip a client accepts every client's scaled change is finite with norm <= 1."""
+    rule = AdaptiveClip(0.5, lr=0.2)
+    for counts in ([1e9] * 60, [-1e9] * 60, list(np.random.default_rng(0).normal(0, 50, 60))):
+        clip = 0.1
+        for t, count in enumerate(counts):
+            assert rule.check_broadcast(clip, 0.1, t) == clip
+            clip = rule.step(clip, count, 5.0)
+    with pytest.raises(ConfigurationError):  # one update beyond the fastest descent
+        rule.check_broadcast(0.1 * math.exp(-0.2 * 0.5 * 3) * 0.999, 0.1, 1)
+    data = _data()
+    fed, privacy = _configs()
+    alg = DPFedAvg(fed, privacy)
+    alg.setup(data, np.random.default_rng(0))
+    alg.current_clip = 1e-30
+    outs = dict(alg._local_updates(list(range(K)), data.train_parts,
+                                   [np.random.default_rng([1, k]) for k in range(K)], vectorised=True))
+    for out in outs.values():
+        assert np.all(np.isfinite(out.values["update"])) and np.linalg.norm(out.values["update"]) <= 1 + 1e-12
 
 
 def test_the_server_steps_the_clip_on_the_noisy_count_over_the_expected_participants():
