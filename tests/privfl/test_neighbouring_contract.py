@@ -304,15 +304,24 @@ def grid_params(grid):
     return [pytest.param(*g, id="-".join(map(str, g)), marks=() if per_commit(g) else pytest.mark.slow) for g in grid]
 
 
+#: DP-FedAvg's adaptive clipping runs where its clip binds: at lr 0.05 the digits clients' changes have norm 0.03-0.04
+#: and the adversarial neighbour's about 0.9, so at C_0 = 0.1 the neighbour's bit flips and its change is clipped
+#: (``test_the_client_level_adaptive_contract_is_not_vacuous``); at the grid's lr 1e-6 every bit was +1/2 and a
+#: halved sensitivity passed (a review's mutation check)
+ADAPTIVE_CLIENT_CLIP, ADAPTIVE_CLIENT_LR = 0.1, 0.05
+
+
 def _configure(name, unit, adjacency, placement, secure, sampling):
     non_private = name in ("fedavg", "fedprox")
+    client_adaptive = name == "dp_fedavg_adaptive"
     privacy = PrivacyConfig(epsilon=math.inf if non_private else 3.0, delta=1e-5, unit=unit, adjacency=adjacency,
-                            clip=1.0, placement=placement, sampling_rate=0.5 if sampling else 1.0,
+                            clip=ADAPTIVE_CLIENT_CLIP if client_adaptive else 1.0, placement=placement, sampling_rate=0.5 if sampling else 1.0,
                             secure_noise=False, clip_quantile=0.5 if "adaptive" in name else None,
                             accountant=("rdp" if placement == "distributed" and name.startswith("dp_fedsgd") else
                                         "zcdp" if placement == "distributed" else
                                         "pld" if unit == "example" or sampling else None))
-    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=16, lr=1e-6, hidden=(8,), seed=0)
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=16, lr=ADAPTIVE_CLIENT_LR if client_adaptive else 1e-6,
+                           hidden=(8,), seed=0)
     return privacy, fed, SecureAggregation(bits=48) if secure else None
 
 
@@ -425,7 +434,7 @@ MECHANISM_GRID = [(name, "example", adjacency, placement, secure, False)
                       ("local", "central", "distributed"), (False, True))
                   if secure or placement != "distributed"]
 #: adaptive clipping at client level (DP-FedAvg, Andrew et al.'s algorithm): each client's change over the broadcast
-#: clip C_t (norm <= 1 after the pipeline's clip) and its bit [norm <= C_t] - 1/2 on a channel of its own; with and
+#: clip C_t (clipped to C_t, then over it: norm <= 1) and its bit [norm <= C_t] - 1/2 on a channel of its own; with and
 #: without client sampling (one sampled event for the round's two channels). ``make test`` runs the ones of
 #: ``_CLIENT_ADAPTIVE_PER_COMMIT`` (each relation, placement, secure aggregation and sampling at least once), make
 #: test-all all 18
@@ -448,6 +457,31 @@ MECHANISM_PARAMS = [pytest.param(*g, id="-".join(map(str, g))) for g in MECHANIS
 @pytest.mark.parametrize("name, unit, adjacency, placement, secure, sampling", MECHANISM_PARAMS)
 def test_adaptive_clipping_and_banded_noise_keep_the_contract(name, unit, adjacency, placement, secure, sampling):
     test_what_a_client_sends_on_neighbouring_datasets(name, unit, adjacency, placement, secure, sampling)
+
+
+@pytest.mark.parametrize("adjacency", ["replace_one", "add_remove"])
+def test_the_client_level_adaptive_contract_is_not_vacuous(adjacency):
+    """The grid's DP-FedAvg adaptive entries move both channels as far as their sensitivities allow: the adversarial
+    neighbour's bit flips (replace-one: the count moves 1, its sensitivity; add/remove: 1/2) and its change is clipped
+    (norm 1 over C_t), so a halved sensitivity on either channel fails the contract's check."""
+    privacy, fed, sec = _configure("dp_fedavg_adaptive", "client", adjacency, "central", False, False)
+    parts, test, public_set = _digits()
+    base = federation(parts, test, public_set, "classification")
+    public = PublicFacts.of(base, privacy, fed)
+    a = transcript("dp_fedavg_adaptive", base, public, fed, privacy, sec)
+    assert all(a.releases[k]["clip_count"].value[0] == 0.5 for k in a.releases)  # every change within C_0
+    label, parts2 = neighbours(parts, "classification", adjacency, "client")[-1]
+    parts2 = parts2[1] if parts2[0] == "remove" else parts2
+    b = transcript("dp_fedavg_adaptive", federation(parts2, test, public_set, "classification"), public, fed,
+                   privacy, sec)
+    assert b.releases[0]["clip_count"].value[0] == -0.5, label  # the neighbour's client 0 beyond C_0: its bit flips
+    assert np.linalg.norm(b.releases[0]["update"].value) == pytest.approx(1.0)  # and its change is clipped
+    count = next(ch for ch in a.sim.channels if ch.name == "clip_count")
+    moved = abs(a.releases[0]["clip_count"].value[0] - b.releases[0]["clip_count"].value[0])
+    if adjacency == "replace_one":
+        assert moved == count.sensitivity == 1.0
+    else:  # compared as the sum without client 0: the removed client's bit, 1/2
+        assert abs(b.releases[0]["clip_count"].value[0]) == count.sensitivity == 0.5
 
 
 @pytest.mark.timeout(600)
