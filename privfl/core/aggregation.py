@@ -25,7 +25,7 @@ class Aggregate:
     channel: str
     total: np.ndarray
     total_weight: float
-    participants: int
+    participants: float  # how many clients the sum holds; in a run amplified by client sampling the expected count
     noise_std: float  # std of the Gaussian noise the sum carries, per coordinate (local + central)
 
 

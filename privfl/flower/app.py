@@ -711,7 +711,7 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
     run_rounds(alg, transport, n_clients=spec.n_clients, rounds=spec.fed.rounds, first_round=first_round,
                sampling_rate=spec.privacy.sampling_rate, sampler=sampler,
                evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round,
-               last_round=last_round)
+               last_round=last_round, fixed_denominator=plan.amplified)
     if last_round is not None:
         _flwr_log("INFO", "privfl %s paused after round %d of %d (%s=%d): launch the run id again to resume it",
             spec.run_id, last_round, spec.fed.rounds, PAUSE_KEY, last_round)

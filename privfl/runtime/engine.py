@@ -333,7 +333,7 @@ class Simulation:
         run_rounds(alg, InProcess(self), n_clients=self.public.n_clients, rounds=fed.rounds,
                    sampling_rate=privacy.sampling_rate, sampler=self.sampler,
                    evaluate=lambda: {**alg.evaluate(test), **self.local_metrics(test)}, test=test,
-                   on_round=on_round)
+                   on_round=on_round, fixed_denominator=self.plan.amplified)
         result.audit = self.ledger.audit()
         if privacy.private and not privacy.secure_noise:
             result.audit["warning"] = SEEDED_NOISE_WARNING

@@ -28,6 +28,8 @@ Decided here, once for every runtime:
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 from dataclasses import dataclass, field
@@ -145,13 +147,17 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
                sampling_rate: float = 1.0, sampler: np.random.Generator | None = None,
                evaluate: Callable[[], dict] | None = None, test=None,
                on_round: Callable[[RoundRecord], None] | None = None,
-               last_round: int | None = None) -> list[RoundRecord]:
+               last_round: int | None = None, fixed_denominator: bool = False) -> list[RoundRecord]:
     """Rounds ``first_round .. rounds - 1`` of ``algorithm`` (its server half) over ``transport``; returns their
     records. ``sampler`` draws the Poisson client sample when ``sampling_rate < 1``; ``evaluate`` gives the round's
     metrics after the server step (none when omitted); ``test`` (the data ``evaluate`` reads, if any) is what the
     divergence check compares a regression's RMSE against; ``last_round``: stop before this round (a launch that
-    pauses the run, to be resumed; the plan stays that of all ``rounds``). See the module docstring for what is
-    decided here."""
+    pauses the run, to be resumed; the plan stays that of all ``rounds``). ``fixed_denominator`` (a run amplified by
+    client sampling, ``RunPlan.amplified``): the server step divides the sums by the *expected* total weight,
+    ``sampling_rate * n_clients`` (every client-level release weighs 1; the aggregates' ``participants`` is that
+    expected count too), never by the realised one, as McMahan et
+    al. (ICLR 2018) do: a mean over the realised sample would publish its size in the model's noise scale, and
+    amplification holds only while the sample stays secret. See the module docstring for what is decided here."""
     if not 0.0 < sampling_rate <= 1.0:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
     sampled = sampling_rate < 1.0
@@ -178,8 +184,13 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
         exhausted.update(int(k) for k in outcome.sat_out)
         snr = {}
         if outcome.aggregates is not None and not outcome.aborted:
-            snr = privacy_snr(outcome.aggregates)  # before the server step, which may consume the sums
-            algorithm.server_update(outcome.aggregates, rnd)
+            aggregates = outcome.aggregates
+            if fixed_denominator:
+                expected = sampling_rate * n_clients
+                aggregates = {name: dataclasses.replace(agg, total_weight=expected, participants=expected)
+                              for name, agg in aggregates.items()}
+            snr = privacy_snr(aggregates)  # before the server step, which may consume the sums
+            algorithm.server_update(aggregates, rnd)
         metrics = dict(evaluate()) if evaluate is not None else {}
         diverged = divergence(algorithm, metrics, test, spread)
         if diverged is not None:
