@@ -191,6 +191,20 @@ def test_every_ledger_charges_both_channels_as_one_sampled_event_a_round():
     assert charged == {"update", "clip_count"}
     (event,) = round_events((0, e) for e in sim.plan.round_events(0).values())
     assert event.sampling_rate == 0.5
+    # both channels inside the one sampled event (a composition of their two Gaussians), not beside it
+    inner = event.event
+    assert len(getattr(inner, "events", ())) == 2, inner
+    released_in = {r.round: r.participants for r in result.history}
+    for k in range(K):
+        rows = sim.ledger.charges(str(k))
+        for rnd in range(fed.rounds):  # every client, every round: both rows, released only where it was sampled
+            mine = {c.channel: c for c in rows if c.round == rnd}
+            assert set(mine) == {"update", "clip_count"}, (k, rnd)
+            assert mine["update"].released == mine["clip_count"].released
+        assert len(rows) == 2 * fed.rounds
+    released = [sum(c.released for k in range(K) for c in sim.ledger.charges(str(k)) if c.round == rnd
+                    and c.channel == "update") for rnd in range(fed.rounds)]
+    assert released == [released_in[rnd] for rnd in range(fed.rounds)]
 
 
 def test_secure_aggregation_gives_the_plain_runs_clips_and_model():
