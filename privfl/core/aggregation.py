@@ -62,3 +62,22 @@ def weighted_sums(releases: Sequence[Release], channels: Mapping[str, Channel],
         local_var = float(np.sum(weights ** 2 * np.array([r.local_noise_std ** 2 for r in rs])))
         out[name] = Aggregate(name, total, float(weights.sum()), len(rs), float(np.sqrt(local_var + central ** 2)))
     return out
+
+
+def noise_only_sums(channels: Sequence[Channel], noise_multipliers: Mapping[str, float] | None,
+                    noise: NoiseSource | np.random.Generator | int | str = 0) -> dict[str, Aggregate]:
+    """The sums of a round amplified by client sampling (client level, central noise) in which no client was sampled
+    or released: zero plus the central noise every other round's sum carries (each noised channel's multiplier times
+    its sensitivity; every client-level release weighs 1), so the server steps as in any round. Without it such a
+    round published no step at all, which told an observer of the model that nobody took part: conditioned on a
+    published round, a client's chance of having been sampled exceeds the rate the ledger amplifies by."""
+    source = as_noise_source(noise)
+    out = {}
+    for ch in channels:
+        std = float(noise_multipliers[ch.name]) * float(ch.sensitivity) if (
+            noise_multipliers and ch.private and ch.name in noise_multipliers) else 0.0
+        total = np.zeros(ch.shape, dtype=np.float64)
+        if std > 0:
+            total += gaussian_noise(total.shape, std, source, ch.symmetric)
+        out[ch.name] = Aggregate(ch.name, total, 0.0, 0, std)
+    return out

@@ -41,6 +41,14 @@ def seed_stream(seed: int, name: str, *key: int) -> np.random.SeedSequence:
     return np.random.SeedSequence(int(seed), spawn_key=(STREAMS.index(name), *map(int, key)))
 
 
+#: why client sampling does not amplify a run under secure aggregation (refused up front, every entry point)
+SECURE_AMPLIFIED = (
+    "client sampling amplifies client-level privacy only when whether a round is published does not depend on who "
+    "was sampled; under secure aggregation a round aborts when fewer clients than its survivor floor take part, so "
+    "one client's participation can decide whether the others' sum is published. Use sampling_rate=1 "
+    "(--sampling-rate 1) with secure aggregation, or central noise without secure aggregation")
+
+
 def noise_multipliers_for(channels, privacy: PrivacyConfig, rounds: int) -> dict[str, float] | None:
     """Calibrate one noise multiplier per noised private channel so each client's composition over ``rounds`` meets
     (epsilon, delta) under the run's accountant, splitting the budget by the channels' shares. Client sampling
@@ -169,6 +177,8 @@ class RunPlan:
         if secure is not None:
             check_secure_channels(channels)
             secure.check(n_clients)
+            if privacy.private and amplifies(privacy.sampling_rate, privacy.unit, privacy.placement):
+                raise ConfigurationError(SECURE_AMPLIFIED)
         distributed = None
         if privacy.placement == "distributed" and privacy.private:
             if secure is None:

@@ -737,6 +737,7 @@ class FlowerRounds:
         return [self.node_of[str(k)] for k in clients]
 
     def round(self, rnd, chosen, left_out):
+        from privfl.core.aggregation import noise_only_sums
         from privfl.runtime.rounds import RoundOutcome
 
         spec, alg = self.spec, self.alg
@@ -756,6 +757,9 @@ class FlowerRounds:
             aggregates, participants, sat_out, aborted = _secure_round(
                 self.grid, spec, rnd, self._nodes(chosen), broadcast, self.plan, self.by_name, self.server_noise,
                 self.audits, self.node_client)
+        if aggregates is None and not aborted and spec.privacy.private and self.plan.amplified:
+            # nobody sampled (or every sampled client sat out): the model still moves by the round's noise
+            aggregates = noise_only_sums(self.plan.channels, self.plan.noise_multipliers, self.server_noise)
         return RoundOutcome(aggregates, participants, tuple(int(c) for c in [*refused, *sat_out]), aborted)
 
     def epsilons(self) -> list[float]:

@@ -41,7 +41,7 @@ import numpy as np
 from privfl.accounting.errors import PrivacyBudgetExceeded
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import SecureNoise, SeededNoise
-from privfl.core.aggregation import weighted_sums
+from privfl.core.aggregation import noise_only_sums, weighted_sums
 from privfl.algorithms.base import FederatedAlgorithm, Phase
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.core.plan import RunPlan, seed_stream
@@ -369,6 +369,9 @@ class InProcess:
         participants = len({r.client_id for r in releases})
         self._released_any = self._released_any or bool(releases)
         if not releases:
+            if privacy.private and sim.plan.amplified:  # nobody sampled: the model still moves by the round's noise
+                return RoundOutcome(noise_only_sums(sim.channels, sim.plan.noise_multipliers, sim.server_noise),
+                                    participants, tuple(sat_out))
             return RoundOutcome(None, participants, tuple(sat_out))
         by_name = {c.name: c for c in sim.channels}
         try:

@@ -178,8 +178,67 @@ def test_an_amplified_run_divides_by_the_expected_participants_never_the_realise
     alg.server_update = server_update
     result = Simulation(alg, data, fed, privacy).run()
     realised = [r.participants for r in result.history if r.participants]
-    assert len(set(realised)) > 1 and len(realised) == len(seen)  # the sample sizes differ between rounds
+    assert len(set(realised)) > 1  # the sample sizes differ between rounds
     if placement == "central":  # what the server step reads: the expected count, weight and participants alike
-        assert all(weight == count == 5.0 for weight, count in seen)
+        assert len(seen) == fed.rounds and all(weight == count == 5.0 for weight, count in seen)
     else:
         assert [count for _, count in seen] == realised and all(weight == count for weight, count in seen)
+
+
+def test_an_amplified_round_that_samples_nobody_still_steps_by_its_noise():
+    """Under amplification a round in which nobody was sampled used to publish no step: an observer of the model
+    then knew that, conditioned on a published round, each client had been sampled with more than the amplified
+    rate (1 - (1 - q)^n of the rounds are published: 3 clients at q = 0.2 give 0.2 / 0.488 = 0.41, not 0.2). Now the
+    server adds the round's central noise to a zero sum and steps (``noise_only_sums``), as in any other round."""
+    from privfl.algorithms import ALGORITHMS
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.runtime.engine import Simulation
+
+    rng = np.random.default_rng(1)
+    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(3)]
+    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
+    fed = FederationConfig(rounds=12, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement="central",
+                            sampling_rate=0.2, accountant="pld", secure_noise=False)
+    alg = ALGORITHMS["dp_fedavg"](fed, privacy)
+    steps = []
+    step = alg.server_update
+
+    def server_update(aggregates, rnd):
+        steps.append((rnd, np.asarray(aggregates["update"].total), aggregates["update"].noise_std))
+        return step(aggregates, rnd)
+
+    alg.server_update = server_update
+    sim = Simulation(alg, data, fed, privacy)
+    result = sim.run()
+    empty = [r.round for r in result.history if r.participants == 0]
+    assert empty and [rnd for rnd, _, _ in steps] == list(range(fed.rounds))  # every round steps
+    expected_std = sim.plan.noise_multipliers["update"] * 0.5
+    for rnd, total, std in steps:
+        assert std == pytest.approx(expected_std)
+        if rnd in empty:  # noise alone, of the round's std
+            assert 0.5 * expected_std < np.std(total) < 1.5 * expected_std
+
+
+def test_secure_aggregation_under_amplifying_client_sampling_is_refused_up_front():
+    """A round under secure aggregation aborts below its survivor floor, so one client's participation could decide
+    whether the others' sum is published: client sampling does not amplify there, and the run is refused before
+    anything is charged, naming what to change."""
+    from privfl.algorithms import ALGORITHMS
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.errors import ConfigurationError
+    from privfl.privacy.secure import SecureAggregation
+    from privfl.runtime.engine import Simulation
+
+    rng = np.random.default_rng(1)
+    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(4)]
+    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement="central",
+                            sampling_rate=0.5, accountant="pld", secure_noise=False)
+    sim = Simulation(ALGORITHMS["dp_fedavg"](fed, privacy), data, fed, privacy, secure=SecureAggregation(bits=48))
+    with pytest.raises(ConfigurationError, match="sampling_rate=1"):
+        sim.run()
+    assert not any(sim.ledger.charges(str(k)) for k in range(4))
