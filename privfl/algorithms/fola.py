@@ -82,6 +82,7 @@ from privfl.algorithms.gaussian_product import (GaussianProduct, combine, gaussi
                                                  shrink_by_known_noise)
 from privfl.algorithms.user_models import check_user_model, user_model_factories
 from privfl.core.channels import ClippedValue, NormClip, PreClipped, PrivatizedValue, TrainedPrivately
+from privfl.core.public import secret_seed
 from privfl.privacy.units import at_unit, channel as unit_channel
 from privfl.errors import ConfigurationError
 from privfl.training.stacked import PerExampleGradients, VectorisedOnlineFisher, vectorisable
@@ -531,9 +532,12 @@ class RecordPosterior:
         for schedule, members in groups.items():
             z = alg._dpsgd_noise_multiplier(schedule)
             seeds, fisher_rngs = [], []
+            secure = alg.privacy.private and alg.privacy.secure_noise
             for i in members:
                 seeds.append(int(rngs[i].integers(0, 2 ** 31 - 1)))
-                fisher_rngs.append(np.random.default_rng(rngs[i].integers(0, 2 ** 63 - 1)))
+                # each record's Fisher step is drawn by its position in the client's data: secret, or one record
+                # removed would move every later record's term to another step (privfl.core.public.secret_seed)
+                fisher_rngs.append(np.random.default_rng(secret_seed(rngs[i], secure)))
             data = [datasets[i].tensors() for i in members]
             engine = DPSGD(alg.model, schedule, noise_multiplier=z, clip=clip, lr=alg.fed.lr,
                            momentum=alg.fed.momentum, secure_noise=alg.privacy.secure_noise, loss=alg._dpsgd_loss(),
