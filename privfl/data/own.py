@@ -135,10 +135,11 @@ def _encode(y: np.ndarray, index: dict[str, int] | None, what: str) -> np.ndarra
     if index is None:
         return y.astype(np.float32)
     labels = [str(v.item() if hasattr(v, "item") else v) for v in y]
-    unknown = sorted({v for v in labels if v not in index})
-    if unknown:
-        raise DatasetError(f"{what} has labels {unknown[:5]} outside the declared label set {list(index)}; declare "
-                           "every class with --classes")
+    outside = sum(v not in index for v in labels)
+    if outside:  # the values are the holder's data: the text says how many and what to change, never which
+        raise DatasetError(f"{what} has {outside} record{'s' if outside != 1 else ''} whose label is outside the "
+                           f"declared label set {list(index)}; declare every class with --classes (classes = in a "
+                           "TOML), or remove those records")
     return np.array([index[v] for v in labels], dtype=np.int64)
 
 
