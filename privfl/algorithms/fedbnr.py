@@ -187,6 +187,11 @@ class ScatterBound(PreClipped):
     def sensitivity(self, adjacency: str) -> float:
         return math.sqrt(self.term_square * (1.0 if check_adjacency(adjacency) == "add_remove" else 2.0))
 
+    @property
+    def unit_norm(self) -> float:
+        """The largest norm of one record's term on the released upper triangle: T."""
+        return math.sqrt(self.term_square)
+
 
 @dataclass(frozen=True)
 class PairedScatter(ScatterBound):

@@ -70,6 +70,11 @@ class PreClipped:
             return sum_sensitivity(self.bound, adjacency)
         return squared_sum_sensitivity(self.bound, adjacency)
 
+    @property
+    def unit_norm(self) -> float:
+        """The largest norm of one record's term: ``bound`` for a sum, ``bound^2`` for a squared sum."""
+        return self.bound if self.statistic == "sum" else self.bound ** 2
+
     def apply(self, value) -> np.ndarray:
         if not isinstance(value, ClippedValue):
             raise InvalidRelease("a PreClipped channel takes a ClippedValue built from per-record clipped terms; "
@@ -242,8 +247,18 @@ class Channel:
 
     @property
     def sensitivity(self) -> float:
-        """L2 sensitivity of this channel, derived from its clip and adjacency."""
-        return self.clip.sensitivity(self.adjacency)
+        """L2 sensitivity of this channel, derived from its clip and adjacency. A sum over Poisson-sampled records
+        under replace-one is accounted with dp-accounting's radius = sensitivity / 2 (``PoissonSampledEvent``), sound
+        only when every record's term has norm at most that radius: the displacement is raised to twice a record's
+        norm bound where it is smaller (a squared sum: sqrt(2) C^2 apart, but one term of norm up to C^2)."""
+        s = self.clip.sensitivity(self.adjacency)
+        if self.record_sampled and self.adjacency == "replace_one":
+            unit = getattr(self.clip, "unit_norm", None)
+            if unit is None:
+                raise InvalidRelease(f"channel {self.name}: a sum over Poisson-sampled records under replace-one needs "
+                                     "a bound on one record's term (a PreClipped clip)")
+            s = max(s, 2.0 * float(unit))
+        return s
 
     @property
     def coordinate_bound(self) -> float | None:

@@ -279,6 +279,28 @@ def test_laplace_channels_share_the_lot_and_split_one_sampled_event():
         assert result.audit["clients"][str(k)]["epsilon"] <= p.epsilon * (1 + 1e-9)
 
 
+def test_under_replace_one_a_sampled_fisher_trace_is_charged_twice_a_records_term():
+    """dp-accounting's sampled replace-one Gaussian puts the sampled record at radius sensitivity / 2 around the lot
+    without it: sound only when a record's term has norm at most that radius. A squared sum's replace-one
+    displacement is sqrt(2) C^2 while one record's term reaches C^2 (a review measured one-record lots at 0.83 and
+    0.88 against the 0.71 the event assumed, and epsilon 3.05 against a target of 3 at fisher_share 0.5); the channel
+    now declares 2 C^2 there, in the plan's calibration and in every charge alike. The gradient sums (2 C) and the
+    unsampled squared sums (sqrt(2) C^2 at q = 1, where no radius is read) keep theirs."""
+    data = federation()
+    for lot, trace_replace in ((40, 2 * 0.25), (10 ** 6, math.sqrt(2) * 0.25)):
+        f, p = fed(rounds=2, batch_size=lot), privacy(clip=0.5, accountant="pld", adjacency="replace_one")
+        sim = Simulation(DPFedSGD(f, p, posterior="laplace", fisher_share=0.5, lot_size=lot), data, f, p)
+        result = sim.run()
+        grad, trace = sim.channels
+        assert grad.sensitivity == pytest.approx(1.0) and trace.sensitivity == pytest.approx(trace_replace)
+        if lot == 40:
+            assert trace.record_sampled
+            charged = next(c.event for c in sim.ledger.charges("0") if c.channel == "fisher_trace")
+            assert isinstance(charged, PoissonSampledEvent) and charged.relation == "replace_one"
+            assert charged.event.sensitivity == pytest.approx(0.5)  # radius 0.25 = C^2: a record's whole term
+        assert result.audit["max_epsilon"] <= p.epsilon * (1 + 1e-9)
+
+
 def test_a_records_fisher_trace_is_its_clipped_squared_norm_per_tensor():
     """One record (q = 1): the trace vector is ||f g_t||^2 for each parameter tensor t, summing to min(||g||, C)^2;
     without privacy the unclipped squared norms."""
