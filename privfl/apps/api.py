@@ -202,7 +202,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     - ``clients``: client name -> its data: a torch ``Dataset`` or ``DataLoader`` of (x, y) pairs (privfl draws its
       own batches: DP-SGD samples them), an ``(X, y)`` pair of numpy arrays or tensors, or a pandas DataFrame with
       its ``target`` column. ``test``: held-out data in the same form; without it each client holds out
-      ``test_fraction`` of its records (a permutation drawn from (seed, client index) only).
+      ``test_fraction`` of its records in expectation, each record on a coin of its own (a keyed hash of the record
+      and ``seed``: :func:`privfl.data.own.holdout_mask`), so adding or removing one record moves no other.
     - ``algorithm``: one that trains a user's model (:func:`own_model_algorithms`: the FedAvg family
       ``OWN_MODEL_ALGORITHMS``, dp_fedsgd, fola, hbfl, fedbnn and fedbnr); the others build their own models and
       are refused with the reason. ``fedbnr`` (regression) takes ``model`` as its feature extractor (None: random
@@ -290,7 +291,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     if test is not None:
         test_pair, rule = as_arrays(test, target=target, what="the test data"), "test data"
     else:
-        held = [holdout_split(len(y), test_fraction, seed, k) for k, (_, y) in enumerate(pairs)]
+        held = [holdout_split(x, y, test_fraction, seed) for x, y in pairs]  # each record's own coin
         test_pair = (np.concatenate([x[o] for (x, _), (_, o) in zip(pairs, held)]),
                      np.concatenate([y[o] for (_, y), (_, o) in zip(pairs, held)]))
         pairs = [(x[t], y[t]) for (x, y), (t, _) in zip(pairs, held)]

@@ -982,7 +982,8 @@ def _add_run_flags(r: argparse.ArgumentParser) -> None:
                         "label set unless --classes is given (default: none, see --test-fraction)")
     r.add_argument("--test-fraction", type=_float, default=None,
                    help="with --data/--entry and no --test-data: each client holds out this share of its own records "
-                        "(a permutation from --seed and the client's index only) as the pooled test set (default 0.2)")
+                        "in expectation, each record on a coin of its own (a hash of the record keyed by --seed: "
+                        "adding or removing a record moves no other), as the pooled test set (default 0.2)")
     r.add_argument("--classes", default=None, metavar="A,B,...",
                    help="with --data/--entry: the public label set, comma-separated (never read from the clients' "
                         "labels; default: the labels of --test-data)")

@@ -13,10 +13,14 @@
   client holds), a :class:`Standardizer` (e.g. ``Standardizer.from_bounds``) is used as given, and ``None`` leaves the
   features as they are. Nothing is ever fitted on the clients' pooled data.
 
-Split rule without a test file (``test_fraction``): each client holds out ``ceil(test_fraction * n_k)`` of its own
-records, chosen by a permutation drawn from ``(seed, client index)`` only, so one client's split depends on nothing but
-its own records and public facts; the held-out records of all clients, pooled, are the test set (evaluation is a
-simulation diagnostic: nothing of the test set is released).
+Split rule without a test file (``test_fraction``): each record is held out on a coin of its own, a keyed hash
+(BLAKE2b, keyed by the run's seed) of that record's bytes (features and label) read as a uniform in [0, 1) and compared
+to ``test_fraction`` (:func:`holdout_mask`). A record's membership is a function of that record and the seed alone:
+adding, removing or replacing one record changes no other record's side of the split, so neighbouring data sets'
+training sets differ in that one record at most (a permutation of record positions would have reshuffled the
+split). A client holds out ``test_fraction * n_k`` records in expectation (a binomial count, not a fixed one), and
+identical rows get the same coin (duplicates are held out together). The held-out records of all clients, pooled, are
+the test set (evaluation is a simulation diagnostic: nothing of the test set is released).
 
 An entry point ``module:function`` is called with no arguments and returns ``(model, clients)``,
 ``(model, clients, test)``, or a mapping with the keys ``"clients"`` (required), ``"model"``, ``"test"``, ``"loss"``,
@@ -32,8 +36,8 @@ name -> ``fn(y_true, scores)``), for the algorithms that train a user's model wi
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -166,14 +170,44 @@ def _as_table(value, target: str | None, what: str):
                        f"{type(value).__name__}")
 
 
-def holdout_split(n: int, test_fraction: float, seed: int, client: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, test) indices of one client's ``n`` records: ``ceil(test_fraction * n)`` held out by a permutation
-    drawn from ``(seed, client)`` only (the module's split rule)."""
+def _label_bytes(y: np.ndarray) -> list[bytes]:
+    """One canonical byte string per record's target: numbers as float64 (so 1, 1.0 and an int32 1 agree), other
+    values as their text."""
+    y = np.asarray(y)
+    if y.dtype.kind in "biuf":
+        rows = np.ascontiguousarray(y.astype(np.float64).reshape(len(y), -1))
+        return [row.tobytes() for row in rows]
+    return [b"\x1f".join(str(v.item() if hasattr(v, "item") else v).encode() for v in np.asarray(row).reshape(-1))
+            for row in y]
+
+
+def holdout_mask(x, y, test_fraction: float, seed: int) -> np.ndarray:
+    """Whether each record of ``(x, y)`` is held out (the module's split rule): BLAKE2b keyed by ``seed`` over the
+    record's features (as float32) and label, read as a uniform in [0, 1), below ``test_fraction``. A function of
+    each record and the seed alone: no other record, no position, no client index."""
     if not 0 < test_fraction < 1:
         raise DatasetError(f"--test-fraction must lie in (0, 1), got {test_fraction}")
-    order = np.random.default_rng([int(seed), int(client)]).permutation(n)
-    k = math.ceil(test_fraction * n) if n > 1 else 0
-    return np.sort(order[k:]), np.sort(order[:k])
+    x = np.asarray(x, dtype=np.float32)
+    n = len(x)
+    if len(y) != n:
+        raise DatasetError(f"x has {n} records but y has {len(y)}")
+    rows = np.ascontiguousarray(x.reshape(n, -1))
+    labels = _label_bytes(y)
+    key = hashlib.blake2b(f"privfl-holdout-split:{int(seed)}".encode(), digest_size=32).digest()
+    threshold = float(test_fraction)
+    out = np.empty(n, dtype=bool)
+    for i in range(n):
+        digest = hashlib.blake2b(rows[i].tobytes(), key=key, digest_size=8)
+        digest.update(b"\x00label\x00" + labels[i])
+        u = (int.from_bytes(digest.digest(), "big") >> 11) * 2.0 ** -53  # uniform in [0, 1), 53 bits
+        out[i] = u < threshold
+    return out
+
+
+def holdout_split(x, y, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of one client's records ``(x, y)`` by :func:`holdout_mask` (the module's split rule)."""
+    held = holdout_mask(x, y, test_fraction, seed)
+    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, task: str = "classification",
@@ -205,17 +239,18 @@ def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, tas
             raise DatasetError(f"a classification task needs at least 2 classes, got {list(classes)}")
         index = _label_index(classes)
     features = None
-    pairs = []
+    pairs, raw = [], []
     for (table, col), client in zip(tables, names):
         features, x, y = _features_and_target(table, col, features, f"client {client!r}")
         pairs.append((x, _encode(y, index, f"client {client!r}")))
+        raw.append(y)
     if test_table is not None:
         _, tx, ty = _features_and_target(test_table[0], test_table[1], features, "the test data")
         test_pair, rule = (tx, _encode(ty, index, "the test data")), "test data"
     else:
         parts, held = [], []
-        for k, (x, y) in enumerate(pairs):
-            train, out = holdout_split(len(y), test_fraction, seed, k)
+        for (x, y), y_raw in zip(pairs, raw):
+            train, out = holdout_split(x, y_raw, test_fraction, seed)
             parts.append((x[train], y[train]))
             held.append((x[out], y[out]))
         pairs = parts
@@ -330,5 +365,5 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
     return EntryPoint(settings, clients, test, module, **training)
 
 
-__all__ = ["ENTRY_KEYS", "EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_split",
-           "load_entry", "read_table"]
+__all__ = ["ENTRY_KEYS", "EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_mask",
+           "holdout_split", "load_entry", "read_table"]

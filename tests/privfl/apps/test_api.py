@@ -108,7 +108,7 @@ def test_federate_takes_mixed_forms_and_the_user_loss_optimizer_and_metrics():
     }
     seen = []
     result = federate(lambda: nn.Sequential(nn.Linear(4, 2)), clients, algorithm="fedavg", target="label",
-                      rounds=3, lr=0.3, loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, 0.05),
+                      rounds=5, lr=0.3, loss=nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.Adam(p, 0.05),
                       metrics={"positives": lambda y_true, proba: seen.append(proba.shape) or float(y_true.sum())})
     assert result.clients == ["frame", "tensors", "loader", "numpy"]
     assert set(result.audit) == set(clients) and math.isinf(result.epsilon)

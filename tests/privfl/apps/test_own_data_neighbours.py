@@ -52,3 +52,89 @@ def test_an_undeclared_label_is_refused_without_echoing_it(tmp_path, capsys):
         assert "1 record whose label is outside the declared label set" in err and "--classes" in err
         errors.append(err)
     assert errors[0] == errors[1]
+
+
+# -- 1. the held-out split: each record's own coin ---------------------------------------------------------------------
+
+class _Stop(BaseException):
+    """Raised once a run is prepared (nothing charged): the entry point goes no further."""
+
+
+@pytest.fixture
+def prepared(monkeypatch):
+    """Simulation.prepare records the run's data and stops the entry point there."""
+    from privfl.runtime.engine import Simulation
+
+    seen: list = []
+    original = Simulation.prepare
+
+    def prepare(self):
+        original(self)
+        seen.append(self.data)
+        raise _Stop
+
+    monkeypatch.setattr(Simulation, "prepare", prepare)
+    return seen
+
+
+def _rows(x) -> set:
+    return {tuple(float(v) for v in np.round(r, 5)) for r in np.asarray(x, dtype=np.float32)}
+
+
+def _neighbours() -> dict:
+    """D; D' without alpha's record 7 (add/remove); D'' with it replaced (replace-one)."""
+    base = _base_frames()
+    removed = {k: v.copy() for k, v in base.items()}
+    removed["alpha"] = base["alpha"].drop(index=7).reset_index(drop=True)
+    replaced = {k: v.copy() for k, v in base.items()}
+    replaced["alpha"].loc[7, list(FEATURES)] = [3.0, -3.0, 3.0]
+    return {"D": base, "D-removed": removed, "D-replaced": replaced}
+
+
+def _assert_only_that_record_moves(data: dict, base: dict) -> None:
+    changed = _rows(np.array([base["alpha"].loc[7, list(FEATURES)].to_numpy(np.float32), [3.0, -3.0, 3.0]],
+                             dtype=np.float32))
+    d = data["D"]
+    for world in ("D-removed", "D-replaced"):
+        other = data[world]
+        for k in range(3):
+            assert _rows(d.train_parts[k].x) ^ _rows(other.train_parts[k].x) <= changed, (world, k)
+        assert _rows(d.test.x) ^ _rows(other.test.x) <= changed, world
+    held = len(d.test) / sum(len(frame) for frame in base.values())
+    assert 0 < held < 0.5  # about the 0.2 asked for (90 records)
+
+
+def test_privfl_run_data_split_moves_only_the_neighbouring_record(tmp_path, prepared, capsys):
+    worlds = _neighbours()
+    data = {}
+    for world, frames in worlds.items():
+        files = _write_clients(tmp_path / world, frames)
+        with pytest.raises(_Stop):
+            main(["run", "--algorithm", "dpsgd_fedavg", "--epsilon", "1", "--data", files, "--target", "y",
+                  "--classes", "0,1", "--client-size", "24", "--rounds", "1", "--standardize", "none", "--quiet"])
+        capsys.readouterr()
+        data[world] = prepared[-1]
+    _assert_only_that_record_moves(data, worlds["D"])
+
+
+def test_federate_split_moves_only_the_neighbouring_record(prepared):
+    from torch import nn
+
+    import privfl
+
+    worlds = _neighbours()
+    data = {}
+    for world, frames in worlds.items():
+        clients = {k: (v[list(FEATURES)].to_numpy(np.float32), v["y"].to_numpy()) for k, v in frames.items()}
+        with pytest.raises(_Stop):
+            privfl.federate(nn.Linear(3, 2), clients, algorithm="dpsgd_fedavg", epsilon=1.0, rounds=1,
+                            client_size=24, batch_size=8, classes=[0, 1])
+        data[world] = prepared[-1]
+    _assert_only_that_record_moves(data, worlds["D"])
+    # identical rows get the same coin: a client holding a record twice holds both out or neither
+    from privfl.data.own import holdout_mask
+
+    x = np.repeat(worlds["D"]["alpha"][list(FEATURES)].to_numpy(np.float32), 2, axis=0)
+    y = np.repeat(worlds["D"]["alpha"]["y"].to_numpy(), 2)
+    mask = holdout_mask(x, y, 0.2, 0)
+    np.testing.assert_array_equal(mask[0::2], mask[1::2])

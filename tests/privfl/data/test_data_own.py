@@ -46,18 +46,25 @@ def test_federation_from_tables_with_a_test_file(cancer):
     assert data.info["classes"] == ["0", "1"] and data.info["test"] == "test data"
 
 
-def test_held_out_split_depends_on_the_client_and_seed_only(cancer):
+def test_held_out_split_is_each_records_own_coin(cancer):
     clients = {f"h{i}": cancer.iloc[i::4] for i in range(4)}
     data = federated_from_tables(clients, "y", classes=[0, 1], test_fraction=0.25, seed=3)
     n = [len(c) for c in clients.values()]
-    assert [len(p) for p in data.train_parts] == [k - int(np.ceil(0.25 * k)) for k in n]
-    assert len(data.test) == sum(int(np.ceil(0.25 * k)) for k in n)
-    # a client's split is the same whatever the other clients hold
-    train0, test0 = holdout_split(n[0], 0.25, 3, 0)
+    held = [holdout_split(c.drop(columns=["y"]).to_numpy(np.float32), c["y"].to_numpy(), 0.25, 3)[1]
+            for c in clients.values()]
+    assert [len(p) for p in data.train_parts] == [k - len(h) for k, h in zip(n, held)]
+    assert len(data.test) == sum(len(h) for h in held)
+    assert abs(len(data.test) / sum(n) - 0.25) < 4 * np.sqrt(0.25 * 0.75 / sum(n))  # the fraction in expectation
+    # a client's split is the same whatever the other clients hold, and a record's side whatever its own client's
+    # other records are (the first 20 records of h1 keep their sides)
     fewer = federated_from_tables({"h0": clients["h0"], "h1": clients["h1"].iloc[:20]}, "y", classes=[0, 1],
                                   test_fraction=0.25, seed=3)
     np.testing.assert_array_equal(fewer.train_parts[0].x, data.train_parts[0].x)
-    assert len(train0) + len(test0) == n[0]
+    first20 = {tuple(r) for r in clients["h1"].iloc[:20].drop(columns=["y"]).to_numpy(np.float32)}
+    assert {tuple(r) for r in fewer.train_parts[1].x} == {tuple(r) for r in data.train_parts[1].x} & first20
+    # another seed, another split
+    other = federated_from_tables(clients, "y", classes=[0, 1], test_fraction=0.25, seed=4)
+    assert not np.array_equal(other.test.x, data.test.x)
 
 
 def test_the_label_set_is_public_never_read_from_clients(cancer):
@@ -77,7 +84,8 @@ def test_standardisation_uses_the_public_data_only(cancer):
     data = federated_from_tables(clients, "y", classes=[0, 1], standardize="public", public=public)
     x_public = public.drop(columns=["y"]).to_numpy()
     expected = (clients["h0"].drop(columns=["y"]).to_numpy() - x_public.mean(0)) / x_public.std(0)
-    train0, _ = holdout_split(len(clients["h0"]), 0.2, 0, 0)
+    train0, _ = holdout_split(clients["h0"].drop(columns=["y"]).to_numpy(np.float32), clients["h0"]["y"].to_numpy(),
+                              0.2, 0)
     np.testing.assert_allclose(data.train_parts[0].x, expected[train0], rtol=1e-4, atol=1e-4)
     with pytest.raises(DatasetError, match="--public-data"):
         federated_from_tables(clients, "y", classes=[0, 1], standardize="public")
