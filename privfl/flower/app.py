@@ -1283,6 +1283,21 @@ def _client_spec(context) -> tuple[RunSpec, int]:
     return spec, client
 
 
+def _planned_round(spec: RunSpec, value) -> int:
+    """The round a server message names, checked against the plan before any record is read or anything charged:
+    an integer in ``[0, rounds)`` of the run (or of the phase the message names). The server chooses the index, and
+    what a client accepts may depend on it (adaptive clipping's accepted clip range widens with the round:
+    ``AdaptiveClip.check_broadcast``), so a round the plan does not hold is refused, not served."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DeploymentError(f"run {spec.run_id!r}: the server named round {value!r}, not an integer; refused "
+                              "before any record was read")
+    rnd = int(value)
+    if not 0 <= rnd < spec.fed.rounds:
+        raise DeploymentError(f"run {spec.run_id!r}: the server named round {rnd}, outside the plan's rounds 0.."
+                              f"{spec.fed.rounds - 1}; refused before any record was read or anything charged")
+    return rnd
+
+
 def client_train(msg, context):
     """The ClientApp's train step: the client's own work on its own data, released through its own pipeline (of the
     run, or of the phase the message names)."""
@@ -1291,14 +1306,13 @@ def client_train(msg, context):
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
     run_spec, client = _client_spec(context)
-    dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec, partition=client)
     from privfl.algorithms.base import Broadcast
 
     broadcast = from_record(msg.content, BROADCAST)
-    rnd = int(broadcast["round"])
     # the client's own instance, from the public spec (and, in a later phase, the earlier phases' final states): it
     # plans the run, or the phase, as the server does
     spec, alg, phased = _party(run_spec, broadcast.get("phase"))
+    rnd = _planned_round(spec, broadcast["round"])
     half = alg.client_half(alg.public, np.random.default_rng(_setup_seq(spec)))
     plan = _run_plan(alg, spec)
     multipliers = plan.noise_multipliers
@@ -1308,6 +1322,8 @@ def client_train(msg, context):
     secure = spec.secure is not None
     # read once, before anything is charged: a run this SuperNode's federation file did not agree to is refused here
     identity = _client_identity(context, spec, None) if secure else {}
+    # every refusal above depends on the messages and the node's own files only; the records are read from here on
+    dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec, partition=client)
     state_key = _state_key(ALGORITHM_STATE, phased)
     kept = _recover_client_state(context, spec, phased, rnd)
     train_rng, noise, secure_rng, save = _generators(spec, client, context, phased)
@@ -1649,8 +1665,8 @@ def client_charge(msg, context):
     run_spec = read_run_spec(context.run_config)
     client = int(_node_value(context, PARTITION_KEY))
     request = from_record(msg.content, CHARGE)
-    rnd = int(request["round"])
     spec, alg, phased = _party(run_spec, request.get("phase"))
+    rnd = _planned_round(spec, request["round"])
     plan = _run_plan(alg, spec)
     ledger = _ledger(spec, context, phased, plan)
     try:

@@ -1,0 +1,131 @@
+"""A malicious ServerApp's messages to the privfl ClientApp: each test plays the server, drives the client half
+(``client_train``, ``client_charge``) with the message it would forge, and checks the client refuses it before any
+record is read or anything charged, or answers in a way that does not depend on the records.
+
+The data sets are neighbours where it matters: ``D`` holds 60 digits whose pixel 1 is 0, ``D'`` replaces one of them
+by a digit whose pixel 1 is not (the weight on that pixel then moves in local training for ``D'`` only)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import Context, Message, RecordDict  # noqa: E402
+
+from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
+from privfl.data import federated_from_arrays, load_digits  # noqa: E402
+from privfl.flower import app as A  # noqa: E402
+from privfl.flower.records import from_record, to_record  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_task_id", "_run_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+DIGITS = load_digits(flatten=True)
+FED = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=4, client_size=60)
+PRIVACY = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local")
+
+
+def spec_of(algorithm="dp_fedavg", privacy=PRIVACY, fed=FED, run_id="r", **kw):
+    parts = [DIGITS.subset(np.arange(k * 60, (k + 1) * 60)) for k in range(2)]
+    federation = federated_from_arrays(parts, DIGITS.subset(np.arange(200, 260)), name="digits2")
+    return A.RunSpec.of(algorithm, federation, fed, privacy, run_id=run_id, **kw)
+
+
+def neighbours(tmp_path):
+    """``{"D": path, "D'": path}``: 60 records whose pixel 1 is 0, and the same with one record replaced."""
+    x, y = DIGITS.x, DIGITS.y
+    zero = np.where(x[:, 1] == 0)[0][:60]
+    other = np.where(x[:, 1] > 0.1)[0][0]
+    out = {}
+    for name, swap in (("D", False), ("D'", True)):
+        xs, ys = x[zero].copy(), y[zero].copy()
+        if swap:
+            xs[0], ys[0] = x[other], y[other]
+        path = tmp_path / ("d1.npz" if swap else "d0.npz")
+        np.savez(path, x=xs, y=ys)
+        out[name] = str(path)
+    return out
+
+
+def context(spec, data, ledger, node=None):
+    config = {"partition-id": 1, "data-path": str(data), "ledger-path": str(ledger), **(node or {})}
+    return Context(run_id=1, node_id=1, node_config=config, state=RecordDict(),
+                   run_config={A.SPEC_KEY: spec.to_json()})
+
+
+def train_message(spec, rnd=0, values=None):
+    alg = A._setup(spec)
+    body = {"round": rnd, "noise_multipliers": A._run_plan(alg, spec).noise_multipliers,
+            "values": dict(alg.broadcast(0).values) if values is None else values}
+    return Message(to_record(body, A.BROADCAST), dst_node_id=1, message_type="train"), alg
+
+
+def reply(handler, msg, ctx, kind=A.REPLY):
+    """The ClientApp's answer as the server sees it: ("error", code) or the decoded reply."""
+    out = A._guarded(handler)(msg, ctx)
+    if out.has_error():
+        return ("error", out.error.code)
+    return from_record(out.content, kind)
+
+
+def rows(ledger, run_id) -> int:
+    if not os.path.exists(ledger):
+        return 0
+    with sqlite3.connect(ledger) as conn:
+        if not conn.execute("SELECT name FROM sqlite_master WHERE name='charges'").fetchone():
+            return 0
+        return conn.execute("SELECT COUNT(*) FROM charges WHERE run_id=?", (run_id,)).fetchone()[0]
+
+
+# -- 1. the round index --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", [1e-30, 1e120])
+def test_a_round_outside_the_plan_is_refused_before_anything_is_read_or_charged(tmp_path, clip):
+    """Round 3000 of a 2-round run: adaptive clipping's accepted clip range grows with the round, so the old client
+    took any clip in [1e-30, ~1e130] and charged and released it. Refused now, with the same code on neighbouring data
+    sets and on a data path that does not exist (nothing was read), nothing charged."""
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local", clip_quantile=0.5)
+    spec = spec_of(privacy=privacy, run_id="adaptive")
+    alg = A._setup(spec)
+    values = {"global_params": alg.global_params, "current_clip": clip}
+    msg, _ = train_message(spec, rnd=3000, values=values)
+    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
+    answers = {}
+    for name, data in paths.items():
+        ledger = tmp_path / f"{len(answers)}.sqlite"
+        answers[name] = reply(A.client_train, msg, context(spec, data, ledger))
+        assert rows(ledger, spec.run_id) == 0
+    assert set(answers.values()) == {("error", A.CLIENT_ERROR_CODES["deployment"])}
+    # the same clip in a planned round is refused by the clip check itself (round 0: a range around C_0)
+    msg0, _ = train_message(spec, rnd=0, values=values)
+    assert reply(A.client_train, msg0, context(spec, paths["D"], tmp_path / "r0.sqlite"))[0] == "error"
+
+
+@pytest.mark.parametrize("rnd", [-1, 2, 10**6, 1.5, True])
+def test_a_round_index_the_plan_does_not_hold_is_refused_in_train_and_charge_messages(tmp_path, rnd):
+    spec = spec_of(run_id="rounds")
+    data = neighbours(tmp_path)["D"]
+    msg, alg = train_message(spec, rnd=rnd)
+    ledger = tmp_path / "l.sqlite"
+    assert reply(A.client_train, msg, context(spec, data, ledger)) == ("error", A.CLIENT_ERROR_CODES["deployment"])
+    # a charge-only message (client sampling under amplification) names its round too
+    sampled = spec_of(privacy=PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="central",
+                                            sampling_rate=0.5), run_id="sampled")
+    charge = Message(to_record({"round": rnd, "phase": None}, A.CHARGE), dst_node_id=1, message_type="query")
+    out = reply(A.client_charge, charge, context(sampled, data, ledger), kind=A.CHARGE)
+    assert out == ("error", A.CLIENT_ERROR_CODES["deployment"])
+    assert rows(ledger, spec.run_id) == 0 and rows(ledger, sampled.run_id) == 0
+    # the last planned round is served
+    last, _ = train_message(spec, rnd=FED.rounds - 1)
+    assert reply(A.client_train, last, context(spec, data, ledger))["round"] == FED.rounds - 1
