@@ -313,7 +313,8 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
         test_pair = (test_pair[0], _regression_targets(test_pair[1], "the test data"))
         num_classes = None
     data = federated_from_arrays(pairs, test_pair, task=task, num_classes=num_classes, name="federate",
-                                 partition="given", seed=seed, info={"clients": names, "test": rule})
+                                 partition="given", seed=seed, info={"clients": names, "test": rule},
+                                 test_from_clients=test is None)
 
     settings = resolve_settings(algorithm, {"local_epochs": local_epochs, "lr": lr, "clip": clip,
                                             "clip_quantile": clip_quantile}, image=len(input_shape) == 3)
@@ -334,6 +335,12 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                                  f"{type(secure_agg).__name__}")
     extra = {k: v for k, v in given.items() if v is not None}
     alg = make_algorithm(algorithm, fed, privacy, model=model, **extra, **options)
+    if getattr(alg, "uses_alignment", False) and test is None:
+        # without test= the only held-out data is the clients' own records, which no algorithm may treat as public
+        raise ConfigurationError(f"{algorithm} collaborates through a public alignment set that no client holds; "
+                                 "without test= the held-out data is the clients' own records, which must not serve "
+                                 "as one: pass test=(X, y), data no client holds (the evaluator's), from which "
+                                 f"{algorithm} carves its alignment set (alignment_size points)")
     rule = resolve_prior_correction(class_prior, alg, task=task, num_classes=num_classes, loss=loss)
     sim = Simulation(alg, data, fed, privacy, ledger_path=ledger, run_id=run_id, secure=secure_agg)
     with warnings.catch_warnings():

@@ -132,6 +132,10 @@ class FederatedData:
     #: declared it, and a private run must be given ``client_size`` (``privfl.core.public.PublicFacts.of``); it is never
     #: computed from the clients' record counts.
     design_size: int | None = None
+    #: True when ``test`` is the clients' own held-out records (the split rule of ``privfl.data.own`` without a test
+    #: set): client data kept for the simulation's evaluation only, never a public set. An algorithm that carves a
+    #: public alignment or distillation set from the test set (FedBNN without ``alignment``) must refuse such data.
+    test_from_clients: bool = False
 
     def __post_init__(self) -> None:
         if not self.train_parts:

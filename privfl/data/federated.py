@@ -155,7 +155,8 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
                           standardize: StandardizeOption = None, public: ArraysLike | None = None,
                           val: ArraysLike | None = None, alignment: ArraysLike | None = None,
                           partition: str = "given", seed: int | None = None,
-                          info: dict | None = None, design_size: int | None = None) -> FederatedData:
+                          info: dict | None = None, design_size: int | None = None,
+                          test_from_clients: bool = False) -> FederatedData:
     """A ``FederatedData`` from the user's own raw data: one ``ArrayDataset`` or ``(x, y)`` pair per client, a test
     set, and optional validation, alignment and public sets, all preprocessed by one public per-record map.
 
@@ -167,6 +168,8 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
       get the same map. ``public`` is recorded, preprocessed, as ``FederatedData.public``.
     - ``design_size``: the public design size of a client's data set, if the data declares one (a benchmark's
       published constant); None for the user's own data, whose private runs declare ``client_size`` instead.
+    - ``test_from_clients``: True when ``test`` is the clients' own held-out records rather than data no client
+      holds (``FederatedData.test_from_clients``: nothing may use it as a public set).
     - ``info`` is copied into ``FederatedData.info``, with ``"standardize"`` (the option: ``"public"``, a
       ``Standardizer`` or None) and ``"standardizer"`` (the map applied, when there is one).
 
@@ -227,6 +230,7 @@ def federated_from_arrays(clients: Sequence[ArraysLike], test: ArraysLike, *, ta
         seed=seed,
         info=out_info,
         design_size=design_size,
+        test_from_clients=bool(test_from_clients),
     )
 
 

@@ -267,7 +267,8 @@ def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, tas
     info = {"clients": names, "features": features, "target": target, "test": rule,
             "classes": None if index is None else list(index)}
     return federated_from_arrays(pairs, test_pair, task=task, num_classes=len(index) if index else None, name=name,
-                                 standardize=standardize, public=public_pair, partition="given", seed=seed, info=info)
+                                 standardize=standardize, public=public_pair, partition="given", seed=seed, info=info,
+                                 test_from_clients=test_table is None)
 
 
 def _sort_key(v):

@@ -138,3 +138,54 @@ def test_federate_split_moves_only_the_neighbouring_record(prepared):
     y = np.repeat(worlds["D"]["alpha"]["y"].to_numpy(), 2)
     mask = holdout_mask(x, y, 0.2, 0)
     np.testing.assert_array_equal(mask[0::2], mask[1::2])
+
+
+# -- 2. FedBNN's alignment set is never the clients' held-out records --------------------------------------------------
+
+def test_federate_fedbnn_without_a_test_set_is_refused_before_anything_is_charged(tmp_path):
+    """Without ``test=`` FedBNN fell back to the test set, the clients' pooled held-out records, as its public
+    alignment set: one client's records reached every upload's inputs. Refused, naming ``test=``, on D and D' alike,
+    with no ledger written; with ``test=`` (data no client holds) the same call is accepted."""
+    from torch import nn
+
+    import privfl
+    from privfl.errors import ConfigurationError
+
+    texts = []
+    for world, frames in _neighbours().items():
+        clients = {k: (v[list(FEATURES)].to_numpy(np.float32), v["y"].to_numpy()) for k, v in frames.items()}
+        ledger = tmp_path / f"{world}.sqlite"
+        with pytest.raises(ConfigurationError) as excinfo:
+            privfl.federate(lambda: nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)), clients,
+                            algorithm="fedbnn", epsilon=1.0, rounds=1, client_size=24, classes=[0, 1],
+                            warmup_epochs=1, prior_steps=1, mc_samples=1, alignment_size=6, ledger=str(ledger))
+        assert "test=" in str(excinfo.value) and "alignment" in str(excinfo.value)
+        assert not ledger.exists()
+        texts.append(str(excinfo.value))
+    assert len(set(texts)) == 1
+
+
+def test_the_data_says_when_its_test_set_is_the_clients_records(tmp_path, prepared, capsys):
+    """``FederatedData.test_from_clients``: True where the test set is the clients' held-out records (an algorithm
+    carving a public set from the test set must refuse it), False where the user gave a test set."""
+    from torch import nn
+
+    import privfl
+
+    frames = _base_frames()
+    clients = {k: (v[list(FEATURES)].to_numpy(np.float32), v["y"].to_numpy()) for k, v in frames.items()}
+    test = _frame(20, 9)
+    for given, expected in ((None, True), ((test[list(FEATURES)].to_numpy(np.float32), test["y"].to_numpy()), False)):
+        with pytest.raises(_Stop):
+            privfl.federate(nn.Linear(3, 2), clients, algorithm="dpsgd_fedavg", epsilon=1.0, rounds=1,
+                            client_size=24, batch_size=8, classes=[0, 1], test=given)
+        assert prepared[-1].test_from_clients is expected
+    files = _write_clients(tmp_path / "D", frames)
+    test.to_csv(tmp_path / "test.csv", index=False)
+    for extra, expected in (([], True), (["--test-data", str(tmp_path / "test.csv")], False)):
+        with pytest.raises(_Stop):
+            main(["run", "--algorithm", "dpsgd_fedavg", "--epsilon", "1", "--data", files, "--target", "y",
+                  "--classes", "0,1", "--client-size", "24", "--rounds", "1", "--standardize", "none", "--quiet",
+                  *extra])
+        capsys.readouterr()
+        assert prepared[-1].test_from_clients is expected
