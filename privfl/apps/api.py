@@ -163,19 +163,25 @@ def _trained_model(sim, alg, test):
     return None
 
 
-def _check_width_fits_labels(width: int, ys: Sequence[np.ndarray]) -> None:
-    """Refuse a model with more outputs than the integer labels use: a 3-output model for 0/1 labels trains a class
-    that no record has. The labels are read here only to raise this error to the user, who holds every client's data
-    in this process; nothing of them enters the run (its label set stays the model's outputs)."""
+#: a private classification run without a declared label set: refused before anything is read of the labels
+PRIVATE_LABEL_SET = ("a private run's label set is a public fact, never read from the clients' labels: pass "
+                     "classes=[...] (every class, in the order of the model's outputs), or test= (data no client "
+                     "holds, whose labels fix the classes with the model's output width)")
+
+
+def _check_width_fits_labels(width: int, ys: Sequence[np.ndarray], whose: str) -> None:
+    """Refuse a model with more outputs than the integer labels ``ys`` use: a 3-output model for 0/1 labels trains a
+    class that no record has. A private run passes the test set's labels only (data no client holds: the check must
+    not turn on one client's record); a non-private run, which claims nothing, may pass every client's too."""
     values = [y.reshape(-1) for y in ys if y.size and y.dtype.kind in "biu"]
     if not values or len(values) != sum(1 for y in ys if y.size):
         return  # non-integer labels are refused by _labels with the pointer to classes=
     top = int(max(v.max() for v in values))
     if top + 1 < width:
         raise ConfigurationError(f"the model outputs {width} values per example (one per class), but the labels of "
-                                 f"every client and the test data lie in 0..{top} ({top + 1} classes): make its last "
-                                 f"layer output {top + 1} values, or, if the other classes exist but no client holds "
-                                 f"them, pass classes=[...] listing all {width} in the order of the model's outputs")
+                                 f"{whose} lie in 0..{top} ({top + 1} classes): make its last layer output "
+                                 f"{top + 1} values, or, if the other classes exist but {whose} holds none of them, "
+                                 f"pass classes=[...] listing all {width} in the order of the model's outputs")
 
 
 def _regression_targets(y: np.ndarray, what: str) -> np.ndarray:
@@ -198,7 +204,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     - ``model``: a ``torch.nn.Module`` (copied; yours is not modified) or a zero-argument factory of one (for hbfl
       and fedbnn also a list of them, one per client, cycled). Its output width is the number of classes (or of
       regression targets): a classifier with more outputs than its integer labels use (e.g. 3 outputs for 0/1
-      labels) is refused, unless ``classes`` lists every class in output order.
+      labels) is refused, unless ``classes`` lists every class in output order. A private classification run
+      (finite ``epsilon``) takes its classes from ``classes``, or else from ``test``'s labels (the model's output
+      width checked against them), never from the clients' labels: with neither it is refused up front.
     - ``clients``: client name -> its data: a torch ``Dataset`` or ``DataLoader`` of (x, y) pairs (privfl draws its
       own batches: DP-SGD samples them), an ``(X, y)`` pair of numpy arrays or tensors, or a pandas DataFrame with
       its ``target`` column. ``test``: held-out data in the same form; without it each client holds out
@@ -303,8 +311,13 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     input_shape = tuple(test_pair[0].shape[1:])
     if task == "classification":
         width = len(classes) if classes is not None else _output_width(user.model, input_shape)
-        if classes is None:
-            _check_width_fits_labels(width, [y for _, y in pairs] + [test_pair[1]])
+        if classes is None and math.isfinite(epsilon):
+            # private: the classes come from the declaration or the user's test set, never the clients' labels
+            if test is None:
+                raise ConfigurationError(PRIVATE_LABEL_SET)
+            _check_width_fits_labels(width, [test_pair[1]], "the test data")
+        elif classes is None:
+            _check_width_fits_labels(width, [y for _, y in pairs] + [test_pair[1]], "every client and the test data")
         pairs = [(x, _labels(y, f"client {n!r}", classes, width)) for n, (x, y) in zip(names, pairs)]
         test_pair = (test_pair[0], _labels(test_pair[1], "the test data", classes, width))
         num_classes = width

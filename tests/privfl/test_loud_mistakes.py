@@ -86,7 +86,11 @@ def test_federate_refuses_more_outputs_than_the_labels_use():
     clients = {"a": _classification(60, 0), "b": _classification(60, 1)}
     with pytest.raises(ConfigurationError, match=r"outputs 3 values.*0\.\.1 \(2 classes\).*classes=\[\.\.\.\]"):
         privfl.federate(nn.Linear(3, 3), clients, algorithm="fedavg", **QUIET)
-    with pytest.raises(ConfigurationError, match="outputs 3 values"):  # before anything is charged, private or not
+    # a private run reads no client's label for this: its classes come from classes= or the test data's labels
+    with pytest.raises(ConfigurationError, match=r"outputs 3 values.*labels of the test data lie in 0\.\.1"):
+        privfl.federate(nn.Linear(3, 3), clients, algorithm="dpsgd_fedavg", epsilon=3.0, client_size=50,
+                        test=_classification(40, 2), **QUIET)
+    with pytest.raises(ConfigurationError, match=r"label set is a public fact.*classes=\[\.\.\.\].*test="):
         privfl.federate(nn.Linear(3, 3), clients, algorithm="dpsgd_fedavg", epsilon=3.0, client_size=50, **QUIET)
     # declared: a third class no client holds is the user's to name
     result = privfl.federate(nn.Linear(3, 3), clients, algorithm="fedavg", classes=[0, 1, 2], **QUIET)

@@ -184,11 +184,11 @@ def test_batchnorm_under_dpsgd_is_refused_with_module_validator_fix_suggested():
     clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     with pytest.raises(ConfigurationError) as excinfo:
-        federate(net, clients, epsilon=3.0, rounds=1, client_size=100)
+        federate(net, clients, epsilon=3.0, rounds=1, client_size=100, classes=[0, 1])
     msg = _message(excinfo)
     assert "ModuleValidator.fix" in msg and "1 (BatchNorm1d)" in msg
     ln = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 2))  # a privacy-safe norm trains
-    assert federate(ln, clients, epsilon=3.0, rounds=1, client_size=100).epsilon <= 3.0 + 1e-9
+    assert federate(ln, clients, epsilon=3.0, rounds=1, client_size=100, classes=[0, 1]).epsilon <= 3.0 + 1e-9
 
 
 class Tied(nn.Module):
@@ -206,14 +206,15 @@ def test_a_model_opacus_cannot_do_per_example_gets_a_clear_message():
     x, y = _blobs()
     clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
     with pytest.raises(ConfigurationError, match="opacus cannot compute per-example gradients for this model.*tying"):
-        federate(Tied(), clients, epsilon=3.0, rounds=1, loss=nn.CrossEntropyLoss(), client_size=100)
+        federate(Tied(), clients, epsilon=3.0, rounds=1, loss=nn.CrossEntropyLoss(), client_size=100,
+                 classes=[0, 1])
 
 
 def test_dpsgd_needs_a_per_example_loss():
     x, y = _blobs()
     clients = {f"c{i}": (x[i::2], y[i::2]) for i in range(2)}
     with pytest.raises(ConfigurationError, match="one loss per example"):
-        federate(nn.Linear(4, 2), clients, epsilon=3.0, rounds=1, loss=nn.functional.cross_entropy)
+        federate(nn.Linear(4, 2), clients, epsilon=3.0, rounds=1, loss=nn.functional.cross_entropy, classes=[0, 1])
     result = federate(nn.Linear(4, 2), clients, algorithm="fedavg", rounds=1, loss=nn.functional.cross_entropy)
     assert "auroc" in result.final  # without DP-SGD any callable loss trains
 

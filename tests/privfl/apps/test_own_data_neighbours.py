@@ -189,3 +189,49 @@ def test_the_data_says_when_its_test_set_is_the_clients_records(tmp_path, prepar
                   *extra])
         capsys.readouterr()
         assert prepared[-1].test_from_clients is expected
+
+
+# -- 3. a private run's classes: declared, or the test set's, never a client's labels ---------------------------------
+
+def _one_positive(label: int) -> dict:
+    """Three clients whose labels are all 0 except client a's record 0, which is ``label`` (replace-one)."""
+    rng = np.random.default_rng(2)
+    base = {n: (rng.normal(size=(30, 3)).astype(np.float32), np.zeros(30, dtype=np.int64)) for n in ("a", "b", "c")}
+    base["a"][1][0] = label
+    return base
+
+
+def test_federate_private_run_is_refused_or_run_alike_whatever_one_label(prepared):
+    """A 2-output model over clients whose only positive is one record: whether a private run was refused depended
+    on that record's label (the width was checked against the clients' labels). Without classes= or test= it is
+    refused on both with the same text naming classes=; with test= both are prepared alike."""
+    from torch import nn
+
+    import privfl
+    from privfl.errors import ConfigurationError
+
+    texts = []
+    for label in (1, 0):
+        with pytest.raises(ConfigurationError) as excinfo:
+            privfl.federate(nn.Linear(3, 2), _one_positive(label), algorithm="dpsgd_fedavg", epsilon=1.0, rounds=1,
+                            client_size=24, batch_size=8)
+        texts.append(str(excinfo.value))
+    assert texts[0] == texts[1] and "classes=" in texts[0] and "test=" in texts[0]
+    test = (np.random.default_rng(5).normal(size=(20, 3)).astype(np.float32), np.arange(20) % 2)
+    for label in (1, 0):
+        for kw in ({"test": test}, {"classes": [0, 1]}):
+            with pytest.raises(_Stop):
+                privfl.federate(nn.Linear(3, 2), _one_positive(label), algorithm="dpsgd_fedavg", epsilon=1.0,
+                                rounds=1, client_size=24, batch_size=8, **kw)
+            assert prepared[-1].num_classes == 2
+    # a test set whose labels use fewer classes than the model's outputs is refused, on both, from its labels alone
+    texts = []
+    for label in (1, 0):
+        with pytest.raises(ConfigurationError) as excinfo:
+            privfl.federate(nn.Linear(3, 2), _one_positive(label), algorithm="dpsgd_fedavg", epsilon=1.0, rounds=1,
+                            client_size=24, batch_size=8, test=(test[0], np.zeros(20, dtype=np.int64)))
+        texts.append(str(excinfo.value))
+    assert texts[0] == texts[1] and "labels of the test data lie in 0..0" in texts[0]
+    # a non-private run claims nothing and may still read every label for this check
+    with pytest.raises(ConfigurationError, match="every client and the test data lie in 0..0"):
+        privfl.federate(nn.Linear(3, 2), _one_positive(0), algorithm="fedavg", rounds=1)

@@ -97,7 +97,7 @@ def test_federate_refuses_a_bad_prior_before_anything_is_charged(tmp_path):
     ledger = tmp_path / "l.sqlite"
     with pytest.raises(ConfigurationError, match="class_prior has 3 values for 2 classes"):
         federate(lambda: nn.Linear(4, 2), _clients(), algorithm="dpsgd_fedavg", epsilon=3.0, client_size=120,
-                 rounds=1, class_prior=[0.8, 0.1, 0.1], ledger=str(ledger))
+                 rounds=1, class_prior=[0.8, 0.1, 0.1], ledger=str(ledger), classes=[0, 1])
     assert not ledger.exists()
     with pytest.raises(ConfigurationError, match="class_prior must sum to 1"):
         federate(lambda: nn.Linear(4, 2), _clients(), algorithm="fedavg", rounds=1, class_prior=[0.9, 0.2])
