@@ -41,6 +41,14 @@ def _clip(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'adaptive', got {text!r}") from None
 
 
+def _names(text: str) -> list[str]:
+    """Comma-separated names (``--client-names a,b,c``), stripped, none empty or repeated."""
+    names = [n.strip() for n in text.split(",")]
+    if not names or any(not n for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated names such as a,b,c, got {text!r}")
+    return names
+
+
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(t) for t in text.split(",") if t.strip())
@@ -527,7 +535,8 @@ def cmd_run(args) -> int:
     return 0
 
 
-_OWN_DATA_FLAGS = (("--target", "target"), ("--client-column", "client_column"), ("--test-data", "test_data"),
+_OWN_DATA_FLAGS = (("--target", "target"), ("--client-column", "client_column"), ("--client-names", "client_names"),
+                   ("--test-data", "test_data"),
                    ("--test-fraction", "test_fraction"), ("--classes", "classes"), ("--task", "task"),
                    ("--public-data", "public_data"))
 
@@ -570,8 +579,16 @@ def _own_data(args):
         print("privfl run: features are used as given (no standardisation): pass --public-data FILE (data no client "
               "holds) to standardise them with public statistics, or --standardize none to silence this",
               file=sys.stderr)
+    if args.client_names is not None and args.client_column is None:
+        raise ConfigurationError("--client-names declares the clients of one file split by --client-column; with one "
+                                 "file per client the files name the clients: drop it, or add --client-column")
+    if args.client_column is not None and args.client_names is None and math.isfinite(args.epsilon):
+        # the roster found in the data would make the client count, order and run id a function of the records
+        raise ConfigurationError(f"--client-column {args.client_column!r} in a private run needs the clients "
+                                 "declared: add --client-names a,b,c (every client, in the run's order); the "
+                                 "clients are never taken from the values found in the rows")
     if args.data is not None:
-        clients = client_tables(args.data, args.client_column)
+        clients = client_tables(args.data, args.client_column, names=args.client_names)
         test = None if args.test_data is None else read_table(args.test_data, "--test-data")
         name = "own"
     else:
@@ -649,8 +666,8 @@ def _settings(args, fed, privacy, secure) -> dict:
     data = {"dataset": args.dataset, "clients": args.clients, "partition": args.partition or "given",
             "alpha": args.alpha if args.partition == "dirichlet" else None, "standardize": args.standardize,
             "public_size": args.public_size, "alignment_size": args.alignment_size}
-    for key in ("data", "target", "client_column", "test_data", "test_fraction", "classes", "task", "public_data",
-                "entry"):
+    for key in ("data", "target", "client_column", "client_names", "test_data", "test_fraction", "classes", "task",
+                "public_data", "entry"):
         if getattr(args, key, None) is not None:
             data[key] = getattr(args, key)
     out = {"algorithm": args.algorithm, "algorithm_options": options, "federation": asdict(fed),
@@ -968,8 +985,13 @@ def _add_run_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--target", default=None, metavar="COLUMN",
                    help="with --data: the label (or target) column (no default: required with --data)")
     r.add_argument("--client-column", default=None, metavar="COLUMN",
-                   help="with --data FILE: the column saying whose record each row is (default: none, one file per "
-                        "client)")
+                   help="with --data FILE: the column saying whose record each row is; every row must have one "
+                        "(default: none, one file per client)")
+    r.add_argument("--client-names", type=_names, default=None, metavar="A,B,...",
+                   help="with --client-column: the clients, comma-separated, in the run's order (a public fact: "
+                        "required for a private run, whose clients are never taken from the values in the rows; a "
+                        "row naming another client is an error) (default: none, the values found, sorted, for a "
+                        "non-private run only)")
     r.add_argument("--entry", default=None, metavar="MODULE:FUNCTION",
                    help="your own data from Python: a function returning (model, clients), (model, clients, "
                         "test) or a dict with the keys clients (required), model, test, loss, optimizer, metrics; "

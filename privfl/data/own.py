@@ -76,9 +76,16 @@ def read_table(path: str, flag: str = "--data"):
     raise DatasetError(f"{flag} {path}: unknown file type {suffix!r}; use CSV (.csv) or Parquet (.parquet)")
 
 
-def client_tables(data: str | Sequence[str], client_column: str | None = None, flag: str = "--data") -> dict:
+def client_tables(data: str | Sequence[str], client_column: str | None = None, flag: str = "--data",
+                  names: Sequence[str] | None = None, names_flag: str = "--client-names") -> dict:
     """Client name -> DataFrame: one file per client (``data`` a glob or a list of paths; the name is the file's
-    stem), or one file split by ``client_column``."""
+    stem), or one file split by ``client_column``.
+
+    With ``client_column``, ``names`` declares the roster (``--client-names``): the clients are exactly these, in
+    this order, each with the rows whose client value is its name (a declared client without rows gets an empty
+    table), and a row naming an undeclared client is an error that names ``names_flag`` but not the value. Without
+    ``names`` the roster is the distinct values found, sorted (the client count, order and run id then follow the
+    data: for non-private runs only). A row with no client value is an error either way, never dropped."""
     patterns = [data] if isinstance(data, str) else list(data)
     paths: list[str] = []
     for pattern in patterns:
@@ -94,8 +101,22 @@ def client_tables(data: str | Sequence[str], client_column: str | None = None, f
         if client_column not in table.columns:
             raise DatasetError(f"--client-column {client_column!r} is not a column of {paths[0]} (columns: "
                                f"{_columns(table)})")
-        return {str(name): part.drop(columns=[client_column]).reset_index(drop=True)
-                for name, part in sorted(table.groupby(client_column, sort=True), key=lambda kv: str(kv[0]))}
+        column = table[client_column]
+        if column.isna().any():  # such rows would silently leave the federation (groupby drops them)
+            raise DatasetError(f"--client-column {client_column!r} of {paths[0]} is empty in some rows: every row "
+                               "must say whose record it is; fill those rows' client or remove them")
+        owner = column.map(_client_key)
+        rows = table.drop(columns=[client_column])
+        if names is None:
+            return {name: rows[owner == name].reset_index(drop=True) for name in sorted(set(owner))}
+        roster = [str(n) for n in names]
+        if not roster or len(set(roster)) != len(roster):
+            raise DatasetError(f"{names_flag} must list distinct client names, e.g. {names_flag} a,b,c")
+        if not owner.isin(roster).all():
+            raise DatasetError(f"--client-column {client_column!r} of {paths[0]} has rows whose client is not "
+                               f"declared in {names_flag} (the values are not shown: they are the rows' data); "
+                               f"declare every client in {names_flag}, or remove those rows")
+        return {name: rows[owner == name].reset_index(drop=True) for name in roster}
     if len(paths) < 2:
         raise DatasetError(f"{flag} names one file, which is one client; a federation needs one file per client (a "
                            "glob such as 'clients/*.csv') or --client-column naming the column that says whose "
@@ -104,6 +125,14 @@ def client_tables(data: str | Sequence[str], client_column: str | None = None, f
     if len(set(names)) != len(names):
         names = paths  # two folders with the same file names: the paths tell the clients apart
     return {name: read_table(p, flag) for name, p in zip(names, paths)}
+
+
+def _client_key(value) -> str:
+    """A client column's value as a client name: integers as integers (a column read as floats, 1.0, is client '1')."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
 
 
 def _columns(table) -> str:

@@ -235,3 +235,85 @@ def test_federate_private_run_is_refused_or_run_alike_whatever_one_label(prepare
     # a non-private run claims nothing and may still read every label for this check
     with pytest.raises(ConfigurationError, match="every client and the test data lie in 0..0"):
         privfl.federate(nn.Linear(3, 2), _one_positive(0), algorithm="fedavg", rounds=1)
+
+
+# -- 4. --client-column: the roster is declared, never found in the rows ---------------------------------------------
+
+def _one_file(folder, extra_rows: list[tuple[object, int]] = ()) -> str:
+    """all.csv: 30 rows for each of the sites a, b, c (column ``site``), plus ``extra_rows`` (site, seed) rows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [_frame(30, k).assign(site=name) for k, name in enumerate(("a", "b", "c"))]
+    parts += [_frame(1, 100 + seed).assign(site=site) for site, seed in extra_rows]
+    pd.concat(parts, ignore_index=True).to_csv(folder / "all.csv", index=False)
+    return str(folder / "all.csv")
+
+
+def _run_column(path, *extra, epsilon="1"):
+    return main(["run", "--algorithm", "dpsgd_fedavg" if epsilon != "inf" else "fedavg", "--epsilon", epsilon,
+                 "--data", path, "--client-column", "site", "--target", "y", "--classes", "0,1", "--client-size",
+                 "24", "--rounds", "1", "--standardize", "none", "--quiet", *extra])
+
+
+def test_privfl_run_client_column_roster_is_declared(tmp_path, prepared, capsys):
+    """One record with a new site value added a client: the client count, order and run id followed the data.
+    A private run now needs --client-names (refused alike on D and D' without it); with it the roster, its order and
+    the run id are the declaration's, a row of another site is refused without echoing its value, and a row of a
+    declared site changes neither."""
+    worlds = {"D": _one_file(tmp_path / "D"),
+              "D-new-site": _one_file(tmp_path / "D-new-site", [("zz-secret-site", 1)]),
+              "D-more-b": _one_file(tmp_path / "D-more-b", [("b", 2)])}
+    texts = []
+    for world in ("D", "D-new-site"):
+        assert _run_column(worlds[world]) == 2
+        err = capsys.readouterr().err
+        assert "--client-names" in err and "Traceback" not in err
+        texts.append(err)
+    assert texts[0] == texts[1]
+    seen = {}
+    for world in ("D", "D-more-b"):
+        with pytest.raises(_Stop):
+            _run_column(worlds[world], "--client-names", "c,a,b")
+        capsys.readouterr()
+        data = prepared[-1]
+        seen[world] = (data.info["clients"], data.n_clients)
+        assert data.info["clients"] == ["c", "a", "b"] and data.n_clients == 3
+    assert seen["D"] == seen["D-more-b"]
+    assert _run_column(worlds["D-new-site"], "--client-names", "c,a,b") == 2
+    err = capsys.readouterr().err
+    assert "--client-names" in err and "zz-secret-site" not in err and "Traceback" not in err
+
+
+def test_the_run_id_and_json_name_the_declared_roster(tmp_path, capsys, monkeypatch):
+    import json
+
+    ids = []
+    for world, extra in (("D", []), ("D-more-b", [("b", 2)])):
+        _one_file(tmp_path / world, extra)
+        monkeypatch.chdir(tmp_path / world)  # the same relative path: the run id hashes the settings, paths included
+        out = tmp_path / f"{world}.json"
+        assert _run_column("all.csv", "--client-names", "a,b,c", "--json", str(out)) == 0, capsys.readouterr().err
+        result = json.loads(out.read_text())
+        assert result["clients"] == 3 and result["settings"]["data"]["client_names"] == ["a", "b", "c"]
+        ids.append(result["run_id"])
+    assert ids[0] == ids[1]
+
+
+def test_a_row_without_a_client_is_an_error_never_dropped(tmp_path, capsys):
+    path = _one_file(tmp_path / "D")
+    frame = pd.read_csv(path)
+    frame.loc[5, "site"] = None
+    frame.to_csv(path, index=False)
+    for args in (("--client-names", "a,b,c"), ()):
+        assert _run_column(path, *args, epsilon="1" if args else "inf") == 2
+        err = capsys.readouterr().err
+        assert "empty in some rows" in err and "--client-column 'site'" in err and "Traceback" not in err
+
+
+def test_a_non_private_run_may_still_find_its_clients(tmp_path, prepared, capsys):
+    with pytest.raises(_Stop):
+        _run_column(_one_file(tmp_path / "D"), epsilon="inf")
+    capsys.readouterr()
+    assert prepared[-1].info["clients"] == ["a", "b", "c"]
+    assert main(["run", "--algorithm", "fedavg", "--epsilon", "inf", "--data", str(tmp_path / "D" / "all.csv"),
+                 "--target", "y", "--client-names", "a,b,c", "--quiet"]) == 2
+    assert "--client-names declares the clients of one file split by --client-column" in capsys.readouterr().err
