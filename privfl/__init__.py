@@ -5,7 +5,8 @@ optional secure-aggregation mask); the ledger turns what was charged into (epsil
 
 Your own model and data (``privfl.federate``)::
 
-    result = privfl.federate(model, {"hospital_a": (X_a, y_a), "hospital_b": (X_b, y_b)}, epsilon=3.0)
+    result = privfl.federate(model, {"hospital_a": (X_a, y_a), "hospital_b": (X_b, y_b)}, epsilon=3.0,
+                             client_size=500, classes=[0, 1])  # public facts a private run declares
     result.model, result.history, result.audit
 
 The pieces underneath::

@@ -413,6 +413,10 @@ class FedBNN(FederatedAlgorithm):
             if len(ad) > self.alignment_size:
                 ad = ad.subset(np.sort(rng.choice(len(ad), self.alignment_size, replace=False)))
         else:
+            if getattr(data, "test_from_clients", False):  # the clients' own held-out records: never public
+                raise ConfigurationError("fedbnn needs a public alignment set held by no client; this data's test "
+                                         "set is the clients' own held-out records: pass a test set no client holds "
+                                         "(test=, --test-data) or build the data with an alignment set")
             test = public.test
             size = min(self.alignment_size, len(test) // 2) if test is not None else 0
             if size < 1:

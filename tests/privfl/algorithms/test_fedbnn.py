@@ -420,3 +420,28 @@ def test_cli_refuses_alignment_size_for_algorithms_without_one(capsys):
                  "--epsilon", "inf", "--alignment-size", "50", "--quiet"])
     assert code == 2
     assert "--alignment-size" in capsys.readouterr().err
+
+
+def test_fedbnn_never_takes_the_clients_held_out_records_as_its_alignment_set():
+    """Without an alignment set FedBNN carves one from the test set; when that test set is the clients' own held-out
+    records (``test_from_clients``: privfl run --data or federate without a test file) every client's upload would be
+    its predictions on other clients' records, uncharged. Refused in FedBNN's own setup, whatever the entry point."""
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+    from privfl.errors import ConfigurationError
+
+    rng = np.random.default_rng(0)
+    parts = [(rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 3, 20)) for _ in range(3)]
+    test = (rng.normal(size=(30, 4)).astype(np.float32), rng.integers(0, 3, 30))
+    fed = FederationConfig(rounds=1, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client")
+    for held_out in (True, False):
+        data = federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy", design_size=20,
+                                     test_from_clients=held_out)
+        alg = FedBNN(fed, privacy, alignment_size=10)
+        if held_out:
+            with pytest.raises(ConfigurationError, match="held by no client"):
+                alg.setup(data, np.random.default_rng(0))
+        else:
+            alg.setup(data, np.random.default_rng(0))
+            assert len(alg.alignment_x) == 10
