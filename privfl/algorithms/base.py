@@ -81,6 +81,44 @@ class Broadcast:
         return cls(msg["round"], msg["values"])
 
 
+#: the largest magnitude a broadcast number may have: privfl's models train in float32, and a number beyond its range
+#: (3.4e38) becomes infinite the moment a client loads it, which no honest server's state does
+BROADCAST_BOUND = float(np.finfo(np.float32).max)
+
+
+def check_broadcast_value(label: str, value, held=None) -> None:
+    """Refuse a broadcast value a client must not train from, on the value alone (before any record is read): a
+    number or numeric array with an entry that is NaN, infinite or beyond :data:`BROADCAST_BOUND`, an array that is
+    not numeric, or an array whose shape differs from ``held``'s (what the client half holds in its place: its own
+    set-up state or the previous round's broadcast, public). Mappings and sequences are checked entry by entry. A
+    value the server chose to make training fail on some records and not on their neighbours is refused here, for
+    every client alike, instead of failing (or not) on the records."""
+    from privfl.errors import ConfigurationError
+
+    def refuse(why: str):
+        raise ConfigurationError(f"the server broadcast {label} {why}; refused before any record was read")
+
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            refuse(f"as an array of {value.dtype}, not numbers")
+        if isinstance(held, np.ndarray) and value.shape != held.shape:
+            refuse(f"with shape {value.shape}, where this client holds {held.shape}")
+        if value.dtype.kind == "f" and value.size and not float(np.max(np.abs(value))) <= BROADCAST_BOUND:
+            refuse(f"with entries that are NaN, infinite or beyond float32's range ({BROADCAST_BOUND:.3g})")
+    elif isinstance(held, np.ndarray) and value is not None:
+        refuse(f"as a {type(value).__name__}, where this client holds an array of shape {held.shape}")
+    elif isinstance(value, (float, np.floating)):
+        if not abs(float(value)) <= BROADCAST_BOUND:
+            refuse(f"as {float(value)!r} (NaN, infinite or beyond float32's range)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_broadcast_value(f"{label}[{key!r}]", item, held.get(key) if isinstance(held, dict) else None)
+    elif isinstance(value, (list, tuple)):
+        same = isinstance(held, (list, tuple)) and len(held) == len(value)
+        for i, item in enumerate(value):
+            check_broadcast_value(f"{label}[{i}]", item, held[i] if same else None)
+
+
 def _detached(value):
     """A copy of a broadcast value that shares no mutable buffer with the server half."""
     if isinstance(value, np.ndarray):
@@ -163,6 +201,12 @@ class FederatedAlgorithm(abc.ABC):
     @abc.abstractmethod
     def client_update(self, client: int, dataset, round: int, rng: np.random.Generator) -> ClientOutput:
         """Local work of ``client`` on its ``dataset`` from the current global state."""
+
+    def check_broadcast(self, round: int) -> None:
+        """A client's check of the broadcast state it holds for ``round``, before any record is read (the client half
+        calls it whenever it loads a broadcast, after the generic checks of :func:`check_broadcast_value`): an
+        algorithm whose broadcast has a public bound (adaptive clipping's C_t, a precision that is positive)
+        refuses a value outside it here, on the broadcast and public facts alone. None by default."""
 
     def round_clip(self) -> float | None:
         """With adaptive clipping, the clip of the coming round's releases (public: set by earlier releases), for the
@@ -273,7 +317,10 @@ class ClientHalf:
         return self.algorithm.channels()
 
     def load(self, broadcast: Broadcast) -> None:
-        """Take the server state of ``broadcast`` (exactly the declared ``broadcast_state``)."""
+        """Take the server state of ``broadcast`` (exactly the declared ``broadcast_state``), checked before any record
+        is read: every number finite and within float32's range, every array numeric and of the shape this half
+        holds (:func:`check_broadcast_value`), then the algorithm's own bounds
+        (:meth:`FederatedAlgorithm.check_broadcast`). A refused broadcast leaves the half as it was."""
         alg = self.algorithm
         names = set(alg.broadcast_state)
         if set(broadcast.values) != names:
@@ -281,7 +328,16 @@ class ClientHalf:
 
             raise CorruptMessage(f"{alg.name}: a broadcast carries {sorted(names)}, got {sorted(broadcast.values)}")
         for name in alg.broadcast_state:
+            check_broadcast_value(f"{alg.name}'s {name}", broadcast.values[name], getattr(alg, name, None))
+        held = {name: getattr(alg, name, None) for name in alg.broadcast_state}
+        for name in alg.broadcast_state:
             setattr(alg, name, _detached(broadcast.values[name]))
+        try:
+            alg.check_broadcast(broadcast.round)
+        except BaseException:
+            for name, value in held.items():
+                setattr(alg, name, value)
+            raise
 
     def _clear(self) -> None:
         for name in self.algorithm.client_state:

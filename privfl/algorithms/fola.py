@@ -257,6 +257,18 @@ class FOLA(FederatedAlgorithm):
         [(_, out)] = self.form.updates([client], [dataset], round, [rng], vectorised=False)
         return out
 
+    def check_broadcast(self, round) -> None:
+        """The broadcast precision checked before any record is read (the client half calls this after its generic
+        checks: finite, within float32's range, the model's shape): every entry > 0, as every honest server's is
+        (gamma to start with, floored at gamma or folded from a floored value after). A review's server sent 1e300
+        on the weights of a pixel that is 0 in every record of D: the prior term then overflowed only for a data
+        set whose record moved such a weight."""
+        precision = np.asarray(self.precision)
+        if precision.size and not float(precision.min()) > 0:
+            raise ConfigurationError(f"the server broadcast a FOLA precision with entries <= 0 (smallest "
+                                     f"{float(precision.min())!r}); every honest precision is > 0; refused before any "
+                                     "record was read")
+
     def _record_output(self, mu: np.ndarray, fisher_sum: torch.Tensor, stats: dict, event) -> ClientOutput:
         """The record-level channels from the DP-SGD-trained mean and the clipped Fisher (module docstring)."""
         fisher = fisher_sum.double().numpy()

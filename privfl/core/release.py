@@ -3,6 +3,10 @@
 For each round, in this order (ARCHITECTURE.md, "the path of one value"):
 
 1. **validate** every channel value: finite, of the declared shape, else :class:`InvalidRelease` and nothing released;
+   except that a private round whose local result is not finite releases its data-independent fallback instead
+   (:func:`fallback_value`: no change), charged and noised as usual, and says so only in a
+   :class:`LocalResultNotFinite` warning on the client's side: whether training failed on a client's records must
+   not reach the server as an error it is not charged for;
 2. **clip**: the channel's clip makes its declared sensitivity true;
 3. **charge** the ledger for all the round's channels in one committed transaction; if the client's budget would be
    exceeded, :class:`PrivacyBudgetExceeded` is raised, nothing is charged or released, the client sits the round out;
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -32,10 +37,53 @@ from privfl.accounting.events import GaussianEvent, NonPrivateEvent, NoOpEvent, 
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
-from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, amplifies
+from privfl.core.channels import (Channel, ClippedValue, NormClip, PrivatizedValue, RangeBound, TrainedPrivately,
+                                  amplifies)
 from privfl.errors import DIVERGENCE_CAUSES
 
 PLACEMENTS = ("local", "central", "distributed")
+
+
+class LocalResultNotFinite(RuntimeWarning):
+    """A client's local result was not finite (its training diverged on its records, or a server's broadcast made
+    it), and its release pipeline released the data-independent fallback (:func:`fallback_value`) in its place,
+    charged as usual. The warning stays on the client's side: the server sees an ordinary release."""
+
+
+def _raw(value):
+    return value.value if isinstance(value, (ClippedValue, PrivatizedValue)) else value
+
+
+def _not_finite(value) -> bool:
+    """Whether ``value`` (an algorithm's channel value) holds a NaN or infinite entry."""
+    try:
+        arr = np.asarray(_raw(value), dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return not bool(np.all(np.isfinite(arr)))
+
+
+def fallback_value(channel: Channel, value):
+    """What a private channel releases in place of a non-finite local result: a value of the channel's shape that
+    depends on nothing of the client's (zeros: no change, no statistic; a probability channel's uniform rows),
+    wrapped as the algorithm wrapped its own (a :class:`ClippedValue`'s bound and statistic, a
+    :class:`PrivatizedValue`'s event), so the round is charged exactly as it would have been.
+
+    Where the privacy unit is the whole value (client level: a client's value against its neighbour's, both in the
+    clip's ball) the fallback is one more value in that ball, so the charge holds. A record-level statistic is a sum of
+    per-record clipped terms: one record whose term is not finite (a gradient that overflowed) makes the whole sum
+    fall back, a move larger than one record's bound. That case needs the term dropped where records are clipped
+    (DP-SGD's per-example clip, the Fisher accumulators), which this pipeline cannot do; until then the fallback only
+    makes the reply look ordinary there."""
+    if isinstance(channel.clip, RangeBound):
+        filler = np.full(channel.shape, 1.0 / channel.shape[-1])
+    else:
+        filler = np.zeros(channel.shape)
+    if isinstance(value, ClippedValue):
+        return ClippedValue(filler, value.bound, value.statistic)
+    if isinstance(value, PrivatizedValue):
+        return PrivatizedValue(filler, value.event)
+    return filler
 
 
 @dataclass(frozen=True)
@@ -287,10 +335,14 @@ class ReleasePipeline:
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
             raise InvalidRelease(f"release weight must be a finite number > 0, got {weight!r}")
         # 1. validate, 2. clip — before anything is charged.
-        validated = {name: ch.validate(values[name], defer_finite=isinstance(ch.clip, NormClip),
-                                       into=self._buffer(ch) if _is_float32(values[name]) else None)
-                     for name, ch in self.channels.items()}
-        clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
+        try:
+            validated, clipped = self._validated(values)
+        except InvalidRelease:
+            fallback = self._fallback(round, values)
+            if fallback is None:
+                raise
+            values = fallback
+            validated, clipped = self._validated(values)
         # 3. charge, atomically for the round (and, when no noise is left to draw here, marked released with it).
         marked = mark and not self._noise_after_charge
         requests = self._requests(round, validated)
@@ -316,6 +368,33 @@ class ReleasePipeline:
             releases[name] = Release(self.client_id, round, name, value, float(weight), local_std, central_std,
                                      charges[name].release_id)
         return releases
+
+    def _validated(self, values: Mapping[str, object]) -> tuple[dict, dict]:
+        """Steps 1 and 2 of :meth:`release`: every channel's value validated, then clipped."""
+        validated = {name: ch.validate(values[name], defer_finite=isinstance(ch.clip, NormClip),
+                                       into=self._buffer(ch) if _is_float32(values[name]) else None)
+                     for name, ch in self.channels.items()}
+        clipped = {name: self._clip(ch, validated[name], values[name]) for name, ch in self.channels.items()}
+        return validated, clipped
+
+    def _fallback(self, round: int, values: Mapping[str, object]) -> dict | None:
+        """The round's values to release in place of a local result that is not finite (:func:`fallback_value` for
+        every channel), or None to refuse as before: no entry is non-finite (another fault), a non-finite value has
+        another shape than its channel's (a bug, not a failure on the records), or a non-finite channel is not
+        private (a non-private release hides nothing: a clear error is better). Whether a private client's training
+        failed depends on its records; an error in its place would tell the server so, uncharged, so the fallback
+        leaves as an ordinary release, and only a :class:`LocalResultNotFinite` warning, on the client's side, says
+        it."""
+        bad = [name for name in self.channels if _not_finite(values[name])]
+        if not bad or any(not self.channels[name].private for name in bad):
+            return None
+        if any(np.shape(_raw(values[name])) != self.channels[name].shape for name in bad):
+            return None
+        warnings.warn(f"client {self.client_id}, round {round}: the local result is not finite (channels {bad}); "
+                      f"it released the data-independent fallback instead (no change), charged as usual, and the "
+                      f"server cannot tell. The local training diverged: {DIVERGENCE_CAUSES}", LocalResultNotFinite,
+                      stacklevel=3)
+        return {name: fallback_value(ch, values[name]) for name, ch in self.channels.items()}
 
     def mark_round_released(self, round: int) -> int:
         """Mark this client's charged rows of ``round`` released (:func:`mark_round_released`)."""

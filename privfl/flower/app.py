@@ -1322,6 +1322,9 @@ def client_train(msg, context):
     secure = spec.secure is not None
     # read once, before anything is charged: a run this SuperNode's federation file did not agree to is refused here
     identity = _client_identity(context, spec, None) if secure else {}
+    # the broadcast's values, checked as the client half takes them (finite, in float32's range, its own shapes, the
+    # algorithm's public bounds: ClientHalf.load), so a broadcast made to fail on some records is refused on its own
+    half.load(Broadcast(rnd, broadcast["values"]))
     # every refusal above depends on the messages and the node's own files only; the records are read from here on
     dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec, partition=client)
     state_key = _state_key(ALGORITHM_STATE, phased)

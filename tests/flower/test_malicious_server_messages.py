@@ -129,3 +129,128 @@ def test_a_round_index_the_plan_does_not_hold_is_refused_in_train_and_charge_mes
     # the last planned round is served
     last, _ = train_message(spec, rnd=FED.rounds - 1)
     assert reply(A.client_train, last, context(spec, data, ledger))["round"] == FED.rounds - 1
+
+
+# -- 2. the broadcast's values ---------------------------------------------------------------------------------------
+
+def extreme_model(alg):
+    """The review's broadcast: logistic regression's weight on pixel 1 and the bias of class 0 near float32's max;
+    training overflows only where a record's pixel 1 is not 0."""
+    g = np.array(alg.global_params, dtype=np.float64)
+    g[1] = 3.3e38
+    g[10 * 64] = 3.3e38
+    return g
+
+
+def test_a_model_made_to_fail_on_some_records_gets_an_ordinary_release_on_every_data_set(tmp_path):
+    """The old client failed on D' (error 4199, nothing charged) and released on D: an uncharged bit about the
+    records. Now both release one update, both charged; D's client says in its own warning that it released no
+    change, and the reply says nothing of it."""
+    from privfl.core.release import LocalResultNotFinite
+
+    spec = spec_of(run_id="extreme")
+    alg = A._setup(spec)
+    msg, _ = train_message(spec, values={"global_params": extreme_model(alg)})
+    answers = {}
+    for name, data in neighbours(tmp_path).items():
+        ledger = tmp_path / f"{len(answers)}.sqlite"
+        with pytest.warns(LocalResultNotFinite) if name == "D'" else _no_warning(LocalResultNotFinite):
+            answers[name] = reply(A.client_train, msg, context(spec, data, ledger))
+        assert rows(ledger, spec.run_id) == 1
+    for out in answers.values():
+        assert not isinstance(out, tuple), out
+        (release,) = out["releases"]
+        assert release["channel"] == "update" and np.all(np.isfinite(release["value"]))
+    d, d2 = answers["D"], answers["D'"]
+    assert set(d) == set(d2) and set(d["releases"][0]) == set(d2["releases"][0])
+    assert "finite" not in repr(d2) and "fallback" not in repr(d2)
+
+
+class _no_warning:
+    def __init__(self, category):
+        self.category = category
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        assert not [w for w in self.caught if issubclass(w.category, self.category)]
+
+
+def test_the_fallback_is_the_in_process_runtime_s_release_too(tmp_path):
+    """The in-process runtime's client releases what the Flower ClientApp releases for the same broadcast, data and
+    seeds: the fallback comes from the release pipeline both share."""
+    from privfl.core.release import LocalResultNotFinite
+    from privfl.data import ArrayDataset
+    from privfl.runtime.engine import Simulation
+
+    privacy = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="local", secure_noise=False)
+    spec = spec_of(privacy=privacy, run_id="alike")
+    alg = A._setup(spec)
+    g = extreme_model(alg)
+    msg, _ = train_message(spec, values={"global_params": g})
+    path = neighbours(tmp_path)["D'"]
+    with pytest.warns(LocalResultNotFinite):
+        flower = reply(A.client_train, msg, context(spec, path, tmp_path / "flower.sqlite"))
+    with np.load(path) as f:
+        mine = ArrayDataset(f["x"], f["y"], spec.task, spec.num_classes, "org1")
+    parts = [DIGITS.subset(np.arange(60)), mine]
+    from privfl.algorithms import make_algorithm
+
+    sim = Simulation(make_algorithm(spec.algorithm, spec.fed, spec.privacy), federated_from_arrays(parts, parts[0]),
+                     spec.fed, spec.privacy, executor="per_client", public=spec.public_facts(),
+                     ledger_path=str(tmp_path / "process.sqlite"))
+    sim.prepare()
+    sim.algorithm.global_params = g
+    with pytest.warns(LocalResultNotFinite):
+        released = sim.client_step(1, 0)
+    np.testing.assert_array_equal(released["update"].value, flower["releases"][0]["value"])
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf", "1e300", "shape", "complex"])
+def test_a_broadcast_model_no_honest_server_sends_is_refused_before_anything_is_read(tmp_path, poison):
+    """NaN, infinite, beyond float32's range (it becomes infinite in the model), another shape than the model's, not
+    real numbers: refused with the same code on neighbouring data sets and on a data path that does not exist."""
+    spec = spec_of(run_id="poison")
+    alg = A._setup(spec)
+    g = np.array(alg.global_params, dtype=np.float64)
+    if poison == "shape":
+        g = g[:-1]
+    elif poison == "complex":
+        g = g.astype(np.complex128)
+    else:
+        g[1] = float(poison)
+    msg, _ = train_message(spec, values={"global_params": g})
+    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
+    answers = set()
+    for i, data in enumerate(paths.values()):
+        answers.add(reply(A.client_train, msg, context(spec, data, tmp_path / f"{i}.sqlite")))
+        assert rows(tmp_path / f"{i}.sqlite", spec.run_id) == 0
+    assert answers == {("error", A.CLIENT_ERROR_CODES["configuration"])}
+
+
+@pytest.mark.parametrize("precision", [1e300, 0.0, -1.0, np.nan])
+def test_a_fola_precision_no_honest_server_sends_is_refused_before_anything_is_read(tmp_path, precision):
+    """FOLA's broadcast precision: the review's 1e300 on the weights of pixel 1 (the prior term overflowed only for a
+    data set whose record moved them), and entries no honest precision has (<= 0, NaN)."""
+    fed = FederationConfig(rounds=2, local_epochs=3, batch_size=32, lr=0.1, hidden=(), seed=4, client_size=60)
+    spec = spec_of("fola", fed=fed, run_id="fola")
+    alg = A._setup(spec)
+    prec, mean = np.array(alg.precision, copy=True), np.array(alg.mean, copy=True)
+    for c in range(10):
+        prec[c * 64 + 1], mean[c * 64 + 1] = precision, 0.0
+    msg, _ = train_message(spec, values={"mean": mean, "precision": prec})
+    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
+    answers = set()
+    for i, data in enumerate(paths.values()):
+        answers.add(reply(A.client_train, msg, context(spec, data, tmp_path / f"{i}.sqlite")))
+        assert rows(tmp_path / f"{i}.sqlite", spec.run_id) == 0
+    assert answers == {("error", A.CLIENT_ERROR_CODES["configuration"])}
+    # an honest precision in the same message is served
+    ok, _ = train_message(spec, values={"mean": mean, "precision": alg.precision})
+    assert reply(A.client_train, ok, context(spec, paths["D"], tmp_path / "ok.sqlite"))["round"] == 0

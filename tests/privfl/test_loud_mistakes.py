@@ -152,18 +152,42 @@ def test_exploding_regression_is_an_error_naming_the_likely_causes(tmp_path):
     assert {c.round for c in PrivacyLedger.open_existing(str(ledger), run).charges()} == set(range(stopped))
 
 
-@pytest.mark.parametrize("algorithm, kw", [("fedavg", {}), ("dp_fedavg", {"epsilon": 3.0, "client_size": 64})])
-def test_non_finite_training_is_refused_before_release_naming_the_likely_causes(algorithm, kw):
-    """Features around 1e20: the squared loss overflows float32 in the first step, the upload is not finite; it is
-    refused before anything leaves (unclipped, or by the clip's own check), naming the causes."""
+def _overflowing_clients():
     clients = {}
     for k in range(2):
         x, y = _unstandardised_regression(k)
         clients[f"org{k}"] = (x * 1e16, y)
+    return clients
+
+
+def test_non_finite_training_is_refused_before_release_naming_the_likely_causes():
+    """Features around 1e20: the squared loss overflows float32 in the first step, the upload is not finite; a
+    non-private run refuses it before anything leaves (nothing to hide: a clear error), naming the causes."""
     with pytest.raises(InvalidRelease, match=r"non-finite|NaN or Inf") as err:
-        privfl.federate(nn.Linear(4, 1), clients, algorithm=algorithm, rounds=2, secure_noise=False, **kw)
+        privfl.federate(nn.Linear(4, 1), _overflowing_clients(), algorithm="fedavg", rounds=2, secure_noise=False)
     text = str(err.value)
     assert "nothing was released" in text and "diverged" in text and "standardise" in text and "lower --lr" in text
+
+
+def test_a_private_client_whose_training_fails_releases_no_change_and_the_server_stops_the_run(tmp_path):
+    """The same in a private run: whether training fails depends on a client's records, so an error in its place
+    would be an uncharged bit for the server; each client releases the fallback (no change), charged, and says so
+    in a warning of its own (privfl.core.release.LocalResultNotFinite). The user still gets a clear error: the
+    server's divergence check on the global model stops the run, naming the causes."""
+    from privfl.core.release import LocalResultNotFinite
+
+    ledger = tmp_path / "l.sqlite"
+    with pytest.warns(LocalResultNotFinite, match="not finite.*fallback.*standardise") as caught:
+        with pytest.raises(TrainingDiverged) as err:
+            privfl.federate(nn.Linear(4, 1), _overflowing_clients(), algorithm="dp_fedavg", rounds=2,
+                            secure_noise=False, epsilon=3.0, client_size=64, ledger=str(ledger))
+    assert {str(w.message).split(",")[0] for w in caught if w.category is LocalResultNotFinite} == {
+        "client 0", "client 1"}
+    text = str(err.value)
+    assert "diverged in round 1 of 2" in text and "standardise" in text and "learning rate" in text
+    (run,) = PrivacyLedger.run_ids(str(ledger))
+    charges = PrivacyLedger.open_existing(str(ledger), run).charges()
+    assert sorted((c.client_id, c.round, c.released) for c in charges) == [("0", 0, True), ("1", 0, True)]
 
 
 def test_divergence_rules():

@@ -39,17 +39,66 @@ def test_release_clips_charges_then_noises(tmp_path):
     assert np.linalg.norm(out.value - np.array([0.6, 0.8, 0.0])) < 2.0 * 6
 
 
-@pytest.mark.parametrize("value", [np.array([1.0, np.nan, 0.0]), np.array([np.inf, 0.0, 0.0]), np.ones(4),
-                                   np.ones((3, 1)),
-                                   # float32: checked finite by the norm clip of the float64 copy (deferred check)
-                                   np.array([1.0, np.nan, 0.0], dtype=np.float32),
-                                   np.array([np.inf, 0.0, 0.0], dtype=np.float32),
-                                   np.array([-np.inf, np.inf, np.nan], dtype=np.float32)])
-def test_invalid_values_release_and_charge_nothing(tmp_path, value):
+NON_FINITE = [np.array([1.0, np.nan, 0.0]), np.array([np.inf, 0.0, 0.0]),
+              # float32: checked finite by the norm clip of the float64 copy (deferred check)
+              np.array([1.0, np.nan, 0.0], dtype=np.float32), np.array([np.inf, 0.0, 0.0], dtype=np.float32),
+              np.array([-np.inf, np.inf, np.nan], dtype=np.float32)]
+
+
+@pytest.mark.parametrize("value", [np.ones(4), np.ones((3, 1)), np.full(4, np.nan)])
+def test_values_of_another_shape_release_and_charge_nothing(tmp_path, value):
     led, pipe = make(tmp_path)
-    with pytest.raises(InvalidRelease, match="channel update" if value.shape == (3,) else None):
+    with pytest.raises(InvalidRelease):
         pipe.release(0, {"update": value})
     assert led.charges() == []
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_a_non_private_non_finite_value_is_refused_and_charges_nothing(tmp_path, value):
+    led = PrivacyLedger(tmp_path / "l.sqlite", "run")
+    pipe = ReleasePipeline("7", [Channel("update", (3,), unit="client", clip=Unclipped())], led, None)
+    with pytest.raises(InvalidRelease, match="channel update.*NaN or Inf.*diverged"):
+        pipe.release(0, {"update": value})
+    assert led.charges() == []
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_a_private_non_finite_value_releases_the_fallback_charged_as_usual(tmp_path, value):
+    """Whether a client's training failed depends on its records: a private release does not refuse (an uncharged
+    error the server would see) but releases no change, charged and noised exactly as the value would have been;
+    only a warning on the client's side says so."""
+    from privfl.core.release import LocalResultNotFinite
+
+    led, pipe = make(tmp_path, placement="central")  # central: the value handed over is the clipped one
+    with pytest.warns(LocalResultNotFinite, match="client 7, round 0.*not finite"):
+        out = pipe.release(0, {"update": value})["update"]
+    assert np.array_equal(out.value, np.zeros(3)) and out.central_noise_std == 2.0
+    (charge,) = led.charges("7")
+    assert charge.event == GaussianEvent(1.0, 2.0) and charge.released
+    finite = pipe.release(1, {"update": np.array([3.0, 4.0, 0.0])})["update"]  # what the server sees is alike
+    assert (out.weight, out.local_noise_std, out.central_noise_std, out.value.shape) == (
+        finite.weight, finite.local_noise_std, finite.central_noise_std, finite.value.shape)
+
+
+def test_the_fallback_keeps_every_channel_s_form_and_charge(tmp_path):
+    """Every channel of the round falls back together, each wrapped as the algorithm wrapped it (a pre-clipped
+    statistic's certificate), a probability channel to uniform rows."""
+    from privfl.core.release import LocalResultNotFinite
+
+    chans = [Channel("a", (2,), unit="client", clip=NormClip(1.0)),
+             Channel("fisher", (2,), unit="example", clip=PreClipped(0.5, "squared_sum")),
+             Channel("probs", (2, 4), unit="example", clip=RangeBound(math.sqrt(2), 2))]
+    led, pipe = make(tmp_path, channels=chans, multipliers={"a": 2.0, "fisher": 3.0, "probs": 1.0},
+                     placement="central")
+    probs = np.full((2, 4), 0.25)
+    probs[0] = [1.0, 0.0, 0.0, 0.0]
+    with pytest.warns(LocalResultNotFinite, match=r"\['fisher'\]"):
+        out = pipe.release(0, {"a": np.array([0.3, 0.4]),
+                               "fisher": ClippedValue(np.array([np.nan, 1.0]), 0.5, "squared_sum"),
+                               "probs": probs})
+    assert np.array_equal(out["a"].value, np.zeros(2)) and np.array_equal(out["fisher"].value, np.zeros(2))
+    assert np.array_equal(out["probs"].value, np.full((2, 4), 0.25))
+    assert sorted(c.channel for c in led.charges("7")) == ["a", "fisher", "probs"]
 
 
 def test_float32_upload_is_clipped_exactly_and_left_untouched(tmp_path):
@@ -82,7 +131,7 @@ def test_all_channels_of_a_round_are_charged_together(tmp_path):
              Channel("b", (2,), unit="client", clip=NormClip(1.0))]
     led, pipe = make(tmp_path, channels=chans, multipliers={"a": 2.0, "b": 2.0})
     with pytest.raises(InvalidRelease):
-        pipe.release(0, {"a": np.zeros(2), "b": np.array([np.nan, 0.0])})
+        pipe.release(0, {"a": np.zeros(2), "b": np.zeros(3)})
     assert led.charges() == []
     out = pipe.release(0, {"a": np.zeros(2), "b": np.zeros(2)})
     assert set(out) == {"a", "b"} and len(led.charges()) == 2
