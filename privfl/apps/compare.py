@@ -98,6 +98,7 @@ class CompareConfig:
     data: str | None = None
     target: str | None = None
     client_column: str | None = None
+    client_names: tuple | None = None  # with client_column: the declared roster (a private grid must declare it)
     entry: str | None = None
     test_data: str | None = None
     test_fraction: float | None = None
@@ -230,6 +231,15 @@ class CompareConfig:
             raise ConfigurationError("data and entry both give the clients' data; choose one")
         if self.data is not None and self.target is None:
             raise ConfigurationError("data needs target, the name of the label (or target) column")
+        if self.client_names is not None:
+            if self.client_column is None:
+                raise ConfigurationError("client_names declares the clients of client_column; add client_column or "
+                                         "drop client_names")
+            object.__setattr__(self, "client_names", tuple(str(n) for n in self.client_names))
+        if (self.data is not None and self.client_column is not None and self.client_names is None
+                and any(math.isfinite(e) for e in self.epsilons)):
+            raise ConfigurationError("a private grid on one file split by client_column declares its clients: add "
+                                     "client_names = [\"a\", \"b\", ...] (the roster may not be read off the rows)")
         if not self.own_data:
             given = [k for k in ("target", "client_column", "test_data", "test_fraction", "classes", "public_data")
                      if getattr(self, k) is not None]
@@ -318,6 +328,9 @@ def _count_clients(raw: dict) -> int:
 
     try:
         if raw.get("data") is not None:
+            names = raw.get("client_names")
+            if names is not None:
+                return len(names)
             return len(client_tables(raw["data"], raw.get("client_column"), flag="data ="))
         return len(load_entry(str(raw["entry"]), flag="entry =").clients)
     except ConfigurationError:
@@ -447,6 +460,8 @@ def _data_settings(config: CompareConfig) -> dict:
         return out
     keys = ("data", "target", "client_column", "entry", "test_data", "test_fraction", "classes", "task", "public_data")
     out = {"clients": config.clients, "partition": "given", **{k: getattr(config, k) for k in keys}}
+    if config.client_names is not None:  # only when set, so runs finished before the key existed still resume
+        out["client_names"] = list(config.client_names)
     if config.class_prior is not None:
         out["class_prior"] = list(config.class_prior)
     return out
@@ -473,7 +488,8 @@ def federation(config: CompareConfig, seed: int):
     from privfl.data.own import client_tables, federated_from_tables, read_table
 
     if config.data is not None:
-        clients, test, name = client_tables(config.data, config.client_column, flag="data ="), None, "own"
+        clients, test, name = client_tables(config.data, config.client_column, flag="data =",
+                                            names=config.client_names, names_flag="client_names ="), None, "own"
     else:
         got = _entry(config.entry)
         clients, test, name = got.clients, got.test, config.entry

@@ -195,3 +195,28 @@ def test_parquet_is_read_or_refused_with_the_fix(tmp_path, hospitals):
     else:
         frame.to_parquet(path)
         pd.testing.assert_frame_equal(read_table(str(path)), frame)
+
+
+def test_a_private_compare_grid_on_one_file_split_by_client_column_declares_its_clients(hospitals, tmp_path):
+    """As `privfl run --client-column` needs --client-names: the roster of a private grid is declared
+    (client_names), never read off the rows, where one record with a new site value would add a client and change
+    the run's settings; the declared roster is the federation's, in its order."""
+    import pandas as pd
+
+    from privfl.apps.compare import CompareConfig, federation
+    from privfl.errors import ConfigurationError
+
+    frames = [pd.read_csv(p).assign(site=f"h{i}") for i, p in enumerate(sorted((hospitals / "clients").glob("*.csv")))]
+    pd.concat(frames).to_csv(tmp_path / "all.csv", index=False)
+    base = ('data = "all.csv"\ntarget = "y"\nclient_column = "site"\ntest_data = "%s"\nclient_size = 90\n'
+            'algorithms = ["dpsgd_fedavg"]\nseeds = [0]\n' % (hospitals / "test.csv"))
+    (tmp_path / "a.toml").write_text(base + "epsilons = [3.0]\n")
+    with pytest.raises(ConfigurationError, match="client_names"):
+        CompareConfig.from_toml(str(tmp_path / "a.toml"))
+    (tmp_path / "b.toml").write_text(base + 'epsilons = [3.0]\nclient_names = ["h2", "h0", "h1", "h3"]\n')
+    config = CompareConfig.from_toml(str(tmp_path / "b.toml"))
+    assert config.clients == 4
+    data = federation(config, 0)
+    assert [len(p) for p in data.train_parts] == [len(frames[i]) for i in (2, 0, 1, 3)]
+    (tmp_path / "c.toml").write_text(base + "epsilons = [inf]\n")  # non-private: the values found, sorted
+    assert CompareConfig.from_toml(str(tmp_path / "c.toml")).clients == 4
