@@ -149,6 +149,21 @@ def test_the_snr_reaches_the_run_json_from_privfl_run(tmp_path):
     assert plain["snr_per_round"] == [{}, {}]
 
 
+def _dp_fedavg_sampled(clients: int, rounds: int, sampling_rate: float, placement: str = "central", seed: int = 0):
+    """DP-FedAvg at client level with client sampling on a toy federation: (algorithm, data, fed, privacy)."""
+    from privfl.algorithms import ALGORITHMS
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays
+
+    rng = np.random.default_rng(seed)
+    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(clients)]
+    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
+    fed = FederationConfig(rounds=rounds, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
+    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement=placement,
+                            sampling_rate=sampling_rate, accountant="pld", secure_noise=False)
+    return ALGORITHMS["dp_fedavg"](fed, privacy), data, fed, privacy
+
+
 @pytest.mark.parametrize("placement", ["central", "local"])
 def test_an_amplified_run_divides_by_the_expected_participants_never_the_realised(placement):
     """Client-level DP-FedAvg with client sampling under central noise (the one amplified case): the server's step
@@ -156,18 +171,9 @@ def test_an_amplified_run_divides_by_the_expected_participants_never_the_realise
     scale does not tell how many took part (amplification holds only while the sample stays secret; a review
     measured the realised denominator's leak between 10 and 9 clients: a lower bound of 3.52 against 3). Without
     amplification (local noise: the server sees who sent) the realised total stays."""
-    from privfl.algorithms import ALGORITHMS
-    from privfl.core.config import FederationConfig, PrivacyConfig
-    from privfl.data import federated_from_arrays
     from privfl.runtime.engine import Simulation
 
-    rng = np.random.default_rng(0)
-    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(10)]
-    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
-    fed = FederationConfig(rounds=6, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
-    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement=placement,
-                            sampling_rate=0.5, accountant="pld", secure_noise=False)
-    alg = ALGORITHMS["dp_fedavg"](fed, privacy)
+    alg, data, fed, privacy = _dp_fedavg_sampled(10, 6, 0.5, placement)
     seen = []
     step = alg.server_update
 
@@ -190,18 +196,9 @@ def test_an_amplified_round_that_samples_nobody_still_steps_by_its_noise():
     then knew that, conditioned on a published round, each client had been sampled with more than the amplified
     rate (1 - (1 - q)^n of the rounds are published: 3 clients at q = 0.2 give 0.2 / 0.488 = 0.41, not 0.2). Now the
     server adds the round's central noise to a zero sum and steps (``noise_only_sums``), as in any other round."""
-    from privfl.algorithms import ALGORITHMS
-    from privfl.core.config import FederationConfig, PrivacyConfig
-    from privfl.data import federated_from_arrays
     from privfl.runtime.engine import Simulation
 
-    rng = np.random.default_rng(1)
-    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(3)]
-    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
-    fed = FederationConfig(rounds=12, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
-    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement="central",
-                            sampling_rate=0.2, accountant="pld", secure_noise=False)
-    alg = ALGORITHMS["dp_fedavg"](fed, privacy)
+    alg, data, fed, privacy = _dp_fedavg_sampled(3, 12, 0.2, seed=1)
     steps = []
     step = alg.server_update
 
@@ -225,20 +222,12 @@ def test_secure_aggregation_under_amplifying_client_sampling_is_refused_up_front
     """A round under secure aggregation aborts below its survivor floor, so one client's participation could decide
     whether the others' sum is published: client sampling does not amplify there, and the run is refused before
     anything is charged, naming what to change."""
-    from privfl.algorithms import ALGORITHMS
-    from privfl.core.config import FederationConfig, PrivacyConfig
-    from privfl.data import federated_from_arrays
     from privfl.errors import ConfigurationError
     from privfl.privacy.secure import SecureAggregation
     from privfl.runtime.engine import Simulation
 
-    rng = np.random.default_rng(1)
-    parts = [(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 2, 12)) for _ in range(4)]
-    data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2, name="toy", design_size=12)
-    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=6, lr=0.1, hidden=(), pool=1, seed=0)
-    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="client", clip=0.5, placement="central",
-                            sampling_rate=0.5, accountant="pld", secure_noise=False)
-    sim = Simulation(ALGORITHMS["dp_fedavg"](fed, privacy), data, fed, privacy, secure=SecureAggregation(bits=48))
+    alg, data, fed, privacy = _dp_fedavg_sampled(4, 2, 0.5, seed=1)
+    sim = Simulation(alg, data, fed, privacy, secure=SecureAggregation(bits=48))
     with pytest.raises(ConfigurationError, match="sampling_rate=1"):
         sim.run()
     assert not any(sim.ledger.charges(str(k)) for k in range(4))
