@@ -1298,6 +1298,121 @@ def _planned_round(spec: RunSpec, value) -> int:
     return rnd
 
 
+def _pinned_terms(context, run_spec: RunSpec, spec: RunSpec) -> dict | None:
+    """Refuse, before any record is read or anything charged, a run weaker than what this SuperNode's federation file
+    pins (``privfl.flower.identity``): the run config is written on the server's side, and a SuperNode that holds an
+    identity key and a federation file does not trust the server. Refused: secure aggregation off (clipped updates in
+    the clear), secure-aggregation settings or a roster other than the file's (the semi-honest variant included),
+    another placement or unit, seeded noise where the file asks for the CSPRNG's, an epsilon or delta above the
+    file's. ``run_spec``: the whole run's; ``spec``: the phase's (the same for a one-phase run). Returns the pinned
+    terms, or None for a SuperNode without a federation file (it trusts the run config)."""
+    from privfl.flower.identity import AGREED, FEDERATION_KEY, IDENTITY_KEY, read_federation
+
+    key_path, federation = context.node_config.get(IDENTITY_KEY), context.node_config.get(FEDERATION_KEY)
+    if not key_path and not federation:
+        return None
+    if not federation:
+        raise ConfigurationError(f"this SuperNode holds an identity key ({IDENTITY_KEY}) but no {FEDERATION_KEY} "
+                                 "file: it has no agreed terms to hold a run to; give it the federation file "
+                                 "(privfl.flower.identity.write_federation)")
+    identities, agreed, terms = read_federation(str(federation))
+    weaker = []
+    if spec.secure is None:
+        weaker.append("secure aggregation off (each clipped update would leave in the clear)")
+    else:
+        asked = {k: getattr(spec.secure, k) for k in AGREED}
+        if asked != agreed or spec.n_clients != len(identities):
+            weaker.append(f"secure aggregation {asked} over {spec.n_clients} clients where this SuperNode's "
+                          f"federation file agreed {agreed} over {len(identities)}")
+    for privacy in {id(p): p for p in (run_spec.privacy, spec.privacy)}.values():
+        if privacy.placement != terms["placement"]:
+            weaker.append(f"{privacy.placement} noise where the file pins {terms['placement']}")
+        if privacy.unit != terms["unit"]:
+            weaker.append(f"the {privacy.unit} unit where the file pins {terms['unit']}")
+        if terms["secure_noise"] and not privacy.secure_noise:
+            weaker.append("seeded noise (from a seed the server's side knows) where the file asks for the OS "
+                          "CSPRNG's")
+    if not run_spec.privacy.epsilon <= terms["epsilon"]:
+        weaker.append(f"epsilon {run_spec.privacy.epsilon:g} above the file's {terms['epsilon']:g}")
+    if not run_spec.privacy.delta <= terms["delta"]:
+        weaker.append(f"delta {run_spec.privacy.delta:g} above the file's {terms['delta']:g}")
+    if weaker:
+        raise DeploymentError(f"run {run_spec.run_id!r} is weaker than this SuperNode's federation file: "
+                              f"{'; '.join(dict.fromkeys(weaker))}; refused before any record was read or anything "
+                              "charged")
+    return terms
+
+
+#: the node-level budget file beside a SuperNode's ledger: each run id it admitted and the budget it set aside
+NODE_BUDGET_SUFFIX = ".node-budget"
+
+
+def _admit_run(context, run_spec: RunSpec, terms: dict) -> None:
+    """Admit the run ``run_spec`` against this SuperNode's total budget (the federation file's ``epsilon_total`` and
+    ``delta_total``), before any record is read or anything charged: every run id gets a fresh ledger budget, so a
+    server could otherwise start run after run. Each run id is admitted once, for its whole (epsilon, delta) (the most
+    its ledger lets it spend, whatever rounds it runs or resumes), in ``<ledger-path>.node-budget``, one SQLite
+    transaction that holds the file's write lock, so two runs admitted at once cannot both take the last of it. The
+    admitted runs, plus every run of the node's ledger file that no admitted run covers (one of an earlier privfl, at
+    its budget), must stay within the totals (basic composition over runs). A run id admitted before is admitted again
+    only with a budget no larger than it was admitted for."""
+    import sqlite3
+
+    from privfl.accounting.ledger import PrivacyLedger
+    from privfl.algorithms.base import is_phased
+    from privfl.runtime.phase_ledgers import phase_run_id
+
+    ledger_path = str(_node_value(context, LEDGER_KEY))
+    eps, delta = float(run_spec.privacy.epsilon), float(run_spec.privacy.delta)
+    top = _algorithm(run_spec)
+    covers = ([phase_run_id(run_spec.run_id, name) for name, _ in top.phase_plan] if is_phased(top)
+              else [run_spec.run_id])
+    conn = sqlite3.connect(f"{ledger_path}{NODE_BUDGET_SUFFIX}", timeout=60, isolation_level=None)
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS admitted (run_id TEXT PRIMARY KEY, epsilon REAL NOT NULL, "
+                     "delta REAL NOT NULL, covers TEXT NOT NULL, admitted_at REAL NOT NULL)")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            rows = conn.execute("SELECT run_id, epsilon, delta, covers FROM admitted").fetchall()
+            mine = [r for r in rows if r[0] == run_spec.run_id]
+            if mine:
+                if eps > mine[0][1] or delta > mine[0][2]:
+                    raise DeploymentError(f"run {run_spec.run_id!r} was admitted on this SuperNode for epsilon "
+                                          f"{mine[0][1]:g}, delta {mine[0][2]:g}; it now asks for {eps:g}, {delta:g}: "
+                                          "refused (give a new run a new run_id)")
+            else:
+                covered = {c for r in rows for c in json.loads(r[3])}
+                spent_eps, spent_delta = sum(r[1] for r in rows), sum(r[2] for r in rows)
+                others = []
+                for held in PrivacyLedger.run_ids(ledger_path) if os.path.exists(ledger_path) else []:
+                    if held in covered or held in covers:
+                        continue
+                    ledger = PrivacyLedger.open_existing(ledger_path, held)
+                    try:
+                        spent_eps, spent_delta = spent_eps + ledger.epsilon_budget, spent_delta + ledger.delta
+                    finally:
+                        ledger.close()
+                    others.append(held)
+                total_eps, total_delta = spent_eps + eps, spent_delta + delta
+                if total_eps > terms["epsilon_total"] * (1 + 1e-12) or total_delta > terms["delta_total"] * (
+                        1 + 1e-12):
+                    raise DeploymentError(
+                        f"run {run_spec.run_id!r} (epsilon {eps:g}, delta {delta:g}) would take this SuperNode's runs "
+                        f"to epsilon {total_eps:g}, delta {total_delta:g} in all ({len(rows)} admitted run(s)"
+                        f"{f', and its ledger runs {others} at their budgets' if others else ''}), past its "
+                        f"federation file's epsilon_total {terms['epsilon_total']:g}, delta_total "
+                        f"{terms['delta_total']:g}: refused before any record was read or anything charged")
+                conn.execute("INSERT INTO admitted VALUES (?, ?, ?, ?, ?)",
+                             (run_spec.run_id, eps, delta, json.dumps(covers), time.time()))
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    finally:
+        conn.close()
+
+
 def client_train(msg, context):
     """The ClientApp's train step: the client's own work on its own data, released through its own pipeline (of the
     run, or of the phase the message names)."""
@@ -1313,6 +1428,7 @@ def client_train(msg, context):
     # plans the run, or the phase, as the server does
     spec, alg, phased = _party(run_spec, broadcast.get("phase"))
     rnd = _planned_round(spec, broadcast["round"])
+    pinned = _pinned_terms(context, run_spec, spec)
     half = alg.client_half(alg.public, np.random.default_rng(_setup_seq(spec)))
     plan = _run_plan(alg, spec)
     multipliers = plan.noise_multipliers
@@ -1325,6 +1441,8 @@ def client_train(msg, context):
     # the broadcast's values, checked as the client half takes them (finite, in float32's range, its own shapes, the
     # algorithm's public bounds: ClientHalf.load), so a broadcast made to fail on some records is refused on its own
     half.load(Broadcast(rnd, broadcast["values"]))
+    if pinned is not None:  # the last refusal: it sets the run's whole budget aside on this node when it admits it
+        _admit_run(context, run_spec, pinned)
     # every refusal above depends on the messages and the node's own files only; the records are read from here on
     dataset = load_dataset(str(_node_value(context, DATA_KEY)), run_spec, partition=client)
     state_key = _state_key(ALGORITHM_STATE, phased)
@@ -1531,7 +1649,7 @@ def _client_identity(context, spec: RunSpec | None, floor: int | None, malicious
         raise ConfigurationError(f"secure aggregation against an active server needs this SuperNode's {IDENTITY_KEY} "
                                  f"and {FEDERATION_KEY} in its node config (privfl.flower.identity)")
     key = load_identity(str(key_path))
-    identities, agreed = read_federation(str(federation))
+    identities, agreed, _ = read_federation(str(federation))
     partition = int(_node_value(context, PARTITION_KEY))
     if identities.get(partition) != identity_public_bytes(key):
         raise ConfigurationError(f"the federation file registers another key for partition {partition} than this "
@@ -1670,6 +1788,9 @@ def client_charge(msg, context):
     request = from_record(msg.content, CHARGE)
     spec, alg, phased = _party(run_spec, request.get("phase"))
     rnd = _planned_round(spec, request["round"])
+    pinned = _pinned_terms(context, run_spec, spec)
+    if pinned is not None:
+        _admit_run(context, run_spec, pinned)
     plan = _run_plan(alg, spec)
     ledger = _ledger(spec, context, phased, plan)
     try:

@@ -73,7 +73,10 @@ def _run(federation, tmp_path, write_orgs, monkeypatch, *, silent, min_replies=N
     configs = write_orgs(federation, tmp_path)
     identities = None
     if secure is not None and secure.malicious:  # each organisation's identity key and the federation file
-        keys, federation_file, identities = make_identities(str(tmp_path / "identities"), len(configs), secure)
+        # the privacy terms the file pins: the run's own (_configs: local noise, seeded to compare runs)
+        keys, federation_file, identities = make_identities(
+            str(tmp_path / "identities"), len(configs), secure, placement="local", secure_noise=False, epsilon=4.0,
+            delta=1e-5, epsilon_total=4.0, delta_total=1e-5)
         for config, key in zip(configs, keys):
             config.update({IDENTITY_KEY: key, FEDERATION_KEY: federation_file})
     fed, privacy = _configs(rounds, clip_quantile)

@@ -83,7 +83,10 @@ def _logs(folder) -> str:
 
 def _configs(federation, tmp_path, write_orgs, secure=SECURE):
     configs = write_orgs(federation, tmp_path)
-    keys, federation_file, public = make_identities(str(tmp_path / "identities"), N_CLIENTS, secure)
+    # the privacy terms the file pins: _spec's (local noise, seeded to compare runs; epsilon 8, one run's worth)
+    keys, federation_file, public = make_identities(str(tmp_path / "identities"), N_CLIENTS, secure,
+                                                    placement="local", secure_noise=False, epsilon=8.0, delta=1e-5,
+                                                    epsilon_total=8.0, delta_total=1e-5)
     for config, key in zip(configs, keys):
         config.update({IDENTITY_KEY: key, FEDERATION_KEY: federation_file})
     return configs, public

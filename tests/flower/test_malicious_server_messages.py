@@ -254,3 +254,183 @@ def test_a_fola_precision_no_honest_server_sends_is_refused_before_anything_is_r
     # an honest precision in the same message is served
     ok, _ = train_message(spec, values={"mean": mean, "precision": alg.precision})
     assert reply(A.client_train, ok, context(spec, paths["D"], tmp_path / "ok.sqlite"))["round"] == 0
+
+
+# -- 3. the terms a federation file pins ----------------------------------------------------------------------------
+
+AGREED_PRIVACY = PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="distributed")
+TERMS = dict(epsilon=4.0, delta=1e-5, epsilon_total=8.0, delta_total=1e-4, placement="distributed")
+
+
+def federation_node(tmp_path, **terms):
+    """Organisation 1's node config entries and the public keys of a two-organisation federation file."""
+    from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities
+    from privfl.privacy.secure import SecureAggregation
+
+    keys, federation, public = make_identities(str(tmp_path / "ids"), 2, SecureAggregation(malicious=True),
+                                               **{**TERMS, **terms})
+    return {IDENTITY_KEY: keys[1], FEDERATION_KEY: federation}, public
+
+
+def secure_message(spec, rnd=0):
+    """A train message of a run under secure aggregation: the broadcast and the round's session configuration, as
+    the ServerApp sends them (``_secure_round``)."""
+    from privfl.privacy.secure import round_min_inputs
+    from privfl.secure_agg import SessionConfig
+
+    msg, alg = train_message(spec, rnd)
+    plan = A._run_plan(alg, spec)
+    encodings = A._encodings(plan, spec)
+    config = SessionConfig.create([A._session_id(str(k)) for k in range(spec.n_clients)], bits=spec.secure.bits,
+                                  dimension=sum(e.size for e in encodings.values()),
+                                  min_inputs=round_min_inputs(encodings), malicious=True,
+                                  dropout=spec.secure.dropout, corruption=spec.secure.corruption)
+    body = {"round": rnd, "noise_multipliers": plan.noise_multipliers, "values": dict(alg.broadcast(0).values),
+            "secagg": config.to_dict()}
+    return Message(to_record(body, A.BROADCAST), dst_node_id=1, message_type="train")
+
+
+def agreed_spec(public, run_id="agreed", privacy=AGREED_PRIVACY, fed=FED):
+    from privfl.privacy.secure import SecureAggregation
+
+    return spec_of(privacy=privacy, fed=fed, secure=SecureAggregation(malicious=True), identities=public,
+                   run_id=run_id)
+
+
+def test_the_agreed_run_is_served(tmp_path):
+    node, public = federation_node(tmp_path)
+    spec = agreed_spec(public)
+    out = reply(A.client_train, secure_message(spec), context(spec, neighbours(tmp_path)["D"], tmp_path / "l.sqlite",
+                                                              node))
+    assert not isinstance(out, tuple) and out["advertise"] and "releases" not in out
+    assert rows(tmp_path / "l.sqlite", spec.run_id) == 1
+
+
+def _weaker(public, which):
+    import dataclasses
+
+    from privfl.privacy.secure import SecureAggregation
+
+    p = AGREED_PRIVACY
+    if which == "plaintext, central":  # the review's downgrade: the clipped update in the clear, no noise on it
+        return spec_of(privacy=dataclasses.replace(p, placement="central"), run_id=which), None
+    if which == "plaintext, non-private":
+        return spec_of("fedavg", privacy=PrivacyConfig(epsilon=float("inf")), run_id=which), None
+    if which == "semi-honest":
+        return spec_of(privacy=p, secure=SecureAggregation(malicious=False), run_id=which), None
+    if which == "other dropout":
+        return spec_of(privacy=p, secure=SecureAggregation(malicious=True, dropout=0.4), identities=public,
+                       run_id=which), None
+    changes = {"local noise": dict(placement="local"), "seeded noise": dict(secure_noise=False),
+               "epsilon above the cap": dict(epsilon=4.5), "delta above the cap": dict(delta=1e-4)}[which]
+    return agreed_spec(public, run_id=which.replace(" ", "-"), privacy=dataclasses.replace(p, **changes)), True
+
+
+@pytest.mark.parametrize("which", ["plaintext, central", "plaintext, non-private", "semi-honest", "other dropout",
+                                   "local noise", "seeded noise", "epsilon above the cap", "delta above the cap"])
+def test_a_run_weaker_than_the_federation_file_is_refused_before_anything_is_read_or_charged(tmp_path, which,
+                                                                                            caplog):
+    """The run config is the server's: a SuperNode with an identity key and a federation file took secure=None with
+    central placement (its clipped update in the clear), or seeded noise (a seed the server knows). Every weaker
+    term is refused now, with the same code on a data path that does not exist (nothing read), nothing charged."""
+    import logging
+
+    node, public = federation_node(tmp_path)
+    spec, secure = _weaker(public, which)
+    msg = secure_message(spec) if secure else train_message(spec)[0]
+    ledger = tmp_path / "l.sqlite"
+    with caplog.at_level(logging.ERROR, logger="privfl.flower"):
+        for data in (neighbours(tmp_path)["D"], str(tmp_path / "absent.npz")):
+            assert reply(A.client_train, msg, context(spec, data, ledger, node)) == (
+                "error", A.CLIENT_ERROR_CODES["deployment"])
+    assert rows(ledger, spec.run_id) == 0
+    assert "weaker than this SuperNode's federation file" in caplog.text
+
+
+def test_a_charge_only_message_of_a_weaker_run_is_refused_too(tmp_path):
+    """Client sampling's charge-only messages come from plaintext runs only (sampling with secure aggregation is
+    refused): a SuperNode with a federation file refuses them before charging."""
+    node, _ = federation_node(tmp_path)
+    sampled = spec_of(privacy=PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5, placement="central",
+                                            sampling_rate=0.5), run_id="sampled")
+    charge = Message(to_record({"round": 0, "phase": None}, A.CHARGE), dst_node_id=1, message_type="query")
+    out = reply(A.client_charge, charge, context(sampled, neighbours(tmp_path)["D"], tmp_path / "l.sqlite", node),
+                kind=A.CHARGE)
+    assert out == ("error", A.CLIENT_ERROR_CODES["deployment"]) and rows(tmp_path / "l.sqlite", "sampled") == 0
+
+
+def test_a_federation_file_without_the_privacy_terms_is_refused_with_what_to_add(tmp_path, caplog):
+    import json
+    import logging
+
+    from privfl.flower.identity import FEDERATION_KEY, read_federation
+
+    node, public = federation_node(tmp_path)
+    with open(node[FEDERATION_KEY]) as f:
+        old = json.load(f)
+    del old["privacy"]  # what write_federation wrote before the terms were pinned
+    with open(node[FEDERATION_KEY], "w") as f:
+        json.dump(old, f)
+    with pytest.raises(Exception, match=r"not the privacy terms.*write_federation\(.*epsilon_total"):
+        read_federation(node[FEDERATION_KEY])
+    spec = agreed_spec(public)
+    with caplog.at_level(logging.ERROR, logger="privfl.flower"):
+        out = reply(A.client_train, secure_message(spec), context(spec, neighbours(tmp_path)["D"],
+                                                                  tmp_path / "l.sqlite", node))
+    assert out == ("error", A.CLIENT_ERROR_CODES["configuration"]) and "earlier privfl" in caplog.text
+    assert rows(tmp_path / "l.sqlite", spec.run_id) == 0
+
+
+def test_a_federation_file_refuses_to_pin_central_noise_or_loose_caps(tmp_path):
+    from privfl.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="central"):
+        federation_node(tmp_path / "a", placement="central")
+    with pytest.raises(ConfigurationError, match="epsilon_total"):
+        federation_node(tmp_path / "b", epsilon_total=2.0)
+
+
+def test_a_node_refuses_a_run_that_would_take_its_runs_past_the_file_s_total(tmp_path):
+    """Each run id gets a fresh ledger budget, so a server could start run after run: the node admits each run id once,
+    for its whole budget, and refuses the run that would take its runs together past epsilon_total (here 8: two runs
+    of 4). A run admitted before is served again (a resumed run), an earlier privfl's ledger run counts at its
+    budget."""
+    from privfl.accounting.ledger import PrivacyLedger
+
+    node, public = federation_node(tmp_path)
+    data, ledger = neighbours(tmp_path)["D"], tmp_path / "l.sqlite"
+    served = {}
+    for run_id in ("b1", "b2", "b3"):
+        spec = agreed_spec(public, run_id=run_id)
+        served[run_id] = reply(A.client_train, secure_message(spec), context(spec, data, ledger, node))
+    assert not isinstance(served["b1"], tuple) and not isinstance(served["b2"], tuple)
+    assert served["b3"] == ("error", A.CLIENT_ERROR_CODES["deployment"]) and rows(ledger, "b3") == 0
+    again = agreed_spec(public, run_id="b1")
+    assert not isinstance(reply(A.client_train, secure_message(again, rnd=1), context(again, data, ledger, node)),
+                          tuple)
+    # a smaller run fits no more once the total is taken
+    small = agreed_spec(public, run_id="small", privacy=PrivacyConfig(epsilon=0.5, delta=1e-5, unit="client", clip=0.5,
+                                                                      placement="distributed"))
+    assert reply(A.client_train, secure_message(small), context(small, data, ledger, node))[0] == "error"
+    # a node whose ledger holds a run it never admitted (an earlier privfl's) counts it at its budget
+    other = tmp_path / "other.sqlite"
+    PrivacyLedger(str(other), "before-upgrade", delta=1e-5, epsilon_budget=6.0).close()
+    fresh = agreed_spec(public, run_id="fresh")
+    assert reply(A.client_train, secure_message(fresh), context(fresh, data, other, node)) == (
+        "error", A.CLIENT_ERROR_CODES["deployment"])
+    assert rows(other, "fresh") == 0
+
+
+def test_the_total_delta_is_held_too(tmp_path):
+    node, public = federation_node(tmp_path, epsilon_total=100.0, delta_total=2e-5)
+    data, ledger = neighbours(tmp_path)["D"], tmp_path / "l.sqlite"
+    small = PrivacyConfig(epsilon=0.5, delta=1e-5, unit="client", clip=0.5, placement="distributed")
+    answers = [reply(A.client_train, secure_message(spec), context(spec, data, ledger, node))
+               for spec in (agreed_spec(public, run_id=f"d{i}", privacy=small) for i in range(3))]
+    assert [isinstance(a, tuple) for a in answers] == [False, False, True]
+    # a run id admitted before, now asking for a larger budget than it was admitted for
+    import dataclasses
+
+    larger = agreed_spec(public, run_id="d0", privacy=dataclasses.replace(small, epsilon=1.0))
+    assert reply(A.client_train, secure_message(larger, rnd=1), context(larger, data, ledger, node)) == (
+        "error", A.CLIENT_ERROR_CODES["deployment"])
