@@ -90,9 +90,10 @@ def check_broadcast_value(label: str, value, held=None) -> None:
     """Refuse a broadcast value a client must not train from, on the value alone (before any record is read): a
     number or numeric array with an entry that is NaN, infinite or beyond :data:`BROADCAST_BOUND`, an array that is
     not numeric, or an array whose shape differs from ``held``'s (what the client half holds in its place: its own
-    set-up state or the previous round's broadcast, public). Mappings and sequences are checked entry by entry. A
-    value the server chose to make training fail on some records and not on their neighbours is refused here, for
-    every client alike, instead of failing (or not) on the records."""
+    set-up state or the previous round's broadcast, public). Mappings and sequences are checked entry by entry (their
+    numbers only: a registered algorithm's own state may change shape). A value the server chose to make training
+    fail on some records and not on their neighbours is refused here, for every client alike, instead of failing (or
+    not) on the records."""
     from privfl.errors import ConfigurationError
 
     def refuse(why: str):
@@ -112,11 +113,10 @@ def check_broadcast_value(label: str, value, held=None) -> None:
             refuse(f"as {float(value)!r} (NaN, infinite or beyond float32's range)")
     elif isinstance(value, dict):
         for key, item in value.items():
-            check_broadcast_value(f"{label}[{key!r}]", item, held.get(key) if isinstance(held, dict) else None)
+            check_broadcast_value(f"{label}[{key!r}]", item)
     elif isinstance(value, (list, tuple)):
-        same = isinstance(held, (list, tuple)) and len(held) == len(value)
         for i, item in enumerate(value):
-            check_broadcast_value(f"{label}[{i}]", item, held[i] if same else None)
+            check_broadcast_value(f"{label}[{i}]", item)
 
 
 def _detached(value):
