@@ -72,9 +72,10 @@ def fallback_value(channel: Channel, value):
     Where the privacy unit is the whole value (client level: a client's value against its neighbour's, both in the
     clip's ball) the fallback is one more value in that ball, so the charge holds. A record-level statistic is a sum of
     per-record clipped terms: one record whose term is not finite (a gradient that overflowed) makes the whole sum
-    fall back, a move larger than one record's bound. That case needs the term dropped where records are clipped
-    (DP-SGD's per-example clip, the Fisher accumulators), which this pipeline cannot do; until then the fallback only
-    makes the reply look ordinary there."""
+    fall back, a move larger than one record's bound. That case needs the term dropped where records are clipped:
+    the vectorised per-example executors do (``privfl.training.stacked.PerExampleTerms``: an example whose gradient
+    or norm is not finite adds the zero term), so their sums stay finite; opacus's per-client loop and the Fisher
+    accumulators do not yet, and there the fallback only makes the reply look ordinary."""
     if isinstance(channel.clip, RangeBound):
         filler = np.full(channel.shape, 1.0 / channel.shape[-1])
     else:

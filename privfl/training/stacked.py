@@ -260,9 +260,42 @@ class PerExampleTerms:
         self.names, self.losses = names, losses
         self.layers = layers  # [(weight name, bias name or None, inputs a (c, w, in), backprops b (c, w, out))]
         self.per_example = per_example
+        self._drop_non_finite()
+
+    def _drop_non_finite(self) -> None:
+        """An example whose gradient, or its norm, is not finite (an overflow on an extreme record) contributes the
+        zero term: decided on that example alone, it stays within one record's bound, where a NaN in the sum would
+        make the whole release non-finite (and the pipeline's fallback move it by far more than one record).
+        ``dropped`` counts them; the squared norms are computed here once."""
+        c, width = self.losses.shape
+        norms2 = self._raw_norms2()
+        bad = ~torch.isfinite(norms2)
+        if self.layers is None:
+            for g in self.per_example.values():
+                bad |= ~torch.isfinite(g.reshape(c, width, -1)).all(-1)
+        else:
+            for _, _, a, b in self.layers:
+                bad |= ~torch.isfinite(a).all(-1) | ~torch.isfinite(b).all(-1)
+        self.dropped = int(bad.sum())
+        self._norms2 = norms2
+        if not self.dropped:
+            return
+        zero = torch.zeros((), dtype=norms2.dtype)
+        self._norms2 = torch.where(bad, zero, norms2)
+        if self.layers is None:
+            self.per_example = {k: torch.where(bad.reshape(c, width, *([1] * (g.dim() - 2))),
+                                               torch.zeros((), dtype=g.dtype), g)
+                                for k, g in self.per_example.items()}
+        else:
+            self.layers = [(w, bias, torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=a.dtype), a),
+                            torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=b.dtype), b))
+                           for w, bias, a, b in self.layers]
 
     def norms2(self) -> torch.Tensor:
-        """||grad l_i||^2 per client and example, (c, w)."""
+        """||grad l_i||^2 per client and example, (c, w) (0 for an example whose term was dropped)."""
+        return self._norms2
+
+    def _raw_norms2(self) -> torch.Tensor:
         c, width = self.losses.shape
         if self.layers is None:
             return sum(g.reshape(c, width, -1).pow(2).sum(-1) for g in self.per_example.values())

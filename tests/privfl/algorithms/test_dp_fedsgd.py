@@ -631,3 +631,21 @@ def test_adaptive_clipping_is_refused_by_algorithms_that_clip_at_a_fixed_bound()
         privacy(clip_quantile=1.0)
     with pytest.raises(ConfigurationError, match="clip_share"):
         privacy(clip_quantile=0.5, clip_share=0.0)
+
+
+@pytest.mark.parametrize("hidden", [(), (8,)])
+def test_a_record_whose_gradient_is_not_finite_adds_the_zero_term(hidden):
+    """One extreme record (inputs near float32's largest value: its logits and gradient overflow) contributes the zero
+    term, decided on it alone: the client's clipped sum is finite and equals the sum without that record, within one
+    record's bound of its neighbour, where a NaN would have made the whole release non-finite (and the pipeline's
+    fallback move it by far more than one record). Both the ghost form (a linear model) and vmap (a hidden layer)."""
+    data = federation()
+    f, p = fed(rounds=1, batch_size=10 ** 6, hidden=hidden), privacy(clip=0.5, accountant="pld")
+    alg = DPFedSGD(f, p, lot_size=10 ** 6)  # q = 1: every record in the lot
+    alg.setup(data, np.random.default_rng(0))
+    x, y = data.train_parts[0].tensors()
+    extreme = torch.full((1, x.shape[1]), 3e38)
+    with_it, _ = alg._gradient_sums([(torch.cat([extreme, x]), torch.cat([y[:1], y]))], None)
+    without, _ = alg._gradient_sums([(x, y)], None)
+    assert np.all(np.isfinite(with_it[0]))
+    np.testing.assert_allclose(with_it[0], without[0], rtol=1e-5, atol=1e-6)
