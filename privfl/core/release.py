@@ -73,9 +73,10 @@ def fallback_value(channel: Channel, value):
     clip's ball) the fallback is one more value in that ball, so the charge holds. A record-level statistic is a sum of
     per-record clipped terms: one record whose term is not finite (a gradient that overflowed) makes the whole sum
     fall back, a move larger than one record's bound. That case needs the term dropped where records are clipped:
-    the vectorised per-example executors do (``privfl.training.stacked.PerExampleTerms``: an example whose gradient
-    or norm is not finite adds the zero term), so their sums stay finite; opacus's per-client loop and the Fisher
-    accumulators do not yet, and there the fallback only makes the reply look ordinary."""
+    the vectorised per-example executors and HBFL's materialised steps do (``privfl.training.stacked.PerExampleTerms``,
+    ``privfl.privacy.record_level.clipped_gradient_sum``: an example whose gradient or norm is not finite adds the
+    zero term), so their sums stay finite; opacus's per-client loop and the Fisher accumulators do not yet, and there
+    the fallback only makes the reply look ordinary."""
     if isinstance(channel.clip, RangeBound):
         filler = np.full(channel.shape, 1.0 / channel.shape[-1])
     else:

@@ -425,9 +425,15 @@ def noised_mean(clipped_sum: torch.Tensor, *, std: float, expected_batch: float,
 
 def clipped_gradient_sum(per_example: torch.Tensor, dim: int, clip: float) -> torch.Tensor:
     """The sum of a lot's per-example gradient rows, each clipped by :func:`clip_factor` (zeros of ``dim`` for an
-    empty lot)."""
+    empty lot). A row that is not finite, or whose norm is not (an overflow on an extreme record), adds the zero term,
+    decided on that row alone (as ``privfl.training.stacked.PerExampleTerms`` does)."""
     if len(per_example):
-        return (per_example * clip_factor(per_example.pow(2).sum(1), clip)[:, None]).sum(dim=0)
+        norms2 = per_example.pow(2).sum(1)
+        bad = ~torch.isfinite(norms2)
+        if bool(bad.any()):
+            per_example = torch.where(bad[:, None], torch.zeros((), dtype=per_example.dtype), per_example)
+            norms2 = torch.where(bad, torch.zeros((), dtype=norms2.dtype), norms2)
+        return (per_example * clip_factor(norms2, clip)[:, None]).sum(dim=0)
     return torch.zeros(dim)
 
 

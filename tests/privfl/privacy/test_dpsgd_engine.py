@@ -152,3 +152,15 @@ def test_audit_noise_fault_is_scoped_to_its_context():
     seen["after"] = std_of_draws()
     assert seen["inside"] == pytest.approx(1.0, rel=0.03)
     assert seen["thread"] == pytest.approx(2.0, rel=0.03) and seen["after"] == pytest.approx(2.0, rel=0.03)
+
+
+def test_a_lot_row_that_is_not_finite_adds_the_zero_term():
+    """HBFL's materialised per-example steps: a row with NaN or Inf (or a norm that overflows) adds the zero term,
+    decided on that row alone, so the clipped sum stays the other rows' (it was NaN, and the release fell back as a
+    whole, far beyond one record's bound)."""
+    from privfl.privacy.record_level import clipped_gradient_sum
+
+    rows = torch.randn(5, 7)
+    bad = torch.cat([rows[:2], torch.full((1, 7), float("nan")), rows[2:4], torch.full((1, 7), 3e38),
+                     torch.tensor([[float("inf")] + [0.0] * 6]), rows[4:]])
+    torch.testing.assert_close(clipped_gradient_sum(bad, 7, 0.5), clipped_gradient_sum(rows, 7, 0.5))
