@@ -303,6 +303,10 @@ class Channel:
         if not (defer_finite and is32 and arr is not raw) and not _all_finite(raw if is32 else arr):
             raise InvalidRelease(f"channel {self.name}: value has NaN or Inf entries; nothing was released: the "
                                  f"local training diverged; {DIVERGENCE_CAUSES}")
+        if self.symmetric and arr.ndim == 2 and arr.shape[0] == arr.shape[1]:
+            # noise is drawn for the upper triangle and mirrored: what leaves is the upper triangle, mirrored, so the
+            # antisymmetric part of a value that is not exactly symmetric (V - V^T) never leaves without noise
+            arr = np.triu(arr) + np.triu(arr, 1).T
         if isinstance(value, ClippedValue):
             return ClippedValue(arr, value.bound, value.statistic)
         if isinstance(value, PrivatizedValue):
