@@ -290,9 +290,11 @@ class ClientSession:
         commitment = P.seed_commitment(self._self_seed, sid, self.client_id)
         signature, tags = b"", ()
         if self.config.malicious:
-            signature = I.sign(self._identity.signing_key, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment)
+            bound = self.config.digest  # the session's parameters as this client runs them (SessionConfig.digest)
+            signature = I.sign(self._identity.signing_key, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment,
+                               bound)
             tags = self._tags(sorted(self._neighbours),
-                              I.content_digest(I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment))
+                              I.content_digest(I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment, bound))
         return AdvertiseKeys(session_id=sid, sender=self.client_id, encryption_key=enc, mask_key=mask,
                              seed_commitment=commitment, signature=signature, tags=tags)
 
@@ -343,9 +345,9 @@ class ClientSession:
                 public_keys.add(key)
             if self.config.malicious and not self._tagged(c, I.content_digest(
                     I.KEYS_PURPOSE, self.config.session_id, c, entry.encryption_key, entry.mask_key,
-                    entry.seed_commitment), entry.tag):
-                self._abort(f"the keys of peer {c} do not carry its tag under our pairwise identity key (key "
-                            f"substitution?)")
+                    entry.seed_commitment, self.config.digest), entry.tag):
+                self._abort(f"the keys of peer {c} do not carry its tag under our pairwise identity key for this "
+                            f"session's parameters (key substitution, or a peer given another graph?)")
         if len(seen) + 1 < self.config.threshold:
             self._abort(f"only {len(seen) + 1} live share holders, fewer than the threshold {self.config.threshold}")
         if self.config.malicious:
@@ -392,7 +394,7 @@ class ClientSession:
         hidden = sorted((self._neighbours & table.keys()) - {e.client_id for e in directory.keys})
         if hidden:
             self._abort(f"the session transcript lists neighbour(s) {hidden[:5]} whose keys we were not given")
-        return I.transcript_hash(sid, table.items())
+        return I.transcript_hash(sid, table.items(), self.config.digest)
 
     def _share_key(self, peer: int) -> bytes:
         try:

@@ -89,11 +89,13 @@ def bundle_digest(session_id: bytes, client_id: int, encryption_key: bytes, mask
                                                                mask_key, seed_commitment)).digest()
 
 
-def transcript_hash(session_id: bytes, entries: Iterable[tuple[int, bytes]]) -> bytes:
-    """The session's transcript hash: SHA-256 over the session id and every (client id, bundle digest) the server
-    announced, in client-id order. Signatures made after the keys are advertised cover it."""
+def transcript_hash(session_id: bytes, entries: Iterable[tuple[int, bytes]], config_digest: bytes) -> bytes:
+    """The session's transcript hash: SHA-256 over the session id, the digest of the session's public parameters
+    (``SessionConfig.digest``: roster, degree, threshold, graph seed, ...) and every (client id, bundle digest) the
+    server announced, in client-id order. Signatures made after the keys are advertised cover it, so they bind the
+    parameters each signer ran with."""
     body = b"".join(encode_id(c) + d for c, d in sorted(entries))
-    return hashlib.sha256(PROTOCOL_LABEL + b"/transcript" + _framed(session_id, body)).digest()
+    return hashlib.sha256(PROTOCOL_LABEL + b"/transcript" + _framed(session_id, config_digest, body)).digest()
 
 
 def _transcript(purpose: bytes, session_id: bytes, signer: int, parts: tuple[bytes, ...]) -> bytes:

@@ -32,6 +32,7 @@ refuses a configuration that differs (``threat_model_problem``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 
 from . import codec, params
@@ -120,6 +121,21 @@ class SessionConfig:
         if not isinstance(self.malicious, bool):
             raise ValueError(f"malicious must be True or False, got {self.malicious!r}")
         object.__setattr__(self, "_graph", neighbour_graph(self.client_ids, degree, self.graph_seed))
+
+    @property
+    def digest(self) -> bytes:
+        """SHA-256 of every public parameter of the session (id, roster, bits, dimension, threshold, degree, graph
+        seed, survivor floor, variant). The malicious variant binds it into each client's signed and tagged keys and
+        into the transcript hash every later signature covers: a client counts a peer's tag or attestation only if
+        that peer ran the same session, so a server cannot hand clients different graphs (different seeds) under one
+        session id and make each count share holders in a graph of its own."""
+        body = b"".join([
+            len(self.session_id).to_bytes(2, "big"), self.session_id,
+            len(self.client_ids).to_bytes(8, "big"), *(c.to_bytes(8, "big") for c in self.client_ids),
+            self.bits.to_bytes(2, "big"), self.dimension.to_bytes(8, "big"), self.threshold.to_bytes(8, "big"),
+            self.degree.to_bytes(8, "big"), len(self.graph_seed).to_bytes(2, "big"), self.graph_seed,
+            self.min_inputs.to_bytes(8, "big"), bytes([int(self.malicious)])])
+        return hashlib.sha256(b"privfl-secagg/session-config/v1" + body).digest()
 
     @classmethod
     def create(cls, client_ids, *, bits: int, dimension: int, threshold: int | None = None,

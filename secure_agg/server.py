@@ -147,7 +147,7 @@ class ServerSession:
             return self._ignore(message, "public key already in use")
         if self.config.malicious and not (len(message.seed_commitment) == 32 and self._registry.verify(
                 message.signature, I.KEYS_PURPOSE, self.config.session_id, message.sender, message.encryption_key,
-                message.mask_key, message.seed_commitment)):
+                message.mask_key, message.seed_commitment, self.config.digest)):
             return self._ignore(message, "keys not signed by the sender's registered identity key")
         if self.config.malicious and {t.client_id for t in message.tags} != set(self.config.neighbours(message.sender)):
             return self._ignore(message, "key tags not addressed to exactly the sender's neighbours")
@@ -231,7 +231,8 @@ class ServerSession:
             transcript = tuple(BundleDigest(c, I.bundle_digest(sid, c, self._keys[c].encryption_key,
                                                                self._keys[c].mask_key, self._keys[c].seed_commitment))
                                for c in sorted(self.u1))
-            self.transcript_hash = I.transcript_hash(sid, ((e.client_id, e.digest) for e in transcript))
+            self.transcript_hash = I.transcript_hash(sid, ((e.client_id, e.digest) for e in transcript),
+                                                     self.config.digest)
         tags = {v: {t.client_id: t.tag for t in self._keys[v].tags} for v in self.u1}
         out = {}
         for c in sorted(self.u1):

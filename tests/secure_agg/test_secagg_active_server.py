@@ -370,7 +370,7 @@ def undefended(monkeypatch, *, checks: bool = True, transcript: bool = False):
     if checks:
         monkeypatch.setattr(ClientSession, "_check_proof", issue14_check)
     if transcript:
-        monkeypatch.setattr(I, "transcript_hash", lambda session_id, entries: bytes(32))
+        monkeypatch.setattr(I, "transcript_hash", lambda session_id, entries, config_digest: bytes(32))
 
 
 # ============================================================================================== attack 1: trimmed arc
@@ -797,3 +797,44 @@ def test_an_aborted_round_reveals_at_most_the_survivor_sum():
     learned = assert_nothing_below_the_floor(adv)
     assert all(g.honest == alive for g in learned)  # at most the survivors' total: here nothing at all
     assert not learned
+
+
+def _seeded_config(base: SessionConfig, pred, start: int) -> SessionConfig:
+    """The first of base's variants with graph seeds sha256(start), sha256(start + 1), ... that ``pred`` accepts."""
+    for k in range(start, start + 100_000):
+        cfg = base.replace(graph_seed=hashlib.sha256(k.to_bytes(8, "big")).digest())
+        if pred(cfg):
+            return cfg
+    raise AssertionError("no graph seed found")
+
+
+def test_a_server_that_gives_clients_different_graphs_under_one_session_is_refused():
+    """A review's attack: the graph seed is the server's, and it was bound into nothing a client signs or tags, so a
+    server could hand each client a differently seeded graph under one session id; each client then counted share
+    holders in a graph of its own, and the server unmasked a sum of 2 inputs where every client required 8 (n = 10,
+    degree 2, threshold 2). The session's public parameters (SessionConfig.digest) are now in every signed and
+    tagged key bundle and in the transcript hash: a peer whose graph differs fails our tag check before we send it
+    anything, and the session aborts."""
+    n, a, b, z = 10, 1, 2, 5
+    ids = list(range(1, n + 1))
+    model = ThreatModel(dropout=0.0, corruption=0.0, min_inputs=8, malicious=True, n_clients=n)
+    base = SessionConfig.create(ids, bits=16, dimension=4, malicious=True, dropout=0.0, min_inputs=8)
+    cfg = {a: _seeded_config(base, lambda c: c.neighbours(a) == {b, z}, 0),
+           b: _seeded_config(base, lambda c: c.neighbours(b) == {a, z}, 10_000)}
+    assert cfg[a].graph_seed != cfg[b].graph_seed and cfg[a].digest != cfg[b].digest
+    keys = {c: generate_identity() for c in ids}
+    registry = IdentityRegistry({c: identity_public_bytes(k) for c, k in keys.items()})
+    rng = np.random.default_rng(1)
+    sessions = {c: ClientSession(cfg[c], c, rng.integers(0, 2 ** 16, 4, dtype=np.uint64), identity_key=keys[c],
+                                 registry=registry, min_inputs=8, threat_model=model) for c in (a, b)}
+    sid = base.session_id
+    adv = {c: s.advertise_keys() for c, s in sessions.items()}
+    transcript = tuple(M.BundleDigest(c, I.bundle_digest(sid, c, adv[c].encryption_key, adv[c].mask_key,
+                                                         adv[c].seed_commitment)) for c in sorted(adv))
+    for me, peer in ((a, b), (b, a)):
+        e = adv[peer]
+        tag = {t.client_id: t.tag for t in e.tags}[me]
+        directory = M.KeyDirectory(sid, me, (M.PublicKeys(peer, e.encryption_key, e.mask_key, e.seed_commitment,
+                                                          tag),), transcript)
+        with pytest.raises(ProtocolAbort, match="session's parameters"):
+            sessions[me].share_keys(directory)
