@@ -475,6 +475,23 @@ class FedBNN(FederatedAlgorithm):
         """1, or n_k with ``weighting="size"``, which only non-private runs accept (n_k is private)."""
         return float(len(dataset)) if self.weighting == "size" else 1.0
 
+    def check_broadcast(self, round) -> None:
+        """The broadcast consensus and its reliability checked before any record is read: every honest server's
+        ``global_probs`` are rows in [0, 1] summing to 1 over the alignment set's points (clip_and_renormalise) and
+        its reliability lies in [0, 1]; anything else could make the distillation fail (a zero row under label shift)
+        on some clients' labels and not on others'."""
+        probs = self.global_probs
+        if probs is not None:
+            p = np.asarray(probs, dtype=np.float64)
+            if (p.ndim != 2 or self.alignment_x is not None and p.shape[0] != len(self.alignment_x)
+                    or np.any(p < 0) or np.any(p > 1) or np.any(np.abs(p.sum(axis=1) - 1) > 1e-6)):
+                raise ConfigurationError("the server broadcast FedBNN consensus probabilities that are not rows in "
+                                         "[0, 1] summing to 1, one per alignment point; refused before any record "
+                                         "was read")
+        if not 0.0 <= float(self.reliability) <= 1.0:
+            raise ConfigurationError(f"the server broadcast a FedBNN reliability of {float(self.reliability)!r}, "
+                                     "outside [0, 1]; refused before any record was read")
+
     def client_update(self, client, dataset, round, rng):
         model = self.local_model(client)
         x, y = dataset.tensors()

@@ -292,6 +292,16 @@ class HBFL(FederatedAlgorithm):
     def release_weight(self, dataset, client: int = 0) -> float:
         return release_weight(self.privacy, self.public, client, dataset)
 
+    def check_broadcast(self, round) -> None:
+        """The broadcast global posterior checked before any record is read: every honest server's precision is
+        > 0 (the Gaussian product of positive precisions, from init_precision); a precision <= 0 could make the meme's
+        prior fail on some clients' records and not on others'."""
+        precision = self.global_precision
+        if precision is not None and np.asarray(precision).size and not float(np.min(precision)) > 0:
+            raise ConfigurationError(f"the server broadcast an HBFL precision with entries <= 0 (smallest "
+                                     f"{float(np.min(precision))!r}); every honest precision is > 0; refused before "
+                                     "any record was read")
+
     def client_update(self, client, dataset, round, rng):
         [(_, out)] = self._updates([client], [dataset], [rng], vectorised=False)
         return out

@@ -49,3 +49,46 @@ def test_a_refused_broadcast_leaves_the_client_half_as_it_was():
     np.testing.assert_array_equal(half.algorithm.precision, precision)
     half.load(Broadcast(0, {"mean": mean + 1.0, "precision": precision}))
     np.testing.assert_array_equal(half.algorithm.mean, mean + 1.0)
+
+
+def _half(name, **options):
+    from privfl.algorithms import make_algorithm
+    from privfl.core.config import FederationConfig, PrivacyConfig
+    from privfl.data import federated_from_arrays, load_digits
+
+    digits = load_digits(flatten=True)
+    parts = [digits.subset(np.arange(k * 60, (k + 1) * 60)) for k in range(2)]
+    data = federated_from_arrays(parts, digits.subset(np.arange(200, 260)),
+                                 alignment=digits.subset(np.arange(300, 320)))
+    fed = FederationConfig(rounds=2, local_epochs=1, batch_size=32, lr=0.1, hidden=(), seed=4, client_size=60)
+    alg = make_algorithm(name, fed, PrivacyConfig(epsilon=4.0, delta=1e-5, unit="client", clip=0.5), **options)
+    alg.setup(data, np.random.default_rng(0))
+    return alg.client_half()
+
+
+def test_hbfl_refuses_a_precision_no_honest_server_sends():
+    half = _half("hbfl")
+    held = {k: np.asarray(getattr(half.algorithm, k)).copy() for k in ("global_mean", "global_precision",
+                                                                       "global_natural_mean")}
+    bad = dict(held, global_precision=held["global_precision"].copy())
+    bad["global_precision"][0] = -1.0
+    with pytest.raises(ConfigurationError, match="HBFL precision"):
+        half.load(Broadcast(0, bad))
+    half.load(Broadcast(0, held))
+
+
+@pytest.mark.parametrize("field, value", [("global_probs", "zero_row"), ("global_probs", "negative"),
+                                          ("reliability", 1.5), ("reliability", -0.1)])
+def test_fedbnn_refuses_consensus_probabilities_or_a_reliability_no_honest_server_sends(field, value):
+    half = _half("fedbnn", alignment_size=20)
+    rows = len(half.algorithm.alignment_x)
+    probs = np.full((rows, 10), 0.1)
+    if value == "zero_row":
+        probs[0] = 0.0
+    elif value == "negative":
+        probs[0, :2] = (-0.1, 0.3)
+    broadcast = {"global_probs": probs if field == "global_probs" else np.full((rows, 10), 0.1),
+                 "reliability": value if field == "reliability" else 0.5}
+    with pytest.raises(ConfigurationError, match="FedBNN"):
+        half.load(Broadcast(0, broadcast))
+    half.load(Broadcast(0, {"global_probs": np.full((rows, 10), 0.1), "reliability": 0.5}))
