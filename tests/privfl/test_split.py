@@ -113,9 +113,14 @@ def test_client_half_reads_only_the_broadcast(name, privacy):
 
 
 def _spoiled(value):
-    """A broadcast value moved: arrays by 0.5; a float in [0, 1] (FedBNN's reliability, which can make the global
-    probabilities irrelevant when it is 0) halfway towards 0.5 and shifted off it."""
+    """A broadcast value moved, staying one an honest server could send (the client half refuses others before
+    training): rows of probabilities (FedBNN's consensus) rolled by one class; other arrays by 0.5; a float in [0, 1]
+    (FedBNN's reliability, which can make the global probabilities irrelevant when it is 0) halfway towards 0.5 and
+    shifted off it."""
     if isinstance(value, np.ndarray):
+        if (value.ndim == 2 and np.all(value >= 0) and np.all(value <= 1)
+                and np.allclose(value.sum(axis=1), 1.0)):
+            return np.roll(value, 1, axis=1)
         return value + 0.5
     if isinstance(value, float):
         return 0.5 * value + 0.3
