@@ -86,6 +86,19 @@ class Broadcast:
 BROADCAST_BOUND = float(np.finfo(np.float32).max)
 
 
+def check_kept_state(algorithm, client: int, state, charged_before: bool) -> None:
+    """Refuse, before any record is read, a client whose algorithm's guarantee rests on state the client keeps
+    between rounds (``needs_kept_state``: banded DP-FedSGD's record groups) when that state is missing although the
+    client has charges in this run (``charged_before``, from its ledger): a resumed or retried round that lost the
+    state would draw the groups afresh and could put one record in two rounds of a block, charged once."""
+    from privfl.errors import ConfigurationError
+
+    if getattr(algorithm, "needs_kept_state", False) and state is None and charged_before:
+        raise ConfigurationError(f"{algorithm.name}: client {client} has charges in this run but not the state its "
+                                 "guarantee rests on (banded noise: its records' groups, drawn at its first round); "
+                                 "refused before any record was read: keep the client's state for the whole run")
+
+
 def check_broadcast_value(label: str, value, held=None) -> None:
     """Refuse a broadcast value a client must not train from, on the value alone (before any record is read): a
     number or numeric array with an entry that is NaN, infinite or beyond :data:`BROADCAST_BOUND`, an array that is

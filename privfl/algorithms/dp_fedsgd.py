@@ -378,6 +378,11 @@ class DPFedSGD(FedAvg):
             if len(state["groups"]) != n:
                 raise ConfigurationError("dp_fedsgd: a client's records changed during a banded run (its groups "
                                          "were drawn at its first round); keep each client's records for the run")
+            if round <= int(state["round"]):  # before any record is drawn: the mixture is by increasing round
+                raise ConfigurationError(f"dp_fedsgd: banded noise mixes a client's rounds in increasing order; "
+                                         f"round {round} comes after its round {int(state['round'])}: refused (a "
+                                         "round asked out of order, or again, would put one record's participations "
+                                         "closer than the bands the ledger charges)")
             candidates = torch.from_numpy(np.flatnonzero(state["groups"] == round % self.bands))
             rate = min(1.0, self.bands * self.sample_rate)
         if self.class_weights is not None:  # each record at q * w[y] / max(w): at most q, so the events still hold
@@ -474,6 +479,14 @@ class DPFedSGD(FedAvg):
             return None
         secure = self.privacy.private and self.privacy.secure_noise
         return torch.Generator().manual_seed(secret_seed(rng, secure))
+
+    @property
+    def needs_kept_state(self) -> bool:
+        """Whether the guarantee rests on state the client keeps between rounds (banded noise: each record's group,
+        drawn at the client's first round): a client that has charges in the run but lost that state is refused
+        (``privfl.algorithms.base.check_kept_state``), since fresh groups could put one record in two rounds of a
+        block."""
+        return self.bands > 1
 
     def check_broadcast(self, round) -> None:
         """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``)."""

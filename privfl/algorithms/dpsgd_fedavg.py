@@ -160,7 +160,11 @@ class DPSGDFedAvg(FedAvg):
         if not self.privacy.private:
             return super().client_update(client, dataset, round, rng)
         self.check_broadcast(round)
-        [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=self.adaptive is not None)
+        # the vectorised executor wherever the model allows it, one client or many (a Flower client's step): it drops
+        # a record whose gradient is not finite on its own, where opacus's loop would make the whole update fall back
+        vectorised = self.adaptive is not None or (self.default_step and self.model is not None
+                                                   and vectorisable(self.model))
+        [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=vectorised)
         return out
 
     def check_broadcast(self, round) -> None:

@@ -1421,7 +1421,7 @@ def client_train(msg, context):
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
     run_spec, client = _client_spec(context)
-    from privfl.algorithms.base import Broadcast
+    from privfl.algorithms.base import Broadcast, check_kept_state
 
     broadcast = from_record(msg.content, BROADCAST)
     # the client's own instance, from the public spec (and, in a later phase, the earlier phases' final states): it
@@ -1459,6 +1459,7 @@ def client_train(msg, context):
         pipeline = plan.pipeline(client, ledger, noise)
         state = (half.decode_state(client, context.state[state_key]["envelope"])
                  if state_key in context.state else None)
+        check_kept_state(half.algorithm, client, state, bool(ledger.charges(str(client))))
         out, state = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, state, train_rng)
         # the client's own state (HBFL's local model, FedBNN's personalised model) stays on its SuperNode
         _keep(context, state_key, half.encode_state(client, state))

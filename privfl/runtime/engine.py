@@ -42,7 +42,7 @@ from privfl.accounting.errors import PrivacyBudgetExceeded
 from privfl.accounting.ledger import PrivacyLedger
 from privfl.mechanisms import SecureNoise, SeededNoise
 from privfl.core.aggregation import noise_only_sums, weighted_sums
-from privfl.algorithms.base import FederatedAlgorithm, Phase
+from privfl.algorithms.base import FederatedAlgorithm, Phase, check_kept_state
 from privfl.core.config import FederationConfig, PrivacyConfig
 from privfl.core.plan import RunPlan, seed_stream
 from privfl.core.release import Release, mark_round_released
@@ -243,6 +243,7 @@ class Simulation:
         """Client ``k``'s local work: on its client half, from the broadcast and its own state."""
         if not self.split:
             return self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+        check_kept_state(self.algorithm, k, self.client_states[k], bool(self.ledger.charges(str(k))))
         out, self.client_states[k] = self.client_half.client_update(
             k, self.broadcast(rnd), self.data.train_parts[k], self.client_states[k], self.train_rngs[k])
         return out

@@ -321,3 +321,32 @@ def test_a_refused_block_charge_leaves_the_block_unopened():
         with pytest.raises(PrivacyBudgetExceeded):
             sim.client_step(0, rnd)
     assert sim.ledger.charges("0") == [] and pipe.opens_block("gradient_sum", 2)
+
+
+def test_a_round_asked_out_of_order_or_again_is_refused_before_any_record_is_drawn():
+    """Banded noise mixes a client's rounds in increasing order, b apart for each record. A review's server asked
+    rounds 8, 4, 0, 11, 7, ...: the client mixed them as if consecutive and one record's participations piled into
+    overlapping rows (a shift of norm 2.55 between neighbours where the three charged events allow 1.73). A round not
+    after the client's last one is refused, the same text whatever the data."""
+    sim = _run(bands=4, rounds=12, lot_size=30, zero_noise=True)
+    sim.prepare()
+    sim.client_step(0, 8)
+    for earlier in (4, 8):
+        with pytest.raises(ConfigurationError, match="increasing order"):
+            sim.client_step(0, earlier)
+    assert [c.round for c in sim.ledger.charges("0")] == [8]  # nothing charged for the refused rounds
+    sim.client_step(0, 9)
+
+
+def test_a_client_that_lost_its_record_groups_mid_run_is_refused():
+    """A review: when a client's kept state is gone (a retried round of a resumed Flower run ignores the saved
+    entry), its groups were drawn afresh and 11 of 40 records took part in two rounds of one block, charged once.
+    A client with charges in the run and no state is refused before any record is read."""
+    sim = _run(bands=4, rounds=8, lot_size=30, zero_noise=True)
+    sim.prepare()
+    for rnd in (0, 1):
+        sim.client_step(0, rnd)
+    sim.client_states[0] = None
+    with pytest.raises(ConfigurationError, match="state its guarantee rests on"):
+        sim.client_step(0, 2)
+    assert [c.round for c in sim.ledger.charges("0")] == [0, 1]
