@@ -212,6 +212,18 @@ def test_the_fallback_is_the_in_process_runtime_s_release_too(tmp_path):
     np.testing.assert_array_equal(released["update"].value, flower["releases"][0]["value"])
 
 
+def _refused_alike_on_every_data_set(tmp_path, spec, msg) -> dict:
+    """``msg`` sent to a client on D, on D' and on a data path that does not exist: the same configuration error from
+    each, nothing charged. Returns the data paths by name."""
+    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
+    answers = set()
+    for i, data in enumerate(paths.values()):
+        answers.add(reply(A.client_train, msg, context(spec, data, tmp_path / f"{i}.sqlite")))
+        assert rows(tmp_path / f"{i}.sqlite", spec.run_id) == 0
+    assert answers == {("error", A.CLIENT_ERROR_CODES["configuration"])}
+    return paths
+
+
 @pytest.mark.parametrize("poison", ["nan", "inf", "1e300", "shape", "complex"])
 def test_a_broadcast_model_no_honest_server_sends_is_refused_before_anything_is_read(tmp_path, poison):
     """NaN, infinite, beyond float32's range (it becomes infinite in the model), another shape than the model's, not
@@ -226,12 +238,7 @@ def test_a_broadcast_model_no_honest_server_sends_is_refused_before_anything_is_
     else:
         g[1] = float(poison)
     msg, _ = train_message(spec, values={"global_params": g})
-    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
-    answers = set()
-    for i, data in enumerate(paths.values()):
-        answers.add(reply(A.client_train, msg, context(spec, data, tmp_path / f"{i}.sqlite")))
-        assert rows(tmp_path / f"{i}.sqlite", spec.run_id) == 0
-    assert answers == {("error", A.CLIENT_ERROR_CODES["configuration"])}
+    _refused_alike_on_every_data_set(tmp_path, spec, msg)
 
 
 @pytest.mark.parametrize("precision", [1e300, 0.0, -1.0, np.nan])
@@ -245,12 +252,7 @@ def test_a_fola_precision_no_honest_server_sends_is_refused_before_anything_is_r
     for c in range(10):
         prec[c * 64 + 1], mean[c * 64 + 1] = precision, 0.0
     msg, _ = train_message(spec, values={"mean": mean, "precision": prec})
-    paths = {**neighbours(tmp_path), "missing": str(tmp_path / "absent.npz")}
-    answers = set()
-    for i, data in enumerate(paths.values()):
-        answers.add(reply(A.client_train, msg, context(spec, data, tmp_path / f"{i}.sqlite")))
-        assert rows(tmp_path / f"{i}.sqlite", spec.run_id) == 0
-    assert answers == {("error", A.CLIENT_ERROR_CODES["configuration"])}
+    paths = _refused_alike_on_every_data_set(tmp_path, spec, msg)
     # an honest precision in the same message is served
     ok, _ = train_message(spec, values={"mean": mean, "precision": alg.precision})
     assert reply(A.client_train, ok, context(spec, paths["D"], tmp_path / "ok.sqlite"))["round"] == 0
