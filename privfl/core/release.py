@@ -75,9 +75,9 @@ def fallback_value(channel: Channel, value):
     fall back, a move larger than one record's bound. That case needs the term dropped where records are clipped:
     the vectorised per-example executors and HBFL's materialised steps do (``privfl.training.stacked.PerExampleTerms``,
     ``privfl.privacy.record_level.clipped_gradient_sum``: an example whose gradient or norm is not finite adds the
-    zero term), so their sums stay finite, and DP-SGD FedAvg's one-client step (a Flower client's) takes the vectorised
-    executor wherever the model allows; opacus's per-client loop (a user's loss or optimizer, a layer the executor
-    cannot stack) and the Fisher accumulators do not yet, and there the fallback only makes the reply look ordinary."""
+    zero term), so their sums stay finite, as does opacus's per-client loop (``dpsgd_train`` recomputes a step whose
+    clipped sum is not finite example by example, dropping that example's term); FOLA's Fisher accumulators do not
+    yet, and there the fallback only makes the reply look ordinary."""
     if isinstance(channel.clip, RangeBound):
         filler = np.full(channel.shape, 1.0 / channel.shape[-1])
     else:

@@ -601,8 +601,39 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=0.0, max_grad_norm=clip,
                                                 expected_batch_size=expected_batch, loss_reduction="mean")
 
+    lot: dict[str, torch.Tensor | None] = {"ids": None}
+
+    def finite_sum(batch: float) -> None:
+        """The step's clipped sum over B recomputed example by example when opacus's is not finite: an example whose
+        gradient (or its norm) is not finite adds the zero term, decided on it alone, as the vectorised executor
+        decides (``privfl.training.stacked.PerExampleTerms``); opacus offers no per-sample hook for it."""
+        total = [torch.zeros_like(p) for p in params]
+        reduction = criterion_fn.reduction
+        gsm.disable_hooks()
+        try:
+            criterion_fn.reduction = "none"
+            for i in lot["ids"].tolist():
+                loss = criterion_fn(gsm(x[i:i + 1]), y[i:i + 1]).sum()
+                with warnings.catch_warnings():  # the hooks are off; torch still names the first layer's (see below)
+                    warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+                norm2 = sum(float(g.double().pow(2).sum()) for g in grads)
+                if not math.isfinite(norm2):
+                    continue
+                factor = min(1.0, clip / (math.sqrt(norm2) + 1e-6))
+                for t, g in zip(total, grads):
+                    t.add_(g, alpha=factor)
+        finally:
+            criterion_fn.reduction = reduction
+            gsm.enable_hooks()
+        for p, t in zip(params, total):
+            p.grad = t / batch
+
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
+        if lot["ids"] is not None and not all(bool(torch.isfinite(p.grad).all()) for p in opt.params):
+            finite_sum(batch)
         # audit-run's canaries, in the clipped sum (here already over B); steps: this step, from 0
         _add_audit_term(steps, 1, lambda: [p.grad for p in model.parameters()], shapes, 1.0 / batch)
         for p in opt.params:  # the step's noise, parameter by parameter, over the same expected batch
@@ -629,6 +660,7 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                         gsm.enable_hooks()
                 ids = np.asarray(batch, dtype=np.int64)
                 optimizer.zero_grad(set_to_none=True)
+                lot["ids"] = torch.from_numpy(ids) if len(ids) else None
                 if len(ids):
                     idx = torch.from_numpy(ids)
                     try:

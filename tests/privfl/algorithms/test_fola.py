@@ -1,6 +1,7 @@
 """FOLA (Liu et al.): local precision of eq. 24 from the online per-example Fisher, the Gaussian-product server in
 each privacy mode, the Fisher channel's sensitivity on neighbouring data, and audited end-to-end runs."""
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -187,7 +188,9 @@ def test_record_level_server_pools_its_estimates_per_layer_by_default(digits):
 
 
 def frozen_example_client(digits, part):
-    alg = FOLA(FROZEN, EXAMPLE, update_bound=0.5)
+    # seeded on purpose: D and D' then draw the same Fisher steps for the same positions (with secure noise each run
+    # draws its own, and the frozen parameters' tiny drift between steps breaks the 1e-3 comparison below)
+    alg = FOLA(FROZEN, dataclasses.replace(EXAMPLE, secure_noise=False), update_bound=0.5)
     alg.setup(digits, np.random.default_rng(0))
     alg._dpsgd_noise_multiplier = lambda schedule: 1.0  # no calibration needed: lr ~ 0 keeps the parameters
     return alg, alg.client_update(0, part, 0, np.random.default_rng(7))
