@@ -215,14 +215,10 @@ def test_cli_private_example_level_run_uses_a_sampled_accountant_by_default(tmp_
     assert code == 2 and "--accountant pld" in capsys.readouterr().err
 
 
-def test_one_clients_step_drops_a_record_whose_gradient_is_not_finite_on_its_own():
-    """A Flower client trains through ``client_update`` one client at a time, which ran opacus's per-client loop: one
-    finite extreme record (its hidden pre-activation overflows) made the whole update non-finite and the release its
-    zero fallback, told apart from its neighbour with certainty (a review). A built-in model now takes the vectorised
-    executor there too, which drops that record's term alone: the update is finite and not the fallback."""
-    import warnings
-
-    from privfl.core.release import LocalResultNotFinite
+def _with_an_extreme_record(**options):
+    """A 3-client federation whose client 0 also holds one finite extreme record (3e38 along the first layer's
+    largest row of the public initial model: its hidden pre-activation overflows), and a prepared DP-SGD FedAvg
+    simulation of it (``options``: the algorithm's, e.g. a user's optimizer)."""
     from privfl.data import federated_from_arrays
 
     fed = FederationConfig(rounds=1, local_epochs=1, batch_size=10, lr=0.1, momentum=0.0, hidden=(5,), seed=2)
@@ -231,53 +227,46 @@ def test_one_clients_step_drops_a_record_whose_gradient_is_not_finite_on_its_own
     parts = [(rng.normal(size=(10, 20)).astype(np.float32), rng.integers(0, 3, size=10).astype(np.int64))
              for _ in range(3)]
     test = (rng.normal(size=(12, 20)).astype(np.float32), rng.integers(0, 3, size=12).astype(np.int64))
-    probe = Simulation(ALGORITHMS["dpsgd_fedavg"](fed, privacy), federated_from_arrays(
-        parts, test, task="classification", num_classes=3, name="toy", design_size=10), fed, privacy)
-    probe.prepare()
-    w1 = probe.algorithm.global_params[:100].reshape(5, 20)
+
+    def simulation(parts):
+        data = federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy", design_size=10)
+        sim = Simulation(ALGORITHMS["dpsgd_fedavg"](fed, privacy, **options), data, fed, privacy)
+        sim.prepare()
+        return sim, data
+
+    w1 = simulation(parts)[0].algorithm.global_params[:100].reshape(5, 20)
     record = (3e38 * np.sign(w1[np.abs(w1).sum(1).argmax()])).astype(np.float32)
     x0, y0 = parts[0]
     parts[0] = (np.concatenate([x0, record[None]]), np.concatenate([y0, [1]]))
-    data = federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy", design_size=10)
-    sim = Simulation(ALGORITHMS["dpsgd_fedavg"](fed, privacy), data, fed, privacy)
-    sim.prepare()
+    return simulation(parts)
+
+
+def _finite_and_not_the_fallback(step):
+    """``step()``'s update, with the pipeline's non-finite fallback an error: finite and not zero."""
+    import warnings
+
+    from privfl.core.release import LocalResultNotFinite
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", LocalResultNotFinite)
-        out = sim.algorithm.client_update(0, data.train_parts[0], 0, np.random.default_rng(1))
-    update = np.asarray(out.values["update"].value)
+        update = np.asarray(step())
     assert np.all(np.isfinite(update)) and np.any(update != 0)
+
+
+def test_one_clients_step_drops_a_record_whose_gradient_is_not_finite_on_its_own():
+    """A Flower client trains through ``client_update`` one client at a time, which ran opacus's per-client loop: one
+    finite extreme record (its hidden pre-activation overflows) made the whole update non-finite and the release its
+    zero fallback, told apart from its neighbour with certainty (a review). A built-in model now takes the vectorised
+    executor there too, which drops that record's term alone: the update is finite and not the fallback."""
+    sim, data = _with_an_extreme_record()
+    _finite_and_not_the_fallback(lambda: sim.algorithm.client_update(
+        0, data.train_parts[0], 0, np.random.default_rng(1)).values["update"].value)
 
 
 def test_opacus_loop_drops_a_record_whose_gradient_is_not_finite_on_its_own():
     """A user's optimizer trains on opacus's per-client loop, where one finite extreme record made the step's clipped
     sum non-finite and the whole update fall back to zeros (a review). The step's sum is then recomputed example by
     example, that record adding the zero term: the update is finite, not the fallback, and nothing warns."""
-    import warnings
-
-    from privfl.core.release import LocalResultNotFinite
-    from privfl.data import federated_from_arrays
-
-    fed = FederationConfig(rounds=1, local_epochs=1, batch_size=10, lr=0.1, momentum=0.0, hidden=(5,), seed=2)
-    privacy = PrivacyConfig(epsilon=3.0, delta=1e-5, unit="example", clip=0.7, secure_noise=True)
-    rng = np.random.default_rng(0)
-    parts = [(rng.normal(size=(10, 20)).astype(np.float32), rng.integers(0, 3, size=10).astype(np.int64))
-             for _ in range(3)]
-    test = (rng.normal(size=(12, 20)).astype(np.float32), rng.integers(0, 3, size=12).astype(np.int64))
-
-    def make(data):
-        alg = ALGORITHMS["dpsgd_fedavg"](fed, privacy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-        sim = Simulation(alg, data, fed, privacy)
-        sim.prepare()
-        return sim
-
-    w1 = make(federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy",
-                                    design_size=10)).algorithm.global_params[:100].reshape(5, 20)
-    record = (3e38 * np.sign(w1[np.abs(w1).sum(1).argmax()])).astype(np.float32)
-    x0, y0 = parts[0]
-    parts[0] = (np.concatenate([x0, record[None]]), np.concatenate([y0, [1]]))
-    sim = make(federated_from_arrays(parts, test, task="classification", num_classes=3, name="toy", design_size=10))
+    sim, _ = _with_an_extreme_record(optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert not sim.vectorised
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LocalResultNotFinite)
-        update = np.asarray(sim.client_step(0, 0)["update"].value)
-    assert np.all(np.isfinite(update)) and np.any(update != 0)
+    _finite_and_not_the_fallback(lambda: sim.client_step(0, 0)["update"].value)
