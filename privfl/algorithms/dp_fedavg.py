@@ -60,12 +60,6 @@ class DPFedAvg(FedAvg):
                 unit_channel(self.privacy, "clip_count", (1,), client=NormClip(0.5), budget_share=share,
                              description="adaptive clipping: [norm of the local model change <= C_t] - 1/2")]
 
-    def check_broadcast(self, round) -> None:
-        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``: a clip no honest
-        server reaches is refused, on the broadcast and public facts alone)."""
-        if self.adaptive:
-            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round)
-
     def _local_updates(self, clients, datasets, rngs, *, vectorised: bool):
         for k, out in super()._local_updates(clients, datasets, rngs, vectorised=vectorised):
             if self.adaptive:

@@ -488,11 +488,6 @@ class DPFedSGD(FedAvg):
         block."""
         return self.bands > 1
 
-    def check_broadcast(self, round) -> None:
-        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``)."""
-        if self.adaptive:
-            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round)
-
     def client_update(self, client, dataset, round, rng):
         [(_, out)] = self.client_updates([client], [dataset], round, [rng])
         return out

@@ -55,6 +55,7 @@ class DPSGDFedAvg(FedAvg):
     name = "dpsgd_fedavg"
     supports_privacy = True
     default_unit = "example"  # record-level by construction: DP-SGD bounds each example's gradient
+    clip_rule = "round_clip"  # adaptive clipping moves the federation's clip by AdaptiveClip.round_clip
     adaptive_clipping = True  # PrivacyConfig.clip_quantile: the round's clip follows the federation's norms' quantile
 
     def __init__(self, fed, privacy, model=None, loss=None, optimizer=None, metrics=None,
@@ -166,12 +167,6 @@ class DPSGDFedAvg(FedAvg):
                                                    and vectorisable(self.model))
         [(_, out)] = self._dpsgd_updates([client], [dataset], [rng], vectorised=vectorised)
         return out
-
-    def check_broadcast(self, round) -> None:
-        """The broadcast C_t checked before any record is read (``AdaptiveClip.check_broadcast``)."""
-        if self.adaptive is not None:
-            self.current_clip = self.adaptive.check_broadcast(self.current_clip, self.privacy.clip, round,
-                                                              rule="round_clip")
 
     def _dpsgd_updates(self, clients, datasets, rngs, *, vectorised: bool):
         """The client step, written once: each schedule's clients trained by the DP-SGD engine

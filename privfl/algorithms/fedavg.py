@@ -99,9 +99,18 @@ class FedAvg(FederatedAlgorithm):
         [(_, out)] = self._local_updates([client], [dataset], [rng], vectorised=False)
         return out
 
+    #: the clip rule of a subclass with adaptive clipping (``AdaptiveClip.check_broadcast``'s ``rule``)
+    clip_rule = "step"
+
     def check_broadcast(self, round) -> None:
-        """A client's check of the round's broadcast state before any record is read (a subclass with state of its
-        own to check, such as DP-FedAvg's adaptive clip, overrides it); FedAvg's model needs none."""
+        """A client's check of the round's broadcast state before any record is read: with adaptive clipping (DP-FedAvg,
+        DP-FedSGD, DP-SGD FedAvg: ``self.adaptive``), the broadcast C_t against what :attr:`clip_rule` can reach from
+        the public start clip (``AdaptiveClip.check_broadcast``: a clip no honest server reaches is refused, on the
+        broadcast and public facts alone); FedAvg's model needs none."""
+        adaptive = getattr(self, "adaptive", None)
+        if adaptive:
+            self.current_clip = adaptive.check_broadcast(self.current_clip, self.privacy.clip, round,
+                                                         rule=self.clip_rule)
 
     def _local_updates(self, clients, datasets, rngs, *, vectorised: bool):
         """The client step, written once: each client's change from the broadcast model after local training, by

@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from privfl.mechanisms import InvalidRelease, as_noise_source
+from privfl.mechanisms import GaussianMechanism, InvalidRelease, as_noise_source
 from privfl.mechanisms.gaussian import gaussian_noise
 from privfl.mechanisms.noise import NoiseSource
 from privfl.core.channels import Channel
@@ -74,7 +74,7 @@ def noise_only_sums(channels: Sequence[Channel], noise_multipliers: Mapping[str,
     source = as_noise_source(noise)
     out = {}
     for ch in channels:
-        std = float(noise_multipliers[ch.name]) * float(ch.sensitivity) if (
+        std = GaussianMechanism(ch.sensitivity, noise_multipliers[ch.name]).noise_std if (
             noise_multipliers and ch.private and ch.name in noise_multipliers) else 0.0
         total = np.zeros(ch.shape, dtype=np.float64)
         if std > 0:

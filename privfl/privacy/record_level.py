@@ -604,10 +604,10 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     lot: dict[str, torch.Tensor | None] = {"ids": None}
 
     def finite_sum(batch: float) -> None:
-        """The step's clipped sum over B recomputed example by example when opacus's is not finite: an example whose
-        gradient (or its norm) is not finite adds the zero term, decided on it alone, as the vectorised executor
-        decides (``privfl.training.stacked.PerExampleTerms``); opacus offers no per-sample hook for it."""
-        total = [torch.zeros_like(p) for p in params]
+        """The step's clipped sum over B recomputed from the lot's per-example gradients when opacus's is not finite:
+        :func:`clipped_gradient_sum` drops an example whose gradient or norm is not finite on its own, as the
+        vectorised executor does; opacus offers no per-sample hook for it."""
+        rows = []
         reduction = criterion_fn.reduction
         gsm.disable_hooks()
         try:
@@ -617,18 +617,16 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                 with warnings.catch_warnings():  # the hooks are off; torch still names the first layer's (see below)
                     warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
                     grads = torch.autograd.grad(loss, params, allow_unused=True)
-                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-                norm2 = sum(float(g.double().pow(2).sum()) for g in grads)
-                if not math.isfinite(norm2):
-                    continue
-                factor = min(1.0, clip / (math.sqrt(norm2) + 1e-6))
-                for t, g in zip(total, grads):
-                    t.add_(g, alpha=factor)
+                rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                                       for p, g in zip(params, grads)]))
         finally:
             criterion_fn.reduction = reduction
             gsm.enable_hooks()
-        for p, t in zip(params, total):
-            p.grad = t / batch
+        total = clipped_gradient_sum(torch.stack(rows), sum(p.numel() for p in params), clip)
+        offset = 0
+        for p in params:
+            p.grad = total[offset:offset + p.numel()].reshape(p.shape).to(p.dtype) / batch
+            offset += p.numel()
 
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
