@@ -90,6 +90,22 @@ def clip_factors(norms: torch.Tensor, clip: float | None) -> torch.Tensor:
     return (clip / (norms + _NORM_EPS)).clamp(max=1.0)
 
 
+def _clipped_weights(norms: torch.Tensor, clip: float | None, weights: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(w_i c_i^2, the examples to drop or None): with a clip, an example whose norm is not finite gets weight 0 and
+    is marked, so that its (possibly infinite) squares are zeroed rather than multiplied by 0."""
+    w = clip_factors(norms, clip).pow(2)
+    drop = None
+    if clip is not None:
+        bad = ~torch.isfinite(norms)
+        if bool(bad.any()):
+            drop = bad
+            w = torch.where(bad, torch.zeros((), dtype=w.dtype), w)
+    if weights is not None:
+        w = w * weights.to(w.dtype)
+    return w, drop
+
+
 def _supported(module: nn.Module) -> bool:
     if isinstance(module, nn.Conv2d):
         return module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
@@ -224,10 +240,17 @@ class _Layer:
         """||grad_i||^2 of this layer's parameters, per example."""
         return self.squares(scale)[2]
 
-    def accumulate(self, weights: torch.Tensor, scale: float, into: dict[int, torch.Tensor]) -> None:
-        """Add sum_i w_i (grad_i)^2 of this layer's weight (and bias) into ``into[id(param)]`` in place."""
+    def accumulate(self, weights: torch.Tensor, scale: float, into: dict[int, torch.Tensor],
+                   drop: torch.Tensor | None = None) -> None:
+        """Add sum_i w_i (grad_i)^2 of this layer's weight (and bias) into ``into[id(param)]`` in place; the examples
+        marked in ``drop`` add exactly zero (their squares may be infinite, and 0 x inf is not 0)."""
         m = self.module
         first, second, _ = self.squares(scale)
+        if drop is not None:
+            zero = torch.zeros((), dtype=first.dtype)
+            first = torch.where(drop.reshape(-1, *([1] * (first.dim() - 1))), zero, first)
+            if second is not None:
+                second = torch.where(drop.reshape(-1, *([1] * (second.dim() - 1))), zero, second)
         w = weights.to(first.dtype)
         if isinstance(m, nn.Linear):
             wg2 = first * w[:, None]
@@ -301,11 +324,13 @@ class GradientRecorder:
     def accumulate(self, into: torch.Tensor, clip: float | None = None, *, scale: float = 1.0,
                    weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add sum_i w_i c_i^2 (grad l_i)^2 of the recorded pass into the flat vector ``into`` (``model.parameters()``
-        order, the parameters' dtype) in place; returns (norms before clipping, w_i c_i^2)."""
+        order, the parameters' dtype) in place; returns (norms before clipping, w_i c_i^2).
+
+        With a clip, an example whose gradient norm is not finite (an overflow on an extreme record) adds the zero
+        term, decided on that example alone: one record's term stays within C^2 of nothing, and the other records'
+        terms are kept (as the DP-SGD executors do, ``privfl.privacy.record_level.clipped_gradient_sum``)."""
         norms = self.per_example_norms(scale)
-        w = clip_factors(norms, clip).pow(2)
-        if weights is not None:
-            w = w * weights.to(w.dtype)
+        w, drop = _clipped_weights(norms, clip, weights)
         views, offset = {}, 0
         for p in self._params:
             views[id(p)] = into[offset:offset + p.numel()].view(p.shape)
@@ -313,7 +338,7 @@ class GradientRecorder:
         if offset != into.numel():
             raise ConfigurationError(f"the accumulator has {into.numel()} entries, the model {offset} parameters")
         for layer in self.layers:
-            layer.accumulate(w, scale, views)
+            layer.accumulate(w, scale, views, drop)
         return norms, w
 
     def batch_fisher(self, clip: float | None = None, *, scale: float = 1.0,
@@ -371,9 +396,9 @@ def _fisher_func(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float
                  weights: torch.Tensor | None) -> BatchFisher:
     g = per_example_gradients(model, x, y, loss_fn)
     norms = g.norm(dim=1)
-    w = clip_factors(norms, clip).pow(2)
-    if weights is not None:
-        w = w * weights.to(w.dtype)
+    w, drop = _clipped_weights(norms, clip, weights)
+    if drop is not None:
+        g = torch.where(drop[:, None], torch.zeros((), dtype=g.dtype), g)
     return BatchFisher((w[:, None] * g.pow(2)).sum(dim=0), norms, w)
 
 

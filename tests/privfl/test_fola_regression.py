@@ -127,6 +127,32 @@ def test_record_level_fisher_channels_stay_within_their_sensitivity_next_to_an_e
     np.testing.assert_allclose(moved, own, rtol=1e-3, atol=2e-6)  # float32 sums of about 100 terms
 
 
+def test_a_record_whose_fisher_term_overflows_adds_zero_and_keeps_the_other_records_terms(diabetes):
+    """A finite target of 1e30: its squared gradient overflows float32. That record's Fisher term is dropped on its
+    own (it adds zero, within its C^2), so the client's Fisher channels stay finite and equal to its sums without
+    the record; until now the overflow made the whole client's Fisher non-finite, released as the data-independent
+    fallback (every other record's terms lost)."""
+    part = diabetes.train_parts[0]
+    extreme = type(part)(np.concatenate([part.x, part.x[:1]]), np.concatenate([part.y, np.array([1e30], np.float32)]),
+                         part.task, part.num_classes, "with an overflowing record", part.target_offset,
+                         part.target_scale)
+    _, without = _frozen_example_client(diabetes, part)
+    _, full = _frozen_example_client(diabetes, extreme)
+    for name in ("fisher_diag", "fisher_natural_mean"):
+        value = full.values[name].value
+        assert np.all(np.isfinite(value)), name
+        np.testing.assert_allclose(value, without.values[name].value, rtol=1e-4, atol=1e-5)
+    # the same rule in both per-example Fisher methods: the overflowing example adds zero, the others are kept
+    model = nn.Sequential(nn.Linear(10, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.from_numpy(extreme.x[-5:])
+    y = torch.from_numpy(extreme.y[-5:])
+    for method in ("hooks", "func"):
+        full_batch = per_example_fisher(model, x, y, clip=1.0, loss_fn=half_squared_error, method=method)
+        rest = per_example_fisher(model, x[:-1], y[:-1], clip=1.0, loss_fn=half_squared_error, method=method)
+        assert torch.isfinite(full_batch.squared).all() and float(full_batch.weights[-1]) == 0.0, method
+        torch.testing.assert_close(full_batch.squared, rest.squared, rtol=1e-5, atol=1e-7)
+
+
 #: (mode, privacy, options, RMSE bound as a fraction of predicting the mean). Measured at seeds 0-2 (3 rounds,
 #: diabetes, 3 clients of 100, mean predictor 71.4): non-private 0.76-0.77 (R^2 0.38-0.40); record level, epsilon 3,
 #: 0.81-0.91. Client level, epsilon 3, with three clients is dominated by noise (1.17-1.88 for a linear model, clip
