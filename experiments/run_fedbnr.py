@@ -16,6 +16,8 @@ Central BLR (phase 2's exactness). ``--seed-list``, ``--parts`` and ``--rows`` s
 on sets the defaults were not chosen on (fedbnr_defaults.json/.md). ``--feature-rule diabetes,star98,fair`` checks a
 default feature count derived from the public record count (``default_feature_pairs``) on the validation splits of
 the issue-16 sets and of thinned copies of them (fedbnr_feature_rule.json/.md; validation RMSE only).
+``--budget diabetes,star98,fair`` chooses the target clip and the budget split at the other defaults on those sets'
+validation splits (fedbnr_budget.json/.md).
 """
 
 from __future__ import annotations
@@ -836,6 +838,74 @@ def linear_markdown(summary: dict, rows: list[dict], seconds: float, repeats: in
     return "\n".join(lines)
 
 
+# -- issue 28: the budget's split and the target clip at the linear-block defaults, on the issue-16 validation splits
+
+#: (target_clip B_y, scatter_share) candidates at FedBNR's other defaults; the first is today's default, the
+#: reference. Only the private runs differ (without DP nothing is clipped or split), so only epsilon = 3 is run
+BUDGET_CANDIDATES = ((3.0, 0.5),) + tuple((b, s) for b in (1.5, 2.0, 3.0) for s in (0.2, 0.3, 0.4, 0.5)
+                                          if (b, s) != (3.0, 0.5))
+
+
+def budget_rows(name: str, seeds, repeats: int) -> list[dict]:
+    """FedBNR at epsilon 3 with each (B_y, scatter share) of ``BUDGET_CANDIDATES`` (everything else at its defaults),
+    ``repeats`` noise draws per seed; only the validation RMSE is kept (the test split plays no part)."""
+    rows = []
+    for seed in seeds:
+        data = make_federated(name, N_CLIENTS, seed=seed, val_fraction=VAL_FRACTION)
+        for b, share in BUDGET_CANDIDATES:
+            for k in range(repeats):
+                res = run_one("FedBNR (defaults)", True, data, seed, rff={"target_clip": b, "scatter_share": share})
+                rows.append({"dataset": name, "seed": seed, "target_clip": b, "scatter_share": share, "repeat": k,
+                             "val_rmse": res["val_rmse"], "epsilon": res["epsilon"]})
+        print(f"{name:9s} seed {seed}: {len(BUDGET_CANDIDATES)} candidates done", flush=True)
+    return rows
+
+
+def budget_summary(rows: list[dict]) -> dict:
+    """Per candidate, its mean validation RMSE per set relative to today's default (B_y 3, share 0.5), and the mean
+    of those ratios over the sets: the choice is the candidate with the lowest mean (rule fixed before the runs)."""
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+
+    def mean_val(ds, candidate):
+        return float(np.mean([r["val_rmse"] for r in rows if r["dataset"] == ds
+                              and (r["target_clip"], r["scatter_share"]) == candidate]))
+
+    table = []
+    for cand in BUDGET_CANDIDATES:
+        ratios = {ds: mean_val(ds, cand) / mean_val(ds, BUDGET_CANDIDATES[0]) for ds in sets}
+        table.append({"target_clip": cand[0], "scatter_share": cand[1], "ratios": ratios,
+                      "mean_ratio": float(np.mean(list(ratios.values())))})
+    best = min(table, key=lambda t: t["mean_ratio"])
+    return {"sets": sets, "table": table,
+            "chosen": {"target_clip": best["target_clip"], "scatter_share": best["scatter_share"]}}
+
+
+def budget_markdown(summary: dict, rows: list[dict], seconds: float, repeats: int) -> str:
+    seeds = sorted({r["seed"] for r in rows})
+    sets = summary["sets"]
+    lines = ["# FedBNR's target clip and budget split at its linear-block defaults (issue 28)", "",
+             f"FedBNR at ε = {EPSILON:g} (δ = {DELTA:g}, record level, central noise) on the issue-16 sets "
+             f"({', '.join(sets)}; {N_CLIENTS} clients, sorted-chunk split), seeds {seeds}, {repeats} noise draws "
+             f"per seed, validation RMSE only (the sets' own {VAL_FRACTION:.0%} split; the test split was not scored "
+             "into this file). Candidates: the target clip B_y (standardised targets are clipped to [-B_y, B_y]; "
+             "the cross channel's sensitivity is B B_y) and the scatter channel's share of the budget (the cross "
+             "channel gets the rest); everything else at FedBNR's defaults (linear block a = 0.9 at c = 1 beside "
+             "m = 50 random Fourier feature pairs, ridge_scale 0.25). Without DP neither matters. Each cell: mean "
+             "validation RMSE relative to today's default (B_y 3, share 0.5; below 1 is better). Rule (fixed before "
+             "the runs): the lowest mean over the sets. The issue-16 grid (`fedbnr.md`, pure random features) had "
+             "already chosen B_y 1.5 or share 0.3 on two of these sets' validation splits. "
+             f"`experiments/run_fedbnr.py --budget` ({seconds:.0f} s on this 2-core {platform.machine()} machine, "
+             "one process).", "",
+             "| B_y | scatter share | " + " | ".join(sets) + " | **mean** |",
+             "|---|---|" + "---:|" * (len(sets) + 1)]
+    for t in summary["table"]:
+        lines.append(f"| {t['target_clip']:g} | {t['scatter_share']:g} | "
+                     + " | ".join(f"{t['ratios'][ds]:.3f}" for ds in sets) + f" | **{t['mean_ratio']:.3f}** |")
+    ch = summary["chosen"]
+    lines += ["", f"Chosen: B_y = {ch['target_clip']:g}, scatter share {ch['scatter_share']:g}.", ""]
+    return "\n".join(lines)
+
+
 def _publish(out: str, stem: str, payload: dict, text: str, seconds: float, **json_format) -> None:
     """Write ``out/<stem>.json`` (``payload``, non-finite numbers as strings) and ``out/<stem>.md`` (``text``)."""
     os.makedirs(out, exist_ok=True)
@@ -876,6 +946,9 @@ def main(argv=None) -> None:
                         help="comma-separated sets (issue 16's: diabetes,star98,fair): FedBNR's validation RMSE with a "
                              "linear block beside its random features (LINEAR_CANDIDATES), no DP and ε = 3; writes "
                              "fedbnr_linear.json/.md")
+    parser.add_argument("--budget", default=None, metavar="SETS",
+                        help="comma-separated sets (issue 16's: diabetes,star98,fair): FedBNR's validation RMSE at ε = 3 "
+                             "over its target clip and budget split (BUDGET_CANDIDATES); writes fedbnr_budget.json/.md")
     parser.add_argument("--merge", nargs="*", default=None,
                         help="summarise rows files written by --sets --rows into fedbnr.json/.md")
     args = parser.parse_args(argv)
@@ -900,6 +973,19 @@ def main(argv=None) -> None:
                               "candidates": LINEAR_CANDIDATES},
                   "summary": summary, "runs": _columns(rows), "seconds": seconds},
                  linear_markdown(summary, rows, seconds, args.repeats), seconds, indent=1)
+        return
+    if args.budget:
+        seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(10))
+        start = time.perf_counter()
+        rows = [r for name in args.budget.split(",") for r in budget_rows(name, seeds, args.repeats)]
+        seconds = time.perf_counter() - start
+        summary = budget_summary(rows)
+        _publish(args.out, "fedbnr_budget",
+                 {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
+                              "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
+                              "candidates": BUDGET_CANDIDATES},
+                  "summary": summary, "runs": _columns(rows), "seconds": seconds},
+                 budget_markdown(summary, rows, seconds, args.repeats), seconds, indent=1)
         return
     if args.feature_rule:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
