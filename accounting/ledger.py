@@ -7,7 +7,10 @@ its budget raises :class:`PrivacyBudgetExceeded` and writes nothing.
 
 A row also records whether its value was released. Replaying a charge (same client, round and channel, same event)
 charges nothing twice; releasing the same row twice is refused, because a second noisy copy of a value would need a
-second charge.
+second charge. A row charged for a round the client was left out of (``charge_all(..., left_out=True)``: Poisson
+client sampling accounts for every member's round, sampled or not) is spent without a release and can never be
+released: the event covered that round's coin and its outcome, and a value released against it later would be a
+release the ledger never charged (column ``released``: 0 charged, 1 released, 2 left out).
 
 Keys are checked before anything is written (``accounting.validation``): a client id is a non-empty string or an
 integer (stored as its decimal string), a round an integer in [0, 1e9], a channel a non-empty string, the unit
@@ -111,6 +114,10 @@ class LedgerBusy(LedgerError):
     operation that raised it (retry it later)."""
 
 
+#: the ``released`` column's values
+_CHARGED, _RELEASED, _LEFT_OUT = 0, 1, 2
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     """Whether ``exc`` is SQLite's SQLITE_BUSY or SQLITE_LOCKED (any extended code): another connection's lock."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -174,6 +181,8 @@ class Charge:
     unit: str
     charged_at: float
     released: bool
+    #: charged for a round the client was left out of: spent, never to be released
+    left_out: bool = False
 
     @property
     def release_id(self) -> str:
@@ -379,7 +388,7 @@ class PrivacyLedger:
             sql += " AND client_id=?"
             args += (client_id,)
         sql += " ORDER BY round, client_id, channel"
-        return [Charge(self.run_id, c, r, ch, _parse_event(ev), unit, t, bool(rel))
+        return [Charge(self.run_id, c, r, ch, _parse_event(ev), unit, t, rel == _RELEASED, rel == _LEFT_OUT)
                 for c, r, ch, ev, unit, t, rel in conn.execute(sql, args)]
 
     @_retried("read")
@@ -413,7 +422,7 @@ class PrivacyLedger:
 
     @_retried("charged")
     def charge_all(self, client_id: str, round: int, requests: list[ChargeRequest], *,
-                   release: bool = False) -> list[Charge]:
+                   release: bool = False, left_out: bool = False) -> list[Charge]:
         """Charge a round's releases of one client together: all are committed, or none is.
 
         Already-charged rows with an identical event are returned as they are (a replay charges nothing twice);
@@ -423,8 +432,12 @@ class PrivacyLedger:
         ``release``: the caller reveals the values as soon as this returns, with nothing in between that can fail
         (the release pipeline when no noise is left to draw on the client). The rows are then written released (a
         charge and its mark in one statement, the same transaction as :meth:`mark_released` after the charge); a
-        replayed row not yet released is marked; a replayed row already released raises :class:`LedgerError`
-        and nothing is written or marked.
+        replayed row not yet released is marked; a replayed row already released (or left out) raises
+        :class:`LedgerError` and nothing is written or marked.
+
+        ``left_out``: the round the client was left out of by Poisson client sampling (``ReleasePipeline.charge_only``):
+        the new rows are written spent and never releasable (a later ``release`` or :meth:`mark_released` of them is
+        refused). Not with ``release``.
         """
         client_id = check_client_id(client_id)
         round = check_round(round)
@@ -435,6 +448,8 @@ class PrivacyLedger:
         for r in requests:
             if not isinstance(r, ChargeRequest):
                 raise InvalidLedgerArgument(f"requests must be ChargeRequest(channel, event, unit), got {r!r}")
+        if release and left_out:
+            raise InvalidLedgerArgument("a round is either released or left out, not both")
         names = [r.channel for r in requests]
         if len(set(names)) != len(names):
             raise LedgerError(f"channels charged twice in one request: {names}")
@@ -490,7 +505,8 @@ class PrivacyLedger:
                         "sampling_rate, unit, event, charged_at, released, released_at) "
                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (self.run_id, client_id, round, r.channel, mech, sens, std, q, r.unit,
-                         _event_json(r.event), now, int(release), now if release else None))
+                         _event_json(r.event), now, _RELEASED if release else _LEFT_OUT if left_out else _CHARGED,
+                         now if release else None))
                     inserted.append((cur.lastrowid, client_id, round, r.channel, r.event, r.unit))
             if release:
                 for r in replayed:
@@ -498,12 +514,14 @@ class PrivacyLedger:
                                     "AND round=? AND channel=? AND released=0",
                                     (now, self.run_id, client_id, round, r.channel)).rowcount != 1:
                         raise LedgerError(f"release {self.run_id}/{client_id}/{round}/{r.channel} was already "
-                                          f"released; releasing a value twice would need a second charge")
+                                          f"released, or charged for a round the client was left out of; releasing "
+                                          f"against it would need a second charge")
             if len(new) == len(requests):  # nothing was there before: the rows are the ones just written
-                result = [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, release)
+                result = [Charge(self.run_id, client_id, round, r.channel, r.event, r.unit, now, release, left_out)
                           for r in requests]
             else:  # read inside the transaction, so that nothing after the commit can fail (and be retried)
-                rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, bool(rel))
+                rows = {ch: Charge(self.run_id, client_id, round, ch, _parse_event(ev), unit, t, rel == _RELEASED,
+                                   rel == _LEFT_OUT)
                         for ch, ev, unit, t, rel in conn.execute(
                             "SELECT channel, event, unit, charged_at, released FROM charges WHERE run_id=? AND "
                             "client_id=? AND round=?", (self.run_id, client_id, round))}
@@ -676,8 +694,8 @@ class PrivacyLedger:
                 "channel=? AND released=0", (time.time(), charge.run_id, charge.client_id, charge.round,
                                              charge.channel))
             if cur.rowcount != 1:
-                raise LedgerError(f"release {charge.release_id} is not charged or was already released; releasing a "
-                                  f"value twice would need a second charge")
+                raise LedgerError(f"release {charge.release_id} is not charged, was already released or was charged "
+                                  f"for a round the client was left out of; releasing it would need a second charge")
         if self._released is not None:
             self._released[charge.client_id] = self._released.get(charge.client_id, 0) + 1
 
@@ -694,7 +712,8 @@ class PrivacyLedger:
         self._sync()
         if self._released is None:
             self._released = {c: int(rel or 0) for c, rel in self._conn.execute(
-                "SELECT client_id, SUM(released) FROM charges WHERE run_id=? GROUP BY client_id", (self.run_id,))}
+                "SELECT client_id, SUM(released = 1) FROM charges WHERE run_id=? GROUP BY client_id",
+                (self.run_id,))}
         clients = {}
         tree = self._tree
         for cid in sorted(self._states, key=_natural_key):

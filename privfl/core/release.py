@@ -293,7 +293,7 @@ class ReleasePipeline:
         if any(isinstance(ch.clip, TrainedPrivately) for ch in self.channels.values()):
             raise ReleaseMisuse("client sampling with DP-SGD-trained channels is not supported: the training's "
                                 "event is only known once the client has trained")
-        self.ledger.charge_all(self.client_id, round, self._requests(round))
+        self.ledger.charge_all(self.client_id, round, self._requests(round), left_out=True)
 
     def _buffer(self, channel: Channel) -> np.ndarray | None:
         """A float64 array of ``channel``'s shape to convert this round's float32 upload into: the one the last
@@ -411,7 +411,8 @@ def _is_float32(value) -> bool:
 def mark_round_released(ledger: PrivacyLedger, client_id: str, round: int) -> int:
     """Mark ``client_id``'s charged, not yet released rows of ``round`` released (the values are about to leave, as
     a masked input); returns how many. Refuses a round with no such charge: nothing may leave without one."""
-    pending = [c for c in ledger.charges(str(client_id)) if c.round == int(round) and not c.released]
+    pending = [c for c in ledger.charges(str(client_id)) if c.round == int(round) and not c.released
+               and not c.left_out]
     if not pending:
         raise ReleaseMisuse(f"client {client_id} has no charged, unreleased value in round {round}; nothing may be "
                             f"sent without its charge")

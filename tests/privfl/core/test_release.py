@@ -397,3 +397,58 @@ def test_a_symmetric_channel_releases_only_its_upper_triangle_mirrored(placement
         np.testing.assert_array_equal(out, out.T)
         if placement == "central":
             assert np.all(np.asarray(release.value) == np.triu(v) + np.triu(v, 1).T)
+
+
+def test_a_round_charged_as_left_out_by_client_sampling_is_never_released_later(tmp_path):
+    """A round a client was left out of (Poisson client sampling) is charged as spent; releasing a value against it
+    later (a second run under the same id, a retried round that samples the client) was accepted as a replay of the
+    unreleased row: a release the ledger never charged (a review: two runs of one run id, epsilon 1.998 in the
+    ledger against 2.53 spent)."""
+    from privfl.accounting.errors import LedgerError
+
+    led = PrivacyLedger(tmp_path / "l.sqlite", "r", delta=1e-5, epsilon_budget=3.0, accountant="pld")
+    pipe = ReleasePipeline("0", [Channel("update", (3,), "client", NormClip(1.0))], led, {"update": 2.0},
+                           placement="central", sampling_rate=0.1, noise="secure", privacy_unit="client")
+    pipe.charge_only(0)
+    spent = led.audit()["max_epsilon"]
+    (row,) = led.charges("0")
+    assert row.left_out and not row.released
+    with pytest.raises(LedgerError, match="left out"):
+        pipe.release(0, {"update": np.ones(3)})
+    with pytest.raises(LedgerError, match="left out"):
+        led.mark_released(row)
+    assert led.charges("0") == [row] and led.audit()["max_epsilon"] == spent
+    assert led.audit()["clients"]["0"]["releases"] == 0
+    # charge_only again is a replay (nothing charged twice); the next round releases as usual
+    pipe.charge_only(0)
+    pipe.release(1, {"update": np.ones(3)})
+    assert led.audit()["clients"]["0"]["releases"] == 1
+    assert [(c.round, c.released, c.left_out) for c in PrivacyLedger.open_existing(tmp_path / "l.sqlite").charges()] \
+        == [(0, False, True), (1, True, False)]
+
+
+def test_federate_refuses_a_ledger_that_already_holds_charges_of_its_run(tmp_path):
+    """`privfl run` refused a ledger holding its run id; federate and Simulation went on and released a second model
+    against the first run's rows. Refused before anything is trained or charged."""
+    import torch
+
+    import privfl
+    from privfl.errors import ConfigurationError
+
+    rng = np.random.default_rng(0)
+    clients = {f"c{k}": (rng.normal(size=(60, 4)).astype(np.float32), rng.integers(0, 2, 60)) for k in range(8)}
+    test = (rng.normal(size=(50, 4)).astype(np.float32), rng.integers(0, 2, 50))
+    path = str(tmp_path / "l.sqlite")
+
+    def go(seed, run_id="study"):
+        torch.manual_seed(0)
+        return privfl.federate(torch.nn.Linear(4, 2), clients, algorithm="dp_fedavg", epsilon=2.0, rounds=3,
+                               sampling_rate=0.2, test=test, classes=[0, 1], ledger=path, client_size=60,
+                               seed=seed, run_id=run_id, secure_noise=False)
+
+    go(1)
+    rows = PrivacyLedger.open_existing(path, "study").charges()
+    with pytest.raises(ConfigurationError, match="already holds charges of run 'study'.*new run_id"):
+        go(2)
+    assert PrivacyLedger.open_existing(path, "study").charges() == rows
+    go(2, run_id="study-2")  # a new run id is a new run
