@@ -106,6 +106,18 @@ def _check_clients(clients) -> list[str]:
     return names
 
 
+def _type_empty_clients(pairs: list) -> list:
+    """Clients without records (accepted at client level) typed like the others: features of the other clients'
+    shape, targets of their dtype (an empty table or data set carries neither)."""
+    full = [(x, y) for x, y in pairs if len(x)]
+    if not full or len(full) == len(pairs):
+        return pairs
+    x0, y0 = full[0]
+    return [(x, y) if len(x) else (np.zeros((0, *x0.shape[1:]), dtype=np.float32),
+                                   np.zeros((0, *y0.shape[1:]), dtype=y0.dtype))
+            for x, y in pairs]
+
+
 def _infer_task(ys: Sequence[np.ndarray]) -> str:
     kinds = {y.dtype.kind for y in ys}
     if kinds <= {"f"}:
@@ -253,7 +265,10 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     naming the likely causes (features not standardised, too large a learning rate): a non-finite upload is refused
     before release (:class:`privfl.errors.InvalidRelease`); non-finite global parameters or predictions, or a
     regression whose test RMSE exceeds 100 standard deviations of the test targets, raise
-    :class:`privfl.errors.TrainingDiverged` naming the round. The rounds run before stay charged.
+    :class:`privfl.errors.TrainingDiverged` naming the round (in a private run without ``test=`` only non-finite
+    global parameters: the held-out records are the clients' own, never charged, and their metrics decide nothing).
+    The rounds run before stay charged. At client level a client without records (its data removed) takes part,
+    contributing zero.
     """
     from privfl.algorithms import ALGORITHMS, algorithm_options, make_algorithm
     from privfl.apps.settings import resolve_prior_correction, resolve_settings, resolve_unit
@@ -291,7 +306,11 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
         raise ConfigurationError(f"task must be 'classification' or 'regression', got {task!r}")
 
     names = _check_clients(clients)
-    pairs = [as_arrays(v, target=target, what=f"client {n!r}") for n, v in zip(names, clients.values())]
+    # at client level a client whose data is removed is a neighbour: it takes part and contributes zero
+    client_level = math.isfinite(epsilon) and resolve_unit(algorithm, unit) == "client"
+    pairs = [as_arrays(v, target=target, what=f"client {n!r}", allow_empty=client_level)
+             for n, v in zip(names, clients.values())]
+    pairs = _type_empty_clients(pairs)
     shapes = {x.shape[1:] for x, _ in pairs}
     if len(shapes) != 1:
         raise ConfigurationError(f"the clients' records have different shapes {sorted(shapes)}; every client needs "
@@ -379,7 +398,7 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     from privfl.metrics.report import prior_corrected
 
     corrected = (prior_corrected(rule, sim.diagnostic_algorithm().predict_proba(data.test), data.test.y)
-                 if rule is not None else None)
+                 if rule is not None and len(data.test) else None)
     return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
                            epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),
                            delta=delta, algorithm=algorithm, clients=names, run=run, decision=rule,

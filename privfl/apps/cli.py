@@ -374,6 +374,10 @@ def _build_run(args):
             raise
         raise ConfigurationError(f"--option: {args.algorithm} cannot take "
                                  f"{', '.join(f'{k}={v!r}' for k, v in args.text_options.items())} ({exc})") from None
+    if data is not None:
+        from privfl.core.public import check_declared_sizes
+
+        check_declared_sizes(data, privacy)  # declared counts with a held-out split: refused before anything
     if flower:
         _check_flower_sim_run(args, algorithm)
     phased = is_phased(algorithm)
@@ -505,7 +509,7 @@ def cmd_run(args) -> int:
         out.update({f"{p.name}_final": p.result.final for p in runs[:-1]})
     if args.save_model:
         out["model_path"] = save_model(diagnostic(), args.save_model)
-    if rule is not None:  # the declared prior's decisions on the test set (post-processing, nothing charged)
+    if rule is not None and len(data.test):  # the declared prior's decisions on the test set (post-processing)
         from privfl.metrics.report import prior_corrected
 
         out["prior_corrected"] = prior_corrected(rule, diagnostic().predict_proba(data.test), data.test.y)
@@ -523,7 +527,8 @@ def cmd_run(args) -> int:
     if one_class and rule is None:  # with --class-prior the corrected decisions are reported below
         print(f"warning: {one_class}", file=sys.stderr)
     final = (f"final rmse {result.final['rmse']:.4g}" if "rmse" in result.final
-             else f"final accuracy {out['accuracy']:.4f}")
+             else f"final accuracy {out['accuracy']:.4f}" if out["accuracy"] is not None
+             else "no test records to evaluate")
     if out.get("prior_corrected"):
         corrected = out["prior_corrected"]["metrics"]
         print(f"prior-corrected (--class-prior): balanced accuracy {corrected['balanced_accuracy']:.4f}"

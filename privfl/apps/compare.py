@@ -479,6 +479,29 @@ def _entry(spec: str):
     return _ENTRIES[spec]
 
 
+def _test_from_clients(config: CompareConfig) -> bool:
+    """Whether the grid's test set is held out of the clients' own records (own data without a test file, and an
+    entry point that returns no test set)."""
+    if not config.own_data or config.test_data is not None:
+        return False
+    return config.entry is None or _entry(config.entry).test is None
+
+
+def _check_declared_sizes(config: CompareConfig, specs) -> None:
+    """Refuse, before any run of the grid charges anything, a run (the grid's settings or an algorithm's
+    ``[overrides]``) that declares record counts public while the test set is held out of the clients' own records
+    (:func:`privfl.core.public.check_declared_sizes`)."""
+    from privfl.core.public import DECLARED_SIZES_HELD_OUT, sizes_are_public
+
+    if not _test_from_clients(config):
+        return
+    for spec in specs:
+        if spec.algorithm in REFERENCES:
+            continue
+        if sizes_are_public(_configs(config, spec)[1]):
+            raise ConfigurationError(f"run {spec.key}: {DECLARED_SIZES_HELD_OUT}")
+
+
 def federation(config: CompareConfig, seed: int):
     """The federation one seed of the grid runs on: a built-in data set partitioned by ``seed``, or the own data
     (``seed`` draws the held-out split when there is no test file)."""
@@ -535,7 +558,7 @@ def run_one(config: CompareConfig, spec: RunSpec, data, progress=None) -> dict:
     eps = [v["epsilon"] for v in result.audit["clients"].values()]
     final = result.final
     diagnostic = sim.diagnostic_algorithm()  # the server half with every client's own state (a simulation view)
-    calibration = diagnostic.calibration_predictions(data.test)
+    calibration = diagnostic.calibration_predictions(data.test) if len(data.test) else None
     validation = _validation_metrics(diagnostic, data)
     settings = run_settings(config, spec)
     row = {
@@ -587,7 +610,8 @@ def _prior_columns(rule, diagnostic, data) -> dict[str, Any]:
 
     out = {}
     for prefix, split in (("", data.test), ("val_", getattr(data, "val", None))):
-        corrected = None if split is None else prior_corrected(rule, diagnostic.predict_proba(split), split.y)
+        corrected = (None if split is None or not len(split)
+                     else prior_corrected(rule, diagnostic.predict_proba(split), split.y))
         if corrected is not None:
             out[f"{prefix}prior_corrected"] = corrected
             out[f"{prefix}prior_balanced_accuracy"] = corrected["metrics"]["balanced_accuracy"]
@@ -713,6 +737,7 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     specs = grid(config)
     for alg in config.algorithms:  # an entry's own model is refused for an algorithm that cannot train it, up front
         _entry_model(config, config.base(alg))
+    _check_declared_sizes(config, specs)
     done: dict[str, dict] = {}
     for spec in specs:  # check every finished run before running anything
         path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")

@@ -16,7 +16,9 @@ removed, so n_k changes with them. Then
 
 A user may instead declare the sizes public (``PrivacyConfig(adjacency="replace_one")`` at record level): the true
 n_k are then public facts (``client_sizes``), neighbours keep n_k fixed (replace one record), schedules and weights
-may use n_k, and every event, sampled ones included, is accounted under the replace-one relation.
+may use n_k, and every event, sampled ones included, is accounted under the replace-one relation. The counts are
+those of the clients' training sets, so a test set held out of the clients' own records (a coin per record) is refused
+with declared sizes (:func:`check_declared_sizes`): one replaced record could move a count.
 
 ``record_cap``: a public bound on a client's record count used only to size quantisation ranges of sums over
 records (FOLA's Fisher sums); a client holding more records has its sums clipped into that range, a per-coordinate
@@ -53,7 +55,28 @@ UNDECLARED_SIZE = (
     "would change every noise level the server sees). Declare a size fixed before looking at the data, e.g. the "
     "size your organisations agreed on: client_size= (privfl.federate, FederationConfig, RunSpec), --client-size N "
     "(privfl run), client_size = N (a compare TOML); or declare the sizes public at record level "
-    "(adjacency='replace_one', --adjacency replace_one)")
+    "(adjacency='replace_one', --adjacency replace_one), which needs a test set no client holds (test=, "
+    "--test-data, test_data =)")
+
+#: The error of a run that declares record counts public (record level, replace-one) while its test set is held out
+#: of the clients' own records: the per-record coin decides which records train, so the declared counts would move.
+DECLARED_SIZES_HELD_OUT = (
+    "replace-one adjacency at record level declares each client's training record count public, but this run's test "
+    "set is held out of the clients' own records, each record on a coin of its own: replacing one record by one "
+    "that the coin holds out changes that client's declared count (its sampling rate, noise and release weight), so "
+    "the count is not a public fact. Give a test set no client holds (--test-data FILE for privfl run, test= for "
+    "privfl.federate, test_data = in a compare TOML), or keep the counts private (adjacency 'add_remove', the "
+    "default: --adjacency add_remove, adjacency=, adjacency = in a compare TOML's [overrides]) and declare the "
+    "design size (--client-size N, client_size=)")
+
+
+def check_declared_sizes(data, privacy) -> None:
+    """Refuse (:data:`DECLARED_SIZES_HELD_OUT`) a run that declares its clients' record counts public
+    (:func:`sizes_are_public`) on data whose test set is the clients' own held-out records
+    (``FederatedData.test_from_clients``): the held-out coin runs before the counts are read, so they are not fixed
+    under replace-one neighbours."""
+    if privacy is not None and sizes_are_public(privacy) and bool(getattr(data, "test_from_clients", False)):
+        raise ConfigurationError(DECLARED_SIZES_HELD_OUT)
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +135,8 @@ class PublicFacts:
     def of(cls, data, privacy=None, fed=None) -> "PublicFacts":
         """The public facts of a simulated federation ``data`` (a :class:`privfl.data.FederatedData`).
 
-        Declared sizes: the true n_k when the run declares them public (record level, replace-one), else None.
+        Declared sizes: the true n_k when the run declares them public (record level, replace-one), else None;
+        refused when the test set is held out of the clients' own records (:func:`check_declared_sizes`).
         Design size, in this order: ``fed.client_size``; the data's declared ``design_size`` (a built-in
         benchmark's published training size over the number of clients); the mean of the declared sizes (when the
         sizes are public). A private run with none of these is refused (:data:`UNDECLARED_SIZE`, naming the
@@ -122,6 +146,7 @@ class PublicFacts:
         """
         if isinstance(data, PublicFacts):
             return data
+        check_declared_sizes(data, privacy)
         parts = data.train_parts
         declared = privacy is not None and sizes_are_public(privacy)
         sizes = tuple(len(p) for p in parts) if declared else None

@@ -14,6 +14,28 @@ from privfl.data.errors import DatasetError
 TASKS = ("classification", "regression")
 
 
+def _numbers(values: np.ndarray, dtype, what: str) -> np.ndarray:
+    """``values`` as a contiguous array of ``dtype``; a :class:`DatasetError` counting the entries that are not numbers
+    otherwise (numpy's own text would quote one of them: a record's value)."""
+    try:
+        return np.ascontiguousarray(values, dtype=dtype)
+    except (ValueError, TypeError):
+        bad = count_not_numbers(values)
+        raise DatasetError(f"{what} has {bad} entr{'ies' if bad != 1 else 'y'} that are not numbers (the values are "
+                           "not shown: they are the records' data); encode them as numbers") from None
+
+
+def count_not_numbers(values) -> int:
+    """How many entries of ``values`` cannot be read as a number."""
+    bad = 0
+    for v in np.asarray(values, dtype=object).reshape(-1):
+        try:
+            float(v)
+        except (ValueError, TypeError):
+            bad += 1
+    return bad
+
+
 @dataclass(frozen=True, eq=False)
 class ArrayDataset:
     """Features ``x`` (float32, shape ``(n, *input_shape)``) and targets ``y``.
@@ -43,7 +65,8 @@ class ArrayDataset:
                                "(n, 1)")
         if len(self.x) != len(self.y):
             raise DatasetError(f"x and y have different lengths ({len(self.x)} and {len(self.y)})")
-        x = np.ascontiguousarray(self.x, dtype=np.float32)
+        # the texts below name counts, never a record's value (the holder's data)
+        x = _numbers(self.x, np.float32, f"{self.name}: x")
         if not np.all(np.isfinite(x)):
             raise DatasetError(f"{self.name}: x has non-finite values; clean or impute them before building a data set")
         if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 1:
@@ -52,15 +75,20 @@ class ArrayDataset:
             if self.y.ndim != 1:
                 raise DatasetError(f"classification labels must have shape (n,), got {self.y.shape}")
             if len(self.y) and not np.issubdtype(self.y.dtype, np.integer):
-                if not np.all(np.equal(np.mod(self.y, 1), 0)):
+                labels = _numbers(self.y, np.float64, f"{self.name}: the classification labels")
+                if not np.all(np.equal(np.mod(labels, 1), 0)):
                     raise DatasetError("classification labels must be integers")
             y = np.ascontiguousarray(self.y, dtype=np.int64)
-            if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
-                raise DatasetError(f"labels must lie in [0, {self.num_classes}), got [{y.min()}, {y.max()}]")
+            outside = int(np.count_nonzero((y < 0) | (y >= self.num_classes)))
+            if outside:
+                raise DatasetError(f"{self.name}: {outside} label{'s' if outside != 1 else ''} outside [0, "
+                                   f"{self.num_classes}) (the values are not shown: they are the records' data); "
+                                   f"labels are class indices 0..{self.num_classes - 1}: map them, or raise "
+                                   "num_classes")
         else:
             if self.y.ndim not in (1, 2):
                 raise DatasetError(f"regression targets must have shape (n,) or (n, k), got {self.y.shape}")
-            y = np.ascontiguousarray(self.y, dtype=np.float32)
+            y = _numbers(self.y, np.float32, f"{self.name}: the regression targets")
             if not np.all(np.isfinite(y)):
                 raise DatasetError(f"{self.name}: y has non-finite values")
             if not (np.isfinite(self.target_scale) and self.target_scale > 0):

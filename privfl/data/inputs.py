@@ -58,7 +58,9 @@ def _from_dataframe(table: Any, target: str | None, what: str) -> tuple[np.ndarr
         shown = ", ".join(cols[:12]) + (f", ... ({len(cols)} in all)" if len(cols) > 12 else "")
         raise DatasetError(f"target {target!r} is not a column of {what} (columns: {shown})")
     features = table.drop(columns=[target])
-    bad = [str(c) for c, dtype in zip(features.columns, features.dtypes) if getattr(dtype, "kind", "O") not in "biuf"]
+    # a table without rows has untyped columns but no value that could fail to be a number
+    bad = [str(c) for c, dtype in zip(features.columns, features.dtypes)
+           if len(table) and getattr(dtype, "kind", "O") not in "biuf"]
     if bad:
         raise DatasetError(f"{what}: feature columns {bad[:10]} are not numeric; encode them as numbers (or drop "
                            "them)")
@@ -69,7 +71,7 @@ def _from_dataframe(table: Any, target: str | None, what: str) -> tuple[np.ndarr
     return x, y
 
 
-def _from_torch_dataset(dataset: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _from_torch_dataset(dataset: Any, what: str, allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:  # a TensorDataset: no per-item loop
         return _to_numpy(tensors[0], what, "x"), _to_numpy(tensors[1], what, "y")
@@ -86,6 +88,8 @@ def _from_torch_dataset(dataset: Any, what: str) -> tuple[np.ndarray, np.ndarray
         xs.append(_to_numpy(item[0], what, "x"))
         ys.append(_to_numpy(item[1], what, "y"))
     if not xs:
+        if allow_empty:  # no item to read a shape from: the caller types it like the other clients' data
+            return np.zeros((0,), dtype=np.float32), np.zeros((0,))
         raise DatasetError(f"{what} is empty")
     try:
         return np.stack(xs), np.stack(ys)
@@ -93,17 +97,19 @@ def _from_torch_dataset(dataset: Any, what: str) -> tuple[np.ndarray, np.ndarray
         raise DatasetError(f"{what}: its items have different shapes; every x must have one shape") from None
 
 
-def as_arrays(value: Any, *, target: str | None = None, what: str = "the data") -> tuple[np.ndarray, np.ndarray]:
+def as_arrays(value: Any, *, target: str | None = None, what: str = "the data",
+              allow_empty: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(x, y)`` arrays from one client's data (see the module docstring); x has shape ``(n, *input_shape)`` (a
-    1-D x becomes one feature per record)."""
+    1-D x becomes one feature per record). Data without records is refused unless ``allow_empty`` (a client whose
+    data is removed under client-level neighbours: the caller gives it the other clients' shapes and types)."""
     from torch.utils.data import DataLoader, Dataset
 
     if isinstance(value, ArrayDataset):
         x, y = value.x, value.y
     elif isinstance(value, DataLoader):  # privfl draws its own batches (DP-SGD samples them): only the data is used
-        x, y = _from_torch_dataset(value.dataset, what)
+        x, y = _from_torch_dataset(value.dataset, what, allow_empty)
     elif isinstance(value, Dataset):
-        x, y = _from_torch_dataset(value, what)
+        x, y = _from_torch_dataset(value, what, allow_empty)
     elif _is_dataframe(value):
         x, y = _from_dataframe(value, target, what)
     elif isinstance(value, (tuple, list)) and len(value) == 2:
@@ -116,8 +122,10 @@ def as_arrays(value: Any, *, target: str | None = None, what: str = "the data") 
         y = y[:, 0]
     if len(x) != len(y):
         raise DatasetError(f"{what}: x has {len(x)} records but y has {len(y)}")
-    if not len(x):
+    if not len(x) and not allow_empty:
         raise DatasetError(f"{what} is empty")
+    if not len(x):
+        return np.zeros(x.shape, dtype=np.float32), y
     if x.dtype.kind not in "biuf":
         raise DatasetError(f"{what}: x has dtype {x.dtype}; give numbers")
     return x.astype(np.float32, copy=False), y

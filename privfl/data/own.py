@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from privfl.data.dataset import FederatedData
+from privfl.data.dataset import FederatedData, count_not_numbers
 from privfl.data.errors import DatasetError
 from privfl.data.federated import federated_from_arrays
 from privfl.data.split import Standardizer
@@ -152,7 +152,9 @@ def _features_and_target(table, target: str, features: list[str] | None, what: s
     x = table[names]
     from pandas.api.types import is_numeric_dtype
 
-    bad = [str(c) for c in names if not is_numeric_dtype(x[c].dtype)]
+    # a table without rows (a header-only file: a client whose data is removed) has untyped columns; it holds no
+    # value that could fail to be a number, and is typed as the others are (float32 features)
+    bad = [str(c) for c in names if len(table) and not is_numeric_dtype(x[c].dtype)]
     if bad:
         raise DatasetError(f"{what}: feature columns {bad} are not numeric; encode them as numbers (or drop them)")
     if x.isna().any().any() or table[target].isna().any():
@@ -166,7 +168,13 @@ def _label_index(classes: Sequence) -> dict[str, int]:
 
 def _encode(y: np.ndarray, index: dict[str, int] | None, what: str) -> np.ndarray:
     if index is None:
-        return y.astype(np.float32)
+        try:
+            return np.asarray(y).astype(np.float32)
+        except (ValueError, TypeError):  # numpy's text would quote the first bad value: the holder's data
+            bad = count_not_numbers(y)
+            raise DatasetError(f"{what} has {bad} record{'s' if bad != 1 else ''} whose regression target is not a "
+                               "number (the values are not shown: they are the records' data); encode the target "
+                               "column as numbers, or remove those records") from None
     labels = [str(v.item() if hasattr(v, "item") else v) for v in y]
     outside = sum(v not in index for v in labels)
     if outside:  # the values are the holder's data: the text says how many and what to change, never which
@@ -220,6 +228,8 @@ def holdout_mask(x, y, test_fraction: float, seed: int) -> np.ndarray:
     n = len(x)
     if len(y) != n:
         raise DatasetError(f"x has {n} records but y has {len(y)}")
+    if n == 0:  # a client without records (its data removed) holds nothing out
+        return np.zeros(0, dtype=bool)
     rows = np.ascontiguousarray(x.reshape(n, -1))
     labels = _label_bytes(y)
     key = hashlib.blake2b(f"privfl-holdout-split:{int(seed)}".encode(), digest_size=32).digest()

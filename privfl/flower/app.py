@@ -131,6 +131,9 @@ def _file_digest(path: str) -> str:
     return digest.hexdigest()
 #: run-config keys (Flower ``[tool.flwr.app.config]``) and node-config keys (``flower-supernode --node-config``)
 SPEC_KEY, RESULT_KEY, TEST_KEY = "privfl-spec", "result-path", "test-path"
+#: run-config key: true when the test file holds the clients' own held-out records (a simulation's split, never
+#: charged), so in a private run no metric on it may decide when the run stops (privfl.runtime.rounds.divergence)
+TEST_FROM_CLIENTS_KEY = "test-from-clients"
 #: run-config key: where the ServerApp keeps the global state after each aggregated round (default: the result path
 #: with ".checkpoint" added); a resumed run id continues from it
 CHECKPOINT_KEY = "checkpoint-path"
@@ -605,6 +608,7 @@ def server_main(grid, context) -> None:
     spec = read_run_spec(context.run_config)
     test_path = str(context.run_config.get(TEST_KEY, "") or "")
     test = load_dataset(test_path, spec) if test_path else None
+    test_private = bool(context.run_config.get(TEST_FROM_CLIENTS_KEY, False)) and spec.privacy.private
     top = _algorithm(spec)
     phased = is_phased(top)
     nodes = _wait_for_nodes(grid, spec.n_clients, spec.node_wait)
@@ -626,7 +630,7 @@ def server_main(grid, context) -> None:
             info = {"name": phase.name, "index": index, "handed_over": list(handed_over)}
             part = phase_spec(spec, phase)
             rounds, multipliers = _serve(grid, part, phase.algorithm, nodes, node_of, node_client, 0, test, audits,
-                                         info)
+                                         info, test_private=test_private)
             offset = sum(p["rounds"] for p in phases)  # the run's history numbers the phases' rounds in a row
             history.extend({**h, "round": offset + h["round"], "phase": phase.name} for h in rounds)
             handed_over.append(final_state(phase, phase.algorithm))
@@ -643,7 +647,7 @@ def server_main(grid, context) -> None:
         if first_round:
             _resume_from(checkpoint, spec, alg, first_round)
         history, multipliers = _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits,
-                                      checkpoint=checkpoint, last_round=pause)
+                                      checkpoint=checkpoint, last_round=pause, test_private=test_private)
         state, phases = dict(alg.broadcast(spec.fed.rounds).values), None
     result_path = str(context.run_config.get(RESULT_KEY, "") or "")
     in_log = bool(context.run_config.get(LOG_RESULT_KEY, False))
@@ -682,13 +686,14 @@ def _pause_after(run_config, spec: RunSpec, first_round: int, phased: bool) -> i
 
 
 def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audits, phase=None, checkpoint="",
-           last_round: int | None = None):
+           last_round: int | None = None, test_private: bool = False):
     """Rounds ``first_round..`` of one run, or of one phase (``spec`` is then the phase's, ``phase`` the name, index
     and handed-over states every message of the phase carries): the plan and the seed streams as the in-process
     runtime builds them, and its round loop (:func:`privfl.runtime.rounds.run_rounds`) over Flower's messages
     (:class:`FlowerRounds`). With ``checkpoint`` (a path) the server's state is written there after every round
-    (:func:`write_checkpoint`); ``last_round``: pause before that round (:func:`_pause_after`). Returns (the rounds'
-    history, the plan's noise multipliers)."""
+    (:func:`write_checkpoint`); ``last_round``: pause before that round (:func:`_pause_after`); ``test_private``: the
+    test file holds the clients' own held-out records in a private run (run config ``test-from-clients``), so no
+    metric on it decides when the run stops. Returns (the rounds' history, the plan's noise multipliers)."""
     from privfl.core.plan import seed_stream
     from privfl.runtime.rounds import run_rounds
 
@@ -711,7 +716,7 @@ def _serve(grid, spec, alg, nodes, node_of, node_client, first_round, test, audi
     run_rounds(alg, transport, n_clients=spec.n_clients, rounds=spec.fed.rounds, first_round=first_round,
                sampling_rate=spec.privacy.sampling_rate, sampler=sampler,
                evaluate=(lambda: alg.evaluate(test)) if test is not None else None, test=test, on_round=on_round,
-               last_round=last_round, fixed_denominator=plan.amplified)
+               last_round=last_round, fixed_denominator=plan.amplified, test_private=test_private)
     if last_round is not None:
         _flwr_log("INFO", "privfl %s paused after round %d of %d (%s=%d): launch the run id again to resume it",
             spec.run_id, last_round, spec.fed.rounds, PAUSE_KEY, last_round)
@@ -1916,7 +1921,7 @@ def algorithm_modules(algorithm: str, modules=()) -> list[str]:
 
 def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path: str = "",
               data_path_template: str = "", ledger_path_template: str = "", modules=(),
-              checkpoint_path: str = "") -> str:
+              checkpoint_path: str = "", test_from_clients: bool = False) -> str:
     """Write a Flower app (``pyproject.toml`` and a two-line module) that runs ``spec`` with privfl's ServerApp and
     ClientApp; ``flwr run DIRECTORY CONNECTION`` ships it to the SuperLink. privfl must be installed where the
     SuperLink and SuperNodes run (the app declares no dependencies, so nothing is installed at run time).
@@ -1924,7 +1929,8 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     config: the Simulation Engine's. ``modules``: Python files that register the run's own algorithms
     (``privfl.register_algorithm``), copied into the app, which imports them before the ServerApp and ClientApp run.
     ``checkpoint_path``: where the ServerApp keeps the global state after each round (default: ``result_path`` with
-    ".checkpoint" added), which a resumed run id continues from."""
+    ".checkpoint" added), which a resumed run id continues from. ``test_from_clients``: the test file holds the
+    clients' own held-out records (a simulation's split), so a private run never stops on its metrics."""
     import shutil
 
     paths = algorithm_modules(spec.algorithm, modules)
@@ -1935,7 +1941,7 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
         shutil.copyfile(path, copies[-1])
     # TOML basic strings share JSON's escapes, so json.dumps of a string is a valid TOML string.
     config = {SPEC_KEY: spec.to_json(), RESULT_KEY: result_path, LOG_RESULT_KEY: False, TEST_KEY: test_path,
-              CHECKPOINT_KEY: checkpoint_path, PAUSE_KEY: 0,
+              CHECKPOINT_KEY: checkpoint_path, PAUSE_KEY: 0, TEST_FROM_CLIENTS_KEY: bool(test_from_clients),
               TEMPLATE_KEYS[DATA_KEY]: data_path_template, TEMPLATE_KEYS[LEDGER_KEY]: ledger_path_template,
               "rounds": 0, "epsilon": 0.0, "run-id": "",  # OVERRIDE_KEYS: 0 and "" keep the spec's
               MODULES_KEY: json.dumps(copies)}

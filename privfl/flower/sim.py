@@ -269,6 +269,7 @@ def run_simulation_engine(algorithm: str, data, fed, privacy, options: Mapping |
     if os.path.exists(result_path):
         os.remove(result_path)  # a result on disk is this run's or none
     app = write_app(os.path.join(out_dir, "app"), spec, result_path=result_path, test_path=test_path,
+                    test_from_clients=bool(getattr(data, "test_from_clients", False)),
                     data_path_template=os.path.join(data_dir, "client{partition-id}.npz"),
                     ledger_path_template=os.path.join(ledger_dir, LEDGER_FILE.replace("{k}", "{partition-id}")),
                     modules=modules)

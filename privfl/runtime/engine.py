@@ -339,10 +339,12 @@ class Simulation:
                 self.progress(record)
 
         test = self.data.test
+        # the clients' own held-out records (never charged) may not decide how many rounds a private run releases
+        held_out = bool(getattr(self.data, "test_from_clients", False)) and privacy.private
         run_rounds(alg, InProcess(self), n_clients=self.public.n_clients, rounds=fed.rounds,
                    sampling_rate=privacy.sampling_rate, sampler=self.sampler,
-                   evaluate=lambda: {**alg.evaluate(test), **self.local_metrics(test)}, test=test,
-                   on_round=on_round, fixed_denominator=self.plan.amplified)
+                   evaluate=lambda: alg.evaluate(test), local_evaluate=lambda: self.local_metrics(test), test=test,
+                   on_round=on_round, fixed_denominator=self.plan.amplified, test_private=held_out)
         result.audit = self.ledger.audit()
         if privacy.private and not privacy.secure_noise:
             result.audit["warning"] = SEEDED_NOISE_WARNING

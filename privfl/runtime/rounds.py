@@ -20,7 +20,9 @@ Decided here, once for every runtime:
   it is asked nothing more, charged nothing more, and is listed as sat out in each round's record.
 - **Divergence.** After each server step the global model is evaluated and a diverged run (non-finite parameters or
   predictions, an exploded regression RMSE) raises :class:`privfl.errors.TrainingDiverged`: it says so and stops,
-  on every runtime.
+  on every runtime. When the test set is the clients' own held-out records in a private run, only the global state
+  the server broadcasts decides it (those records are never charged, so their metrics may not decide how many rounds
+  are released); an empty test set is not evaluated; the clients' own models' metrics never decide it.
 - **The record.** One :class:`RoundRecord` per round, with the largest and mean epsilon the clients' ledgers report
   (:meth:`Transport.epsilons`) and each noised channel's privacy signal-to-noise ratio (:func:`privacy_snr`), handed
   to ``on_round`` as soon as the round ends.
@@ -112,14 +114,26 @@ def privacy_snr(aggregates: Mapping | None) -> dict[str, float]:
     return out
 
 
-def divergence(algorithm, metrics: dict, test, spread: float | None = None) -> str | None:
+def divergence(algorithm, metrics: dict, test, spread: float | None = None, *,
+               test_private: bool = False) -> str | None:
     """What shows that a run diverged after a round, or None: the global model's parameters are not finite; a
     classifier's test predictions are not finite (its NLL is NaN); or a regression's test RMSE is not finite or
     exceeds :data:`EXPLODED_RMSE` standard deviations of the test targets (``spread``, in the targets' own units;
-    computed from ``test`` when None)."""
+    computed from ``test`` when None). ``metrics`` are the global model's (``evaluate``), never the clients' own
+    models' (``local_metrics``: their state is never released).
+
+    ``test_private``: the test set holds the clients' own held-out records in a private run
+    (``FederatedData.test_from_clients``). Those records are never charged, so nothing computed on them may decide
+    what is released (how many rounds run and are charged): the decision then reads only what the server holds,
+    the global state it broadcasts (post-processing of the releases), and its text shows no statistic of the test
+    set."""
     params = getattr(algorithm, "global_params", None)
     if isinstance(params, np.ndarray) and params.size and not np.all(np.isfinite(params)):
         return "the global model's parameters are not finite (NaN or Inf)"
+    if test_private:
+        if not _broadcast_finite(algorithm):
+            return "the global model's parameters are not finite (NaN or Inf)"
+        return None
     if test is None or not len(test):
         return None
     if "rmse" in metrics:
@@ -136,6 +150,25 @@ def divergence(algorithm, metrics: dict, test, spread: float | None = None) -> s
     return None
 
 
+def _broadcast_finite(algorithm) -> bool:
+    """Whether every number of the server's broadcast state (``broadcast_state``: what it sends the clients, computed
+    from releases alone) is finite."""
+    def finite(value) -> bool:
+        if isinstance(value, Mapping):
+            return all(finite(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return all(finite(v) for v in value)
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu().numpy()
+        if isinstance(value, np.ndarray) and value.dtype.kind in "fc":
+            return bool(np.all(np.isfinite(value)))
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return True
+
+    return all(finite(getattr(algorithm, name, None)) for name in getattr(algorithm, "broadcast_state", ()) or ())
+
+
 def target_spread(test) -> float:
     """The standard deviation of a regression test set's targets in their own units (0 for classification)."""
     if test is None or getattr(test, "task", None) != "regression" or not len(test):
@@ -147,11 +180,15 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
                sampling_rate: float = 1.0, sampler: np.random.Generator | None = None,
                evaluate: Callable[[], dict] | None = None, test=None,
                on_round: Callable[[RoundRecord], None] | None = None,
-               last_round: int | None = None, fixed_denominator: bool = False) -> list[RoundRecord]:
+               last_round: int | None = None, fixed_denominator: bool = False,
+               local_evaluate: Callable[[], dict] | None = None, test_private: bool = False) -> list[RoundRecord]:
     """Rounds ``first_round .. rounds - 1`` of ``algorithm`` (its server half) over ``transport``; returns their
     records. ``sampler`` draws the Poisson client sample when ``sampling_rate < 1``; ``evaluate`` gives the round's
     metrics after the server step (none when omitted); ``test`` (the data ``evaluate`` reads, if any) is what the
-    divergence check compares a regression's RMSE against; ``last_round``: stop before this round (a launch that
+    divergence check compares a regression's RMSE against (an empty ``test`` is not evaluated: the round's metrics
+    are empty); ``local_evaluate`` gives the clients' own models' metrics (``local_metrics``), recorded with the
+    round's but never read by the divergence check; ``test_private``: ``test`` is the clients' own held-out records in
+    a private run, so no metric on it decides whether the run stops (:func:`divergence`); ``last_round``: stop before this round (a launch that
     pauses the run, to be resumed; the plan stays that of all ``rounds``). ``fixed_denominator`` (a run amplified by
     client sampling, ``RunPlan.amplified``): the server step divides the sums by the *expected* total weight,
     ``sampling_rate * n_clients`` (every client-level release weighs 1; the aggregates' ``participants`` is that
@@ -191,8 +228,11 @@ def run_rounds(algorithm, transport: Transport, *, n_clients: int, rounds: int, 
                               for name, agg in aggregates.items()}
             snr = privacy_snr(aggregates)  # before the server step, which may consume the sums
             algorithm.server_update(aggregates, rnd)
-        metrics = dict(evaluate()) if evaluate is not None else {}
-        diverged = divergence(algorithm, metrics, test, spread)
+        evaluated = test is None or len(test) > 0  # an empty test set: nothing to evaluate
+        metrics = dict(evaluate()) if evaluate is not None and evaluated else {}
+        diverged = divergence(algorithm, metrics, test, spread, test_private=test_private)
+        if local_evaluate is not None and evaluated:
+            metrics = {**metrics, **local_evaluate()}
         if diverged is not None:
             raise TrainingDiverged(f"{algorithm.name} diverged in round {rnd + 1} of {rounds}: {diverged}; "
                                    f"{DIVERGENCE_CAUSES}. The run stopped there: the rounds it ran, this one "

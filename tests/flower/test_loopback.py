@@ -158,3 +158,88 @@ def test_client_level_adaptive_clipping_through_the_apps_equals_in_process(feder
         with sqlite3.connect(config["ledger-path"]) as conn:
             rows = conn.execute("SELECT channel, released FROM charges WHERE run_id=?", (spec.run_id,)).fetchall()
         assert sorted(set(rows)) == [("clip_count", 1), ("update", 1)]
+
+
+def _held_out_test(federation, tmp_path, *, extreme: bool, empty: bool = False) -> str:
+    """The run's test file: organisation 0's first 20 records, plus one record of finite features so large that the
+    global model's predictions on it overflow (``extreme``), or no record at all (``empty``)."""
+    x, y = federation.train_parts[0].x[:20], federation.train_parts[0].y[:20]
+    if extreme:
+        x, y = np.concatenate([x, np.full((1, x.shape[1]), 3e38, dtype=np.float32)]), np.concatenate([y, y[:1]])
+    if empty:
+        x, y = x[:0], y[:0]
+    path = str(tmp_path / f"test-{extreme}-{empty}.npz")
+    np.savez(path, x=x, y=y)
+    return path
+
+
+@pytest.mark.parametrize("from_clients", [True, False], ids=["held-out-records", "server-test-file"])
+def test_the_server_app_stops_on_held_out_records_only_when_they_are_its_own(federation, tmp_path, write_orgs,
+                                                                             monkeypatch, from_clients):
+    """The ServerApp's divergence check: a test file that holds the clients' own held-out records (run config
+    ``test-from-clients``, what ``privfl run --runtime flower-sim`` writes without --test-data) never decides when a
+    private run stops, so one held-out record whose predictions overflow leaves the run's rounds and ledger rows as
+    they are, and an empty such file is not evaluated; a test file the server holds may still stop it
+    (TrainingDiverged after round 1), as the in-process runtime does."""
+    from privfl.errors import TrainingDiverged
+
+    monkeypatch.setenv("PRIVFL_REPLY_POLL", "0.01")
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    fed, privacy = _configs(rounds=2)
+    spec = RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="loopback", node_wait=1, round_timeout=5)
+    rows = {}
+    for tag, test in (("extreme", _held_out_test(federation, tmp_path, extreme=True)),
+                      ("plain", _held_out_test(federation, tmp_path, extreme=False)),
+                      ("empty", _held_out_test(federation, tmp_path, extreme=False, empty=True))):
+        work = tmp_path / tag
+        work.mkdir()
+        configs = write_orgs(federation, work)
+        result_path = str(work / "result.bin")
+        run_config = {flower_app.SPEC_KEY: spec.to_json(), flower_app.RESULT_KEY: result_path,
+                      flower_app.TEST_KEY: test, flower_app.TEST_FROM_CLIENTS_KEY: from_clients}
+        apps = {100 + k: (flower_app.client_app, Context(run_id=1, node_id=100 + k, node_config=config,
+                                                         state=RecordDict(), run_config=run_config))
+                for k, config in enumerate(configs)}
+        server = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+        if tag == "extreme" and not from_clients:
+            with pytest.raises(TrainingDiverged, match="round 1 of 2"):
+                flower_app.server_main(LoopbackGrid(apps, lambda *_: False), server)
+            continue
+        flower_app.server_main(LoopbackGrid(apps, lambda *_: False), server)
+        history = read_result(result_path)["history"]
+        assert len(history) == 2
+        if tag == "empty":
+            assert all(h["metrics"] == {} for h in history)
+        rows[tag] = [_released(c["ledger-path"], spec.run_id) for c in configs]
+    if from_clients:
+        assert rows["extreme"] == rows["plain"] == rows["empty"] == [[(0, 1), (1, 1)]] * 3
+
+
+def test_privfl_run_on_flower_sim_tells_the_server_app_where_its_test_set_comes_from(monkeypatch, tmp_path):
+    """``run_simulation_engine`` (``privfl run --runtime flower-sim``) writes the app with ``test_from_clients`` as
+    the data says (the clients' held-out records, or a test file no client holds)."""
+    from privfl.flower import sim
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def write_app(directory, spec, **kw):
+        seen.append(kw.get("test_from_clients"))
+        raise Stop
+
+    monkeypatch.setattr(flower_app, "write_app", write_app)
+    from privfl.data import federated_from_arrays
+
+    rng = np.random.default_rng(0)
+    parts = [(rng.normal(size=(20, 3)).astype(np.float32), np.arange(20) % 2) for _ in range(2)]
+    fed = FederationConfig(rounds=1, hidden=(), client_size=20)
+    privacy = PrivacyConfig(epsilon=3.0, unit="client", clip=1.0)
+    for held in (True, False):
+        data = federated_from_arrays(parts, parts[0], task="classification", num_classes=2,
+                                     test_from_clients=held)
+        with pytest.raises(Stop):
+            sim.run_simulation_engine("dp_fedavg", data, fed, privacy, {}, str(tmp_path / str(held)), run_id="r")
+    assert seen == [True, False]

@@ -76,8 +76,13 @@ def test_cli_tiny_client_is_exit_2_without_traceback_and_public_counts_lift_the_
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "privfl run: error: client 'org2' holds" in err and "too few" in err and "Traceback" not in err
-    # with the record counts declared public each client samples from its own count: the schedule fits
-    assert main([*argv, "--adjacency", "replace_one", "--accountant", "pld"]) == 0, capsys.readouterr().err
+    # with the record counts declared public each client samples from its own count: the schedule fits (declared
+    # counts need a test set no client holds: with the held-out split one record's coin would move them)
+    x, y = _classification(40, 9)
+    pd.DataFrame(x, columns=["a", "b", "c"]).assign(y=y).to_csv(tmp_path / "test.csv", index=False)
+    argv = [a for a in argv if a not in ("--test-fraction", "0.2")]
+    assert main([*argv, "--adjacency", "replace_one", "--accountant", "pld", "--test-data",
+                 str(tmp_path / "test.csv")]) == 0, capsys.readouterr().err
 
 
 # -- a model whose outputs do not match the classes ------------------------------------------------------------------
@@ -136,12 +141,14 @@ def _unstandardised_regression(seed):
 
 
 def test_exploding_regression_is_an_error_naming_the_likely_causes(tmp_path):
+    """On a test set the server holds (test=): without one a private run's test set is the clients' held-out records,
+    whose metrics decide nothing (tests/privfl/apps/test_own_data_neighbours.py)."""
     clients = {f"org{k}": _unstandardised_regression(k) for k in range(3)}
     ledger = tmp_path / "l.sqlite"
     torch.manual_seed(0)
     with pytest.raises(TrainingDiverged) as err:
         privfl.federate(nn.Linear(4, 1), clients, algorithm="dpsgd_fedavg", epsilon=3.0, client_size=64, rounds=5,
-                        lr=0.5, secure_noise=False, ledger=str(ledger))
+                        lr=0.5, secure_noise=False, ledger=str(ledger), test=_unstandardised_regression(9))
     text = str(err.value)
     assert "diverged in round" in text and "of 5" in text and "standard deviation of the test targets" in text
     assert "standardise" in text and "learning rate" in text and "stay charged" in text
@@ -173,14 +180,15 @@ def test_a_private_client_whose_training_fails_releases_no_change_and_the_server
     """The same in a private run: whether training fails depends on a client's records, so an error in its place
     would be an uncharged bit for the server; each client releases the fallback (no change), charged, and says so
     in a warning of its own (privfl.core.release.LocalResultNotFinite). The user still gets a clear error: the
-    server's divergence check on the global model stops the run, naming the causes."""
+    server's divergence check on the global model (on the test set it holds) stops the run, naming the causes."""
     from privfl.core.release import LocalResultNotFinite
 
     ledger = tmp_path / "l.sqlite"
     with pytest.warns(LocalResultNotFinite, match="not finite.*fallback.*standardise") as caught:
         with pytest.raises(TrainingDiverged) as err:
+            x, y = _unstandardised_regression(9)
             privfl.federate(nn.Linear(4, 1), _overflowing_clients(), algorithm="dp_fedavg", rounds=2,
-                            secure_noise=False, epsilon=3.0, client_size=64, ledger=str(ledger))
+                            secure_noise=False, epsilon=3.0, client_size=64, ledger=str(ledger), test=(x * 1e16, y))
     assert {str(w.message).split(",")[0] for w in caught if w.category is LocalResultNotFinite} == {
         "client 0", "client 1"}
     text = str(err.value)
@@ -217,9 +225,12 @@ def test_cli_divergence_exits_2_without_traceback(tmp_path, capsys):
         frame = pd.DataFrame(x, columns=["a", "b", "c", "d"])
         frame["y"] = y
         frame.to_csv(tmp_path / f"org{k}.csv", index=False)
-    code = main(["run", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--data", str(tmp_path / "*.csv"),
+    x, y = _unstandardised_regression(9)  # a test file the server holds: its metrics may stop a private run
+    pd.DataFrame(x, columns=["a", "b", "c", "d"]).assign(y=y).to_csv(tmp_path / "test.csv", index=False)
+    code = main(["run", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--data", str(tmp_path / "org*.csv"),
                  "--target", "y", "--task", "regression", "--rounds", "5", "--lr", "0.5", "--client-size", "64",
-                 "--seeded-noise", "--quiet", "--json", str(tmp_path / "r.json")])
+                 "--seeded-noise", "--quiet", "--json", str(tmp_path / "r.json"), "--test-data",
+                 str(tmp_path / "test.csv")])
     err = capsys.readouterr().err
     assert code == 2 and "privfl run: error: dpsgd_fedavg diverged in round 1" in err and "Traceback" not in err
     assert "--public-data" in err and not (tmp_path / "r.json").exists()

@@ -317,3 +317,310 @@ def test_a_non_private_run_may_still_find_its_clients(tmp_path, prepared, capsys
     assert main(["run", "--algorithm", "fedavg", "--epsilon", "inf", "--data", str(tmp_path / "D" / "all.csv"),
                  "--target", "y", "--client-names", "a,b,c", "--quiet"]) == 2
     assert "--client-names declares the clients of one file split by --client-column" in capsys.readouterr().err
+
+
+# -- 6. the clients' held-out records never decide how many rounds are released ---------------------------------------
+
+def _charges(path) -> list:
+    """The ledger's rows as the server's bookkeeping sees them (client, round, channel, event, unit, released)."""
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT client_id, round, channel, event, unit, released FROM charges "
+                            "ORDER BY round, client_id, channel").fetchall()
+
+
+def _held_out_record(make, seed: int = 0):
+    """The first record ``make(k)`` gives whose public coin (seed ``seed``) says "held out"."""
+    from privfl.data.own import holdout_mask
+
+    for k in range(1000):
+        x, y = make(k)
+        if holdout_mask(x, y, 0.2, seed)[0]:
+            return x, y
+    raise AssertionError("no held-out record found")
+
+
+def test_federate_a_held_out_record_does_not_stop_a_private_run(tmp_path):
+    """The reviewer's pair: D' adds to client a one extreme but finite record that its coin holds out (never trained
+    on, never charged). The held-out records' RMSE used to stop D' after round 1 (TrainingDiverged, its text quoting
+    the held-out RMSE and target spread) while D ran its rounds: now both run the same rounds and write the same
+    ledger rows."""
+    import torch
+    from torch import nn
+
+    import privfl
+
+    rng = np.random.default_rng(1)
+
+    def client(n):
+        x = rng.normal(size=(n, 4)).astype(np.float32)
+        return x, (x @ np.array([1.0, -0.5, 0.3, 0.0]) + 0.1 * rng.normal(size=n)).astype(np.float32)
+
+    d = {"a": client(60), "b": client(60)}
+    extreme = _held_out_record(lambda k: (np.full((1, 4), 1e4 + k, dtype=np.float32), np.zeros(1, np.float32)))
+    d2 = {"a": (np.concatenate([d["a"][0], extreme[0]]), np.concatenate([d["a"][1], extreme[1]])), "b": d["b"]}
+    seen = []
+    for world, clients in (("D", d), ("D2", d2)):
+        torch.manual_seed(0)
+        ledger = tmp_path / f"{world}.sqlite"
+        result = privfl.federate(nn.Linear(4, 1), clients, algorithm="dpsgd_fedavg", epsilon=3.0, task="regression",
+                                 client_size=40, rounds=3, seed=0, lr=0.05, ledger=str(ledger), run_id="r")
+        seen.append((len(result.history), result.audit_rows, _charges(ledger)))
+    assert seen[0][0] == 3 and seen[0] == seen[1]
+
+
+def test_privfl_run_a_held_out_record_does_not_stop_a_private_run(tmp_path, capsys):
+    """The same through ``privfl run --data``: client a's added record (held out by its coin) has finite features
+    large enough that the global model's predictions on it overflow; D' used to exit 2 after round 1."""
+    import json
+
+    rng = np.random.default_rng(0)
+    frames = {}
+    for name in ("a", "b"):
+        x = rng.normal(size=(50, 3))
+        frames[name] = pd.DataFrame(x, columns=["f0", "f1", "f2"]).assign(y=(x[:, 0] > 0).astype(int))
+    rec, _ = _held_out_record(lambda k: (np.full((1, 3), 3e38 - k * 1e31, dtype=np.float32), np.array([1])))
+    extra = pd.DataFrame({f"f{i}": rec[:, i].astype(float) for i in range(3)}).assign(y=[1])
+    seen = []
+    for world, a in (("D", frames["a"]), ("D2", pd.concat([frames["a"], extra]))):
+        folder = tmp_path / world
+        folder.mkdir()
+        a.to_csv(folder / "a.csv", index=False, float_format="%.9g")
+        frames["b"].to_csv(folder / "b.csv", index=False, float_format="%.9g")
+        ledger, out = tmp_path / f"{world}.sqlite", tmp_path / f"{world}.json"
+        code = main(["run", "--data", str(folder / "a.csv"), str(folder / "b.csv"), "--target", "y", "--classes",
+                     "0,1", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--client-size", "40", "--rounds", "3",
+                     "--standardize", "none", "--seed", "0", "--quiet", "--ledger", str(ledger), "--run-id", "r",
+                     "--json", str(out)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        result = json.loads(out.read_text())
+        seen.append((len(result["epsilon_spent_per_round"]), result["epsilon_spent_per_round"], _charges(ledger)))
+    assert seen[0][0] == 3 and seen[0] == seen[1]
+
+
+def _split_records(n: int, held: bool, rng) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` records whose coin (seed 0) puts them all in training (``held`` False) or all held out."""
+    from privfl.data.own import holdout_mask
+
+    xs, ys = [], []
+    while len(xs) < n:
+        x, y = rng.normal(size=(1, 3)).astype(np.float32), np.array([len(xs) % 2])
+        if holdout_mask(x, y, 0.2, 0)[0] == held:
+            xs.append(x)
+            ys.append(y)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+@pytest.mark.filterwarnings("ignore:the final model predicts one class")
+def test_an_empty_held_out_set_is_not_evaluated(tmp_path, capsys):
+    """No record held out (D) against one record held out (D'): D used to crash in round 1's evaluation after the
+    round was charged (``torch.cat(): expected a non-empty list``). Both now run their rounds and write the same
+    ledger rows, through ``privfl.federate`` and ``privfl run --data``; D has no test metrics."""
+    from torch import nn
+
+    import privfl
+
+    rng = np.random.default_rng(3)
+    a, b, h = _split_records(4, False, rng), _split_records(4, False, rng), _split_records(1, True, rng)
+    worlds = {"D": {"a": a, "b": b}, "D2": {"a": (np.concatenate([a[0], h[0]]), np.concatenate([a[1], h[1]])),
+                                            "b": b}}
+    seen = {}
+    for world, clients in worlds.items():
+        ledger = tmp_path / f"{world}.sqlite"
+        result = privfl.federate(nn.Linear(3, 2), clients, algorithm="dpsgd_fedavg", epsilon=3.0, classes=[0, 1],
+                                 client_size=4, rounds=2, seed=0, ledger=str(ledger), run_id="r")
+        seen[world] = (len(result.history), _charges(ledger))
+        folder = tmp_path / f"{world}-csv"
+        folder.mkdir()
+        for name, (x, y) in clients.items():
+            pd.DataFrame(x.astype(float), columns=["f0", "f1", "f2"]).assign(y=y).to_csv(
+                folder / f"{name}.csv", index=False, float_format="%.9g")
+        cli_ledger = tmp_path / f"{world}-cli.sqlite"
+        code = main(["run", "--data", str(folder / "a.csv"), str(folder / "b.csv"), "--target", "y", "--classes",
+                     "0,1", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--client-size", "4", "--rounds", "2",
+                     "--standardize", "none", "--seed", "0", "--quiet", "--ledger", str(cli_ledger), "--run-id", "r"])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        seen[world] += (_charges(cli_ledger),)
+        if world == "D":
+            assert result.history[-1]["metrics"] == {} and "no test records to evaluate" in out.out
+    assert seen["D"][0] == 2 and seen["D"] == seen["D2"]
+
+
+# -- 7. declared record counts need a test set no client holds ---------------------------------------------------------
+
+def _replace_one_pair():
+    """Client a's training record replaced by an ordinary record whose coin (seed 0) says "held out": 50 rows each."""
+    from privfl.data.own import holdout_mask
+
+    rng = np.random.default_rng(0)
+    frames = {}
+    for name in ("a", "b"):
+        x = rng.normal(size=(50, 3)).round(6)
+        frames[name] = pd.DataFrame(x, columns=["f0", "f1", "f2"]).assign(y=(x[:, 0] > 0).astype(int))
+    a = frames["a"]
+    keep = ~holdout_mask(a[["f0", "f1", "f2"]].to_numpy(np.float32), a["y"].to_numpy(), 0.2, 0)
+    i = int(np.flatnonzero(keep)[0])
+    new, _ = _held_out_record(lambda k: (lambda r: (r, np.array([int(r[0, 0] > 0)])))(
+        rng.normal(size=(1, 3)).round(6).astype(np.float32)))
+    a2 = a.copy()
+    a2.loc[i, ["f0", "f1", "f2"]] = new[0].astype(float)
+    a2.loc[i, "y"] = int(new[0, 0] > 0)
+    return {"D": frames, "D2": {"a": a2, "b": frames["b"]}}
+
+
+def test_privfl_run_replace_one_with_a_held_out_split_is_refused(tmp_path, prepared, capsys):
+    """``--adjacency replace_one`` at record level declared each client's training count public after the held-out
+    coin: replacing a training record by one the coin holds out moved client a's count (43 -> 42), so its sampling
+    rate, noise and release weight. Refused now (exit 2, the same text on D and D', naming --test-data, nothing
+    charged); with --test-data the counts are the same on both."""
+    test = _frame(20, 9).rename(columns={"a": "f0", "b": "f1", "c": "f2"})
+    test.to_csv(tmp_path / "test.csv", index=False)
+    texts, sizes = [], []
+    for world, frames in _replace_one_pair().items():
+        folder = tmp_path / world
+        folder.mkdir()
+        for name, frame in frames.items():
+            frame.to_csv(folder / f"{name}.csv", index=False)
+        argv = ["run", "--data", str(folder / "a.csv"), str(folder / "b.csv"), "--target", "y", "--classes", "0,1",
+                "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--adjacency", "replace_one", "--rounds", "1",
+                "--standardize", "none", "--seed", "0", "--quiet"]
+        ledger = tmp_path / f"{world}.sqlite"
+        assert main([*argv, "--ledger", str(ledger)]) == 2
+        err = capsys.readouterr().err
+        assert "--test-data" in err and "Traceback" not in err and not ledger.exists()
+        texts.append(err)
+        with pytest.raises(_Stop):
+            main([*argv, "--test-data", str(tmp_path / "test.csv")])
+        capsys.readouterr()
+        sizes.append(tuple(len(p) for p in prepared[-1].train_parts))
+    assert texts[0] == texts[1]
+    assert sizes[0] == sizes[1] == (50, 50)
+
+
+def test_python_api_and_compare_replace_one_with_a_held_out_split_are_refused(tmp_path, capsys):
+    """The same refusal through the Python API (``privfl.Simulation`` over the own-data loader's federation, which
+    ``privfl.federate`` and ``privfl run`` share; ``federate`` itself takes no ``adjacency``: its runs keep counts
+    private) and a compare TOML whose ``[overrides]`` declare the counts for one algorithm: refused before any run
+    of the grid charges anything."""
+    import privfl
+    from privfl.data.own import federated_from_tables
+    from privfl.errors import ConfigurationError
+
+    assert "adjacency" not in privfl.federate.__code__.co_varnames  # federate cannot declare counts public
+    texts = []
+    for world, frames in _replace_one_pair().items():
+        data = federated_from_tables(frames, "y", classes=[0, 1], seed=0)
+        fed = privfl.FederationConfig(rounds=1, hidden=())
+        privacy = privfl.PrivacyConfig(epsilon=3.0, unit="example", adjacency="replace_one")
+        ledger = tmp_path / f"{world}.sqlite"
+        with pytest.raises(ConfigurationError) as excinfo:
+            privfl.Simulation(privfl.make_algorithm("dpsgd_fedavg", fed, privacy), data, fed, privacy,
+                              ledger_path=str(ledger)).run()
+        assert "test=" in str(excinfo.value) and not ledger.exists()
+        texts.append(str(excinfo.value))
+    assert texts[0] == texts[1]
+    folder = tmp_path / "D"
+    folder.mkdir()
+    for name, frame in _replace_one_pair()["D"].items():
+        frame.to_csv(folder / f"{name}.csv", index=False)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'data = "D/*.csv"\ntarget = "y"\nclasses = [0, 1]\nepsilons = [3.0]\nseeds = [0]\nrounds = 1\n'
+                   f'client_size = 40\nalgorithms = ["dp_fedavg", "dpsgd_fedavg"]\nout_dir = "{tmp_path / "out"}"\n'
+                   '[overrides.dpsgd_fedavg]\nadjacency = "replace_one"\n')
+    assert main(["compare", str(cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "test_data =" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "ledgers").exists()
+
+
+# -- 8. a regression target or label that is not a number: the text names counts, never the value -------------------
+
+def test_a_target_that_is_not_a_number_is_refused_without_echoing_it(tmp_path, capsys):
+    texts = []
+    for world, value in (("D", "MRN-0042-SMITH"), ("D2", "MRN-0043-JONES")):
+        folder = tmp_path / world
+        folder.mkdir()
+        rng = np.random.default_rng(0)
+        for name in ("a", "b"):
+            x = rng.normal(size=(40, 3))
+            frame = pd.DataFrame(x, columns=["f0", "f1", "f2"]).assign(y=x[:, 0])
+            if name == "a":
+                frame = pd.concat([frame, pd.DataFrame({"f0": [0.1], "f1": [0.2], "f2": [0.3], "y": [value]})])
+            frame.to_csv(folder / f"{name}.csv", index=False)
+        code = main(["run", "--data", str(folder / "a.csv"), str(folder / "b.csv"), "--target", "y", "--task",
+                     "regression", "--algorithm", "dpsgd_fedavg", "--epsilon", "3", "--client-size", "30",
+                     "--rounds", "1", "--standardize", "none", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err
+        assert "MRN" not in err and "1 record whose regression target is not a number" in err
+        texts.append(err)
+    assert texts[0] == texts[1]
+
+
+def test_federated_from_arrays_label_outside_the_classes_is_not_echoed():
+    from privfl.data import federated_from_arrays
+    from privfl.data.errors import DatasetError
+
+    rng = np.random.default_rng(0)
+    xa, xb = rng.normal(size=(40, 3)).astype(np.float32), rng.normal(size=(40, 3)).astype(np.float32)
+    ya, yb = (xa[:, 0] > 0).astype(np.int64), (xb[:, 0] > 0).astype(np.int64)
+    texts = []
+    for value in (31337, 99):
+        y = ya.copy()
+        y[7] = value
+        with pytest.raises(DatasetError) as excinfo:
+            federated_from_arrays([(xa, y), (xb, yb)], (xb, yb), task="classification", num_classes=2)
+        assert str(value) not in str(excinfo.value) and "1 label outside [0, 2)" in str(excinfo.value)
+        texts.append(str(excinfo.value))
+    assert texts[0] == texts[1]
+
+
+# -- 9. client level: a client whose data is removed still takes part ---------------------------------------------------
+
+def test_an_empty_client_takes_part_at_client_level_on_every_entry_point(tmp_path, capsys):
+    """D: client c holds one record; D': c's data removed (a header-only CSV, no row naming c in the one-file
+    layout, an empty array pair). The README says c still takes part contributing zero: per-file CSVs were refused
+    (its untyped columns "not numeric"), --client-column crashed in the held-out coin, federate said "client 'c' is
+    empty". Now every entry point runs D' as D, c charged alike."""
+    from torch import nn
+
+    import privfl
+
+    rng = np.random.default_rng(0)
+
+    def frame(n):
+        x = rng.normal(size=(n, 3))
+        return pd.DataFrame(x, columns=["f0", "f1", "f2"]).assign(y=(x[:, 0] > 0).astype(int))
+
+    a, b, c = frame(40), frame(40), frame(1)
+    common = ["--target", "y", "--classes", "0,1", "--algorithm", "dp_fedavg", "--unit", "client", "--epsilon", "3",
+              "--client-size", "30", "--rounds", "1", "--standardize", "none", "--quiet", "--run-id", "r"]
+    seen = {}
+    for world, cc in (("D", c), ("D2", c.iloc[:0])):
+        folder = tmp_path / world
+        folder.mkdir()
+        for name, f in (("a", a), ("b", b), ("c", cc)):
+            f.to_csv(folder / f"{name}.csv", index=False)
+        one = folder / "one.csv"
+        pd.concat([a.assign(site="a"), b.assign(site="b"), cc.assign(site="c")]).to_csv(one, index=False)
+        rows = []
+        for layout, argv in (("files", ["--data", *(str(folder / f"{n}.csv") for n in "abc")]),
+                             ("column", ["--data", str(one), "--client-column", "site", "--client-names", "a,b,c"])):
+            ledger = tmp_path / f"{world}-{layout}.sqlite"
+            code = main(["run", *argv, *common, "--ledger", str(ledger)])
+            err = capsys.readouterr().err
+            assert code == 0, (layout, err)
+            rows.append(_charges(ledger))
+        clients = {n: (f[["f0", "f1", "f2"]].to_numpy(np.float32), f["y"].to_numpy())
+                   for n, f in (("a", a), ("b", b), ("c", cc))}
+        ledger = tmp_path / f"{world}-federate.sqlite"
+        result = privfl.federate(nn.Linear(3, 2), clients, algorithm="dp_fedavg", epsilon=3.0, classes=[0, 1],
+                                 client_size=30, rounds=1, ledger=str(ledger), run_id="r")
+        assert sorted({row["client"] for row in result.audit_rows}) == ["a", "b", "c"]
+        rows.append(_charges(ledger))
+        seen[world] = rows
+    assert all({r[0] for r in rows} == {"0", "1", "2"} for rows in seen["D"])
+    assert seen["D"] == seen["D2"]
