@@ -125,11 +125,20 @@ def _run_probability(n: int, bad: int, length: int) -> Fraction:
     return n * p
 
 
+def fraction_count(fraction: float, n: int) -> int:
+    """floor(fraction * n), with the product's floating-point error forgiven upwards (0.29 * 100 is
+    28.999999999999996 in binary, and a user who says 29 % of 100 means 29): the one rounding rule for how many of n
+    clients a declared dropout or corruption fraction allows, used by the protocol's parameters and by the
+    distributed noise plan alike (``privfl.privacy.secure.honest_shares``), so that the noise is never sized for
+    more honest shares than the protocol guarantees."""
+    return math.floor(fraction * n + 1e-9)
+
+
 def _counts(n: int, dropout: float, corruption: float) -> tuple[int, int]:
     for name, value in (("dropout", dropout), ("corruption", corruption)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise ParameterError(f"{name} must be a fraction in [0, 1), got {value!r}")
-    return math.floor(dropout * n + 1e-9), math.floor(corruption * n + 1e-9)
+    return fraction_count(dropout, n), fraction_count(corruption, n)
 
 
 def _problem(n: int, k: int, t: int, dropped: int, corrupt: int, malicious: bool, sigma: int, eta: int) -> str | None:

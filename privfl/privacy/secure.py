@@ -117,7 +117,9 @@ class SecureAggregation:
 
     def survivors(self, n_clients: int) -> int:
         """How many of ``n_clients`` remain after the simulated dropout (the count ``secure_weighted_sums`` keeps)."""
-        return n_clients - int(math.floor(self.dropout * n_clients))
+        from privfl.secure_agg.params import fraction_count
+
+        return n_clients - fraction_count(self.dropout, n_clients)
 
 
 @dataclass(frozen=True)
@@ -205,8 +207,12 @@ def _check_honest(n_honest: int | None, n_min: int) -> int:
 def honest_shares(config: "SecureAggregation", n_clients: int, n_min: int) -> int:
     """The noise shares that still guard a round's sum when ``floor(corruption * n_clients)`` clients collude with
     the server (each knows its own discrete-Gaussian share, so the server can subtract it): ``n_min`` survivors less
-    the colluders. Refused, naming what to change, when no honest share would remain."""
-    colluding = int(math.floor(config.corruption * n_clients))
+    the colluders, counted by the protocol's own rule (``secure_agg.params.fraction_count``: 0.29 of 100 is 29, where
+    a bare floor of the float product said 28 and sized the noise for one honest share more than the protocol
+    guarantees). Refused, naming what to change, when no honest share would remain."""
+    from privfl.secure_agg.params import fraction_count
+
+    colluding = fraction_count(config.corruption, n_clients)
     honest = n_min - colluding
     if honest < 1:
         raise ConfigurationError(
@@ -669,7 +675,9 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
         client_rngs = {cid: np.random.default_rng(rng.integers(0, 2 ** 63 - 1)) for cid in clients}
     words = {cid: encode_for_secure_sum(by_client[cid], encodings, client_rngs[cid], secure_noise=secure_noise)
              for cid in clients}
-    n_drop = int(math.floor(config.dropout * len(clients)))
+    from privfl.secure_agg.params import fraction_count
+
+    n_drop = fraction_count(config.dropout, len(clients))
     dropped = set(rng.choice(clients, size=n_drop, replace=False).tolist()) if n_drop else set()
     if on_masked_input is not None:
         on_masked_input([cid for cid in clients if cid not in dropped])

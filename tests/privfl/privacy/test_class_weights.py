@@ -211,9 +211,14 @@ def test_the_cli_takes_class_weights_as_an_option_and_refuses_what_it_cannot_acc
         frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(4)])
         frame["y"] = (x[:, 0] > 1.2).astype(int)  # about 12 % positives
         frame.to_csv(folder / f"org{k}.csv", index=False)
+    x = rng.normal(size=(40, 4))
+    test = pd.DataFrame(x, columns=[f"f{i}" for i in range(4)])
+    test["y"] = (x[:, 0] > 1.2).astype(int)
+    test.to_csv(tmp_path / "test.csv", index=False)
+    # a test set no client holds: replace-one (declared counts) is refused with the clients' own held-out split
     common = ["run", "--data", str(folder / "*.csv"), "--target", "y", "--rounds", "2", "--epsilon", "3",
-              "--client-size", "60", "--hidden", "8", "--pool", "1", "--quiet", "--test-fraction", "0.2",
-              "--classes", "0,1", "--standardize", "none"]
+              "--client-size", "60", "--hidden", "8", "--pool", "1", "--quiet", "--test-data",
+              str(tmp_path / "test.csv"), "--classes", "0,1", "--standardize", "none"]
     for algorithm in ("dpsgd_fedavg", "dp_fedsgd"):
         out = tmp_path / f"{algorithm}.json"
         assert main([*common, "--algorithm", algorithm, "--option", "class_weights=[0.2,1.0]", "--json",
