@@ -930,7 +930,9 @@ def cmd_audit_mechanism(args) -> int:
         verdict = "consistent with" if result.passed else "VIOLATES"
         print(f"empirical epsilon lower bound {result.epsilon_lower_bound:.4g} vs claimed {result.claimed_epsilon:.4g} "
               f"(delta {result.delta:g}, {result.trials} trials, mutation {result.mutation}): {verdict} the claim")
-    return 0 if result.passed or args.mutation != "none" else 1
+    # without a mutation the claim must hold; with one, the audit must catch it (a CI step that runs a mutation
+    # fails when the audit missed it)
+    return (0 if result.passed else 1) if args.mutation == "none" else (1 if result.passed else 0)
 
 
 def cmd_audit_run(args) -> int:
@@ -941,6 +943,14 @@ def cmd_audit_run(args) -> int:
 
     if args.runtime != "inprocess":
         raise ConfigurationError("audit-run runs in process: drop --runtime (or give --runtime inprocess)")
+    secure_flags = ["--secure-agg"] if args.secure_agg else []
+    secure_flags += [flag for flag, value in (("--dropout", args.dropout), ("--min-survivors", args.min_survivors),
+                                              ("--secagg-bits", args.secagg_bits), ("--corruption", args.corruption))
+                     if value is not None]
+    if secure_flags:  # audited silently without them until now: another run than `privfl run` would make
+        raise ConfigurationError(f"audit-run audits runs without secure aggregation (its canaries are read from the "
+                                 f"sums in the clear): drop {', '.join(secure_flags)}, or audit the run with central "
+                                 "placement (--placement central)")
     if args.json and args.json != "-":
         _check_out_path(args.json, "--json")
     data, fed, privacy, algorithm, _, phased, _ = _build_run(args)
@@ -1198,7 +1208,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--delta", type=_float, default=1e-5, help="delta at which epsilon is bounded")
     m.add_argument("--trials", type=int, default=100_000, help="releases per neighbouring data set")
     m.add_argument("--mutation", choices=["none", "half_noise", "no_clip"], default="none",
-                   help="inject a fault the audit must detect")
+                   help="inject a fault the audit must detect (exit 1 if it does not)")
     m.add_argument("--seed", type=int, default=0, help="seed of the trials")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(func=cmd_audit_mechanism)

@@ -318,3 +318,16 @@ def test_dp_fedsgd_round_lower_bound_stays_below_the_claim_and_catches_a_quarter
     score_in, score_out, claimed = _DP_FEDSGD_SCORES[placement](0.25)
     eps_lb, *_ = epsilon_lower_bound(score_in, score_out, delta=1e-5)
     assert eps_lb > claimed
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_exits_non_zero_when_a_claim_fails_or_a_mutation_is_missed(capsys):
+    """`privfl audit-mechanism`: exit 0 when the claim holds, and with --mutation exit 0 only when the fault is
+    caught; a missed mutation (at z = 0.5 halving the noise leaves the bound below the looser claim) exits 1 (it
+    exited 0 whatever the audit found, so a CI step running a mutation could not fail)."""
+    from privfl.apps.cli import main
+
+    assert main(["audit-mechanism", "--noise-multiplier", "1", "--trials", "20000"]) == 0
+    assert main(["audit-mechanism", "--noise-multiplier", "1", "--trials", "20000", "--mutation", "no_clip"]) == 0
+    assert main(["audit-mechanism", "--noise-multiplier", "0.5", "--trials", "20000", "--mutation", "half_noise"]) == 1
+    capsys.readouterr()

@@ -161,13 +161,19 @@ def test_audit_run_with_record_canaries_from_the_cli(tmp_path, capsys):
      "inserts record canaries into ['dp_fedsgd', 'dpsgd_fedavg', 'fola', 'hbfl', 'fedbnr']"),
     (["--sampling-rate", "0.5"], "--sampling-rate 1"),
     (["--epsilon", "inf"], "finite --epsilon"),
+    # audited without secure aggregation until now (an impossible threat model passed: `privfl run` refuses it)
+    (["--secure-agg", "--dropout", "0.9", "--corruption", "0.5", "--min-survivors", "30"],
+     "audit-run audits runs without secure aggregation"),
+    (["--secure-agg", "--placement", "distributed"], "drop --secure-agg"),
 ])
 def test_audit_run_refuses_what_it_cannot_audit_with_exit_2(extra, needle, capsys):
     base = {"--algorithm": "dp_fedavg", "--dataset": "digits", "--clients": "3", "--rounds": "1",
             "--epsilon": "2", "--unit": "client", "--hidden": "16", "--pool": "1", "--canaries": "40"}
-    for flag, value in zip(extra[::2], extra[1::2]):
+    switches = [x for x in extra if x == "--secure-agg"]
+    rest = [x for x in extra if x != "--secure-agg"]
+    for flag, value in zip(rest[::2], rest[1::2]):
         base[flag] = value
-    code = main(["audit-run", *[x for kv in base.items() for x in kv]])
+    code = main(["audit-run", *[x for kv in base.items() for x in kv], *switches])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err
 
