@@ -186,9 +186,10 @@ class Simulation:
             meta["warning"] = SEEDED_NOISE_WARNING
         self.ledger = PrivacyLedger(ledger_path, self.run_id, delta=privacy.delta, epsilon_budget=privacy.epsilon,
                                     accountant=privacy.resolved_accountant, meta=meta)
-        if self.ledger.charges():
-            # a second run under the same id would release against the first's charges (a round a client was left
-            # out of, or an unreleased charge) and compose both runs' releases as one: refused, as `privfl run` does
+        if any(c.round < fed.rounds for c in self.ledger.charges()):
+            # a second run under the same id would release against the first's charges of its rounds (a round a
+            # client was left out of, or an unreleased charge) and compose both runs' releases as one: refused, as
+            # `privfl run` does (a charge at a round this run never reaches only spends budget, as any would)
             self.ledger.close()
             raise ConfigurationError(f"the ledger {ledger_path} already holds charges of run {self.run_id!r} (the "
                                      "default run id is <algorithm>-eps<epsilon>-seed<seed>, so this may be the same "
