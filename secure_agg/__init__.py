@@ -32,6 +32,9 @@ Malicious-server variant: ``SessionConfig.create(..., malicious=True)``; each cl
 band), and each client its own declared ``ThreatModel(dropout=..., corruption=..., min_inputs=...)`` (from facts fixed
 before the run, never from the server): ``ClientSession(config, client_id, words, identity_key=key, registry=registry,
 threat_model=model)`` derives the degree, threshold and survivor floor itself and refuses a configuration that differs.
+Pass each client ``context=`` (bytes it computes itself: what run, round and noise plan of yours the session serves)
+and the server the same (``ServerSession(config, registry=..., context=...)``): a client counts a peer's keys only if
+the peer bound the same context (``protocol.session_binding``).
 The server closes one more stage, ``consistency_proofs``, between ``unmask_request`` and ``finalize``, and clients answer
 ``consistency_check`` before ``unmask``. In process: ``run_round(..., malicious=True, dropout=...)``.
 

@@ -18,7 +18,9 @@ only that peer can check it, and neither the server nor any third client can mak
 1. refuses a configuration other than the one it derives from its threat model (degree, threshold, survivor floor,
    variant; ``protocol.threat_model_problem``), and a semi-honest one whenever it holds an identity key (no downgrade);
 2. signs its fresh key bundle and tags it for each neighbour, and aborts on a peer bundle whose tag does not verify
-   (key substitution);
+   (key substitution); both cover the session's parameters and the client's own ``context``
+   (``protocol.session_binding``), so a peer given another graph, or bound to another context (a deployment's run,
+   phase, round and noise plan), fails this first check, before any share leaves;
 3. checks the session's transcript (the digest of every advertised bundle) holds its own bundle and its neighbours',
    and hashes it: every later signature covers this transcript hash, so no signature verifies outside the one session
    in which it was made (a session id reused by the server does not help: the bundles are fresh);
@@ -63,7 +65,8 @@ from .messages import (AdvertiseKeys, ConsistencyProof, ConsistencySignature, En
                        MaskedInput, RevealedShare, ShareDelivery, ShareKeys, Tag, UnmaskRequest, UnmaskShares)
 from .params import ThreatModel
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, DONE, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK,
-                                 SessionConfig, survivor_set_problem, threat_model_problem)
+                                 SessionConfig, check_context, session_binding, survivor_set_problem,
+                                 threat_model_problem)
 
 __all__ = ["ClientSession", "check_input_vector"]
 
@@ -111,17 +114,22 @@ class ClientSession:
     configuration must then be exactly the one derived from it (``protocol.threat_model_problem``). Without it the
     client accepts any degree and threshold that form a strict majority: against an active server that is safe only
     if no client colludes with it (the privacy argument then rests on the checks of the last stage alone).
+    ``context``: opaque bytes this client computes itself (never from a server message) and binds, in the malicious
+    variant, with the session's parameters into its signed and tagged keys and the transcript hash
+    (``protocol.session_binding``): a peer's keys count only if the peer bound the very same context, so clients
+    whose contexts differ (another run, round or noise plan of the caller) abort at the first tag check.
     """
 
     def __init__(self, config: SessionConfig, client_id: int, value: np.ndarray, *, identity_key=None,
                  registry: I.IdentityRegistry | None = None, min_inputs: int | None = None,
-                 threat_model: ThreatModel | None = None):
+                 threat_model: ThreatModel | None = None, context: bytes = b""):
         if not isinstance(config, SessionConfig):
             raise TypeError("config must be a SessionConfig")
         if client_id not in config.client_ids:
             raise ValueError(f"client {client_id!r} is not in the session's roster")
         if threat_model is not None and not isinstance(threat_model, ThreatModel):
             raise TypeError("threat_model must be a params.ThreatModel")
+        context = check_context(context)
         if min_inputs is not None and config.required_inputs < min_inputs:
             # the configuration comes from the server: a client holds it to the floor its own noise was charged for
             raise ProtocolAbort(f"the session requires only {config.required_inputs} inputs, fewer than the "
@@ -154,6 +162,9 @@ class ClientSession:
         self._transcript = b""  # the session's transcript hash (malicious variant), fixed at share_keys
         self.config = config
         self.client_id = client_id
+        #: the caller's context, bound with the configuration (``protocol.session_binding``; malicious variant)
+        self.context = context
+        self._bound = session_binding(config, context)
         self._value = check_input_vector(value, config.bits, config.dimension)
         self._next = 0  # index in STAGES of the next stage this client may enter
         self._aborted: ProtocolAbort | None = None
@@ -176,6 +187,7 @@ class ClientSession:
         raw = (lambda b: None if b is None else b.hex())
         state = {
             "session_id": self.config.session_id.hex(), "client_id": self.client_id, "next": self._next,
+            "context": self.context.hex(),
             "value": None if self._value is None else self._value.tobytes().hex(),
             "enc_key": None if self._enc_key is None else P.private_bytes(self._enc_key).hex(),
             "mask_key": None if self._mask_key is None else P.private_bytes(self._mask_key).hex(),
@@ -196,17 +208,21 @@ class ClientSession:
     @classmethod
     def from_state(cls, config: SessionConfig, state: bytes, *, identity_key=None,
                    registry: I.IdentityRegistry | None = None, min_inputs: int | None = None,
-                   threat_model: ThreatModel | None = None) -> "ClientSession":
+                   threat_model: ThreatModel | None = None, context: bytes | None = None) -> "ClientSession":
         """The session :meth:`to_state` saved, under the same public ``config`` (checked: the session id must
-        match); the identity key, registry and threat model are given again (malicious variant)."""
+        match); the identity key, registry and threat model are given again (malicious variant). The context is
+        the saved one; a ``context`` given must equal it."""
         try:
             d = json.loads(bytes(state).decode("ascii"))
             if bytes.fromhex(d["session_id"]) != config.session_id:
                 raise ValueError("the saved session belongs to another session")
+            saved_context = bytes.fromhex(d.get("context", ""))
+            if context is not None and check_context(context) != saved_context:
+                raise ValueError("the saved session was bound to another context")
             value = (np.zeros(config.dimension, dtype=P.word_dtype(config.bits)) if d["value"] is None else
                      np.frombuffer(bytes.fromhex(d["value"]), dtype=P.word_dtype(config.bits)))
             session = cls(config, int(d["client_id"]), value, identity_key=identity_key, registry=registry,
-                          min_inputs=min_inputs, threat_model=threat_model)
+                          min_inputs=min_inputs, threat_model=threat_model, context=saved_context)
             if d["value"] is None:
                 session._value = None
             session._next = int(d["next"])
@@ -290,7 +306,8 @@ class ClientSession:
         commitment = P.seed_commitment(self._self_seed, sid, self.client_id)
         signature, tags = b"", ()
         if self.config.malicious:
-            bound = self.config.digest  # the session's parameters as this client runs them (SessionConfig.digest)
+            # the session's parameters as this client runs them (SessionConfig.digest) and its own context
+            bound = self._bound
             signature = I.sign(self._identity.signing_key, I.KEYS_PURPOSE, sid, self.client_id, enc, mask, commitment,
                                bound)
             tags = self._tags(sorted(self._neighbours),
@@ -345,9 +362,10 @@ class ClientSession:
                 public_keys.add(key)
             if self.config.malicious and not self._tagged(c, I.content_digest(
                     I.KEYS_PURPOSE, self.config.session_id, c, entry.encryption_key, entry.mask_key,
-                    entry.seed_commitment, self.config.digest), entry.tag):
+                    entry.seed_commitment, self._bound), entry.tag):
                 self._abort(f"the keys of peer {c} do not carry its tag under our pairwise identity key for this "
-                            f"session's parameters (key substitution, or a peer given another graph?)")
+                            f"session's parameters and our context (key substitution, a peer given another graph, "
+                            f"or a peer bound to another context: another run, round or noise plan?)")
         if len(seen) + 1 < self.config.threshold:
             self._abort(f"only {len(seen) + 1} live share holders, fewer than the threshold {self.config.threshold}")
         if self.config.malicious:
@@ -394,7 +412,7 @@ class ClientSession:
         hidden = sorted((self._neighbours & table.keys()) - {e.client_id for e in directory.keys})
         if hidden:
             self._abort(f"the session transcript lists neighbour(s) {hidden[:5]} whose keys we were not given")
-        return I.transcript_hash(sid, table.items(), self.config.digest)
+        return I.transcript_hash(sid, table.items(), self._bound)
 
     def _share_key(self, peer: int) -> bytes:
         try:

@@ -26,7 +26,9 @@ Bonawitz et al. (CCS 2017, Fig. 4) run four stages after setup; we keep their or
 ``SessionConfig`` is everything public that all parties must agree on before the round: session id, roster, k, d,
 threshold and the neighbour graph (derived from a public seed). Against an active server a client does not take it on
 trust: given its declared ``params.ThreatModel`` it derives the degree, threshold and survivor floor itself and
-refuses a configuration that differs (``threat_model_problem``).
+refuses a configuration that differs (``threat_model_problem``). What the configuration cannot say (which run, round
+or noise plan of the caller the session serves) each party binds as its own ``context`` (``session_binding``):
+opaque bytes, computed by each client itself, never taken from the server.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from .graph import default_degree, neighbour_graph
 from .primitives import random_seed, word_dtype
 
 __all__ = ["STAGES", "ADVERTISE_KEYS", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK", "DONE", "SessionConfig",
-           "default_threshold", "survivor_set_problem", "component_of", "threat_model_problem"]
+           "default_threshold", "survivor_set_problem", "component_of", "threat_model_problem", "session_binding",
+           "check_context", "MAX_CONTEXT_BYTES"]
 
 ADVERTISE_KEYS = "advertise_keys"
 SHARE_KEYS = "share_keys"
@@ -51,6 +54,9 @@ DONE = "done"
 STAGES = (ADVERTISE_KEYS, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASK, DONE)
 
 _MAX_ID = 2 ** 63 - 1
+
+#: the longest context a caller may bind (a digest is 32 bytes; the bound leaves room for a short plain label)
+MAX_CONTEXT_BYTES = 1024
 
 
 def default_threshold(degree: int) -> int:
@@ -215,6 +221,32 @@ class SessionConfig:
 
     def replace(self, **changes) -> SessionConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_context(context) -> bytes:
+    """``context`` as bytes (at most ``MAX_CONTEXT_BYTES``): what a party binds its session to beyond the public
+    configuration (see :func:`session_binding`)."""
+    if not isinstance(context, (bytes, bytearray)):
+        raise TypeError(f"context must be bytes, got {type(context).__name__}")
+    if len(context) > MAX_CONTEXT_BYTES:
+        raise ValueError(f"context must be at most {MAX_CONTEXT_BYTES} bytes (bind a digest), got {len(context)}")
+    return bytes(context)
+
+
+def session_binding(config: SessionConfig, context: bytes = b"") -> bytes:
+    """What a party of the malicious variant binds into its signed and tagged keys and into the transcript hash: the
+    session's public parameters (``SessionConfig.digest``) and, when given, the caller's ``context``.
+
+    The protocol does not interpret ``context``: it is opaque bytes that each party computes *itself*, from what it
+    holds, never from a server message (a deployment binds, e.g., a digest of its run, round and noise plan). Two
+    clients count each other's keys only when their contexts are equal, so a server that puts clients of different
+    runs, rounds or plans into one session (one ``SessionConfig``) fails at the first tag check, before any share
+    or masked input leaves. An empty context binds the configuration alone (``config.digest``, as before)."""
+    context = check_context(context)
+    if not context:
+        return config.digest
+    return hashlib.sha256(b"privfl-secagg/session-context/v1" + len(config.digest).to_bytes(2, "big") + config.digest
+                          + len(context).to_bytes(4, "big") + context).digest()
 
 
 def component_of(config: SessionConfig, client_id: int, alive) -> frozenset[int]:

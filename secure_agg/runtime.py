@@ -48,7 +48,8 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
               degree: int | None = None, min_inputs: int | None = None,
               drop_at: Mapping[str, Iterable[Hashable]] | None = None, serialise: bool = False,
               malicious: bool = False, identities: Mapping[Hashable, object] | None = None,
-              dropout: float | None = None, corruption: float = 0.0, check: bool = True) -> RoundResult:
+              dropout: float | None = None, corruption: float = 0.0, check: bool = True, context: bytes = b"",
+              contexts: Mapping[Hashable, bytes] | None = None) -> RoundResult:
     """Securely sum ``values`` (client key -> 1-D integer vector mod 2^bits) with the full protocol, in process.
 
     ``threshold``/``degree`` default to a strict majority of a O(log n)-degree neighbour graph (see
@@ -66,6 +67,10 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
     (``SessionConfig.create``; ``check=False`` is for tests only). With a declared threat model and no explicit degree
     or threshold, every client also derives them itself and refuses a configuration that differs
     (``ClientSession(threat_model=...)``), as a deployment's clients must.
+
+    ``context``: the bytes the server binds the session to (``protocol.session_binding``, malicious variant), and
+    each client's unless ``contexts`` maps the client's key to the context it computed itself; a client whose context
+    differs from its neighbours' aborts at the first tag check (``client_aborts``), and the round with it.
     """
     if not isinstance(values, Mapping) or len(values) < 2:
         raise ValueError("values must map at least 2 client keys to vectors")
@@ -101,9 +106,13 @@ def run_round(values: Mapping[Hashable, np.ndarray], *, bits: int, threshold: in
         secret_keys = {c: key if isinstance(key, ClientIdentity) else ClientIdentity(key)
                        for c, key in secret_keys.items()}
         registry = IdentityRegistry({c: key.public_bytes for c, key in secret_keys.items()})
-    server = ServerSession(config, registry=registry)
+    if contexts is not None and set(contexts) - set(keys):
+        raise ValueError(f"contexts names unknown client(s) {sorted(map(str, set(contexts) - set(keys)))[:5]}")
+    own = {k: (contexts[k] if contexts is not None and k in contexts else context) for k in keys}
+    server = ServerSession(config, registry=registry, context=context)
     clients = {ids[k]: ClientSession(config, ids[k], values[k], identity_key=secret_keys.get(ids[k]),
-                                     registry=registry, min_inputs=min_inputs, threat_model=threat_model)
+                                     registry=registry, min_inputs=min_inputs, threat_model=threat_model,
+                                     context=own[k])
                for k in keys}
     gone: set[int] = set()
     aborts: dict[int, ProtocolAbort] = {}

@@ -37,7 +37,7 @@ from .messages import (AdvertiseKeys, BundleDigest, ConsistencyProof, Consistenc
                        KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys, Tag, UnmaskRequest,
                        UnmaskShares)
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
-                                 component_of)
+                                 check_context, component_of, session_binding)
 
 __all__ = ["ServerSession", "AggregateResult"]
 
@@ -53,11 +53,17 @@ class AggregateResult:
 
 
 class ServerSession:
-    """The server in one round; it never sees an individual input in the clear."""
+    """The server in one round; it never sees an individual input in the clear.
 
-    def __init__(self, config: SessionConfig, *, registry: I.IdentityRegistry | None = None):
+    ``context``: the context the server expects its clients to bind (``protocol.session_binding``; malicious
+    variant): keys signed under another context are ignored. It protects nothing for the clients (each binds its
+    own and checks its peers'); an honest server computes the same as its clients so that their signatures verify."""
+
+    def __init__(self, config: SessionConfig, *, registry: I.IdentityRegistry | None = None, context: bytes = b""):
         if not isinstance(config, SessionConfig):
             raise TypeError("config must be a SessionConfig")
+        self.context = check_context(context)
+        self._bound = session_binding(config, self.context)
         if config.malicious and not isinstance(registry, I.IdentityRegistry):
             raise ValueError("the malicious-server variant needs the deployment's IdentityRegistry to check signatures")
         self.config = config
@@ -147,8 +153,9 @@ class ServerSession:
             return self._ignore(message, "public key already in use")
         if self.config.malicious and not (len(message.seed_commitment) == 32 and self._registry.verify(
                 message.signature, I.KEYS_PURPOSE, self.config.session_id, message.sender, message.encryption_key,
-                message.mask_key, message.seed_commitment, self.config.digest)):
-            return self._ignore(message, "keys not signed by the sender's registered identity key")
+                message.mask_key, message.seed_commitment, self._bound)):
+            return self._ignore(message, "keys not signed by the sender's registered identity key for this session's "
+                                         "parameters and context")
         if self.config.malicious and {t.client_id for t in message.tags} != set(self.config.neighbours(message.sender)):
             return self._ignore(message, "key tags not addressed to exactly the sender's neighbours")
         self._seen_public_keys |= keys
@@ -232,7 +239,7 @@ class ServerSession:
                                                                self._keys[c].mask_key, self._keys[c].seed_commitment))
                                for c in sorted(self.u1))
             self.transcript_hash = I.transcript_hash(sid, ((e.client_id, e.digest) for e in transcript),
-                                                     self.config.digest)
+                                                     self._bound)
         tags = {v: {t.client_id: t.tag for t in self._keys[v].tags} for v in self.u1}
         out = {}
         for c in sorted(self.u1):

@@ -1135,7 +1135,7 @@ def _secure_round(grid, spec, rnd, nodes, broadcast, plan, by_name, server_noise
     nothing of it is revealed and the global state stays. Returns (participants, sat_out, aborted)."""
     from flwr.app import Message
 
-    from privfl.privacy.secure import decode_secure_sum, round_min_inputs
+    from privfl.privacy.secure import decode_secure_sum, round_min_inputs, secure_context
     from privfl.secure_agg import ProtocolAbort, ServerSession, SessionConfig
     from privfl.secure_agg.params import ParameterError
     from privfl.core.release import ReleaseHeader
@@ -1151,7 +1151,10 @@ def _secure_round(grid, spec, rnd, nodes, broadcast, plan, by_name, server_noise
     except (ParameterError, ValueError) as exc:
         raise DeploymentError(f"round {rnd}: no secure-aggregation session for {spec.n_clients} clients: {exc}"
                               ) from exc
-    server = ServerSession(config, registry=_spec_registry(spec) if malicious else None)
+    phase = (broadcast.get("phase") or {}).get("name")
+    # what the clients of this run, phase and round bind their keys to (each computes it itself: _secure_advertise)
+    context = secure_context(spec.run_id, rnd, encodings, phase=phase, distributed=plan.distributed)
+    server = ServerSession(config, registry=_spec_registry(spec) if malicious else None, context=context)
     messages = [Message(to_record({**broadcast, "secagg": config.to_dict()}, BROADCAST), dst_node_id=node,
                         message_type=TRAIN, group_id=str(rnd)) for node in nodes]
     headers, sat_out = {}, []
@@ -1180,7 +1183,6 @@ def _secure_round(grid, spec, rnd, nodes, broadcast, plan, by_name, server_noise
         server.receive(advert)
     _check_partitions({cid for cid, _, _ in replies}, spec)
     node_of = {_session_id(c): n for c, n in client_node.items()}
-    phase = (broadcast.get("phase") or {}).get("name")
     try:
         outgoing = server.key_directories()
         for stage in stages:
@@ -1677,10 +1679,15 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     generator into the public encodings it computes itself, open its protocol session under the server's public
     configuration (refused if it asks for fewer inputs than the client's noise was charged for) and advertise its
     keys. The session's secrets (and the ledger run it marks) stay in the SuperNode's Context.state. ``identity``:
-    this SuperNode's :func:`_client_identity` (read by the caller before anything was charged)."""
+    this SuperNode's :func:`_client_identity` (read by the caller before anything was charged).
+
+    The session is bound to the client's own context (``privfl.privacy.secure.client_secure_context``): the ledger
+    run, phase and round it charged and its encodings and noise plan for the round, computed here from its own spec
+    and ledger rows, never from the server's message. A peer of another run, phase, round or plan that the server
+    put into the same session fails our first tag check (and we fail its), before any share or masked input leaves."""
     from flwr.app import ConfigRecord
 
-    from privfl.privacy.secure import encode_for_secure_sum, round_min_inputs
+    from privfl.privacy.secure import client_secure_context, encode_for_secure_sum, round_min_inputs
     from privfl.secure_agg import ClientSession, SessionConfig
 
     encodings = _encodings(plan, spec)
@@ -1695,7 +1702,12 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     identity = dict(identity if identity is not None else _client_identity(context, spec, None))
     if "threat_model" in identity:  # the floor this round's noise was charged for
         identity["threat_model"] = dataclasses.replace(identity["threat_model"], min_inputs=floor)
-    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor, **identity)
+    if any(r.round != rnd for r in released.values()) or any(
+            r.release_id != f"{spec.run_id}/{client}/{rnd}/{name}" for name, r in released.items()):
+        raise DeploymentError(f"round {rnd}: the releases to mask are not this run's round {rnd}")
+    bound = client_secure_context(released, encodings, phase=None if phased is None else phased.name,
+                                  distributed=plan.distributed)
+    session = ClientSession(config, _session_id(str(client)), words, min_inputs=floor, context=bound, **identity)
     advert = session.advertise_keys()
     state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor,
              "run_id": spec.run_id, "phase": None if phased is None else phased.name, "composition": composition}

@@ -41,6 +41,8 @@ which the rdp accountant bounds (Zhu and Wang 2019, Theorem 6).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -567,6 +569,84 @@ def round_min_inputs(encodings: Mapping[str, ChannelEncoding]) -> int | None:
     return max(floors) if floors else None
 
 
+# -- what a client binds its session to ------------------------------------------------------------------------
+
+#: the label of :func:`secure_context` (its version: a change of what is bound changes it)
+SECURE_CONTEXT_LABEL = b"privfl/secure-context/v1"
+
+
+def _canonical(value):
+    """A JSON-able form of ``value`` in which every float is exact (``float.hex``) and numpy scalars are plain."""
+    if isinstance(value, (bool, type(None), str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value).hex()
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    raise TypeError(f"cannot bind a {type(value).__name__} into a secure-aggregation context")
+
+
+def secure_context(run_id: str, round: int, encodings: Mapping[str, ChannelEncoding], *, phase: str | None = None,
+                   distributed: Mapping[str, DistributedNoise] | None = None) -> bytes:
+    """The context a client binds its secure-aggregation session to (``secure_agg.ClientSession(context=...)``):
+    SHA-256 over the ledger run it charged (``run_id``: a phase's ledger run in a multi-phase run), the ``phase``, the
+    ``round``, and its encodings of the round, channel by channel in order: name, shape, quantiser (low, high, step,
+    bits, clients, headroom), discrete-Gaussian share std, survivor floor, and the distributed-noise plan it was
+    charged under (noise multiplier, n_min, n_max, honest shares, corruption, the charged event).
+
+    Each client computes it from what it holds itself (its own plan and the ledger rows it charged), never from a
+    server message; the honest clients of one run, phase and round compute the same bytes, and the protocol makes a
+    client count a peer's keys only when the peer bound the same (``secure_agg.protocol.session_binding``). So a
+    server that puts clients of two runs (say one whose noise shares are sized for 30 rounds and one sized for 10),
+    two phases or two rounds into one session gets every client to abort at the first tag check, before any share
+    or masked input leaves: the sum a victim's ledger charged for (``honest`` shares of *its* sigma) is the only sum
+    it takes part in."""
+    channels = []
+    for name, enc in encodings.items():
+        q = enc.quantiser
+        plan = (distributed or {}).get(name)
+        channels.append({
+            "channel": name, "shape": list(enc.shape),
+            "quantiser": {"low": q.low, "high": q.high, "step": q.step, "bits": q.bits, "n_clients": q.n_clients,
+                          "noise_headroom": q.noise_headroom},
+            "noise_sigma": float(enc.noise_sigma), "min_inputs": enc.min_inputs,
+            "plan": None if plan is None else {
+                "noise_multiplier": plan.noise_multiplier, "local_sigma": plan.local_sigma, "n_min": plan.n_min,
+                "n_max": plan.n_max, "honest": plan.honest, "corruption": plan.corruption,
+                "event": plan.event.to_dict()}})
+    body = {"run": str(run_id), "phase": None if phase is None else str(phase), "round": int(round),
+            "channels": channels}
+    text = json.dumps(_canonical(body), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(SECURE_CONTEXT_LABEL + b"\0" + text.encode("utf-8")).digest()
+
+
+def release_run(release: Release) -> str | None:
+    """The ledger run a release was charged in, read off its ledger row id (``<run>/<client>/<round>/<channel>``);
+    None for a release not made by a ledger (a hand-built one)."""
+    suffix = f"/{release.client_id}/{release.round}/{release.channel}"
+    rid = str(release.release_id)
+    return rid[:-len(suffix)] if rid.endswith(suffix) and len(rid) > len(suffix) else None
+
+
+def client_secure_context(releases: Mapping[str, Release], encodings: Mapping[str, ChannelEncoding], *,
+                          phase: str | None = None,
+                          distributed: Mapping[str, DistributedNoise] | None = None) -> bytes:
+    """:func:`secure_context` from one client's own releases of the round: the run and round its ledger charged
+    (the same for every channel, or the round is refused)."""
+    runs = {release_run(r) for r in releases.values()}
+    rounds = {int(r.round) for r in releases.values()}
+    if len(runs) != 1 or len(rounds) != 1:
+        raise ProtocolAbort(f"one client's releases of one secure sum name runs {sorted(map(str, runs))} and rounds "
+                            f"{sorted(rounds)}; the round is aborted", party=next(iter(releases.values())).client_id
+                            if releases else None)
+    run = runs.pop()
+    return secure_context("" if run is None else run, rounds.pop(), encodings, phase=phase, distributed=distributed)
+
+
 # -- the client's step and the server's step ---------------------------------------------------------------------
 
 def encode_for_secure_sum(releases: Mapping[str, Release], encodings: Mapping[str, ChannelEncoding],
@@ -634,7 +714,8 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
                          secure_noise: bool = False, client_rngs: Mapping[str, np.random.Generator] | None = None,
                          weight_bound: float | None = None, n_clients: int | None = None,
                          local_stds: Mapping[str, float] | None = None,
-                         on_masked_input: Callable[[list[str]], None] | None = None) -> dict[str, Aggregate]:
+                         on_masked_input: Callable[[list[str]], None] | None = None,
+                         phase: str | None = None) -> dict[str, Aggregate]:
     """Like :func:`privfl.core.aggregation.weighted_sums`, through the secure-aggregation protocol, in process: each client
     encodes its releases (:func:`encode_for_secure_sum`, with its own generator ``client_rngs[client_id]``) and
     takes part in ``secure_agg.run_round`` (one masked vector per client, all channels); the server unmasks the sum
@@ -648,6 +729,10 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
     Without ``client_rngs`` (direct calls, tests) each client's generator is a child of ``rng`` in client order.
     ``on_masked_input(client_ids)`` is called just before the masked inputs of ``client_ids`` (the clients that do
     not drop) are handed to the protocol: where a deployment's client marks its ledger rows released.
+    Each client binds its session to the context it computes from its own releases (the ledger run and round they
+    were charged in), the round's encodings and the distributed-noise plans (:func:`client_secure_context`;
+    ``phase``: the phase's name in a multi-phase run), as a deployment's clients do; the server expects the same
+    (releases of different runs or rounds in one sum abort the round).
     A round that cannot be aggregated safely raises :class:`secure_agg.ProtocolAbort`.
     """
     by_client: dict[str, dict[str, Release]] = {}
@@ -673,6 +758,11 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
                             f"{flag}; the round is aborted", party="server")
     if client_rngs is None:
         client_rngs = {cid: np.random.default_rng(rng.integers(0, 2 ** 63 - 1)) for cid in clients}
+    contexts = {cid: client_secure_context(by_client[cid], encodings, phase=phase, distributed=distributed)
+                for cid in clients}
+    if len(set(contexts.values())) != 1:  # in process every client runs one plan: a mix is a caller's error
+        raise ProtocolAbort("the round's releases belong to different runs, phases or rounds; one secure sum holds "
+                            "one round of one run: the round is aborted", party="server")
     words = {cid: encode_for_secure_sum(by_client[cid], encodings, client_rngs[cid], secure_noise=secure_noise)
              for cid in clients}
     from privfl.secure_agg.params import fraction_count
@@ -684,7 +774,8 @@ def secure_weighted_sums(releases: Sequence[Release], channels: Mapping[str, Cha
     try:
         result = run_round(words, bits=config.bits, min_inputs=min_inputs,
                            drop_at={"masked_input": dropped} if dropped else None,
-                           malicious=config.malicious, dropout=config.dropout, corruption=config.corruption)
+                           malicious=config.malicious, dropout=config.dropout, corruption=config.corruption,
+                           context=next(iter(contexts.values())), contexts=contexts)
     except ParameterError as exc:  # e.g. a sampled round too small for the declared dropout: abort the round
         raise ProtocolAbort(f"{len(clients)} clients cannot be aggregated safely under the declared threat model "
                             f"({exc})", party="server") from exc
