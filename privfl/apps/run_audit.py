@@ -26,8 +26,9 @@ channel's clip over its noise's claimed variance (:func:`_weight`: the likelihoo
 that the canaries read the whole budget, not one channel's share). At record level (``unit="example"``, DP-FedSGD) they
 are **records**: canary i belongs to client i mod K, and an included canary is, in every round, in its client's Poisson
 lot with the lot's probability q (the auditor's coin, which the server never sees) and then adds its per-record term to
-the client's gradient sum: its direction at norm 10 C clipped to C, the largest term one record may add (a gradient
-canary, as white-box DP-SGD audits insert them; in units of the round's clip under adaptive clipping). The server's view
+the client's gradient sum: its direction at norm 10 C clipped to C by the algorithm's own per-record clip, the largest
+term one record may add (a gradient canary, as white-box DP-SGD audits insert them; in units of the round's clip under
+adaptive clipping; see "What the record canaries exercise" below). The server's view
 is the sum over rounds of the channel's noised aggregates, ``S``; a canary's score is ``<S, u_i>``, the directions
 exactly orthogonal (disjoint supports, :class:`CanaryDirections`), so no canary's score holds another's. Everything else
 is the user's run as ``privfl run`` builds it (algorithm, data, noise placement, calibration, ledger), with client
@@ -35,9 +36,11 @@ canaries' own ledger rows in the same ledger.
 
 ``fault`` injects the faults the mechanism audit catches, on the whole run, leaving every charge as calibrated (so
 the ledger still claims the target): ``half_noise`` scales every Gaussian draw of the run by 1/2 (the clients' and the
-server's), ``no_clip`` turns the norm clip off (the release pipeline's at client level, the per-record clip of the
-canaries' terms at record level: their 10 C directions go out whole). They
-exist to show what the audit can see; they are never reachable from ``privfl run``.
+server's), ``no_clip`` turns the norm clip off (the release pipeline's at client level; at record level the real
+per-record clip, for the canaries only: ``record_level.audit_clip_fault``, a context variable read where the canaries
+are clipped, so their 10 C gradients go out whole while the records keep their clip). They exist to show what the
+audit can see; they are never reachable from ``privfl run``. A fault of the code itself (a broken clip function) is
+seen the same way, since the canaries pass through that function (below).
 
 What one run can show is limited by the canaries' count: with ``r`` guesses all correct, the bound is at most about
 ``log(r / log(1 / significance))``; at the ledger's own epsilon, a clipped canary's per-run signal is what the
@@ -50,9 +53,10 @@ the record's bound before the noise: FedBNR's on the upper triangle of Phi^T Phi
 not depend on the run's earlier releases, so the auditor, who knows the non-canary records (the bound holds for any
 fixed non-canary data; only the canaries' coins are random), takes the clients' own sums off the server's view before
 scoring), and into DP-SGD FedAvg, FOLA and HBFL, inside each client's
-DP-SGD steps (the engine's one hook, ``record_level.audit_clipped_term``, which every DP-SGD executor reads at the
-same point, HBFL's meme's lot source too): at every step an included
-canary is in the step's Poisson lot with the schedule's rate and adds its clipped gradient before the step's noise;
+DP-SGD steps (the engine's one hook, ``record_level.audit_record_rows``, which every DP-SGD executor reads at the
+same point, HBFL's meme's lot source too): at every step an included canary is in the step's Poisson lot with the
+schedule's rate and joins the lot as a raw gradient row at 10 C_t (the step's clip), which the engine clips with the
+lot's own rows and sums with them before the step's noise;
 the server sees it only through the trained models, so a canary's score is minus the inner product;
 ``half_noise`` halves the steps' noise there. Their noise is the clients' own (local DP-SGD: the guarantee
 holds against a server that sees every client's upload), so the auditor reads each canary against its own client's
@@ -63,13 +67,31 @@ vanishes at the Fisher passes' points would), within what the composed guarantee
 meme's mean coordinates; the server reads the client's meme mean off its two uploads (natural mean over precision,
 the broadcast's added back), less the broadcast mean. On a channel of probability rows (FedBNN's), whose bound is
 its range, a client canary releases one-hot rows at secret labels, fresh every round (:class:`CanaryRows`).
-"""
+
+What the record canaries exercise. In the DP-SGD steps (DP-SGD FedAvg, FOLA, HBFL) a canary is a raw per-example
+gradient row that joins the step's rows BEFORE the engine's per-record clip and is clipped by the same call as the
+records: ``record_level.clip_factor`` on its norm beside the lot's norms in the vectorised executor
+(``privfl.training.stacked.PerExampleTerms.join``) and in HBFL's lot source (``clipped_gradient_sum``), and opacus's
+own clipping coefficient (``get_clipping_coef``, at the canary's per-parameter norms) in opacus's loop. A fault in
+that clip (factor 1, a wrong bound) reaches the canaries and the audit reports it. DP-FedSGD's and FedBNR's per-record
+sums are computed inside the algorithm, so there the canary's raw term (10 times a record's bound) is added to the
+finished sum, scaled by the clip function the algorithm clips its records with, looked up in the algorithm's module at
+each call (DP-FedSGD's ``clip_factor`` at the round's clip; FedBNR's ``clip_rows`` on a feature row of norm 10 B, its
+Phi^T Phi term quadratic in the row, and ``clip_values`` on a target of 10 B_y): a fault in that function shows. Not
+exercised: the call site. An algorithm that never calls its clip, calls it on other rows, or drops or misapplies its
+factor (DP-FedSGD's own sum over its rows, FedBNR's own products) still clips the auditor's canary correctly, so such a
+fault is invisible here (the neighbouring-pair tests, ``tests/privfl/test_neighbouring_contract*.py``, are the check
+for that). Nor are the per-example gradients themselves (a canary is a given row, never a record run through the
+model: a layer that mixes examples, or a wrong ghost-form norm of a real record, is not seen), opacus's second
+backward pass that applies its coefficient to the records, or the step's Poisson sampling (a canary's inclusion is
+the auditor's coin)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import secrets
+import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -86,7 +108,7 @@ FAULTS = ("none", "half_noise", "no_clip")
 #: FedAvg's, FOLA's and HBFL's DP-SGD steps
 RECORD_CANARIES = ("dp_fedsgd", "dpsgd_fedavg", "fola", "hbfl", "fedbnr")
 #: the record-level algorithms whose canaries go into their DP-SGD steps (the engine's one hook,
-#: ``record_level.audit_clipped_term``)
+#: ``record_level.audit_record_rows``)
 STEP_CANARIES = ("dpsgd_fedavg", "fola", "hbfl")
 #: the audited channel of the record-level algorithms other than DP-FedSGD (FedBNR's Phi^T Phi, its widest sum of
 #: records' clipped terms, with Phi^T y beside it when it has room; the others' DP-SGD-trained uploads)
@@ -235,6 +257,19 @@ def _norm(channel) -> float:
     return float(channel.clip.sensitivity("add_remove"))
 
 
+def _records_clip(algorithm, name: str):
+    """The per-record clip function ``name`` as the algorithm's own code calls it (DP-FedSGD's ``clip_factor``,
+    FedBNR's ``clip_rows`` and ``clip_values``): the attribute of the module of the first class in the algorithm's MRO
+    whose module holds one, looked up at each call, so that a fault in the function the algorithm clips its records
+    with (or in its module's name for it) reaches the canaries too."""
+    for cls in type(algorithm).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), name, None)
+        if callable(fn):
+            return fn
+    raise ConfigurationError(f"audit-run: {algorithm.name}'s module has no per-record clip {name!r} to clip its "
+                             "record canaries with")
+
+
 def _coordinates(channel) -> int:
     """The number of coordinates ``channel`` releases: a symmetric matrix's upper triangle (its noise is drawn there
     and mirrored), else its entries."""
@@ -302,7 +337,9 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     from privfl.algorithms.base import ClientOutput
     from privfl.core.public import release_weight
     from privfl.models.vectors import mean_parameters
-    from privfl.privacy.record_level import audit_clipped_term, audit_noise_fault, dpsgd_schedule
+    from privfl.privacy.record_level import (audit_clip_fault, audit_noise_fault, audit_record_rows, canary_clip_off,
+                                             dpsgd_schedule)
+    from privfl.training.stacked import ExtraRows
     from privfl.runtime.engine import Simulation
 
     if fault not in FAULTS:
@@ -332,9 +369,29 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
     # record level: the included canaries each client holds (canary i of client i mod K)
     owned = {k: [int(i) for i in included if i % len(data.train_parts) == k] for k in range(len(data.train_parts))}
 
-    def canary_norm(bound: float) -> float:
-        """A record canary's norm: a record's bound, or ten times it under ``no_clip`` (its clip off)."""
-        return CANARY_NORM * bound if fault == "no_clip" else bound
+    def record_clip(ch) -> float:
+        """How much of a canary record's raw term (at :data:`CANARY_NORM` times a record's bound) DP-FedSGD's or
+        FedBNR's own per-record clip keeps on channel ``ch`` (about 1 / CANARY_NORM): the clip function the
+        algorithm clips its records with (:func:`_records_clip`, looked up at call time, so that a fault in it
+        shows), or 1 under ``no_clip`` (:func:`~privfl.privacy.record_level.audit_clip_fault`, read here as the
+        engines read it)."""
+        if canary_clip_off():
+            return 1.0 if algorithm.name != "fedbnr" else float(CANARY_NORM)  # FedBNR: raw terms, scaled below
+        if algorithm.name == "fedbnr":  # a feature row of norm CANARY_NORM B and a target CANARY_NORM B_y
+            b, by = float(algorithm.feature_clip), float(algorithm.target_clip)
+            row = np.zeros((1, view["channel"].shape[0]))
+            row[0, 0] = CANARY_NORM * b
+            kept_row = float(np.linalg.norm(_records_clip(algorithm, "clip_rows")(row, b).value)) / b
+            if ch.name == view["channel"].name:  # Phi^T Phi: the row's term phi phi^T, quadratic in the row
+                return kept_row * kept_row / CANARY_NORM
+            kept_target = float(np.abs(_records_clip(algorithm, "clip_values")(
+                np.array([CANARY_NORM * by]), by).value[0])) / by
+            return kept_row * kept_target / CANARY_NORM  # Phi^T y: row times target
+        # DP-FedSGD: each record's factor clip_factor(||g||^2, C_t) at the round's clip (its sums are in units of
+        # C_t under adaptive clipping)
+        clip_now = float(algorithm.current_clip if getattr(algorithm, "adaptive", None) else clip)
+        norms2 = torch.tensor([(CANARY_NORM * clip_now) ** 2], dtype=torch.float32)
+        return float(_records_clip(algorithm, "clip_factor")(norms2, clip_now)[0])
 
     # the federation: the user's clients, then (client level) one client per included canary (its records are a copy
     # of the first client's, which public facts need; the canary's step never reads them); at record level the
@@ -354,9 +411,12 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     def record_canaries(k, out):
         """Client k's output with its included canary records that this round's Poisson coins drew: each adds its
-        direction at 10 times a record's bound, clipped to the bound by the per-record clip (not clipped under
-        ``no_clip``), in the units the channel is released in (the round's clip under adaptive clipping); on the
-        audited channel and on each extra one (FedBNR: its direction on Phi^T Phi's upper triangle and on Phi^T y)."""
+        direction at 10 times a record's bound scaled by the algorithm's own per-record clip function
+        (:func:`record_clip`: to the bound when that clip works; not clipped under ``no_clip``), in the units the
+        channel is released in (the round's clip under adaptive clipping); on the audited channel and on each extra
+        one (FedBNR: its direction on Phi^T Phi's upper triangle and on Phi^T y). These sums are computed inside the
+        algorithm, so the canary is added to the finished sum: the clip function is the algorithm's, the call is
+        the auditor's."""
         channel = view["channel"]
         if algorithm.name == "fedbnr":  # the clients' own sums, which the auditor may know (module docstring)
             for ch in [channel] + [c for c, _ in view["extra"]]:
@@ -369,7 +429,8 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             # a record's term's bound (DP-FedSGD: C, or 1 in units of the round's clip; FedBNR's scatter: the upper
             # triangle's)
             released = values[ch.name]
-            value = released.value + canary_norm(_norm(ch)) * _embed(ch, directions.sum(drawn))
+            raw = CANARY_NORM * _norm(ch)  # the canary's raw term, which the algorithm's record clip scales
+            value = released.value + record_clip(ch) * raw * _embed(ch, directions.sum(drawn))
             if ch.value_bound is not None:  # the client's box on its whole sum, as it boxes its records' own
                 value = np.clip(value, -ch.value_bound, ch.value_bound)
             values[ch.name] = dataclasses.replace(released, value=value)
@@ -377,14 +438,15 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
 
     def dpsgd_update(k, dataset, rnd, rng_k):
         """DP-SGD FedAvg's (FOLA's, HBFL's) client step with client k's included canary records in its training:
-        at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and adds
-        its clipped gradient, its direction at C (the round's clip under adaptive clipping; 10 C under ``no_clip``),
-        to the client's clipped sum before the step's noise (the engine's one hook,
-        ``record_level.audit_clipped_term``; for HBFL on its meme's mean coordinates). Then the server's view of the
+        at every DP-SGD step each is in the step's Poisson lot with the schedule's rate (the auditor's coin) and
+        joins the lot's per-example rows as a raw gradient row, its direction at 10 C_t (C_t: the clip the step
+        applies, the round's under adaptive clipping), which the engine clips with the lot's own rows by the same
+        call, before the step's noise (the engine's one hook, ``record_level.audit_record_rows``; under
+        ``no_clip`` that clip leaves the canaries whole; for HBFL on its meme's mean coordinates). Then the server's
+        view of the
         client: its upload (FOLA's absolute mean less the broadcast mean; HBFL's meme mean, natural mean over
         precision with the broadcast's added back, less the broadcast mean)."""
         q = dpsgd_schedule(algorithm, k).sample_rate
-        norm = canary_norm((algorithm.round_clip() or clip) if algorithm.name == "dpsgd_fedavg" else clip)  # C_t
         if algorithm.name == "hbfl" and "layout" not in view:
             # where the meme's means sit in its flat parameter vector (fixed by its layout)
             meme = algorithm._fork_meme()
@@ -392,18 +454,20 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
             is_mean = np.concatenate([np.full(p.numel(), id(p) in means) for p in meme.parameters()])
             view["layout"] = (is_mean.size, np.flatnonzero(is_mean))
 
-        def term(step):
+        def rows(step, clip_now):
+            """The step's drawn canaries as raw gradient rows, each its direction at CANARY_NORM times the step's
+            clip, for the engine to clip with the lot's rows (by their disjoint supports)."""
             drawn = [i for i in owned[k] if rng.random() < q]
             if not drawn:
                 return None
-            vec = norm * view["directions"].sum(drawn)
+            directions = view["directions"]
+            index, dim = directions.index[drawn], directions.dimension
             if algorithm.name == "hbfl":  # the meme's mean coordinates
-                full = np.zeros(view["layout"][0])
-                full[view["layout"][1]] = vec
-                vec = full
-            return torch.as_tensor(vec)
+                dim, index = view["layout"][0], view["layout"][1][index]
+            return ExtraRows(torch.as_tensor(index), torch.as_tensor(CANARY_NORM * clip_now * directions.weight[drawn],
+                                                                     dtype=torch.float32), dim)
 
-        with audit_clipped_term(term):
+        with audit_record_rows(rows):
             out = real_update(k, dataset, rnd, rng_k)
         if algorithm.name == "hbfl":
             precision = np.asarray(out.values["precision"].value, dtype=np.float64) + algorithm.global_precision
@@ -497,14 +561,15 @@ def audit_run(algorithm, data, fed, privacy, *, canaries: int = 200, fault: str 
                 for pipeline in self.pipelines:
                     pipeline.noise = _Scaled(pipeline.noise, 0.5)
                 self.server_noise = _Scaled(self.server_noise, 0.5)
-            elif fault == "no_clip" and not records:  # record canaries skip their per-record clip themselves
+            elif fault == "no_clip" and not records:  # record canaries: the per-record clip, audit_clip_fault
                 for pipeline in self.pipelines:
                     pipeline._clip = lambda ch, validated, raw: getattr(validated, "value", validated)  # noqa: E731
 
     sim = Audited(algorithm, audited, fed, privacy, ledger_path=ledger_path, run_id=run_id, progress=progress,
                   executor="per_client")
-    # the DP-SGD steps' own noise (the pipelines' and the server's are scaled in prepare): this run's context only
-    with audit_noise_fault(0.5 if fault == "half_noise" else 1.0):
+    # the DP-SGD steps' own noise (the pipelines' and the server's are scaled in prepare), and the per-record clip
+    # of the record canaries: this run's context only
+    with audit_noise_fault(0.5 if fault == "half_noise" else 1.0), audit_clip_fault(records and fault == "no_clip"):
         result = sim.run()
     scores = (view["row_scores"] if isinstance(view["directions"], CanaryRows)
               else view["directions"].scores(view["seen"]))

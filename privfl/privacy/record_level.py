@@ -47,7 +47,7 @@ from privfl.core.channels import PrivatizedValue
 from privfl.training.distill import add_flat_gradient
 from privfl.training.fisher import per_example_gradients
 from privfl.training.local import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
-from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, PerExampleGradients, sgd_step
+from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ExtraRows, PerExampleGradients, sgd_step
 
 #: torch's warning when a full backward hook fires on a module whose inputs need no gradient (see dpsgd_train)
 _BACKWARD_HOOK_WARNING = (r"Full backward hook is firing when gradients are computed with respect to module outputs "
@@ -361,47 +361,101 @@ def audit_noise_fault(factor: float):
         _STEP_NOISE_FAULT.reset(token)
 
 
-#: ``privfl audit-run``'s record canaries in DP-SGD steps (:func:`audit_clipped_term`), in the current context only
-_CLIPPED_TERM: ContextVar[Callable | None] = ContextVar("privfl_clipped_term", default=None)
+#: ``privfl audit-run``'s record canaries in DP-SGD steps (:func:`audit_record_rows`), in the current context only
+_AUDIT_ROWS: ContextVar[Callable | None] = ContextVar("privfl_audit_rows", default=None)
+#: ``privfl audit-run --fault no_clip`` at record level (:func:`audit_clip_fault`): the per-record clip turned off for
+#: the canaries' rows only, in the current context only
+_CANARY_CLIP_OFF: ContextVar[bool] = ContextVar("privfl_canary_clip_off", default=False)
 
 
 @contextmanager
-def audit_clipped_term(term: Callable[[int], torch.Tensor | None]):
-    """Inside the ``with`` block, in the current context only, every DP-SGD step of the one client being trained
-    adds ``term(step)`` (``step`` counts the training's steps from 0; a flat vector in the layout of the trained
-    model's parameters, or None) to its sum of clipped per-example gradients, before the step's noise: ``privfl
-    audit-run``'s record canaries, records of the auditor's own that the step's lot drew, clipped by the auditor. It
-    is given nothing of the client's records. Every DP-SGD engine reads it at the same point (:class:`VectorisedDPSGD`,
-    :func:`dpsgd_train`, :class:`DPSGDLots`), and refuses it while training several clients at once."""
-    token = _CLIPPED_TERM.set(term)
+def audit_record_rows(rows: Callable[[int, float], "ExtraRows | torch.Tensor | None"]):
+    """Inside the ``with`` block, in the current context only, every DP-SGD step of the one client being trained asks
+    ``rows(step, clip)`` (``step`` counts the training's steps from 0; ``clip``: the clip the step applies, the
+    round's under adaptive clipping) for raw per-example gradient rows of records of the auditor's own that the
+    step's lot drew (``privfl audit-run``'s record canaries: :class:`~privfl.training.stacked.ExtraRows`, or a
+    tensor of full rows, in the flat layout of the trained model's parameters; None for none). They join the lot's
+    own rows BEFORE the step's per-record clip and are clipped by the same call as the records: :func:`clip_factor`
+    on their norms beside the records' (:class:`VectorisedDPSGD`, :class:`DPSGDLots` through
+    :func:`clipped_gradient_sum`), or opacus's own clipping coefficient in :func:`dpsgd_train`; then summed with them
+    before the noise. It is given nothing of the client's records. Every DP-SGD engine reads it at the same point,
+    and refuses it while training several clients at once. :func:`audit_clip_fault` turns that clip off for these
+    rows only."""
+    token = _AUDIT_ROWS.set(rows)
     try:
         yield
     finally:
-        _CLIPPED_TERM.reset(token)
+        _AUDIT_ROWS.reset(token)
 
 
-def _add_audit_term(step: int, clients: int, targets: Callable[[], Sequence[torch.Tensor | None]],
-                    shapes: Sequence[torch.Size], scale: float = 1.0) -> None:
-    """Inside :func:`audit_clipped_term`, add its term at ``step`` (times ``scale``) in place to the step's clipped
-    sum, held as ``targets()`` of ``shapes`` in the model's parameter order (a None target, a frozen parameter, takes
-    none); outside it, one ContextVar read and nothing else (the step's hot path)."""
-    term_of = _CLIPPED_TERM.get()
-    if term_of is None:
-        return
+@contextmanager
+def audit_clip_fault(off: bool = True):
+    """Inside the ``with`` block, in the current context only, the per-record clip leaves ``privfl audit-run``'s
+    record canaries whole (factor 1; the records' own rows keep theirs): the injected fault of ``--fault no_clip``
+    at record level, read where the canaries are clipped (:func:`audit_record_rows`'s executors; the auditor's
+    canaries of DP-FedSGD and FedBNR through :func:`canary_clip_off`). Nothing else uses it."""
+    token = _CANARY_CLIP_OFF.set(bool(off))
+    try:
+        yield
+    finally:
+        _CANARY_CLIP_OFF.reset(token)
+
+
+def canary_clip_off() -> bool:
+    """Whether :func:`audit_clip_fault` is on in the current context."""
+    return _CANARY_CLIP_OFF.get()
+
+
+def _audit_rows(step: int, clients: int, dim: int, clip: float, dtype=torch.float32) -> "ExtraRows | None":
+    """Inside :func:`audit_record_rows`, the step's canary rows (an :class:`ExtraRows` of ``dim`` coordinates, in
+    ``dtype``), or None; outside it, one ContextVar read and nothing else (the step's hot path)."""
+    rows_of = _AUDIT_ROWS.get()
+    if rows_of is None:
+        return None
     if clients != 1:
         raise ConfigurationError("audit-run's record canaries go into one client's DP-SGD training at a time")
-    term = term_of(step)
-    if term is None:
-        return
-    sizes = [math.prod(shape) for shape in shapes]
-    if tuple(term.shape) != (sum(sizes),):
-        raise ConfigurationError(f"audit-run's record canaries are vectors of the trained model's {sum(sizes)} "
-                                 f"parameters, got shape {tuple(term.shape)}")
-    offset = 0
-    for target, shape, size in zip(targets(), shapes, sizes):
-        if target is not None:
-            target.add_(term[offset:offset + size].reshape(shape).to(target.dtype), alpha=scale)
-        offset += size
+    rows = rows_of(step, float(clip))
+    if rows is None:
+        return None
+    if isinstance(rows, torch.Tensor):
+        rows = ExtraRows.dense(rows.reshape(-1, rows.shape[-1]) if rows.dim() == 1 else rows)
+    if rows.dim != dim or rows.index.dim() != 2:
+        raise ConfigurationError(f"audit-run's record canaries are rows of the trained model's {dim} parameters, "
+                                 f"got {rows.dim} coordinates of shape {tuple(rows.index.shape)}")
+    return rows.to(dtype) if rows.count else None
+
+
+def _canary_factor(factor: torch.Tensor, canaries: int) -> torch.Tensor:
+    """``factor`` (the clip factors of a lot's rows, the ``canaries`` canary rows last), with the canaries' set to 1
+    under :func:`audit_clip_fault`."""
+    if not _CANARY_CLIP_OFF.get():
+        return factor
+    factor = factor.clone()
+    factor[..., factor.shape[-1] - canaries:] = 1.0
+    return factor
+
+
+def _opacus_canary_coefficient(gsm, rows: "ExtraRows", offsets: dict[int, tuple[int, int]]) -> torch.Tensor:
+    """Opacus's own per-example clipping coefficient (``get_clipping_coef``, the one its ghost clipping applied to
+    the lot's records) evaluated at the canary ``rows``: each trainable parameter's per-row norm set where opacus
+    keeps it (``_norm_sample``) for the call, then restored. ``offsets``: each parameter's (id -> [lo, hi)) block
+    of the flat layout."""
+    params = gsm.trainable_parameters
+    saved = [getattr(p, "_norm_sample", None) for p in params]
+    saved_norms = getattr(gsm, "_per_sample_gradient_norms", None)
+    try:
+        for p in params:
+            lo, hi = offsets[id(p)]
+            p._norm_sample = rows.norms2(lo, hi).sqrt().to(p.dtype)
+        return gsm.get_clipping_coef().to(rows.values.dtype)
+    finally:
+        for p, old in zip(params, saved):
+            if old is None:
+                if hasattr(p, "_norm_sample"):
+                    del p._norm_sample
+            else:
+                p._norm_sample = old
+        gsm._per_sample_gradient_norms = saved_norms
 
 
 def step_noise(shape, std: float, generator: torch.Generator, secure: bool, dtype=torch.float32) -> torch.Tensor:
@@ -423,18 +477,28 @@ def noised_mean(clipped_sum: torch.Tensor, *, std: float, expected_batch: float,
     return (clipped_sum + step_noise(clipped_sum.shape, std, generator, secure, clipped_sum.dtype)) / expected_batch
 
 
-def clipped_gradient_sum(per_example: torch.Tensor, dim: int, clip: float) -> torch.Tensor:
+def clipped_gradient_sum(per_example: torch.Tensor, dim: int, clip: float, *, extra: "ExtraRows | None" = None
+                         ) -> torch.Tensor:
     """The sum of a lot's per-example gradient rows, each clipped by :func:`clip_factor` (zeros of ``dim`` for an
     empty lot). A row that is not finite, or whose norm is not (an overflow on an extreme record), adds the zero term,
-    decided on that row alone (as ``privfl.training.stacked.PerExampleTerms`` does)."""
-    if len(per_example):
-        norms2 = per_example.pow(2).sum(1)
-        bad = ~torch.isfinite(norms2)
-        if bool(bad.any()):
-            per_example = torch.where(bad[:, None], torch.zeros((), dtype=per_example.dtype), per_example)
-            norms2 = torch.where(bad, torch.zeros((), dtype=norms2.dtype), norms2)
+    decided on that row alone (as ``privfl.training.stacked.PerExampleTerms`` does). ``extra`` (``privfl
+    audit-run``'s canary rows, :func:`audit_record_rows`): rows joined after the lot's, clipped by the same
+    :func:`clip_factor` call and summed with them."""
+    n = len(per_example)
+    if not n and extra is None:
+        return torch.zeros(dim)
+    norms2 = per_example.pow(2).sum(1)
+    bad = ~torch.isfinite(norms2)
+    if bool(bad.any()):
+        per_example = torch.where(bad[:, None], torch.zeros((), dtype=per_example.dtype), per_example)
+        norms2 = torch.where(bad, torch.zeros((), dtype=norms2.dtype), norms2)
+    if extra is None:
         return (per_example * clip_factor(norms2, clip)[:, None]).sum(dim=0)
-    return torch.zeros(dim)
+    extra = extra.to(per_example.dtype)
+    factor = _canary_factor(clip_factor(torch.cat([norms2.to(extra.values.dtype), extra.norms2()]), clip),
+                            extra.count)
+    total = extra.sums(factor[n:])
+    return total + (per_example * factor[:n, None]).sum(dim=0) if n else total
 
 
 def privatise_gradient_sum(per_example: torch.Tensor, dim: int, *, clip: float, noise_multiplier: float,
@@ -471,7 +535,9 @@ def check_opacus_model(model: nn.Module, algorithm: str) -> None:
 
 
 def _unsupported_layer(exc: Exception, algorithm: str) -> ConfigurationError:
-    return ConfigurationError(f"{algorithm}: opacus cannot compute per-example gradients for this model ({exc}). Use "
+    from privfl.errors import UsageError  # the model's structure, not its records: an error even in a private step
+
+    return UsageError(f"{algorithm}: opacus cannot compute per-example gradients for this model ({exc}). Use "
                               "each layer once per forward pass, and build the model from layers opacus supports "
                               "(nn.Linear, nn.Conv1d/2d/3d, "
                               "nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RNN/LSTM/GRU from opacus.layers, ...) or "
@@ -632,15 +698,26 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
         if lot["ids"] is not None and not all(bool(torch.isfinite(p.grad).all()) for p in opt.params):
             finite_sum(batch)
-        # audit-run's canaries, in the clipped sum (here already over B); steps: this step, from 0
-        _add_audit_term(steps, 1, lambda: [p.grad for p in model.parameters()], shapes, 1.0 / batch)
+        # audit-run's canary rows (steps: this step, from 0), clipped by opacus's own coefficient, the one its ghost
+        # clipping gave the lot's records, and summed into theirs (here already over B)
+        canaries = _audit_rows(steps, 1, offsets["dim"], clip)
+        if canaries is not None:
+            total = canaries.sums(_canary_factor(_opacus_canary_coefficient(gsm, canaries, offsets), canaries.count))
+            for p in model.parameters():
+                if p.grad is not None:
+                    lo, hi = offsets[id(p)]
+                    p.grad.add_(total[lo:hi].reshape(p.shape).to(p.grad.dtype), alpha=1.0 / batch)
         for p in opt.params:  # the step's noise, parameter by parameter, over the same expected batch
             p.grad.add_(step_noise(p.grad.shape, noise_multiplier * clip, noise_generator, secure_noise,
                                    p.grad.dtype) / batch)
         if extra_gradient is not None:
             extra_gradient()
 
-    shapes = [p.shape for p in model.parameters()]
+    offsets, dim = {}, 0  # each parameter's block of the flat layout (audit-run's canary rows)
+    for p in model.parameters():
+        offsets[id(p)] = (dim, dim + p.numel())
+        dim += p.numel()
+    offsets["dim"] = dim
     optimizer.attach_step_hook(step_hook)
     criterion = DPLossFastGradientClipping(gsm, optimizer, criterion_fn, "mean")
     sampler = _PoissonSampler(schedule.sample_rate if rates is None else rates, n, schedule.steps_per_epoch,
@@ -721,17 +798,24 @@ class VectorisedDPSGD:
         self._stack = self.per_example.stack
 
     def _clipped_sums(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor,
-                      clips: torch.Tensor | None = None):
+                      clips: torch.Tensor | None = None, canaries: ExtraRows | None = None):
         """(each client's sum of clipped per-example gradients, per parameter; the per-example losses; with
         ``clips``, each client's own clip, also each client's sums of centred clip bits at the :data:`CLIP_RATIOS`
         (:func:`clip_bit_counts`), else None). On a linear stack without materialising per-example gradients (ghost
-        clipping, as opacus does it)."""
+        clipping, as opacus does it). ``canaries`` (one client's; :func:`audit_record_rows`): rows joined after the
+        lot's, clipped by the same :func:`clip_factor` call and summed with them (not in the clip bits)."""
         terms = self.per_example(params, xb, yb, weight)
-        if clips is None:
-            return terms.sums(clip_factor(terms.norms2(), self.clip) * weight), terms.losses, None
+        if canaries is not None:
+            terms.join(canaries.unsqueeze())
+            weight = torch.cat([weight, torch.ones(weight.shape[0], canaries.count, dtype=weight.dtype)], dim=1)
         norms2 = terms.norms2()
-        return (terms.sums(clip_factor(norms2, clips[:, None]) * weight), terms.losses,
-                clip_bit_counts(norms2, clips, weight))
+        factor = clip_factor(norms2, self.clip if clips is None else clips[:, None]) * weight
+        if canaries is not None:
+            factor = _canary_factor(factor, canaries.count)
+        if clips is None:
+            return terms.sums(factor), terms.losses, None
+        width = xb.shape[1]
+        return terms.sums(factor), terms.losses, clip_bit_counts(norms2[:, :width], clips, weight[:, :width])
 
     def chunk(self) -> int:
         """Clients per chunk: one batch's per-example gradients (about 1.5 expected batches; for a linear stack,
@@ -767,8 +851,8 @@ class VectorisedDPSGD:
         the step's Poisson batches are drawn and before its gradients, at the stacked parameters (``members``: the
         chunk's indices into ``datasets``); it draws any randomness of its own and never sees the batches.
         ``extra_gradient(members, params, grads)`` adds a data-independent term to the noised, scaled gradients in
-        place before the update. Inside :func:`audit_clipped_term` (one client) its term joins the clipped sum
-        before the noise."""
+        place before the update. Inside :func:`audit_record_rows` (one client) its canary rows join the lot's rows
+        before the clip."""
         start32 = torch.as_tensor(global_params, dtype=torch.float32)
         step = self.chunk()
         for lo in range(0, len(datasets), step):
@@ -791,6 +875,7 @@ class VectorisedDPSGD:
             counted = np.zeros((c, len(CLIP_RATIOS)))
             terms = [0.0] * c
         shapes = [p.shape for _, p in self.model.named_parameters()]
+        dim = sum(shape.numel() for shape in shapes)
         flat = start32.unsqueeze(0).repeat(c, 1)
         params, offset = {}, 0
         for name, shape in zip(self.names, shapes):
@@ -810,15 +895,18 @@ class VectorisedDPSGD:
                 width = max(len(i) for i in idx)
                 grads = {k: torch.zeros_like(v) for k, v in params.items()}
                 counts = torch.zeros(c, len(CLIP_RATIOS))
-                if width:
+                # audit-run's canary rows, clipped with the lot's rows (at the step's clip) before the noise
+                canaries = _audit_rows(steps, c, dim, self.clip if adaptive is None else float(clip_now[0]))
+                if width or canaries is not None:
                     feats = datasets[0][0].shape[1:]
-                    xb = torch.zeros(c, width, *feats, dtype=datasets[0][0].dtype)
-                    yb = torch.zeros(c, width, dtype=datasets[0][1].dtype)
-                    weight = torch.zeros(c, width)
+                    padded = max(width, 1)  # an empty lot with canaries: one zero-weight row
+                    xb = torch.zeros(c, padded, *feats, dtype=datasets[0][0].dtype)
+                    yb = torch.zeros(c, padded, dtype=datasets[0][1].dtype)
+                    weight = torch.zeros(c, padded)
                     for r, ((x, y), i) in enumerate(zip(datasets, idx)):
                         xb[r, :len(i)], yb[r, :len(i)], weight[r, :len(i)] = x[i], y[i], 1.0
                     sums, losses, bits = self._clipped_sums(params, xb, yb, weight,
-                                                            None if adaptive is None else clip_now)
+                                                            None if adaptive is None else clip_now, canaries)
                     for k, g in sums.items():
                         grads[k] = g
                     if bits is not None:
@@ -826,8 +914,6 @@ class VectorisedDPSGD:
                     for r, i in enumerate(idx):
                         loss_total[r] += float((losses[r] * weight[r]).sum())
                         seen[r] += len(i)
-                # audit-run's canaries, in the clipped sum before the noise
-                _add_audit_term(steps, c, lambda: [grads[k][0] for k in self.names], shapes)
                 for r, (x, _) in enumerate(datasets):  # each client's noise, parameter by parameter, as opacus draws
                     batch = expected if expected is not None else q * len(x)
                     if adaptive is None:
@@ -924,7 +1010,7 @@ class DPSGDLots:
     noised and divided by the public expected batch (:func:`privatise_gradient_sum`, from its noise generator). Each
     client's generators come from ``rngs[r]`` in :func:`dpsgd_train`'s order (noise, then sampling); the entropy-like
     terms of the loop divide by the public size (``reg_size``), never the private n_k. Inside
-    :func:`audit_clipped_term` (one client) its term joins the clipped sum before the noise."""
+    :func:`audit_record_rows` (one client) its canary rows join the lot's rows before the clip."""
 
     per_example = True
 
@@ -945,8 +1031,9 @@ class DPSGDLots:
             yield [poisson_lot(q, n, coin).numpy() for coin, n in zip(self.coins, self.sizes)]
 
     def privatise(self, r: int, rows: torch.Tensor) -> torch.Tensor:
-        summed = clipped_gradient_sum(rows, rows.shape[1], self.clip)
-        _add_audit_term(self.step, len(self.sizes), lambda: [summed], [summed.shape])  # audit-run's canaries
+        # audit-run's canary rows, clipped with the lot's
+        canaries = _audit_rows(self.step, len(self.sizes), rows.shape[1], self.clip, rows.dtype)
+        summed = clipped_gradient_sum(rows, rows.shape[1], self.clip, extra=canaries)
         return noised_mean(summed, std=self.z * self.clip, expected_batch=self.schedule.expected_batch,
                            generator=self.noise[r], secure=self.secure)
 
@@ -1009,8 +1096,8 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
 
 
 __all__ = ["AdaptiveClip", "CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS",
-           "VectorisedDPSGD", "audit_clipped_term", "audit_noise_fault", "calibrate_dpsgd", "check_class_weights",
-           "check_dpsgd_privacy", "check_opacus_model", "class_sampling_rates", "clip_bit_counts", "clip_bits",
-           "clip_factor", "clipped_gradient_sum", "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train",
-           "loss_class_weight", "noised_mean", "other_round_events", "poisson_lot", "privatise_gradient_sum",
-           "secure_gaussian", "step_noise"]
+           "VectorisedDPSGD", "audit_clip_fault", "audit_noise_fault", "audit_record_rows", "calibrate_dpsgd",
+           "canary_clip_off", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
+           "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "clipped_gradient_sum",
+           "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train", "loss_class_weight", "noised_mean",
+           "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian", "step_noise"]

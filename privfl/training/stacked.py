@@ -26,6 +26,7 @@ CPU, in cache: stacking 1,000 copies of a 79,510-weight MLP at once is memory-bo
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -247,6 +248,54 @@ def linear_stack(model: nn.Module):
     return prefix, layers
 
 
+class ExtraRows:
+    """Flat gradient rows from outside a batch's own examples (``privfl audit-run``'s canary records), in the model's
+    flat parameter order, stored by their support: row j is ``values[..., j, :]`` at the flat coordinates
+    ``index[..., j, :]`` (leading axes: none, or the chunk's clients). Canary directions have disjoint supports, so
+    20,000 rows of a 20,010-coordinate model stay one coordinate each; :meth:`dense` wraps full rows."""
+
+    def __init__(self, index: torch.Tensor, values: torch.Tensor, dim: int):
+        if index.shape != values.shape or index.dim() < 2:
+            raise ValueError(f"ExtraRows needs index and values of one shape (..., rows, support), got "
+                             f"{tuple(index.shape)} and {tuple(values.shape)}")
+        self.index, self.values, self.dim = index.long(), values, int(dim)
+
+    @classmethod
+    def dense(cls, rows: torch.Tensor) -> "ExtraRows":
+        """Full rows (``(..., rows, dim)``)."""
+        dim = rows.shape[-1]
+        return cls(torch.arange(dim).expand(rows.shape), rows, dim)
+
+    @property
+    def count(self) -> int:
+        """The number of rows (per leading index)."""
+        return self.index.shape[-2]
+
+    def to(self, dtype: torch.dtype) -> "ExtraRows":
+        return ExtraRows(self.index, self.values.to(dtype), self.dim)
+
+    def unsqueeze(self) -> "ExtraRows":
+        """The rows with a leading client axis of one."""
+        return ExtraRows(self.index.unsqueeze(0), self.values.unsqueeze(0), self.dim)
+
+    def norms2(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Each row's squared norm, ``(..., rows)``; with ``lo``/``hi``, over the flat coordinates [lo, hi) only (one
+        parameter's block)."""
+        squares = self.values.pow(2)
+        if lo or hi is not None:
+            squares = squares * ((self.index >= lo) & (self.index < (self.dim if hi is None else hi)))
+        return squares.sum(-1)
+
+    def sums(self, factor: torch.Tensor, power: int = 1) -> torch.Tensor:
+        """sum_j f_j row_j (``power`` 2: of the rows' squares), ``(..., dim)``; ``factor``: ``(..., rows)``."""
+        lead = self.index.shape[:-2]
+        flat_lead = math.prod(lead)
+        weighted = (self.values.pow(power) if power != 1 else self.values) * factor.unsqueeze(-1)
+        out = torch.zeros(flat_lead, self.dim, dtype=weighted.dtype)
+        out.scatter_add_(1, self.index.reshape(flat_lead, -1), weighted.reshape(flat_lead, -1))
+        return out.reshape(*lead, self.dim)
+
+
 class PerExampleTerms:
     """A chunk's per-example loss gradients at stacked parameters, kept in the cheapest form that gives their norms,
     their weighted sums and the weighted sums of their squares (per client, per parameter).
@@ -254,13 +303,40 @@ class PerExampleTerms:
     On a linear stack (ghost form) a linear layer's per-example gradient is the outer product of its output gradient
     b_i and its input a_i: its squared norm is |a_i|^2 |b_i|^2, the weighted sum is B^T diag(f) A and the weighted sum
     of squares (the Fisher diagonal of ``privfl.training.fisher``) is (B^2)^T diag(f) A^2. Otherwise ``per_example`` holds every
-    example's gradient (vmap of grad)."""
+    example's gradient (vmap of grad).
+
+    :meth:`join` appends rows from outside the batch (:class:`ExtraRows`: ``privfl audit-run``'s canary records)
+    after the examples: :meth:`norms2` then has ``width + extra`` columns, and :meth:`sums` and :meth:`square_sums`
+    take a factor per column, so that one clip factor computed from those norms scales the examples and the extra
+    rows alike."""
 
     def __init__(self, names, losses, *, layers=None, per_example=None):
         self.names, self.losses = names, losses
         self.layers = layers  # [(weight name, bias name or None, inputs a (c, w, in), backprops b (c, w, out))]
         self.per_example = per_example
+        self.extra: ExtraRows | None = None
         self._drop_non_finite()
+
+    def join(self, extra: ExtraRows) -> "PerExampleTerms":
+        """Append ``extra`` (leading axis: the chunk's clients) after the examples (see the class docstring)."""
+        c = self.losses.shape[0]
+        if extra.index.dim() != 3 or extra.index.shape[0] != c:
+            raise ValueError(f"extra rows for {c} clients need shape ({c}, rows, support), got "
+                             f"{tuple(extra.index.shape)}")
+        self.extra = extra.to(self._norms2.dtype)
+        self._norms2 = torch.cat([self._norms2, self.extra.norms2()], dim=1)
+        return self
+
+    def _add_extra(self, out: dict[str, torch.Tensor], factor: torch.Tensor, power: int) -> dict[str, torch.Tensor]:
+        """``out`` (the examples' per-parameter sums) plus the extra rows' sums at their columns of ``factor``."""
+        flat = self.extra.sums(factor[:, self.losses.shape[1]:], power)
+        offset = 0
+        for k in self.names:
+            shape = out[k].shape
+            size = math.prod(shape[1:])
+            out[k] = out[k] + flat[:, offset:offset + size].reshape(shape)
+            offset += size
+        return out
 
     def _drop_non_finite(self) -> None:
         """An example whose gradient, or its norm, is not finite (an overflow on an extreme record) contributes the
@@ -287,7 +363,8 @@ class PerExampleTerms:
                            for w, bias, a, b in self.layers]
 
     def norms2(self) -> torch.Tensor:
-        """||grad l_i||^2 per client and example, (c, w) (0 for an example whose term was dropped)."""
+        """||grad l_i||^2 per client and example, (c, w) (0 for an example whose term was dropped; after :meth:`join`,
+        (c, w + extra rows), the extra rows' last)."""
         return self._norms2
 
     def _raw_norms2(self) -> torch.Tensor:
@@ -303,7 +380,12 @@ class PerExampleTerms:
         return total
 
     def sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """sum_i f_i grad l_i per client, by parameter name."""
+        """sum_i f_i grad l_i per client, by parameter name (and the joined extra rows', at their columns)."""
+        if self.extra is not None:
+            return self._add_extra(self._sums(factor[:, :self.losses.shape[1]]), factor, 1)
+        return self._sums(factor)
+
+    def _sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.layers is None:
             return {k: torch.einsum("cb,cb...->c...", factor, g) for k, g in self.per_example.items()}
         out = {}
@@ -315,7 +397,13 @@ class PerExampleTerms:
         return out
 
     def square_sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """sum_i f_i (grad l_i)^2 per client, by parameter name (the per-example Fisher diagonal)."""
+        """sum_i f_i (grad l_i)^2 per client, by parameter name (the per-example Fisher diagonal; and the joined extra
+        rows', at their columns)."""
+        if self.extra is not None:
+            return self._add_extra(self._square_sums(factor[:, :self.losses.shape[1]]), factor, 2)
+        return self._square_sums(factor)
+
+    def _square_sums(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.layers is None:
             return {k: torch.einsum("cb,cb...->c...", factor, g.pow(2)) for k, g in self.per_example.items()}
         out = {}
@@ -464,6 +552,6 @@ class VectorisedOnlineFisher:
         return flat, fisher, (total / seen).tolist()
 
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "PerExampleGradients", "PerExampleTerms",
+__all__ = ["DEFAULT_MEMORY_BUDGET", "ELEMENTWISE", "ExtraRows", "PerExampleGradients", "PerExampleTerms",
            "VectorisedOnlineFisher", "VectorisedSGD", "adam_step", "chunk_size", "linear_stack",
            "sgd_step", "unflatten", "vectorisable"]

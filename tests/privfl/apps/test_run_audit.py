@@ -3,16 +3,19 @@ arithmetic; from the user's entry point, an honest run's lower bound stays below
 whose pipeline does not clip is caught above it, with client canaries (DP-FedAvg) and record canaries (DP-FedSGD,
 and inside DP-SGD FedAvg's and FOLA's DP-SGD steps);
 the half-noise fault is visible (a higher bound on the same seeds) but not caught at this size, as the README says;
-the JSON contract and the refusals."""
+the JSON contract and the refusals. Record canaries pass through the real per-record clip: a broken clip function
+(DP-FedSGD's and FedBNR's, the DP-SGD engines') is caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 import pytest
 import scipy.stats
+import torch
 
 from privfl.apps.cli import main
 from privfl.apps.run_audit import CanaryDirections, audit_run, one_run_lower_bound, one_run_p_value
@@ -402,3 +405,70 @@ def test_twenty_thousand_canary_clients_catch_half_of_fedbnns_noise():
         assert r.included == honest.included
     assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
     assert half.epsilon_lower_bound > half.epsilon_ledger and half.violated
+
+
+def _no_clip(norms2, clip):
+    """A broken per-record clip: every factor 1 (records go out whole)."""
+    return torch.ones_like(norms2)
+
+
+@pytest.mark.parametrize("name", ["dp_fedsgd", "fedbnr"])
+def test_record_canaries_see_a_fault_in_the_algorithms_own_per_record_clip(monkeypatch, name):
+    """DP-FedSGD's and FedBNR's per-record sums are computed inside the algorithm: a canary record's raw term (10
+    times a record's bound) is scaled by the clip function the algorithm clips its records with, looked up in its
+    module at each call. With that function broken (DP-FedSGD's ``clip_factor``, FedBNR's row clip ``clip_rows``:
+    records and canaries go out whole) the audit reports a violation; before, the canaries were clipped by the
+    auditor's own arithmetic and the honest-looking bound hid a release that one record moves by 11 times its
+    charged sensitivity. The honest run stays below its ledger."""
+    import privfl.algorithms.dp_fedsgd as dp_fedsgd
+    import privfl.algorithms.fedbnr as fedbnr
+    import privfl.privacy.record_level as record_level
+
+    def run():
+        if name == "fedbnr":
+            return _fedbnr_record_run("none", 100)
+        return _wide_run("none", canaries=2_000)
+
+    honest = run()
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    if name == "fedbnr":
+        real = fedbnr.clip_rows
+        monkeypatch.setattr(fedbnr, "clip_rows", lambda rows, bound, *args: dataclasses.replace(
+            real(rows, bound, *args), value=np.asarray(rows, dtype=np.float64)))  # nothing clipped
+    else:
+        monkeypatch.setattr(record_level, "clip_factor", _no_clip)
+        monkeypatch.setattr(dp_fedsgd, "clip_factor", _no_clip)
+    broken = run()
+    assert broken.included == honest.included and broken.epsilon_ledger == pytest.approx(honest.epsilon_ledger)
+    assert broken.epsilon_lower_bound > broken.epsilon_ledger and broken.violated
+
+
+@pytest.mark.parametrize("name", ["dpsgd_fedavg", "fola"])
+def test_record_canaries_see_a_fault_in_the_dp_sgd_engines_own_clip(monkeypatch, name):
+    """DP-SGD FedAvg (the vectorised executor) and FOLA (opacus's loop): a canary record joins the step's lot as a
+    raw gradient row at 10 C and is clipped by the engine's own per-record clip with the lot's rows. With that clip
+    broken (``record_level.clip_factor``; opacus's clipping coefficient) the audit reports a violation, where the
+    canaries used to be added, already clipped by the auditor, after the engine's clip. The honest run stays below
+    its ledger."""
+    import privfl.privacy.record_level as record_level
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    data = _wide_data(4, 64)
+
+    def run():
+        fed = FederationConfig(rounds=5, local_epochs=1, batch_size=64, lr=0.1, hidden=(), pool=1, seed=3,
+                               client_size=64)
+        privacy = PrivacyConfig(epsilon=2.0, delta=1e-5, unit="example", clip=1.0, secure_noise=False,
+                                accountant="pld")
+        return audit_run(make_algorithm(name, fed, privacy), data, fed, privacy, canaries=2_000, fault="none")
+
+    honest = run()
+    assert honest.epsilon_lower_bound < honest.epsilon_ledger and not honest.violated
+    if name == "fola":
+        monkeypatch.setattr(GradSampleModuleFastGradientClipping, "get_clipping_coef",
+                            lambda self: torch.ones_like(self.get_norm_sample()))
+    else:
+        monkeypatch.setattr(record_level, "clip_factor", _no_clip)
+    broken = run()
+    assert broken.included == honest.included
+    assert broken.epsilon_lower_bound > broken.epsilon_ledger and broken.violated

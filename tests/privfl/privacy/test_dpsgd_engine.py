@@ -85,9 +85,9 @@ def test_opacus_clips_but_never_samples_or_noises():
     assert "UniformWithReplacementSampler(" not in (ROOT / "privfl" / "privacy" / "record_level.py").read_text()
 
 
-def _trained(vectorised, term=None, clients=1):
-    """The DP-SGD engine's models for ``clients`` seeded clients of a linear model, inside ``audit_clipped_term(term)``
-    when a term is given."""
+def _trained(vectorised, rows=None, clients=1):
+    """The DP-SGD engine's models for ``clients`` seeded clients of a linear model, inside
+    ``audit_record_rows(rows)`` when rows are given (``rows(step, clip)``: the step's raw canary rows)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 3))
     schedule = R.DPSGDSchedule.for_client(10, 4, 2)
@@ -100,38 +100,79 @@ def _trained(vectorised, term=None, clients=1):
         return [final for _, final, _ in engine.train(start, [d.tensors() for d in data], rngs,
                                                       vectorised=vectorised)]
 
-    if term is None:
+    if rows is None:
         return run(), schedule
-    with R.audit_clipped_term(term):
+    with R.audit_record_rows(rows):
         return run(), schedule
+
+
+DIM = 6 * 3 + 3  # the linear model's parameters
+DIRECTION = torch.linspace(-1, 1, DIM) / torch.linspace(-1, 1, DIM).norm()
+
+
+def _canary(norm):
+    """A canary of one raw row in DIRECTION at ``norm`` times the step's clip, at every step."""
+    return lambda step, clip: (norm * clip * DIRECTION).unsqueeze(0)
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
-def test_audit_clipped_term_joins_the_clipped_sum_at_every_step_of_either_executor(vectorised):
-    """``audit_clipped_term`` (audit-run's record canaries) is read by both executors at the same point: once per
-    step, with the step's index; a zero term leaves the model exactly as without one, a nonzero one moves it, and
-    the opacus loop and the vectorised executor give the same model with the same term (to float tolerance)."""
+def test_audit_record_rows_join_the_lot_before_the_clip_at_every_step_of_either_executor(vectorised):
+    """``audit_record_rows`` (audit-run's record canaries) is read by both executors at the same point: once per
+    step, with the step's index and clip; a zero row leaves the model exactly as without one; a row is clipped with
+    the lot's (a row at 10 C trains the model a row at C does), and the opacus loop and the vectorised executor
+    give the same model with the same rows (to float tolerance)."""
     plain, schedule = _trained(vectorised)
     calls = []
-    dim = plain[0].size
 
-    def zero(step):
-        calls.append(step)
-        return torch.zeros(dim)
+    def zero(step, clip):
+        calls.append((step, clip))
+        return torch.zeros(1, DIM)
 
     same, _ = _trained(vectorised, zero)
-    assert calls == list(range(schedule.steps))
+    assert calls == [(step, pytest.approx(0.7)) for step in range(schedule.steps)]
     np.testing.assert_array_equal(same[0], plain[0])
-    direction = torch.linspace(-1, 1, dim)
-    moved, _ = _trained(vectorised, lambda step: direction)
-    other, _ = _trained(not vectorised, lambda step: direction)
-    assert np.abs(moved[0] - plain[0]).max() > 1e-3
-    np.testing.assert_allclose(moved[0], other[0], rtol=1e-4, atol=1e-5)
+    at_clip, _ = _trained(vectorised, _canary(1.0))
+    beyond, _ = _trained(vectorised, _canary(10.0))
+    other, _ = _trained(not vectorised, _canary(10.0))
+    assert np.abs(beyond[0] - plain[0]).max() > 1e-3
+    np.testing.assert_allclose(beyond[0], at_clip[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(beyond[0], other[0], rtol=1e-4, atol=1e-5)
 
 
-def test_audit_clipped_term_is_refused_for_several_clients_at_once():
+@pytest.mark.parametrize("path", ["opacus", "vectorised", "lots"])
+def test_a_fault_in_the_engines_own_clip_reaches_the_canary_rows(monkeypatch, path):
+    """The canary rows are clipped by the engine's own per-record clip, not the auditor's: with that clip broken
+    (``clip_factor`` returning ones for the vectorised executor and HBFL's lot source, opacus's clipping
+    coefficient for the opacus loop) a row at 10 C moves the model as a row at 10 C, where the working clip keeps
+    it at C; ``audit_clip_fault`` (``--fault no_clip``) does the same to the canaries alone."""
+    def trained(norm):
+        if path != "lots":
+            return _trained(path == "vectorised", _canary(norm))[0][0]
+        schedule = R.DPSGDSchedule.for_client(10, 4, 1)
+        lots = R.DPSGDLots(schedule, noise_multiplier=1.1, clip=0.7, secure_noise=False,
+                           rngs=[np.random.default_rng(7)], sizes=[10])
+        rows = torch.as_tensor(np.random.default_rng(1).normal(size=(3, DIM)), dtype=torch.float32)
+        with R.audit_record_rows(_canary(norm)):
+            return np.stack([lots.privatise(0, rows).numpy() for _ in lots])
+
+    honest_at, honest_beyond, inside = trained(1.0), trained(10.0), trained(0.5)
+    np.testing.assert_allclose(honest_beyond, honest_at, rtol=1e-4, atol=1e-5)
+    with R.audit_clip_fault():
+        assert R.canary_clip_off()
+        assert np.abs(trained(10.0) - honest_at).max() > 1e-2
+        np.testing.assert_allclose(trained(0.5), inside, rtol=1e-6, atol=1e-7)  # within the clip: nothing to undo
+    assert not R.canary_clip_off()
+    if path == "opacus":
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping as GSM
+        monkeypatch.setattr(GSM, "get_clipping_coef", lambda self: torch.ones_like(self.get_norm_sample()))
+    else:
+        monkeypatch.setattr(R, "clip_factor", lambda norms2, clip: torch.ones_like(norms2))
+    assert np.abs(trained(10.0) - trained(1.0)).max() > 1e-2
+
+
+def test_audit_record_rows_are_refused_for_several_clients_at_once():
     with pytest.raises(ConfigurationError, match="one client's DP-SGD training at a time"):
-        _trained(True, lambda step: None, clients=2)
+        _trained(True, lambda step, clip: None, clients=2)
 
 
 def test_audit_noise_fault_is_scoped_to_its_context():
