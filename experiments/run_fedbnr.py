@@ -48,6 +48,9 @@ from privfl.core.public import PublicFacts, private_torch_generator, release_wei
 from privfl.training.local import batches, flat_parameters, load_flat_parameters
 
 EPSILON, DELTA = 3.0, 1e-5
+#: the target clip of the runs written before FedBNR's default became 2 (fedbnr_budget.md): issue 16's comparison,
+#: the feature-count rule and the linear-block choice ran at B_y = 3, and rerun at it
+ISSUE16_TARGET_CLIP = 3.0
 N_CLIENTS = 10
 DATASETS = {"diabetes": {"alignment_size": 35}, "synthetic1d": {"n": 1000, "alignment_size": 80}}
 METRICS = ("rmse", "nll", "ece", "mce", "brier")
@@ -229,6 +232,7 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int, *, lr: f
         options = dict(rff or {})
         if method != "FedBNR (defaults)":  # the paper's pure random Fourier features (issue 16's runs)
             options.setdefault("linear_share", 0.0)
+            options.setdefault("target_clip", ISSUE16_TARGET_CLIP)
         factor = options.pop("lengthscale_factor", None)
         if factor is not None:  # a multiple of the default sqrt(input dimension)
             options["lengthscale"] = factor * math.sqrt(np.prod(data.input_shape))
@@ -240,7 +244,7 @@ def run_one(method: str, private: bool, data: FederatedData, seed: int, *, lr: f
         aggregation = "distillation" if method.startswith("FedBNR-KD") else "fedavg"
         privacy = privacy_for(private, **exact)
         # both phases within one budget: a two-phase FedBNR, run by the runtime (privfl.runtime.phases)
-        alg = FedBNR(fed, privacy, kernel_rounds=20, kernel_fed=kfed, **(rff or {}),
+        alg = FedBNR(fed, privacy, kernel_rounds=20, kernel_fed=kfed, **{"target_clip": ISSUE16_TARGET_CLIP, **(rff or {})},
                      kernel_options=dict(hidden=hidden, latent_dim=4, update_clip=0.05, aggregation=aggregation))
         sim = Simulation(alg, data, fed, privacy)
         r = sim.run()
@@ -564,6 +568,13 @@ def write_sets(rows: list[dict], out: str, seconds: float) -> None:
         f.write(sets_markdown(selected, checks, rows, seconds) + "\n" + earlier)
 
 
+def _default(name: str):
+    """FedBNR's default for option ``name`` (what ``--defaults`` runs)."""
+    import inspect
+
+    return inspect.signature(FedBNR.__init__).parameters[name].default
+
+
 def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict], seconds: float,
                       repeats: int = 1) -> str:
     """The table of ``--defaults``: FedBNR at its default settings (nothing chosen) against FedAvg MLP (learning rate
@@ -575,8 +586,9 @@ def defaults_markdown(selected: list[dict], checks: list[dict], rows: list[dict]
              "units, mean over seeds and draws ± std over the seeds' means; private: "
              f"(ε, δ) = ({EPSILON:g}, {DELTA:g}) per client, record level. FedBNR runs its "
              f"defaults (a linear block of prior share {DEFAULT_LINEAR_SHARE:g} at input scale "
-             f"{DEFAULT_LINEAR_SCALE:g} beside m = 50 random Fourier feature pairs, ridge_scale 0.25, B_y = 3, "
-             "scatter share 0.5; chosen on the validation splits of diabetes, star98 and fair: fedbnr_linear.md), "
+             f"{DEFAULT_LINEAR_SCALE:g} beside m = 50 random Fourier feature pairs, ridge_scale 0.25, B_y = "
+             f"{_default('target_clip'):g}, scatter share {_default('scatter_share'):g}; chosen on the validation "
+             "splits of diabetes, star98 and fair: fedbnr_linear.md, then fedbnr_budget.md for B_y and the split), "
              "nothing tuned here; FedAvg MLP's learning rate is chosen on "
              f"the validation split ({VAL_FRACTION:.0%}) among {{" + ", ".join(f"{v:g}" for v in FEDAVG_LRS) + "} "
              f"(30 rounds, 2 local epochs, batch 16, momentum 0.5, DP-SGD clip 1). `experiments/run_fedbnr.py "
@@ -772,7 +784,8 @@ def linear_rows(name: str, seeds, repeats: int) -> list[dict]:
     for seed in seeds:
         data = make_federated(name, N_CLIENTS, seed=seed, val_fraction=VAL_FRACTION)
         for a, c, m, ridge in LINEAR_CANDIDATES:
-            options = {"linear_share": a, "linear_scale": c, "num_samples": m, "ridge_scale": ridge}
+            options = {"linear_share": a, "linear_scale": c, "num_samples": m, "ridge_scale": ridge,
+                       "target_clip": ISSUE16_TARGET_CLIP}
             for private, k in [(False, 0)] + [(True, k) for k in range(repeats)]:
                 res = run_one("FedBNR (defaults)", private, data, seed, rff=options)
                 rows.append({"dataset": name, "seed": seed, **options, "private": private, "repeat": k,

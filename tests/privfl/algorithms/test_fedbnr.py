@@ -441,7 +441,7 @@ def test_clipping_that_cuts_most_of_a_clients_signal_is_warned_on_its_side():
 
 @pytest.mark.filterwarnings("ignore::privfl.algorithms.fedbnr.FedBNRClippingWarning")
 def test_unstandardised_targets_are_worse_than_the_mean_and_warned():
-    """The trap the warning names: diabetes' raw targets (25 to 346) under the default B_y = 3 fit worse than
+    """The trap the warning names: diabetes' raw targets (25 to 346) under the default B_y = 2 fit worse than
     predicting the mean; standardised with public statistics they do not."""
     fed, privacy = ONE_ROUND, PrivacyConfig(epsilon=3.0, unit="example", accountant="exact")
     raw = make_federated("diabetes", 3, partition="iid", seed=0, standardize=None)
@@ -468,7 +468,7 @@ def test_private_channels_have_public_coordinate_bounds_and_run_under_secure_agg
             assert all(c.coordinate_bound is not None and math.isfinite(c.coordinate_bound)
                        for c in alg.channels())
         scatter, cross = algs[0].channels()
-        assert (scatter.coordinate_bound, cross.coordinate_bound) == (50.0, 150.0)  # 50 B^2, 50 B B_y (B_y = 3)
+        assert (scatter.coordinate_bound, cross.coordinate_bound) == (50.0, 100.0)  # 50 B^2, 50 B B_y (B_y = 2)
         alg, result = _fitted(data, privacy, secure=SecureAggregation(bits=48), num_samples=10, client_rows=50)
         assert result.audit["max_epsilon"] <= 3.0 + 1e-9 and np.isfinite(result.final["rmse"])
 
@@ -488,7 +488,7 @@ def test_private_scatter_release_is_symmetric_noise_of_the_calibrated_size():
     upper = noise[np.triu_indices(120)]
     # z * B^2 sqrt((1 + 1/m) / 2) with B = 1, m = 60 (tightened from z * B^2: paired features, symmetric noise)
     assert upper.std() == pytest.approx(2.0 * math.sqrt((1 + 1 / 60) / 2), rel=0.05)
-    assert rel["cross"].local_noise_std == pytest.approx(2.0 * 3.0)  # z * B * B_y
+    assert rel["cross"].local_noise_std == pytest.approx(2.0 * 2.0)  # z * B * B_y (default B_y = 2)
 
 
 def test_private_run_stays_within_budget_and_repairs_the_scatter():
