@@ -10,6 +10,13 @@ class ConfigurationError(ValueError):
     """A configuration value is invalid; the message names the field and what to change."""
 
 
+class UsageError(ConfigurationError):
+    """A refusal decided by the program alone (an algorithm's client step, the user's model or loss, the order of the
+    rounds asked for), never by the values of the records: the same on every neighbouring dataset. Raised inside a
+    private client's local step it propagates as an error; any other exception there is released as the
+    data-independent fallback, charged (``privfl.runtime.local_step``)."""
+
+
 #: the usual causes of a run whose training diverges, and what to change (the end of every divergence error)
 DIVERGENCE_CAUSES = ("the usual causes are features (or regression targets) in large or very different units, e.g. "
                      "not standardised (standardise them with public statistics: privfl run --public-data FILE, "
@@ -36,4 +43,4 @@ class UnsupportedValue(MessageError):
 
 __all__ = ["ConfigurationError", "CorruptMessage", "DIVERGENCE_CAUSES", "InvalidPrivacyParameter", "InvalidRelease",
            "LedgerError", "MessageError", "PrivacyBudgetExceeded", "PrivacyError", "ReleaseMisuse", "TrainingDiverged",
-           "UnsupportedValue"]
+           "UnsupportedValue", "UsageError"]

@@ -215,6 +215,21 @@ class FederatedAlgorithm(abc.ABC):
     def client_update(self, client: int, dataset, round: int, rng: np.random.Generator) -> ClientOutput:
         """Local work of ``client`` on its ``dataset`` from the current global state."""
 
+    def private_release_weight(self, client: int) -> float:
+        """The weight of ``client``'s release in a private run, known without its data (in a private run every weight
+        is a public constant): what its ``client_update`` sends as ``ClientOutput.weight`` whatever its records. A
+        runtime sends it with the data-independent releases it makes in the client's place (a local step that
+        raised, ``privfl.runtime.local_step``; a client-level client without records). The default is
+        ``privfl.core.public.release_weight``'s private answer (the declared record count when sizes are public at
+        record level, else 1); an algorithm that sends another constant overrides it
+        (``tests/contracts/test_local_step_failures.py`` checks every registered algorithm)."""
+        from privfl.core.public import release_weight
+
+        if not self.privacy.private:
+            raise RuntimeError(f"{self.name}: a non-private run's release weight is the client's record count; "
+                               "private_release_weight is for private runs")
+        return release_weight(self.privacy, self.public, client, None)
+
     def check_broadcast(self, round: int) -> None:
         """A client's check of the broadcast state it holds for ``round``, before any record is read (the client half
         calls it whenever it loads a broadcast, after the generic checks of :func:`check_broadcast_value`): an
@@ -392,12 +407,19 @@ class ClientHalf:
         return state
 
     def client_update(self, client: int, broadcast: Broadcast, dataset, state: dict | None,
-                      rng: np.random.Generator) -> tuple[ClientOutput, dict]:
-        """Client ``client``'s round: its work on its own ``dataset`` from ``broadcast`` and its own ``state``."""
+                      rng: np.random.Generator, *, on_failure=None) -> tuple[ClientOutput, dict]:
+        """Client ``client``'s round: its work on its own ``dataset`` from ``broadcast`` and its own ``state``.
+        ``on_failure``: a function of an exception that the algorithm's local step itself raised (never the
+        broadcast's checks, made before any record is read) returning the :class:`ClientOutput` to send in its place
+        (a private run's fallback, ``privfl.runtime.local_step``); None: the exception propagates."""
         self.load(broadcast)
         self._enter(client, state)
         try:
             out = self.algorithm.client_update(client, dataset, broadcast.round, rng)
+        except Exception as exc:  # noqa: BLE001 - the local step's failure, decided by the records
+            if on_failure is None:
+                raise
+            out = on_failure(exc)
         finally:
             new_state = self._leave(client)
         return out, new_state

@@ -92,7 +92,7 @@ from privfl.privacy.record_level import (SAMPLED_ACCOUNTANTS, AdaptiveClip, chec
 from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import ClippedValue, PreClipped
 from privfl.privacy.units import channel as unit_channel
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 from privfl.mechanisms.matrix_factorization import BandedDecoder, BandedEncoder, banded_toeplitz
 from privfl.models import (BayesModule, ModelConfigError, bayesian_twin, get_mean_precision, inverse_softplus,
                            make_bayesian_model, make_model)
@@ -350,6 +350,9 @@ class DPFedSGD(FedAvg):
     def release_weight(self, dataset, client: int = 0) -> float:
         return 1.0  # a sum: the server divides by the public expected lot, never by a count
 
+    def private_release_weight(self, client: int) -> float:
+        return 1.0
+
     # -- the client step -----------------------------------------------------------------------------------------
 
     @property
@@ -379,7 +382,7 @@ class DPFedSGD(FedAvg):
                 raise ConfigurationError("dp_fedsgd: a client's records changed during a banded run (its groups "
                                          "were drawn at its first round); keep each client's records for the run")
             if round <= int(state["round"]):  # before any record is drawn: the mixture is by increasing round
-                raise ConfigurationError(f"dp_fedsgd: banded noise mixes a client's rounds in increasing order; "
+                raise UsageError(f"dp_fedsgd: banded noise mixes a client's rounds in increasing order; "
                                          f"round {round} comes after its round {int(state['round'])}: refused (a "
                                          "round asked out of order, or again, would put one record's participations "
                                          "closer than the bands the ledger charges)")

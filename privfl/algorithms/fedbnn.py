@@ -475,6 +475,9 @@ class FedBNN(FederatedAlgorithm):
         """1, or n_k with ``weighting="size"``, which only non-private runs accept (n_k is private)."""
         return float(len(dataset)) if self.weighting == "size" else 1.0
 
+    def private_release_weight(self, client: int) -> float:
+        return 1.0
+
     def check_broadcast(self, round) -> None:
         """The broadcast consensus and its reliability checked before any record is read: every honest server's
         ``global_probs`` are rows in [0, 1] summing to 1 over the alignment set's points (clip_and_renormalise) and
@@ -492,7 +495,22 @@ class FedBNN(FederatedAlgorithm):
             raise ConfigurationError(f"the server broadcast a FedBNN reliability of {float(self.reliability)!r}, "
                                      "outside [0, 1]; refused before any record was read")
 
+    def _finite_posterior(self, client: int) -> None:
+        """Reset client ``client``'s posterior to its public initial state (the model built from setup's seed, not
+        warmed up) when an entry of it is not finite: one far-out record could make its Bayes-by-Backprop steps
+        overflow, and a NaN posterior made every later round's prior fit fail on that client. The reset decides on the
+        client's own state and releases nothing: its round's upload goes through the pipeline as usual (a non-finite
+        one falls back, ``privfl.core.release``)."""
+        model = self.models.get(client)
+        if model is None:
+            return
+        if all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point()):
+            return
+        self.models[client] = self._build_model(client)
+        self.warmed_up.discard(client)
+
     def client_update(self, client, dataset, round, rng):
+        self._finite_posterior(client)  # a posterior a past round left non-finite starts again from its public init
         model = self.local_model(client)
         x, y = dataset.tensors()
         self.client_classes[client] = np.unique(y.numpy())
@@ -514,6 +532,7 @@ class FedBNN(FederatedAlgorithm):
             prior, epochs = ModelPrior.isotropic(self.init_prior_std), self.fed.local_epochs
         metrics["elbo_loss"] = self.train_posterior(model, prior, x, y, epochs, rng, gen)
         probs = mc_predict(model, self.alignment_x, self.mc_samples, gen)
+        self._finite_posterior(client)  # the next round starts from a finite posterior (this one's upload falls back)
         return ClientOutput({CHANNEL: probs}, weight=self.release_weight(dataset, client), metrics=metrics)
 
     def tune_prior(self, model: nn.Module, target: np.ndarray, generator: torch.Generator

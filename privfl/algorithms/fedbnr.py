@@ -660,6 +660,9 @@ class FedBNR(FederatedAlgorithm):
         b = self.feature_clip
         return self.client_rows * b * b, self.client_rows * b * self.target_clip
 
+    def private_release_weight(self, client: int) -> float:
+        return 1.0
+
     def client_update(self, client, dataset, round, rng):
         phi = np.asarray(self.feature_map(dataset.x), dtype=np.float64)
         y = _targets(dataset)
@@ -964,26 +967,35 @@ class FedBNRKernel(FederatedAlgorithm):
         return [unit_channel(self.privacy, "update", (self.dim,), client=NormClip(self.update_clip),
                              description="kernel network change, clipped to C")]
 
+    def private_release_weight(self, client: int) -> float:
+        return 1.0
+
     def client_update(self, client, dataset, round, rng):
+        # trained in float64, network and loss: a finite record far out (a target of 1e20, whose square and gradient
+        # overflow float32) made the gradients infinite, Adam's step NaN and the next step's Cholesky factor fail
         local = copy.deepcopy(self.net)
         load_flat_parameters(local, self.global_params)
-        x = torch.as_tensor(dataset.x)
-        y = torch.as_tensor(_targets(dataset))
-        opt = torch.optim.Adam(local.parameters(), lr=self.fed.lr)
+        local = local.double()
+        n = len(dataset)
         loss_value = math.nan
-        for _ in range(self.fed.local_epochs):
-            opt.zero_grad(set_to_none=True)
-            loss = -blr_log_marginal_likelihood(local(x), y, local.log_noise_std.exp(),
-                                                local.log_prior_std.exp()) / len(y)
-            loss.backward()
-            opt.step()
-            loss_value = float(loss.detach())
+        if n:  # no records: the evidence of none is a constant (0), so the change is zero (nothing to train on)
+            x = torch.as_tensor(np.asarray(dataset.x))
+            y = torch.as_tensor(_targets(dataset))
+            opt = torch.optim.Adam(local.parameters(), lr=self.fed.lr)
+            for _ in range(self.fed.local_epochs):
+                opt.zero_grad(set_to_none=True)
+                loss = -blr_log_marginal_likelihood(local(x), y, local.log_noise_std.exp(),
+                                                    local.log_prior_std.exp()) / n
+                loss.backward()
+                opt.step()
+                loss_value = float(loss.detach())
         if self.aggregation == "distillation":
             with torch.no_grad():
-                change = _upper(_gram(local, self.kd_x).numpy() - self.global_gram)
+                change = (_upper(_gram(local, self.kd_x).numpy() - self.global_gram) if n
+                          else np.zeros(len(self.kd_y) * (len(self.kd_y) - 1) // 2))
             return ClientOutput({"gram": change}, weight=1.0,
                                 metrics={"gram_change_norm": float(np.linalg.norm(change)), "nlml": loss_value})
-        update = flat_parameters(local) - self.global_params
+        update = flat_parameters(local) - self.global_params if n else np.zeros_like(self.global_params)
         weight = 1.0 if self.privacy.private else float(len(dataset))
         return ClientOutput({"update": update}, weight=weight,
                             metrics={"update_norm": float(np.linalg.norm(update)), "nlml": loss_value})

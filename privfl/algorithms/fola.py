@@ -253,6 +253,9 @@ class FOLA(FederatedAlgorithm):
         """The per-round event of each DP-SGD-trained channel of ``client`` (the run plan's; record level only)."""
         return self.form.planned_events(client)
 
+    def private_release_weight(self, client: int) -> float:
+        return 1.0
+
     def client_update(self, client, dataset, round, rng):
         [(_, out)] = self.form.updates([client], [dataset], round, [rng], vectorised=False)
         return out

@@ -114,12 +114,22 @@ class RangeBound:
         if self.unit not in UNITS:
             raise InvalidRelease(f"RangeBound unit must be one of {UNITS} (the channel's), got {self.unit!r}")
 
+    @property
+    def takes_removed(self) -> bool:
+        """Whether the all-zero value is accepted: at client level the contribution of a client whose data is removed
+        (``privfl.core.release.removed_value``), which every row's norm bound covers: zero is at most ``row_norm``
+        from any row, within the sensitivity under add/remove, and under replace-one when ``row_norm`` is at most
+        ``per_row_sensitivity`` (probability rows: 1 and sqrt(2))."""
+        return self.unit == "client" and self.row_norm <= self.per_row_sensitivity
+
     def sensitivity(self, adjacency: str) -> float:
         if check_adjacency(adjacency) == "add_remove" and self.unit == "client":
             return self.row_norm * math.sqrt(self.rows)
         return self.per_row_sensitivity * math.sqrt(self.rows)
 
     def apply(self, value: np.ndarray) -> np.ndarray:
+        if self.takes_removed and value.ndim == 2 and not np.any(value):
+            return value  # a client-level client without records: no upload (see takes_removed)
         if value.ndim != 2 or np.any(value < -1e-9) or np.any(np.abs(value.sum(axis=1) - 1) > 1e-6):
             raise InvalidRelease("a probability channel takes rows of non-negative numbers that sum to 1")
         return value

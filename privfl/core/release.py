@@ -6,7 +6,9 @@ For each round, in this order (ARCHITECTURE.md, "the path of one value"):
    except that a private round whose local result is not finite releases its data-independent fallback instead
    (:func:`fallback_value`: no change), charged and noised as usual, and says so only in a
    :class:`LocalResultNotFinite` warning on the client's side: whether training failed on a client's records must
-   not reach the server as an error it is not charged for;
+   not reach the server as an error it is not charged for (a private local step that raised, rather than returned a
+   non-finite value, is handled alike by the runtime: :meth:`ReleasePipeline.failed_step_values`,
+   :class:`LocalStepFailed`);
 2. **clip**: the channel's clip makes its declared sensitivity true;
 3. **charge** the ledger for all the round's channels in one committed transaction; if the client's budget would be
    exceeded, :class:`PrivacyBudgetExceeded` is raised, nothing is charged or released, the client sits the round out;
@@ -37,8 +39,8 @@ from privfl.accounting.events import GaussianEvent, NonPrivateEvent, NoOpEvent, 
 from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
 from privfl.mechanisms import GaussianMechanism, InvalidRelease, ReleaseMisuse, as_noise_source
 from privfl.mechanisms.noise import NoiseSource
-from privfl.core.channels import (Channel, ClippedValue, NormClip, PrivatizedValue, RangeBound, TrainedPrivately,
-                                  amplifies)
+from privfl.core.channels import (Channel, ClippedValue, NormClip, PreClipped, PrivatizedValue, RangeBound,
+                                  TrainedPrivately, amplifies)
 from privfl.errors import DIVERGENCE_CAUSES
 
 PLACEMENTS = ("local", "central", "distributed")
@@ -48,6 +50,14 @@ class LocalResultNotFinite(RuntimeWarning):
     """A client's local result was not finite (its training diverged on its records, or a server's broadcast made
     it), and its release pipeline released the data-independent fallback (:func:`fallback_value`) in its place,
     charged as usual. The warning stays on the client's side: the server sees an ordinary release."""
+
+
+class LocalStepFailed(RuntimeWarning):
+    """A private client's local step raised an exception (its training failed on its records: an overflow, a
+    factorisation of a matrix that stopped being positive definite), and its release pipeline released the
+    data-independent fallback (:func:`planned_fallback`) for every channel in its place, charged and noised as usual,
+    with the weight the algorithm would have sent (``FederatedAlgorithm.private_release_weight``). The warning names
+    the exception's type and stays on the client's side: the server sees an ordinary release."""
 
 
 def _raw(value):
@@ -87,6 +97,37 @@ def fallback_value(channel: Channel, value):
     if isinstance(value, PrivatizedValue):
         return PrivatizedValue(filler, value.event)
     return filler
+
+
+def _wrapped(channel: Channel, filler: np.ndarray, event=None):
+    """``filler`` as the value the channel's clip takes: a :class:`PreClipped` channel's :class:`ClippedValue` at its
+    declared bound, a :class:`TrainedPrivately` channel's :class:`PrivatizedValue` with ``event`` (the run plan's
+    planned event of the channel for this client, what its release would have charged), else the array itself."""
+    if isinstance(channel.clip, PreClipped):
+        return ClippedValue(filler, channel.clip.bound, channel.clip.statistic)
+    if isinstance(channel.clip, TrainedPrivately):
+        if event is None:
+            raise ReleaseMisuse(f"channel {channel.name} is charged with its training's planned event; none was given")
+        return PrivatizedValue(filler, event)
+    return filler
+
+
+def planned_fallback(channel: Channel, event=None):
+    """What a private channel releases when the client's local step produced no value at all (it raised): the
+    data-independent :func:`fallback_value` filler (zeros, a probability channel's uniform rows), wrapped as the
+    channel's clip takes it, a DP-SGD-trained channel's with ``event``, the run plan's planned event of the channel
+    (``RunPlan.trained_events``), so the round is charged exactly as the algorithm's own value would have been."""
+    if isinstance(channel.clip, RangeBound):
+        return _wrapped(channel, np.full(channel.shape, 1.0 / channel.shape[-1]), event)
+    return _wrapped(channel, np.zeros(channel.shape), event)
+
+
+def removed_value(channel: Channel, event=None):
+    """The release of a client-level channel by a client with no records: exact zeros, wrapped as the channel's
+    clip takes them. At client level a neighbour is a client's whole data removed, and a removed client's
+    contribution to every sum is zero: what the charged sensitivity assumes (a probability channel at client level
+    takes an all-zero value for it, :class:`RangeBound`)."""
+    return _wrapped(channel, np.zeros(channel.shape), event)
 
 
 @dataclass(frozen=True)
@@ -398,6 +439,32 @@ class ReleasePipeline:
                       f"server cannot tell. The local training diverged: {DIVERGENCE_CAUSES}", LocalResultNotFinite,
                       stacklevel=3)
         return {name: fallback_value(ch, values[name]) for name, ch in self.channels.items()}
+
+    def failed_step_values(self, round: int, exc: BaseException,
+                           events: Mapping[str, PrivacyEvent] | None = None) -> dict | None:
+        """The round's values to release in place of a local step that raised ``exc``: :func:`planned_fallback` for
+        every channel (``events``: the run plan's planned events of this client's DP-SGD-trained channels), released
+        by :meth:`release` as any other round's, charged and noised as usual; or None in a non-private run (a
+        non-private release hides nothing: a clear error is better there). Whether a private client's local step
+        fails depends on its records; an error in its place would tell the server so, uncharged. Only a
+        :class:`LocalStepFailed` warning, on the client's side, names the exception's type."""
+        if not all(ch.private for ch in self.channels.values()):
+            return None
+        events = dict(events or {})
+        values = {name: planned_fallback(ch, events.get(name)) for name, ch in self.channels.items()}
+        warnings.warn(f"client {self.client_id}, round {round}: the local step raised {type(exc).__name__}; it "
+                      f"released the data-independent fallback instead (no change), charged as usual, and the server "
+                      f"cannot tell. If training diverged: {DIVERGENCE_CAUSES}", LocalStepFailed, stacklevel=2)
+        return values
+
+    def removed_values(self, events: Mapping[str, PrivacyEvent] | None = None) -> dict:
+        """The values a client-level client with no records releases: :func:`removed_value` (exact zeros) for every
+        channel, released by :meth:`release` as any other round's, charged and noised as usual."""
+        if self.privacy_unit != "client":
+            raise ReleaseMisuse("only a client-level run releases a client without records as zeros; at record level "
+                                "its local step runs (DP-SGD's noise-only steps are what its charge covers)")
+        events = dict(events or {})
+        return {name: removed_value(ch, events.get(name)) for name, ch in self.channels.items()}
 
     def mark_round_released(self, round: int) -> int:
         """Mark this client's charged rows of ``round`` released (:func:`mark_round_released`)."""

@@ -1429,6 +1429,7 @@ def client_train(msg, context):
 
     run_spec, client = _client_spec(context)
     from privfl.algorithms.base import Broadcast, check_kept_state
+    from privfl.runtime.local_step import fallback_on_failure, releases_as_removed, removed_output
 
     broadcast = from_record(msg.content, BROADCAST)
     # the client's own instance, from the public spec (and, in a later phase, the earlier phases' final states): it
@@ -1467,7 +1468,15 @@ def client_train(msg, context):
         state = (half.decode_state(client, context.state[state_key]["envelope"])
                  if state_key in context.state else None)
         check_kept_state(half.algorithm, client, state, bool(ledger.charges(str(client))))
-        out, state = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, state, train_rng)
+        # a private client's local step that raises releases the fallback, and a client-level client without
+        # records releases zeros without one, as in process (privfl.runtime.local_step)
+        events = plan.trained_events.get(client)
+        if releases_as_removed(spec.privacy, dataset):
+            out = removed_output(half.algorithm, pipeline, client, events)
+        else:
+            out, state = half.client_update(client, Broadcast(rnd, broadcast["values"]), dataset, state, train_rng,
+                                            on_failure=fallback_on_failure(half.algorithm, spec.privacy, pipeline,
+                                                                           client, rnd, events))
         # the client's own state (HBFL's local model, FedBNN's personalised model) stays on its SuperNode
         _keep(context, state_key, half.encode_state(client, state))
         try:

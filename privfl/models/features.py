@@ -371,9 +371,10 @@ class KernelNetwork(nn.Module):
         x = torch.as_tensor(x)
         if self.deep:  # in the extractor's own precision (float32 for training; float64 after ``.double()``)
             x = x.reshape(len(x), *self.input_shape)
-            h = self.extractor(x.to(_module_dtype(self.extractor, torch.float64))).reshape(len(x), -1).double()
-        else:
-            h = x.reshape(len(x), -1).double()
+            h = self.extractor(x.to(_module_dtype(self.extractor, torch.float64))).reshape(len(x), self.latent_dim)
+            h = h.double()
+        else:  # (n, latent_dim), not (n, -1): a client without records has n = 0 rows
+            h = x.reshape(len(x), self.latent_dim).double()
         proj = h @ self.omega / self.log_lengthscale.double().exp()
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=1) / math.sqrt(self.num_samples)
 

@@ -34,7 +34,7 @@ from privfl.privacy.record_level import DPSGD, calibrate_dpsgd, check_dpsgd_priv
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.plain import Algorithm, LocalData
 from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
 
 
@@ -70,7 +70,7 @@ class _RecordLevelData(LocalData):
     def train(self, params: np.ndarray) -> np.ndarray:
         owner = self._owner
         if self.trained:
-            raise ConfigurationError(f"{owner.name}: at record level a client step trains once per round (its "
+            raise UsageError(f"{owner.name}: at record level a client step trains once per round (its "
                                      "release is charged one round of DP-SGD); call data.train once")
         self.trained = True
         engine = DPSGD(owner.model, self.schedule, noise_multiplier=self.noise_multiplier, clip=owner.privacy.clip,
@@ -81,7 +81,7 @@ class _RecordLevelData(LocalData):
         return trained
 
     def tensors(self):
-        raise ConfigurationError(f"{self._owner.name}: at record level a client step reads its data only through "
+        raise UsageError(f"{self._owner.name}: at record level a client step reads its data only through "
                                  "data.train (DP-SGD); anything else it computed from the records would leave "
                                  "unprotected")
 

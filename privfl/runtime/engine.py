@@ -32,6 +32,7 @@ Phases. ``Simulation(algorithm, ...)`` of a multi-phase algorithm (FedBNR with k
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping
@@ -49,6 +50,7 @@ from privfl.core.release import Release, mark_round_released
 from privfl.core.plan import noise_multipliers_for as plan_multipliers
 from privfl.errors import ConfigurationError
 from privfl.runtime.phase_ledgers import composed_audit, composed_epsilon, phase_ledger_meta, phase_run_id
+from privfl.runtime.local_step import fallback_on_failure, releases_as_removed, removed_output, run_local_step
 from privfl.runtime.phases import run_phases
 from privfl.runtime.rounds import RoundOutcome, RoundRecord, run_rounds
 from privfl.core.public import SEEDED_NOISE_WARNING, PublicFacts, client_sampler
@@ -249,12 +251,20 @@ class Simulation:
         return self._broadcast
 
     def _client_update(self, k: int, rnd: int):
-        """Client ``k``'s local work: on its client half, from the broadcast and its own state."""
+        """Client ``k``'s local work: on its client half, from the broadcast and its own state. In a private run a
+        client-level client without records releases zeros without a local step, and an exception its local step
+        raises is released as the data-independent fallback (:mod:`privfl.runtime.local_step`)."""
+        dataset = self.data.train_parts[k]
+        if releases_as_removed(self.privacy, dataset):
+            return removed_output(self.algorithm, self.pipelines[k], k, self.plan.trained_events.get(k))
+        on_failure = fallback_on_failure(self.algorithm, self.privacy, self.pipelines[k], k, rnd,
+                                         self.plan.trained_events.get(k))
         if not self.split:
-            return self.algorithm.client_update(k, self.data.train_parts[k], rnd, self.train_rngs[k])
+            return run_local_step(lambda: self.algorithm.client_update(k, dataset, rnd, self.train_rngs[k]),
+                                  on_failure)
         check_kept_state(self.algorithm, k, self.client_states[k], bool(self.ledger.charges(str(k))))
         out, self.client_states[k] = self.client_half.client_update(
-            k, self.broadcast(rnd), self.data.train_parts[k], self.client_states[k], self.train_rngs[k])
+            k, self.broadcast(rnd), dataset, self.client_states[k], self.train_rngs[k], on_failure=on_failure)
         return out
 
     @property
@@ -277,20 +287,44 @@ class Simulation:
         if not self._prepared:
             self.prepare()
         clients = [int(k) for k in clients]
-        datasets, rngs = [self.data.train_parts[k] for k in clients], [self.train_rngs[k] for k in clients]
-        if self.vectorised and self.split:
-            outputs = self._kept(self.client_half.client_updates(
-                clients, self.broadcast(rnd), datasets, [self.client_states[k] for k in clients], rngs))
-        elif self.vectorised:
-            outputs = self.algorithm.client_updates(clients, datasets, rnd, rngs)
-        else:
-            outputs = ((k, self._client_update(k, rnd)) for k in clients)
+        # a client-level client without records: zeros, no local step (privfl.runtime.local_step)
+        removed = [k for k in clients if releases_as_removed(self.privacy, self.data.train_parts[k])]
+        trained = [k for k in clients if k not in removed]
+        outputs = itertools.chain(((k, self._client_update(k, rnd)) for k in removed),
+                                  self._local_steps(trained, rnd) if trained else ())
         for k, out in outputs:
             try:
                 # under secure aggregation a value leaves as its masked input: marked released then (_mark_sent)
                 yield k, self.pipelines[k].release(rnd, out.values, out.weight, mark=self.secure is None)
             except PrivacyBudgetExceeded as exc:
                 yield k, exc
+
+    def _local_steps(self, clients, rnd: int):
+        """``(k, output)`` of the round's executor for ``clients``. In a private run an exception raised inside the
+        vectorised executor (one client's records can make the stacked step fail for all) does not fail the others:
+        the clients it had not yet given out are run one by one, where a client whose own step raises releases the
+        fallback (:meth:`_client_update`)."""
+        if not self.vectorised:
+            for k in clients:
+                yield k, self._client_update(k, rnd)
+            return
+        datasets, rngs = [self.data.train_parts[k] for k in clients], [self.train_rngs[k] for k in clients]
+        if self.split:
+            steps = self._kept(self.client_half.client_updates(
+                clients, self.broadcast(rnd), datasets, [self.client_states[k] for k in clients], rngs))
+        else:
+            steps = self.algorithm.client_updates(clients, datasets, rnd, rngs)
+        done = set()
+        try:
+            for k, out in steps:
+                done.add(k)
+                yield k, out
+        except Exception:  # noqa: BLE001 - retried client by client, where a refusal raises again
+            if not self.privacy.private:
+                raise
+            for k in clients:
+                if k not in done:
+                    yield k, self._client_update(k, rnd)
 
     def _kept(self, steps):
         """``(k, output)`` of the client half's ``(k, output, state)``, keeping each client's state on its side."""

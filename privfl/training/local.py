@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 
 
 def torch_generator(rng: np.random.Generator) -> torch.Generator:
@@ -51,7 +51,7 @@ class TaskLoss(nn.Module):
     def require_per_example(self, algorithm: str) -> None:
         """Refuse a criterion that cannot give per-example losses (DP-SGD needs them), saying what to pass."""
         if not self.per_example:
-            raise ConfigurationError(f"{algorithm} clips each example's gradient, so the loss must give one loss per "
+            raise UsageError(f"{algorithm} clips each example's gradient, so the loss must give one loss per "
                                      "example: pass a torch loss module (e.g. nn.CrossEntropyLoss(), nn.MSELoss()) or "
                                      "an object with a `reduction` attribute that honours 'none'")
 
@@ -61,7 +61,7 @@ class TaskLoss(nn.Module):
         if self.reduction == "mean":
             return self.criterion(out, y)
         if self.reduction != "none":
-            raise ConfigurationError(f"loss reduction must be 'mean' or 'none', got {self.reduction!r}")
+            raise UsageError(f"loss reduction must be 'mean' or 'none', got {self.reduction!r}")
         self.require_per_example("DP-SGD")
         old = self.criterion.reduction
         self.criterion.reduction = "none"
@@ -70,7 +70,7 @@ class TaskLoss(nn.Module):
         finally:
             self.criterion.reduction = old
         if per.ndim == 0 or per.shape[0] != out.shape[0]:
-            raise ConfigurationError(f"the loss with reduction='none' returned shape {tuple(per.shape)}; DP-SGD needs "
+            raise UsageError(f"the loss with reduction='none' returned shape {tuple(per.shape)}; DP-SGD needs "
                                      f"one loss per example (a first dimension of {out.shape[0]})")
         return per.reshape(per.shape[0], -1).mean(dim=1)
 

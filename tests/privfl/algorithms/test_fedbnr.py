@@ -580,8 +580,8 @@ def _kd(privacy=NONPRIVATE, fed=KD_FED, **options):
 
 
 def _locally_trained_gram(net: KernelNetwork, dataset, x_kd, fed) -> np.ndarray:
-    """What a client's Gram on X_kd is after its local training (eq. 18), computed here independently."""
-    local = copy.deepcopy(net)
+    """What a client's Gram on X_kd is after its local training (eq. 18, in float64), computed here independently."""
+    local = copy.deepcopy(net).double()
     opt = torch.optim.Adam(local.parameters(), lr=fed.lr)
     x, y = torch.as_tensor(dataset.x), torch.as_tensor(np.asarray(dataset.y, dtype=np.float64))
     for _ in range(fed.local_epochs):
