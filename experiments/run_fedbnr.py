@@ -974,31 +974,24 @@ def main(argv=None) -> None:
         write_sets(rows, args.out, sum(r["seconds"] for r in rows))
         print(f"wrote {args.out}/fedbnr.json and fedbnr.md")
         return
-    if args.linear:
+    studies = {"linear": (linear_rows, linear_summary, linear_markdown, LINEAR_CANDIDATES),
+               "budget": (budget_rows, budget_summary, budget_markdown, BUDGET_CANDIDATES)}
+    for key, (rows_of, summarise_rows, markdown_of, candidates) in studies.items():
+        sets = getattr(args, key)
+        if not sets:
+            continue
+        # a choice among candidates on the issue-16 sets' validation splits (10 seeds unless --seed-list)
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(10))
         start = time.perf_counter()
-        rows = [r for name in args.linear.split(",") for r in linear_rows(name, seeds, args.repeats)]
+        rows = [r for name in sets.split(",") for r in rows_of(name, seeds, args.repeats)]
         seconds = time.perf_counter() - start
-        summary = linear_summary(rows)
-        _publish(args.out, "fedbnr_linear",
+        summary = summarise_rows(rows)
+        _publish(args.out, f"fedbnr_{key}",
                  {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
                               "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
-                              "candidates": LINEAR_CANDIDATES},
+                              "candidates": candidates},
                   "summary": summary, "runs": _columns(rows), "seconds": seconds},
-                 linear_markdown(summary, rows, seconds, args.repeats), seconds, indent=1)
-        return
-    if args.budget:
-        seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(10))
-        start = time.perf_counter()
-        rows = [r for name in args.budget.split(",") for r in budget_rows(name, seeds, args.repeats)]
-        seconds = time.perf_counter() - start
-        summary = budget_summary(rows)
-        _publish(args.out, "fedbnr_budget",
-                 {"setting": {"clients": N_CLIENTS, "epsilon": EPSILON, "delta": DELTA, "unit": "example",
-                              "val_fraction": VAL_FRACTION, "seeds": seeds, "repeats": args.repeats,
-                              "candidates": BUDGET_CANDIDATES},
-                  "summary": summary, "runs": _columns(rows), "seconds": seconds},
-                 budget_markdown(summary, rows, seconds, args.repeats), seconds, indent=1)
+                 markdown_of(summary, rows, seconds, args.repeats), seconds, indent=1)
         return
     if args.feature_rule:
         seeds = [int(k) for k in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
