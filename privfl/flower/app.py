@@ -1795,7 +1795,9 @@ def client_identify(msg, context):
         if run_id in held:
             ledger = PrivacyLedger.open_existing(path, run_id)
             try:
-                released |= {offset + c.round for c in ledger.charges(str(client)) if c.released}
+                # a round the client was left out of is spent as well: a resumed run must not redo it (its row can
+                # never be released, and a new sample could pick the client for it)
+                released |= {offset + c.round for c in ledger.charges(str(client)) if c.released or c.left_out}
             finally:
                 ledger.close()
         offset += rounds

@@ -92,7 +92,7 @@ class _RecordLevelData(LocalData):
 
 def _message_mapping(value, what: str, name: str) -> dict:
     if not isinstance(value, Mapping):
-        raise ConfigurationError(f"{name}: {what} must be a mapping of arrays and numbers, got "
+        raise UsageError(f"{name}: {what} must be a mapping of arrays and numbers, got "
                                  f"{type(value).__name__}")
     return {str(k): v for k, v in value.items()}
 
@@ -215,17 +215,17 @@ class PrivateAlgorithm(FedAvg):
         out = self.plain.client_step(MappingProxyType(dict(self.broadcast_values)), data,
                                      None if state is None else MappingProxyType(dict(state)), rng)
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise ConfigurationError(f"{self.name}: client_step must return (values, state)")
+            raise UsageError(f"{self.name}: client_step must return (values, state)")
         values, new_state = out
         values = _message_mapping(values, "client_step's values", self.name)
         if set(values) != set(self.plain.channels):
-            raise ConfigurationError(f"{self.name}: client_step returned {sorted(values)}, its channels are "
+            raise UsageError(f"{self.name}: client_step returned {sorted(values)}, its channels are "
                                      f"{list(self.plain.channels)}")
         vectors = {}
         for name in self.plain.channels:
             v = np.asarray(values[name])
             if v.shape != (self.dim,):
-                raise ConfigurationError(f"{self.name}: client_step's {name!r} has shape {v.shape}; a channel is a "
+                raise UsageError(f"{self.name}: client_step's {name!r} has shape {v.shape}; a channel is a "
                                          f"vector of the model's {self.dim} parameters")
             vectors[name] = v
         if new_state is None:

@@ -247,5 +247,5 @@ def test_a_private_local_step_that_raises_releases_the_fallback(algorithm, unit,
 @pytest.mark.timeout(300)
 def test_a_non_private_local_step_that_raises_still_raises():
     """Nothing is private in a non-private run: the local step's exception propagates (a clear error)."""
-    with pytest.raises(Exception):
+    with pytest.raises(FloatingPointError, match="overflowed"):
         _federate(True, algorithm="fedavg", epsilon=math.inf, optimizer=lambda p: torch.optim.SGD(p, lr=0.05))

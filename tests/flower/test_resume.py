@@ -74,6 +74,22 @@ def test_a_client_reports_its_released_rounds_and_refuses_to_release_one_again(s
     assert _released(other, node) == []  # released rounds are per run id
 
 
+def test_a_round_the_client_was_left_out_of_counts_as_spent_on_resume(setting):
+    """A round charged for a client that client sampling left out can never be released; a resumed run that redid it
+    (a new sample could pick the client) would fail at that client's ledger, so the client reports it as spent."""
+    from privfl.accounting.events import GaussianEvent
+    from privfl.accounting.ledger import ChargeRequest, PrivacyLedger
+
+    spec, node = setting
+    ledger = PrivacyLedger(node["ledger-path"], spec.run_id, delta=spec.privacy.delta,
+                           epsilon_budget=spec.privacy.epsilon, accountant=spec.privacy.resolved_accountant)
+    try:
+        ledger.charge_all("0", 1, [ChargeRequest("update", GaussianEvent(1.0, 8.0), "client")], left_out=True)
+    finally:
+        ledger.close()
+    assert _released(spec, node) == [1]
+
+
 def test_the_server_refuses_a_resume_with_nothing_left_or_with_seeded_noise(setting):
     spec, _ = setting
     flower_app._check_resume(spec, 0)

@@ -162,6 +162,31 @@ def test_record_level_reads_records_only_through_dp_sgd_once(fedadam_file):
         unregister_algorithm("twice")
 
 
+def test_a_client_step_that_breaks_its_contract_is_an_error_in_a_private_run_too():
+    """What a registered algorithm's client step returns is checked (a mapping, its declared channels, their shapes):
+    the program's mistake, the same on every neighbouring dataset, so an error even in a private run, never the
+    silent zero fallback a local step that raises on its records releases (a review: a misspelled channel ran both
+    rounds uploading zeros)."""
+    from dataclasses import dataclass
+
+    @register_algorithm("misspelled")
+    @dataclass(frozen=True)
+    class Misspelled(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            return {"updat": np.zeros_like(broadcast["params"])}, state
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    clients, test = _clients()
+    try:
+        with pytest.raises(ConfigurationError, match=r"returned \['updat'\], its channels are \['update'\]"):
+            privfl.federate(_model(), clients, algorithm="misspelled", epsilon=3.0, unit="client", rounds=1,
+                            test=test, client_size=300)
+    finally:
+        unregister_algorithm("misspelled")
+
+
 def test_registration_refuses_what_it_cannot_run():
     from dataclasses import dataclass
 
