@@ -86,17 +86,22 @@ def fallback_value(channel: Channel, value):
     the vectorised per-example executors and HBFL's materialised steps do (``privfl.training.stacked.PerExampleTerms``,
     ``privfl.privacy.record_level.clipped_gradient_sum``: an example whose gradient or norm is not finite adds the
     zero term), so their sums stay finite, as does opacus's per-client loop (``dpsgd_train`` recomputes a step whose
-    clipped sum is not finite example by example, dropping that example's term); FOLA's Fisher accumulators do not
-    yet, and there the fallback only makes the reply look ordinary."""
-    if isinstance(channel.clip, RangeBound):
-        filler = np.full(channel.shape, 1.0 / channel.shape[-1])
-    else:
-        filler = np.zeros(channel.shape)
+    clipped sum is not finite example by example, dropping that example's term), and so do FOLA's record-level
+    Fisher accumulators (``privfl.training.fisher``)."""
+    filler = _filler(channel)
     if isinstance(value, ClippedValue):
         return ClippedValue(filler, value.bound, value.statistic)
     if isinstance(value, PrivatizedValue):
         return PrivatizedValue(filler, value.event)
     return filler
+
+
+def _filler(channel: Channel) -> np.ndarray:
+    """The data-independent value of a fallback: zeros (no change, no statistic), a probability channel's uniform
+    rows."""
+    if isinstance(channel.clip, RangeBound):
+        return np.full(channel.shape, 1.0 / channel.shape[-1])
+    return np.zeros(channel.shape)
 
 
 def _wrapped(channel: Channel, filler: np.ndarray, event=None):
@@ -117,9 +122,7 @@ def planned_fallback(channel: Channel, event=None):
     data-independent :func:`fallback_value` filler (zeros, a probability channel's uniform rows), wrapped as the
     channel's clip takes it, a DP-SGD-trained channel's with ``event``, the run plan's planned event of the channel
     (``RunPlan.trained_events``), so the round is charged exactly as the algorithm's own value would have been."""
-    if isinstance(channel.clip, RangeBound):
-        return _wrapped(channel, np.full(channel.shape, 1.0 / channel.shape[-1]), event)
-    return _wrapped(channel, np.zeros(channel.shape), event)
+    return _wrapped(channel, _filler(channel), event)
 
 
 def removed_value(channel: Channel, event=None):
