@@ -696,8 +696,20 @@ def decode_secure_sum(total: np.ndarray, encodings: Mapping[str, ChannelEncoding
             raise ProtocolAbort(f"channel {name!r}: the clients declare different central noise levels",
                                 party="server")
         central = centrals.pop() * float(weights.max()) if centrals else 0.0
+        channel = channels[name]
+        if channel.symmetric and value.ndim == 2:
+            # each client rounded both triangles on coins of their own: release the upper one mirrored (as the
+            # pipeline does), or upper minus lower (two roundings of one value) would carry its fraction unnoised
+            value = np.triu(value) + np.triu(value, 1).T
         if central > 0:
-            value = value + gaussian_noise(value.shape, central, source, channels[name].symmetric)
+            # Each client's clipped value was rounded stochastically before the sum, unnoised: coupled on the same
+            # coins, two neighbouring values round at most one step apart per coordinate, so the rounded sum's
+            # sensitivity is the channel's (times the public weight) plus step sqrt(size). The noise is raised by
+            # that ratio, so its multiplier, which is all the charged Gaussian (sampled or not) depends on, holds.
+            base = float(channel.sensitivity) * float(weights.max())
+            if base > 0:
+                central *= 1.0 + enc.quantiser.step * math.sqrt(enc.size) / base
+            value = value + gaussian_noise(value.shape, central, source, channel.symmetric)
         local_var = float(np.sum(weights ** 2 * np.array([h.local_noise_std ** 2 for h in headers])))
         local_var += enc.noise_std(n) ** 2
         out[name] = Aggregate(name, value, float(weights.sum()), n, float(np.sqrt(local_var + central ** 2)))
