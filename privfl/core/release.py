@@ -457,7 +457,9 @@ class ReleasePipeline:
         values = {name: planned_fallback(ch, events.get(name)) for name, ch in self.channels.items()}
         warnings.warn(f"client {self.client_id}, round {round}: the local step raised {type(exc).__name__}; it "
                       f"released the data-independent fallback instead (no change), charged as usual, and the server "
-                      f"cannot tell. If training diverged: {DIVERGENCE_CAUSES}", LocalStepFailed, stacklevel=2)
+                      f"cannot tell. If training diverged: {DIVERGENCE_CAUSES}. If every client's step fails, the "
+                      f"program is more likely at fault (your model, loss or optimizer): the same run without privacy "
+                      f"(epsilon=inf, --epsilon inf) raises the error with its text", LocalStepFailed, stacklevel=2)
         return values
 
     def removed_values(self, events: Mapping[str, PrivacyEvent] | None = None) -> dict:
