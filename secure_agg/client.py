@@ -596,6 +596,24 @@ class ClientSession:
             if count < t:
                 self._abort(f"only {count} of peer {p}'s share holders signed this survivor set (threshold {t}): the "
                             f"server may be showing clients different sets")
+        # Every survivor, not only those within reach of our tags: its identity signature of this survivor set (or
+        # its input attestation) under our transcript hash, which binds the session's context. A client of another
+        # run, phase, round or plan that the server put into this session, however far from us in the graph, signed
+        # another transcript: its part of the sum would not be what our noise plan assumed.
+        survivor_signatures: dict[int, bytes] = {}
+        for entry in proof.signatures:
+            survivor_signatures.setdefault(entry.client_id, entry.signature)
+        for b in sorted(alive - checked - good - {self.client_id}):  # the others verified above, by tag or attestation
+            ok = b in survivor_signatures and self._registry.verify(
+                survivor_signatures[b], I.SURVIVORS_PURPOSE, sid, b, transcript, alive_ids, dropped_ids)
+            if not ok:
+                entry = attested.get(b)
+                ok = entry is not None and self._registry.verify(
+                    entry.signature, I.INPUT_PURPOSE, sid, b, transcript, entry.digest,
+                    I.encode_ids(cfg.neighbours(b) & listed))
+            if not ok:
+                self._abort(f"survivor {b} shows no signature of this survivor set, nor of its masked input, under "
+                            f"our session's transcript: it may belong to another session, run, phase or round")
 
     # ------------------------------------------------------------------ unmasking (the last stage)
     def unmask(self, request: UnmaskRequest | ConsistencyProof) -> UnmaskShares:

@@ -18,7 +18,8 @@ from .errors import MessageFormatError
 from .protocol import ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASK
 from .shamir import PRIME
 
-__all__ = ["Tag", "AdvertiseKeys", "PublicKeys", "BundleDigest", "KeyDirectory", "InputAttestation", "EncryptedShare",
+__all__ = ["Tag", "AdvertiseKeys", "PublicKeys", "BundleDigest", "KeyDirectory", "InputAttestation", "SurvivorSignature",
+           "EncryptedShare",
            "ShareKeys", "ShareDelivery",
            "MaskedInput", "UnmaskRequest", "ConsistencySignature", "ConsistencyProof", "RevealedShare",
            "UnmaskShares", "message_from_dict", "MESSAGE_TYPES"]
@@ -286,6 +287,20 @@ class InputAttestation:
 
 
 @dataclass(frozen=True)
+class SurvivorSignature:
+    """A survivor's identity-key signature of the survivor set (its :class:`ConsistencySignature`'s), forwarded to
+    every survivor, so each can check every other survivor signed the same set under the same transcript hash (which
+    binds the session's context: a client of another run, phase or round signs another)."""
+
+    client_id: int
+    signature: bytes
+
+    def __post_init__(self):
+        _check_id("client_id", self.client_id)
+        _check_bytes("signature", self.signature, 64)
+
+
+@dataclass(frozen=True)
 class ConsistencyProof(_Message):
     """Server -> one client after the consistency round: the survivor set, the tags of it the survivors made for the
     recipient (``Tag.client_id``: the signer), and the input attestations of the survivors that did not sign it."""
@@ -296,6 +311,7 @@ class ConsistencyProof(_Message):
     dropped: tuple[int, ...]
     tags: tuple[Tag, ...]
     inputs: tuple[InputAttestation, ...] = ()
+    signatures: tuple[SurvivorSignature, ...] = ()
     stage = CONSISTENCY
 
     def __post_init__(self):
@@ -309,6 +325,9 @@ class ConsistencyProof(_Message):
         object.__setattr__(self, "dropped", tuple(self.dropped))
         object.__setattr__(self, "tags", _check_tags("tags", self.tags))
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        if not all(isinstance(a, SurvivorSignature) for a in self.signatures):
+            raise ValueError("signatures must be SurvivorSignature entries")
+        object.__setattr__(self, "signatures", tuple(self.signatures))
 
 
 @dataclass(frozen=True)

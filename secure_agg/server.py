@@ -34,6 +34,7 @@ from . import primitives as P
 from . import shamir
 from .errors import ProtocolAbort
 from .messages import (AdvertiseKeys, BundleDigest, ConsistencyProof, ConsistencySignature, InputAttestation,
+                       SurvivorSignature,
                        KeyDirectory, MaskedInput, PublicKeys, ShareDelivery, ShareKeys, Tag, UnmaskRequest,
                        UnmaskShares)
 from .protocol import (ADVERTISE_KEYS, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, STAGES, UNMASK, SessionConfig,
@@ -306,10 +307,11 @@ class ServerSession:
                             f"clients would refuse to unmask")
         alive, gone = tuple(sorted(self.u3)), tuple(sorted(dropped))
         inputs = tuple(self._attestations[c] for c in sorted(self.u3 - self.u4))
+        signatures = tuple(SurvivorSignature(c, self._survivor_signatures[c]) for c in sorted(self.u4))
         return {w: ConsistencyProof(session_id=self.config.session_id, recipient=w, alive=alive, dropped=gone,
                                     tags=tuple(Tag(c, self._survivor_tags[c][w]) for c in sorted(self.u4)
                                                if w in self._survivor_tags[c]),
-                                    inputs=inputs)
+                                    inputs=inputs, signatures=signatures)
                 for w in sorted(self.u4)}
 
     def finalize(self) -> AggregateResult:

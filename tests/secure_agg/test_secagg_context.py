@@ -103,3 +103,40 @@ def test_the_context_survives_the_saved_state_and_a_different_one_is_refused():
                                     context=b"ctx").context == b"ctx"
     with pytest.raises(ProtocolAbort, match="another context"):
         ClientSession.from_state(config, session.to_state(), identity_key=key, registry=registry, context=b"other")
+
+
+@pytest.mark.parametrize("tamper", ["withheld", "another transcript"])
+def test_every_survivor_of_a_sparse_graph_must_show_its_signature_under_our_transcript(harness, tamper):
+    """A client's tags reach only survivors within a few hops; on a sparse graph a server could add survivors of
+    another run, phase or round far from it (they signed another transcript, which binds their context). Every
+    survivor's identity signature of the survivor set now comes with the consistency proof and is checked: a far
+    survivor whose signature is withheld, or made under another transcript, makes the client abort before it reveals
+    anything (until session 25 it went on)."""
+    h = harness(n=12, d=4, bits=16, degree=2, threshold=2, malicious=True, graph_seed=bytes(range(32)))
+    h.advertise()
+    h.share()
+    h.mask()
+    h.request = h.server.unmask_request()
+    h._talk("consistency_check", h.request.alive, lambda c: h.clients[c].consistency_check(h.request), ())
+    proofs = h.server.consistency_proofs()
+    cfg = h.config
+    victim = 1
+    reach = set()
+    for a in {victim} | (cfg.neighbours(victim) & set(proofs[victim].alive)):
+        reach |= {a} | cfg.within(a, 3)
+    far = max(set(proofs[victim].alive) - reach)  # a survivor none of the victim's tags reach
+    proof = proofs[victim]
+    if tamper == "withheld":
+        signatures = tuple(s for s in proof.signatures if s.client_id != far)
+    else:
+        forged = I.sign(h.identities[far].signing_key if hasattr(h.identities[far], "signing_key") else h.identities[far],
+                        I.SURVIVORS_PURPOSE, cfg.session_id, far, b"\x07" * 32, I.encode_ids(proof.alive),
+                        I.encode_ids(proof.dropped))
+        signatures = tuple(type(s)(s.client_id, forged) if s.client_id == far else s for s in proof.signatures)
+    import dataclasses
+
+    with pytest.raises(ProtocolAbort, match=f"survivor {far} shows no signature"):
+        h.clients[victim].unmask(dataclasses.replace(proof, signatures=signatures))
+    # the untouched proofs pass: an honest round unmasks as before
+    for c in sorted(set(proofs) - {victim}):
+        h.clients[c].unmask(proofs[c])

@@ -148,8 +148,8 @@ def test_the_proof_check_decides_as_if_it_verified_every_signature(harness):
 def test_every_client_verifies_each_signature_it_relies_on_once(harness, monkeypatch):
     """An honest round at N = 40 with the parameters derived for dropout 0.2 (degree 18, threshold 10), 8 clients gone
     before masking: each client verifies the bundle tag of every neighbour in its key directory and the survivor-set
-    tag of every survivor within two hops of it, no tag twice, and few others; and no Ed25519 signature at all (the
-    input attestations are needed only for survivors that did not sign)."""
+    tag of every survivor within two hops of it, no tag twice, and few others; and an Ed25519 signature only of each
+    survivor beyond those (every survivor's signature of the set binds the session's context), none twice."""
     calls: dict[object, list] = collections.defaultdict(list)
     who = {"party": "server", "stage": None}
     tagged, verify = ClientSession._tagged, I.IdentityRegistry.verify
@@ -188,7 +188,11 @@ def test_every_client_verifies_each_signature_it_relies_on_once(harness, monkeyp
     for c, session in h.clients.items():
         made = calls[c]
         assert len(made) == len(set(made)), f"client {c} verified a tag twice"
-        assert not [m for m in made if m[0].startswith(b"ed25519:")], f"client {c} verified a signature"
+        signatures = [m for m in made if m[0].startswith(b"ed25519:")]
+        # Ed25519 only for what tags cannot reach: one survivor-set signature per survivor beyond the tag checks
+        # (every survivor's signature binds the session's context), never twice, never before the last stage
+        assert all(m[0] == b"ed25519:" + I.SURVIVORS_PURPOSE for m in signatures), f"client {c}: {signatures[:2]}"
+        assert len(signatures) == len({m[1] for m in signatures}), f"client {c} verified a signature twice"
         bundles = {signer for purpose, signer, _ in made if purpose == I.KEYS_PURPOSE}
         assert bundles == cfg.neighbours(c)  # everyone advertised: every neighbour's bundle
         if c not in alive:
@@ -200,6 +204,9 @@ def test_every_client_verifies_each_signature_it_relies_on_once(harness, monkeyp
         survivors = {signer for purpose, signer, _ in made if purpose == I.SURVIVORS_PURPOSE}
         assert checked - {c} <= survivors, f"client {c} did not verify {sorted(checked - {c} - survivors)}"
         extra += len(survivors - checked)
+        by_signature = {m[1] for m in signatures}
+        assert not by_signature & (checked | survivors), f"client {c} verified by signature a survivor its tags cover"
+        assert by_signature | survivors | {c} >= alive, f"client {c} left survivors unverified"
     # beyond the survivors it must check anyway, a client verifies only the few holders that complete the counts:
     # under one extra signature per client here (the ordering before, holders in id order: 60 for the 32)
     assert extra < len(alive), extra
