@@ -397,6 +397,15 @@ class PrivacyLedger:
         return self._rows(None if client_id is None else check_client_id(client_id))
 
     @_retried("read")
+    def has_charges(self, client_id: str) -> bool:
+        """Whether this run holds any charge of ``client_id``: a lookup in the synchronised cache, not a read of the
+        client's rows (a check made every round)."""
+        client_id = check_client_id(client_id)
+        self._sync()
+        state = self._states.get(client_id)
+        return state is not None and state.charges > 0
+
+    @_retried("read")
     def clients(self) -> list[str]:
         return [r[0] for r in self._conn.execute(
             "SELECT DISTINCT client_id FROM charges WHERE run_id=? ORDER BY client_id", (self.run_id,))]

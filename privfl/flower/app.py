@@ -1467,7 +1467,7 @@ def client_train(msg, context):
         pipeline = plan.pipeline(client, ledger, noise)
         state = (half.decode_state(client, context.state[state_key]["envelope"])
                  if state_key in context.state else None)
-        check_kept_state(half.algorithm, client, state, bool(ledger.charges(str(client))))
+        check_kept_state(half.algorithm, client, state, ledger.has_charges(str(client)))
         # a private client's local step that raises releases the fallback, and a client-level client without
         # records releases zeros without one, as in process (privfl.runtime.local_step)
         events = plan.trained_events.get(client)

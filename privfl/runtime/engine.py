@@ -262,7 +262,7 @@ class Simulation:
         if not self.split:
             return run_local_step(lambda: self.algorithm.client_update(k, dataset, rnd, self.train_rngs[k]),
                                   on_failure)
-        check_kept_state(self.algorithm, k, self.client_states[k], bool(self.ledger.charges(str(k))))
+        check_kept_state(self.algorithm, k, self.client_states[k], self.ledger.has_charges(str(k)))
         out, self.client_states[k] = self.client_half.client_update(
             k, self.broadcast(rnd), dataset, self.client_states[k], self.train_rngs[k], on_failure=on_failure)
         return out
