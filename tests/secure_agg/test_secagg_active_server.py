@@ -56,6 +56,7 @@ class Instance:
         self.survivor_signature = None
         self.revealed = None        # its UnmaskShares
         self.abort: ProtocolAbort | None = None
+        self.context = session.context  # what the client bound its session to (a deployment: run, phase, round)
         self.secrets = None         # (seed, mask private key) of a corrupt client
         self.held: list[tuple[Instance, str, int, int]] = []  # a corrupt client's shares: (owner, kind, x, y)
 
@@ -78,16 +79,20 @@ class ActiveServer:
         self.instances: list[Instance] = []
 
     # ------------------------------------------------------------------ sessions
-    def open(self, ids=None, config: SessionConfig | None = None) -> dict[int, Instance]:
+    def open(self, ids=None, config: SessionConfig | None = None, contexts: dict[int, bytes] | None = None,
+             bind: bool = True) -> dict[int, Instance]:
         """Fresh client sessions (fresh inputs) for ``ids`` under ``config`` (default: the server's, so its session
-        id: the server may reuse one as often as it likes), keys advertised."""
+        id: the server may reuse one as often as it likes), keys advertised. ``contexts``: client -> the context it
+        binds (default none); ``bind=False`` labels the instances with them without binding (the control)."""
         config = config or self.config
         out = {}
         for c in (config.client_ids if ids is None else ids):
             value = self.rng.integers(0, 2 ** BITS, size=DIM, dtype=np.uint64)
+            context = (contexts or {}).get(c, b"")
             session = ClientSession(config, c, value, identity_key=self.identities[c], registry=self.registry,
-                                    threat_model=self.threat_model)
+                                    threat_model=self.threat_model, context=context if bind else b"")
             inst = Instance(session, value, c in self.corrupt)
+            inst.context = context
             inst.advert = session.advertise_keys()
             if inst.corrupt:
                 inst.secrets = (session._self_seed, P.private_bytes(session._mask_key), session._enc_key)
@@ -662,7 +667,7 @@ def _target(cfg, rng: random.Random) -> set[int]:
     return {ring[(start + i) % len(ring)] for i in range(size)}
 
 
-def _random_strategy(adv: ActiveServer, rng: random.Random):
+def _random_strategy(adv: ActiveServer, rng: random.Random, contexts=None):
     """One random active server. It opens one to three sessions under the same session id at once and, in each,
     swaps key bundles for those of the client's other sessions, hides neighbours, lists what it likes in the
     transcripts, delivers ciphertexts from any session (or trims deliveries around a target set it wants the sum of:
@@ -672,7 +677,8 @@ def _random_strategy(adv: ActiveServer, rng: random.Random):
     cfg = adv.config
     ids = list(cfg.client_ids)
     p = rng.choice((0.0, 0.0, 0.05, 0.15, 0.3))  # how far it strays from the honest moves at random
-    sessions = [adv.open() for _ in range(rng.choice((1, 1, 2, 3)))]
+    count = rng.choice((1, 1, 2, 3)) if contexts is None else rng.choice((2, 3))
+    sessions = [adv.open() if contexts is None else contexts(adv, rng) for _ in range(count)]
     everyone = [i for insts in sessions for i in insts.values()]
     plans = []
     for insts in sessions:
@@ -758,6 +764,54 @@ def test_random_active_servers_learn_nothing_below_the_floor(n, degree, threshol
         floor = floor_of(config, corrupt)
         assert all(len(g.honest) >= floor for g in learned), (trial, floor, learned)
     assert revealed >= 5 and learned_any >= 5  # the strategies did get clients to reveal, and sums out
+
+
+def _context_sessions(bind: bool):
+    """Sessions whose clients bind contexts of two runs (a deployment binds run, phase, round and noise plan): one
+    session all of run A, or all of run B, or each client either (a server relaying two admitted runs' clients
+    through one session, the session-25 attack)."""
+    def open_session(adv: ActiveServer, rng: random.Random):
+        mode = rng.choice(("A", "B", "mixed", "mixed"))
+        ids = adv.config.client_ids
+        contexts = {c: (rng.choice((b"run A", b"run B")) if mode == "mixed" else f"run {mode}".encode()) for c in ids}
+        return adv.open(contexts=contexts, bind=bind)
+    return open_session
+
+
+@pytest.mark.parametrize("n, degree, threshold, min_inputs, corrupt", FUZZ[:3])
+def test_random_active_servers_mixing_contexts_learn_no_sum_across_them(n, degree, threshold, min_inputs, corrupt):
+    """The same random servers (reorder, drop, trim, replay within and across sessions under one id), now relaying
+    clients bound to two runs' contexts through their sessions: every sum the server can compute holds the inputs
+    of one context only, over at least the floor of honest inputs. Control: the same strategies with the contexts
+    not bound do produce sums mixing the two runs."""
+    rng = random.Random(2)
+    learned_any = 0
+    for trial in range(40):
+        config = SessionConfig.create(range(1, n + 1), bits=BITS, dimension=DIM, degree=degree,
+                                      threshold=threshold, min_inputs=min_inputs, malicious=True,
+                                      corruption=len(corrupt) / n, check=False).replace(graph_seed=rng.randbytes(32))
+        adv = ActiveServer(config, corrupt=corrupt, seed=trial)
+        _random_strategy(adv, rng, contexts=_context_sessions(bind=True))
+        floor = floor_of(config, corrupt)
+        learned = knowledge(adv.instances)
+        learned_any += bool(learned)
+        for g in learned:
+            honest = [i for i in g.members if not i.corrupt]
+            assert len({i.context for i in honest}) == 1, (trial, g)
+            assert len(g.honest) >= floor, (trial, floor, g)
+    assert learned_any >= 5  # single-context sessions did reveal their sums
+
+
+def test_random_active_servers_mix_contexts_when_the_contexts_are_not_bound():
+    rng = random.Random(2)
+    mixed = 0
+    for trial in range(40):
+        config = SessionConfig.create(range(1, 8), bits=BITS, dimension=DIM, degree=6, threshold=5, min_inputs=6,
+                                      malicious=True, check=False).replace(graph_seed=rng.randbytes(32))
+        adv = ActiveServer(config, seed=trial)
+        _random_strategy(adv, rng, contexts=_context_sessions(bind=False))
+        mixed += any(len({i.context for i in g.members if not i.corrupt}) > 1 for g in knowledge(adv.instances))
+    assert mixed >= 3
 
 
 def test_random_active_servers_do_find_small_sums_without_the_defence(monkeypatch):
