@@ -450,14 +450,20 @@ class ReleasePipeline:
         by :meth:`release` as any other round's, charged and noised as usual; or None in a non-private run (a
         non-private release hides nothing: a clear error is better there). Whether a private client's local step
         fails depends on its records; an error in its place would tell the server so, uncharged. Only a
-        :class:`LocalStepFailed` warning, on the client's side, names the exception's type."""
+        :class:`LocalStepFailed` warning, on the client's side, names the exception's type. Sound at client level;
+        at record level one record deciding between a release and the fallback is not covered by the ledger, so the
+        record-level engines contain a record's own failure per example and this is the last resort."""
         if not all(ch.private for ch in self.channels.values()):
             return None
         events = dict(events or {})
         values = {name: planned_fallback(ch, events.get(name)) for name, ch in self.channels.items()}
+        covered = ("and the server cannot tell" if self.privacy_unit == "client" else
+                   "but at record level the ledger's epsilon does not cover this round: one record may have decided "
+                   "the failure (the DP-SGD engines contain a record's own failure per example; this step raised "
+                   "outside them)")
         warnings.warn(f"client {self.client_id}, round {round}: the local step raised {type(exc).__name__}; it "
-                      f"released the data-independent fallback instead (no change), charged as usual, and the server "
-                      f"cannot tell. If training diverged: {DIVERGENCE_CAUSES}. If every client's step fails, the "
+                      f"released the data-independent fallback instead (no change), charged as usual, {covered}. "
+                      f"If training diverged: {DIVERGENCE_CAUSES}. If every client's step fails, the "
                       f"program is more likely at fault (your model, loss or optimizer): the same run without privacy "
                       f"(epsilon=inf, --epsilon inf) raises the error with its text", LocalStepFailed, stacklevel=2)
         return values

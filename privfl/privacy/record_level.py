@@ -42,7 +42,7 @@ from torch import nn
 from privfl.accounting.accountants import make_accountant
 from privfl.accounting.events import GaussianEvent, NoOpEvent, PoissonSampledEvent, PrivacyEvent, SelfComposedEvent
 from privfl.core.public import private_torch_generator
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 from privfl.core.channels import PrivatizedValue
 from privfl.training.distill import add_flat_gradient
 from privfl.training.fisher import per_example_gradients
@@ -615,6 +615,20 @@ class _PoissonSampler:
             yield poisson_lot(self.rates, self.n, self.generator).tolist()
 
 
+def _reset_opacus_pass(gsm) -> None:
+    """Forget what opacus's hooks kept of a forward or backward pass that raised part-way (the activations its
+    forward hooks stacked, the parameters' use counts, partial per-sample norms), so the next pass starts clean."""
+    for module in gsm.modules():
+        if hasattr(module, "activations"):
+            module.activations = []
+    for p in gsm.parameters():
+        if hasattr(p, "_forward_counter"):
+            p._forward_counter = 0
+        for attr in ("_norm_sample", "grad_sample"):
+            if getattr(p, attr, None) is not None:
+                setattr(p, attr, None)
+
+
 def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DPSGDSchedule, *,
                 noise_multiplier: float, clip: float, lr: float, momentum: float, rng: np.random.Generator,
                 secure_noise: bool = False, before_step: Callable[[int, int], None] | None = None,
@@ -667,28 +681,38 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     optimizer = DPOptimizerFastGradientClipping(inner, noise_multiplier=0.0, max_grad_norm=clip,
                                                 expected_batch_size=expected_batch, loss_reduction="mean")
 
-    lot: dict[str, torch.Tensor | None] = {"ids": None}
+    lot: dict = {"ids": None, "failed": False}
 
     def finite_sum(batch: float) -> None:
-        """The step's clipped sum over B recomputed from the lot's per-example gradients when opacus's is not finite:
-        :func:`clipped_gradient_sum` drops an example whose gradient or norm is not finite on its own, as the
-        vectorised executor does; opacus offers no per-sample hook for it."""
+        """The step's clipped sum over B recomputed from the lot's per-example gradients, one example at a time, when
+        opacus's is not finite or its batched pass raised: :func:`clipped_gradient_sum` drops an example whose
+        gradient or norm is not finite on its own, as the vectorised executor does, and an example whose own
+        forward or backward raises (a user's model failing on one record: a category code outside its embedding)
+        adds the zero term too, decided on that example alone (opacus offers no per-sample hook for it)."""
         rows = []
+        dim = sum(p.numel() for p in params)
         reduction = criterion_fn.reduction
         gsm.disable_hooks()
         try:
             criterion_fn.reduction = "none"
             for i in lot["ids"].tolist():
-                loss = criterion_fn(gsm(x[i:i + 1]), y[i:i + 1]).sum()
-                with warnings.catch_warnings():  # the hooks are off; torch still names the first layer's (see below)
-                    warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                try:
+                    loss = criterion_fn(gsm(x[i:i + 1]), y[i:i + 1]).sum()
+                    with warnings.catch_warnings():  # the hooks are off; torch still names the first layer's
+                        warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+                        grads = torch.autograd.grad(loss, params, allow_unused=True)
+                except UsageError:
+                    raise
+                except Exception:  # noqa: BLE001 - this example's own failure: its term is zero
+                    _reset_opacus_pass(gsm)
+                    rows.append(torch.full((dim,), float("nan")))
+                    continue
                 rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                                        for p, g in zip(params, grads)]))
         finally:
             criterion_fn.reduction = reduction
             gsm.enable_hooks()
-        total = clipped_gradient_sum(torch.stack(rows), sum(p.numel() for p in params), clip)
+        total = clipped_gradient_sum(torch.stack(rows), dim, clip)
         offset = 0
         for p in params:
             p.grad = total[offset:offset + p.numel()].reshape(p.shape).to(p.dtype) / batch
@@ -697,6 +721,8 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
     def step_hook(opt) -> None:  # runs after opacus's clip and 1/B scaling, before the inner step
         batch = opt.expected_batch_size * getattr(opt, "accumulated_iterations", 1)
         if lot["ids"] is not None and not all(bool(torch.isfinite(p.grad).all()) for p in opt.params):
+            finite_sum(batch)
+        if lot["failed"]:
             finite_sum(batch)
         # audit-run's canary rows (steps: this step, from 0), clipped by opacus's own coefficient, the one its ghost
         # clipping gave the lot's records, and summed into theirs (here already over B)
@@ -736,6 +762,7 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                 ids = np.asarray(batch, dtype=np.int64)
                 optimizer.zero_grad(set_to_none=True)
                 lot["ids"] = torch.from_numpy(ids) if len(ids) else None
+                lot["failed"] = False
                 if len(ids):
                     idx = torch.from_numpy(ids)
                     try:
@@ -748,8 +775,22 @@ def dpsgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: DP
                             value.backward()
                     except NotImplementedError as exc:
                         raise _unsupported_layer(exc, algorithm) from None
-                    loss_total += float(value.detach()) * len(ids)
-                    seen += len(ids)
+                    except UsageError:
+                        raise
+                    except Exception:  # noqa: BLE001 - one of the lot's records made the batched pass raise
+                        # the lot is recomputed one example at a time in the step hook (finite_sum), each raising
+                        # example adding zero: the step's sensitivity stays C, whatever one record does
+                        lot["failed"] = True
+                        _reset_opacus_pass(gsm)
+                        for p in params:
+                            p.grad = torch.zeros_like(p)
+                        step_hook(optimizer)  # opacus's clip has nothing to read: the hook's steps, then the update
+                        inner.step()
+                        steps += 1
+                        continue
+                    else:
+                        loss_total += float(value.detach()) * len(ids)
+                        seen += len(ids)
                 else:
                     for p in params:
                         p.grad = torch.zeros_like(p)

@@ -29,7 +29,7 @@ from torch.func import functional_call, grad, vmap
 
 from privfl.models import MLP, BayesLinear, bayes_modules, deterministic, softplus
 from privfl.models.bayes import _VAR_FLOOR  # BayesLinear's variance floor, written out in VectorisedHBFL
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 from privfl.training.fisher import per_example_gradients
 from privfl.training.stacked import DEFAULT_MEMORY_BUDGET, ELEMENTWISE, PerExampleTerms, adam_step, sgd_step
 
@@ -144,11 +144,21 @@ def train_meme_and_local(meme: nn.Module, local: nn.Module, x: torch.Tensor, y: 
         meme_opt.step()
         if len(idx) == 0:
             continue
-        with torch.no_grad(), deterministic(meme):
-            teacher = torch.softmax(meme(xb) / distill_temperature, dim=1)
-        local_opt.zero_grad(set_to_none=True)
-        loss = distillation_loss(local(xb), teacher, yb, weight=distill_weight, temperature=distill_temperature)
-        loss.backward()
+        try:
+            with torch.no_grad(), deterministic(meme):
+                teacher = torch.softmax(meme(xb) / distill_temperature, dim=1)
+            local_opt.zero_grad(set_to_none=True)
+            loss = distillation_loss(local(xb), teacher, yb, weight=distill_weight, temperature=distill_temperature)
+            loss.backward()
+        except UsageError:
+            raise
+        except Exception:  # noqa: BLE001 - a record made the local model's (or the teacher's) pass raise
+            if not lots.per_example:
+                raise
+            # record level: the local model is never released and teaches nothing to the meme, so skipping its step
+            # on this lot costs no privacy, while the whole step's failure would be decided by one record
+            local_opt.zero_grad(set_to_none=True)
+            continue
         local_opt.step()
         local_loss = float(loss.detach())
     return (None if lots.per_example else meme_loss), local_loss

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 
 #: layers whose per-example gradients the hooks can reconstruct
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
@@ -388,7 +388,26 @@ def per_example_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness)(params, x, y)
+    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness=randomness)
+    try:
+        grads = per_example(params, x, y)
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - one record made the batched pass raise (a user's model failing on it)
+        # one example at a time: an example whose own pass raises gets a row of NaN, which every consumer (the
+        # clipped sums, the Fisher's clipped weights) turns into the zero term, decided on that example alone
+        dim = sum(p.numel() for p in params.values())
+        rows = []
+        for i in range(len(x)):
+            try:
+                one = per_example(params, x[i:i + 1], y[i:i + 1])
+            except UsageError:
+                raise
+            except Exception:  # noqa: BLE001
+                rows.append(torch.full((1, dim), float("nan")))
+                continue
+            rows.append(torch.cat([one[n].reshape(1, -1) for n in names], dim=1))
+        return torch.cat(rows, dim=0)
     return torch.cat([grads[n].reshape(len(x), -1) for n in names], dim=1)
 
 

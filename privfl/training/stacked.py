@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from privfl.errors import UsageError
+
 #: bytes of per-client training state (parameters, gradients, momentum, batch activations) one chunk may hold
 DEFAULT_MEMORY_BUDGET = 64 * 2 ** 20
 
@@ -428,15 +430,43 @@ class PerExampleGradients:
         self.model = model
         self.names = [n for n, _ in model.named_parameters()]
         self.stack = linear_stack(model)
-        self._per_example = vmap(vmap(grad(self._loss, has_aux=True), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
+        self._one = grad(self._loss, has_aux=True)
+        self._per_example = vmap(vmap(self._one, in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
 
     def _loss(self, params: dict, x: torch.Tensor, y: torch.Tensor):
         loss = nn.functional.cross_entropy(functional_call(self.model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
         return loss, loss.detach()
 
+    def _one_at_a_time(self, params: dict, xb: torch.Tensor, yb: torch.Tensor):
+        """The batched pass's output computed example by example: an example whose own pass raises gets gradients
+        of NaN (:class:`PerExampleTerms` turns them into the zero term, decided on that example alone) and loss 0."""
+        c, width = yb.shape[:2]
+        grads = {k: torch.zeros(c, width, *v.shape[1:], dtype=v.dtype) for k, v in params.items()}
+        losses = torch.zeros(c, width)
+        for r in range(c):
+            mine = {k: v[r] for k, v in params.items()}
+            for i in range(width):
+                try:
+                    g, loss = self._one(mine, xb[r, i], yb[r, i])
+                except UsageError:
+                    raise
+                except Exception:  # noqa: BLE001
+                    for k in grads:
+                        grads[k][r, i] = float("nan")
+                    continue
+                for k in grads:
+                    grads[k][r, i] = g[k]
+                losses[r, i] = loss
+        return grads, losses
+
     def __call__(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor) -> PerExampleTerms:
         if self.stack is None:
-            per_example, losses = self._per_example(params, xb, yb)
+            try:
+                per_example, losses = self._per_example(params, xb, yb)
+            except UsageError:
+                raise
+            except Exception:  # noqa: BLE001 - one record made the batched pass raise (a user's model failing on it)
+                per_example, losses = self._one_at_a_time(params, xb, yb)
             return PerExampleTerms(self.names, losses, per_example=per_example)
         prefix, layers = self.stack
         c, width = weight.shape

@@ -1,0 +1,75 @@
+"""One record that makes a user's model raise (a category code outside its embedding) adds the zero term to the DP-SGD
+steps that sample it, decided on that record alone, instead of making the whole local step fail (a review, session 26:
+a DP-SGD-trained channel then released the data-independent fallback, exact zeros with no noise, where its
+neighbour released a noisy update; under central noise the zeros moved the client's whole clipped sum, not C).
+Neighbouring pairs through ``privfl.federate``: D, and D' = D plus the raising record, with seeded noise and a
+sampling rate of 1, so that every step's lot and noise are the same: the releases must be equal."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import privfl
+import privfl.runtime.engine as engine
+from privfl.core.release import LocalStepFailed
+
+VOCAB, LENGTH, WIDTH = 10, 3, 4
+
+
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.out = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        return self.out(self.emb(x.long()).mean(1))
+
+
+def _data(rng, n):
+    x = rng.integers(0, VOCAB, (n, LENGTH)).astype(np.float32)
+    return x, (x[:, 0] > 4).astype(np.int64)
+
+
+def _releases(monkeypatch, clients, algorithm, **kw):
+    seen = []
+    original = engine.weighted_sums
+
+    def spy(releases, *a, **k):
+        seen.extend((r.client_id, r.channel, np.asarray(r.value, dtype=np.float64).copy()) for r in releases)
+        return original(releases, *a, **k)
+
+    monkeypatch.setattr(engine, "weighted_sums", spy)
+    rng = np.random.default_rng(9)
+    test = _data(rng, 20)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        privfl.federate(Tokens(), clients, algorithm=algorithm, epsilon=3.0, unit="example", test=test,
+                        classes=[0, 1], rounds=2, lr=0.1, clip=1.0, secure_noise=False, seed=3, **kw)
+    assert not [w for w in caught if issubclass(w.category, LocalStepFailed)]
+    return [v for cid, _, v in seen if str(cid) in ("0", "a")]
+
+
+@pytest.mark.parametrize("algorithm, kw", [
+    ("dpsgd_fedavg", {"client_size": 8, "batch_size": 8, "local_epochs": 1}),  # the opacus loop (an embedding)
+    ("dpsgd_fedavg", {"client_size": 8, "batch_size": 8, "local_epochs": 1, "loss": nn.CrossEntropyLoss()}),
+    ("dp_fedsgd", {"client_size": 8, "batch_size": 8, "lot_size": 8}),  # per-example vmap
+])
+def test_a_record_that_makes_the_model_raise_adds_zero_and_the_release_is_the_neighbours(monkeypatch, algorithm, kw):
+    rng = np.random.default_rng(4)
+    (xa, ya), (xb, yb) = _data(rng, 8), _data(rng, 8)
+    d = {"a": (xa, ya), "b": (xb, yb)}
+    outside = np.concatenate([xa, [[VOCAB, 1, 2]]]).astype(np.float32)  # token VOCAB: the embedding raises on it
+    d2 = {"a": (outside, np.concatenate([ya, [1]])), "b": (xb, yb)}
+    mine = _releases(monkeypatch, d, algorithm, **kw)
+    theirs = _releases(monkeypatch, d2, algorithm, **kw)
+    assert len(mine) == len(theirs) == 2
+    for a, b in zip(mine, theirs):
+        assert np.any(b != 0)  # never the exact-zero fallback
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
