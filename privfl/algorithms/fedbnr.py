@@ -151,7 +151,7 @@ from privfl.core.aggregation import Aggregate
 from privfl.algorithms.base import ClientOutput, FederatedAlgorithm, Phase
 from privfl.core.channels import ClippedValue, NormClip, PreClipped
 from privfl.privacy.units import channel as unit_channel
-from privfl.errors import ConfigurationError
+from privfl.errors import ConfigurationError, UsageError
 from privfl.models.features import (KernelNetwork, LinearRandomFourierFeatures, RandomFourierFeatures,
                                    blr_log_marginal_likelihood, check_extractor, cos_sin_pairs, extractor_factory,
                                    pair_squared_norms, scatter_term_square_bound)
@@ -386,6 +386,29 @@ class FedBNRClippingWarning(UserWarning):
 #: random Fourier features (``LinearRandomFourierFeatures``), its inputs at this scale; chosen on the validation
 #: splits of diabetes, star98 and fair (``experiments/run_fedbnr.py --linear``, results/fedbnr_linear.md)
 DEFAULT_LINEAR_SHARE, DEFAULT_LINEAR_SCALE = 0.9, 1.0
+
+
+def _contained_features(feature_map, x, y: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A private client's feature rows and targets, a record's failure contained to that record: when the batched
+    feature map raises (a user's extractor failing on one record), the rows are recomputed one record at a time and a
+    record whose own row raises gets the zero row and target, adding nothing to either sum (the scatter sums are
+    sums of per-record terms, so one record deciding between a release and the fallback would not be covered)."""
+    try:
+        return np.asarray(feature_map(x), dtype=np.float64), y
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - one record made the batched pass raise
+        pass
+    phi = np.zeros((len(y), dim))
+    y = np.array(y, dtype=np.float64, copy=True)
+    for i in range(len(y)):
+        try:
+            phi[i] = np.asarray(feature_map(x[i:i + 1]), dtype=np.float64).reshape(-1)
+        except UsageError:
+            raise
+        except Exception:  # noqa: BLE001
+            y[i] = 0.0
+    return phi, y
 
 
 class FedBNR(FederatedAlgorithm):
@@ -664,10 +687,11 @@ class FedBNR(FederatedAlgorithm):
         return 1.0
 
     def client_update(self, client, dataset, round, rng):
-        phi = np.asarray(self.feature_map(dataset.x), dtype=np.float64)
-        y = _targets(dataset)
         if not self.privacy.private:
+            phi = np.asarray(self.feature_map(dataset.x), dtype=np.float64)
+            y = _targets(dataset)
             return ClientOutput({"scatter": phi.T @ phi, "cross": phi.T @ y}, weight=1.0)
+        phi, y = _contained_features(self.feature_map, dataset.x, _targets(dataset), self.dim)
         b, by = self.feature_clip, self.target_clip
         rows, targets = clip_rows(phi, b), clip_values(y, by)
         term_square = None if self.feature_pairs else scatter_term_square_bound(self.feature_map, b)

@@ -73,3 +73,48 @@ def test_a_record_that_makes_the_model_raise_adds_zero_and_the_release_is_the_ne
     for a, b in zip(mine, theirs):
         assert np.any(b != 0)  # never the exact-zero fallback
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class TripwireExtractor(nn.Module):
+    """A user's feature extractor that raises on an input beyond float32's comfortable range."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if bool((x.abs() > 1e30).any()):
+            raise FloatingPointError("a record overflowed the extractor")
+        return self.linear(x)
+
+
+def test_fedbnr_contains_a_record_its_extractor_raises_on(monkeypatch):
+    """FedBNR's scatter sums are sums of per-record terms: a record its user extractor raises on adds the zero row
+    (the fallback's zeros would have moved the client's whole sums: not covered at record level)."""
+    rng = np.random.default_rng(2)
+    parts = [(rng.normal(size=(30, 4)).astype(np.float32), rng.normal(size=30).astype(np.float32)) for _ in range(3)]
+    test = (rng.normal(size=(20, 4)).astype(np.float32), rng.normal(size=20).astype(np.float32))
+    x, y = parts[0]
+    extreme = (np.concatenate([x, np.full((1, 4), 1e35, np.float32)]), np.concatenate([y, y[:1]]))
+    runs = []
+    original = engine.weighted_sums
+    for first in (parts[0], extreme):
+        seen = []
+
+        def spy(releases, *a, **k):
+            seen.extend((str(r.client_id), r.channel, np.asarray(r.value, dtype=np.float64).copy()) for r in releases)
+            return original(releases, *a, **k)
+
+        monkeypatch.setattr(engine, "weighted_sums", spy)
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            privfl.federate(TripwireExtractor(), {"a": first, "b": parts[1], "c": parts[2]}, algorithm="fedbnr",
+                            epsilon=3.0, unit="example", test=test, task="regression", rounds=1, client_size=30,
+                            secure_noise=False, seed=0)
+        assert not [w for w in caught if issubclass(w.category, LocalStepFailed)]
+        runs.append({(c, ch): v for c, ch, v in seen if c == "0"})
+    assert runs[0].keys() == runs[1].keys() and runs[0]
+    for key in runs[0]:
+        assert np.any(runs[1][key] != 0)
+        np.testing.assert_allclose(runs[0][key], runs[1][key], rtol=1e-9, atol=1e-12)
