@@ -11,7 +11,8 @@ What Opacus's ``make_private(module, optimizer, data_loader)`` is to one data se
 It only assembles what ``privfl run`` assembles (``FederatedData`` from the clients' arrays, the configurations,
 ``make_algorithm``, ``Simulation``); every value still leaves a client through the release pipeline and is charged in
 the ledger. Public facts stay public: the label set is ``classes`` or the model's output width (an agreed
-architecture), never read from the clients' labels; the task follows the targets' dtype (a schema fact) unless given.
+architecture), never read from the clients' labels; the task follows the targets' dtype (a schema fact) unless given
+(declared ``classes`` make it a classification).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class FederatedResult:
     targets' units for regression; and your ``metrics``), the participants and the largest epsilon so far.
     ``audit``: client name -> ``{"epsilon", "releases", ...}`` from the ledger. ``audit_rows``: one row per client per
     round it was charged in, ``{"client", "round", "epsilon"}`` (cumulative). ``run``: the underlying
-    :class:`privfl.runtime.engine.RunResult`. With ``class_prior``: ``decision``, the prior-corrected decision rule
+    :class:`privfl.runtime.engine.RunResult`. Without ``test=`` the test set is the clients' own held-out records,
+    never charged: ``test_from_clients`` is True, ``test_metrics_privacy`` says the test metrics are not covered by
+    ``epsilon``, and a private run warns so once. With ``class_prior``: ``decision``, the prior-corrected decision rule
     (:class:`privfl.metrics.decision.PriorCorrection`), and ``prior_corrected``, the rule and its decision metrics on
     the test data (balanced accuracy, accuracy, recall, positive rate); :meth:`predict` decides with it.
     """
@@ -64,6 +67,10 @@ class FederatedResult:
     run: Any = field(repr=False, default=None)
     decision: Any = None
     prior_corrected: dict | None = None
+    #: True when the test set is the clients' own held-out records (no ``test=``): never charged, so ``history``'s
+    #: test metrics are not covered by ``epsilon`` (``test_metrics_privacy`` says so; :mod:`privfl.apps.held_out`)
+    test_from_clients: bool = False
+    test_metrics_privacy: str | None = None
 
     @property
     def final(self) -> dict:
@@ -147,13 +154,17 @@ def _output_width(factory: Callable, input_shape: tuple[int, ...]) -> int:
 def _labels(y: np.ndarray, what: str, classes: Sequence | None, width: int) -> np.ndarray:
     """Class indices of ``y``: positions in ``classes`` when given, else integer labels in [0, width)."""
     if classes is not None:
-        index = {str(c): i for i, c in enumerate(classes)}
-        labels = [str(v.item() if hasattr(v, "item") else v) for v in y.reshape(-1)]
-        bad = sum(v not in index for v in labels)
-        if bad:
-            raise ConfigurationError(f"{what}: {bad} records have labels outside classes={list(classes)[:10]}; list "
-                                     "every class")
-        return np.array([index[v] for v in labels], dtype=np.int64)
+        from privfl.data.errors import DatasetError
+        from privfl.data.own import class_index, label_positions
+
+        try:  # by value, one label at a time (a label 1.0 is the class 1), whatever the column's dtype
+            labels = label_positions(y.reshape(-1), class_index(list(classes), "classes="))
+        except DatasetError as exc:
+            raise ConfigurationError(str(exc)) from None
+        if labels is None:  # neither how many nor which: they are the client's records
+            raise ConfigurationError(f"{what} has labels outside classes={list(classes)[:10]} (neither their count "
+                                     "nor their values are shown: they are the records' data); list every class")
+        return labels
     if y.dtype.kind not in "biu":
         raise ConfigurationError(f"{what}: labels of dtype {y.dtype} need classes=[...], the public label set in the "
                                  "order of the model's outputs")
@@ -323,7 +334,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
                      np.concatenate([y[o] for (_, y), (_, o) in zip(pairs, held)]))
         pairs = [(x[t], y[t]) for (x, y), (t, _) in zip(pairs, held)]
         rule = f"each client's held-out {test_fraction:g} (seed {seed})"
-    task = task or _infer_task([y for _, y in pairs])
+    # declared classes make it a classification (the targets' dtypes follow the records: one label 1.0 or "unknown"
+    # retypes a client's whole column)
+    task = task or ("classification" if classes is not None else _infer_task([y for _, y in pairs]))
     # a list of per-client models (HBFL, FedBNN) is checked by the algorithm; the first fixes the output width
     first = model[0] if isinstance(model, (list, tuple)) and len(model) else model
     user = UserTraining.of(algorithm, first, loss, optimizer, metrics)
@@ -399,10 +412,15 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
 
     corrected = (prior_corrected(rule, sim.diagnostic_algorithm().predict_proba(data.test), data.test.y)
                  if rule is not None and len(data.test) else None)
+    from privfl.apps.held_out import NOTE, WARNING
+
+    if test is None and privacy.private:  # the held-out records are the clients' own, never charged
+        warnings.warn(WARNING, UserWarning, stacklevel=2)
     return FederatedResult(model=trained, history=history, audit=audit, audit_rows=rows,
                            epsilon=float(run.audit.get("max_epsilon", math.inf if not privacy.private else 0.0)),
                            delta=delta, algorithm=algorithm, clients=names, run=run, decision=rule,
-                           prior_corrected=corrected)
+                           prior_corrected=corrected, test_from_clients=test is None,
+                           test_metrics_privacy=NOTE if test is None else None)
 
 
 __all__ = ["FederatedResult", "OWN_MODEL_ALGORITHMS", "federate", "own_model_algorithms"]

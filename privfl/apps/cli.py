@@ -515,11 +515,20 @@ def cmd_run(args) -> int:
         out["prior_corrected"] = prior_corrected(rule, diagnostic().predict_proba(data.test), data.test.y)
     if "warning" in result.audit:
         out["warning"] = result.audit["warning"]
+    held_out = bool(getattr(data, "test_from_clients", False))
+    if held_out:  # the test set is the clients' own records, never charged: the metrics say so (privfl.apps.held_out)
+        from privfl.apps.held_out import MARK
+
+        out.update(MARK)
     aborted = _aborted_rounds(out, secure, result.history)
     if args.json:
         _dump(out, args.json)
     if "warning" in result.audit:
         print(f"warning: {result.audit['warning']}", file=sys.stderr)
+    if held_out and privacy.private:
+        from privfl.apps.held_out import WARNING
+
+        print(f"warning: {WARNING}", file=sys.stderr)
     _warn_aborted(aborted, len(result.history))
     from privfl.metrics.report import one_class_warning
 

@@ -8,6 +8,10 @@ reused. Outputs, in ``out_dir``: ``results.json`` (``{"results": [...]}``), ``re
 ``accuracy_vs_epsilon.png``, ``epsilon_per_client.png`` and ``reliability.png``, ``config.toml`` (a copy of the TOML
 the comparison was started from), ``config.json`` (the resolved grid) and ``models/<key>.pt`` (each run's trained
 model, a torch state_dict). JSON files are strict: infinite numbers are the string ``"inf"``, NaN is ``null``.
+Without a test set no client holds (own data without ``test_data``), the test set is the clients' own held-out
+records, never charged: every row then carries ``test_from_clients`` and ``test_metrics_privacy`` (its metrics are
+not covered by the ledger's epsilon), its reliability diagram has no per-bin counts, and a private grid warns once
+(:mod:`privfl.apps.held_out`).
 
 Each row reports ``accuracy``, ``balanced_accuracy``, ``auroc``, ``nll``, ``ece`` and ``selective_accuracy`` (accuracy
 on the 80 % of test points the model is most confident about; classification only) of the final model, each round's
@@ -730,6 +734,21 @@ def _stale(path: str, row: dict, settings: dict) -> str | None:
     return f"{path} holds a run of other settings ({'; '.join(diffs[:4]) or 'settings differ'})"
 
 
+def _mark_held_out(row: dict, held_out: bool) -> dict:
+    """A result row as published (``runs/<key>.json``, ``results.json``/``.csv``, the figures): where the test set
+    is the clients' own held-out records (``held_out``), never charged, its metrics keep their keys but carry
+    :data:`privfl.apps.held_out.MARK` (not covered by the ledger's epsilon), and the reliability diagram loses its
+    per-bin counts, which sum to the held-out set's size (:mod:`privfl.apps.held_out`)."""
+    if not held_out:
+        return row
+    from privfl.apps.held_out import MARK, without_counts
+
+    out = {**row, **MARK}
+    if isinstance(row.get("reliability"), dict):
+        out["reliability"] = without_counts(row["reliability"])
+    return out
+
+
 def compare(config: CompareConfig, progress: bool = True, toml_path: str | None = None) -> list[dict]:
     """Run (or resume) the grid and write results and figures; returns the result rows. A finished run is reused
     only if its settings are identical; otherwise nothing is run and a :class:`ConfigurationError` says which
@@ -738,6 +757,11 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     for alg in config.algorithms:  # an entry's own model is refused for an algorithm that cannot train it, up front
         _entry_model(config, config.base(alg))
     _check_declared_sizes(config, specs)
+    held_out = _test_from_clients(config)
+    if held_out and any(math.isfinite(s.epsilon) for s in specs if s.algorithm not in REFERENCES):
+        from privfl.apps.held_out import WARNING
+
+        print(f"compare: warning: {WARNING}", file=sys.stderr, flush=True)
     done: dict[str, dict] = {}
     for spec in specs:  # check every finished run before running anything
         path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
@@ -774,7 +798,7 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
     try:
         for i, spec in enumerate(specs):
             if spec.key in done:
-                rows.append(done[spec.key])
+                rows.append(_mark_held_out(done[spec.key], held_out))
                 continue
             path = os.path.join(config.out_dir, "runs", f"{spec.key}.json")
             position = pending.index(spec) + 1
@@ -785,7 +809,7 @@ def compare(config: CompareConfig, progress: bool = True, toml_path: str | None 
             kwargs = {}
             if bar is not None:
                 kwargs["progress"] = lambda rec, _bar=bar, _task=task: _bar.advance(_task)
-            row = run_one(config, spec, data_by_seed[spec.seed], **kwargs)
+            row = _mark_held_out(run_one(config, spec, data_by_seed[spec.seed], **kwargs), held_out)
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(strict_json(row), f, allow_nan=False)
@@ -886,6 +910,8 @@ def write_outputs(config: CompareConfig, rows: list[dict]) -> None:
         keys = SUMMARY_KEYS + (VAL_KEYS if config.val_fraction else ())  # validation columns last, when there are any
         if config.class_prior is not None:
             keys += ("prior_balanced_accuracy",) + (("val_prior_balanced_accuracy",) if config.val_fraction else ())
+        if any(r.get("test_from_clients") for r in rows):  # the metrics above are the clients' uncharged records'
+            keys += ("test_from_clients", "test_metrics_privacy")
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)

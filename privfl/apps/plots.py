@@ -86,7 +86,9 @@ def plot_accuracy_vs_epsilon(rows: list[dict], path: str, *, delta: float) -> No
     ax.set_xlabel(f"target ε per client (δ = {delta:g})")
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1)
-    ax.set_title("Utility under differential privacy (mean ± std over seeds)")
+    ax.set_title("Utility under differential privacy (mean ± std over seeds)" if not any(
+        r.get("test_from_clients") for r in rows) else
+        "Accuracy on the clients' held-out records (not covered by ε)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=8)
     fig.tight_layout()
@@ -138,7 +140,11 @@ def plot_reliability(rows: list[dict], path: str) -> None:
             if not chosen:
                 continue
             rel = min(chosen, key=lambda r: r["seed"])["reliability"]
-            pts = [(c, a) for c, a, n in zip(rel["confidence"], rel["accuracy"], rel["count"]) if n > 0]
+            # a bin without records has no confidence (NaN); the counts are left out of a report whose test set
+            # is the clients' held-out records (privfl.apps.held_out)
+            counts = rel.get("count") or [1] * len(rel["confidence"])
+            pts = [(c, a) for c, a, n in zip(rel["confidence"], rel["accuracy"], counts)
+                   if n > 0 and c is not None and c == c]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[alg],
                     label=f"{alg} (ECE {min(chosen, key=lambda r: r['seed'])['ece']:.3f})")
         ax.set_xlim(0, 1)
@@ -148,7 +154,9 @@ def plot_reliability(rows: list[dict], path: str) -> None:
         ax.set_title("no DP" if math.isinf(target) else f"ε = {target:g}")
         ax.grid(alpha=0.3)
         _legend(ax, fontsize=7)
-    fig.suptitle("Reliability diagrams (test set)")
+    held_out = any(r.get("test_from_clients") for r in rows)
+    fig.suptitle("Reliability diagrams (test set)" if not held_out else
+                 "Reliability diagrams (the clients' held-out records: not covered by ε)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

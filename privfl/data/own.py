@@ -8,19 +8,22 @@
 - the **test set**: ``test`` (a file the evaluator holds, no client's data) or, without one, the documented split rule
   below;
 - the **label set** (classification) is a public fact, never read from the clients' labels: ``classes`` as given, or
-  else the labels of the test file (the evaluator's data, not a client's); without either it is refused;
+  else the labels of the test file (the evaluator's data, not a client's); without either it is refused; each label
+  is matched to it by value (``1.0`` is the class ``1``), and a refusal names neither the labels nor their count;
 - **standardisation** uses public statistics only: ``"public"`` fits :class:`Standardizer` on ``public`` (a file no
   client holds), a :class:`Standardizer` (e.g. ``Standardizer.from_bounds``) is used as given, and ``None`` leaves the
   features as they are. Nothing is ever fitted on the clients' pooled data.
 
 Split rule without a test file (``test_fraction``): each record is held out on a coin of its own, a keyed hash
-(BLAKE2b, keyed by the run's seed) of that record's bytes (features and label) read as a uniform in [0, 1) and compared
-to ``test_fraction`` (:func:`holdout_mask`). A record's membership is a function of that record and the seed alone:
-adding, removing or replacing one record changes no other record's side of the split, so neighbouring data sets'
-training sets differ in that one record at most (a permutation of record positions would have reshuffled the
-split). A client holds out ``test_fraction * n_k`` records in expectation (a binomial count, not a fixed one), and
-identical rows get the same coin (duplicates are held out together). The held-out records of all clients, pooled, are
-the test set (evaluation is a simulation diagnostic: nothing of the test set is released).
+(BLAKE2b, keyed by the run's seed) of that record's bytes (features as float32, and the label by its own value:
+:func:`canonical_value`, never the column's dtype, which follows every record of the column) read as a uniform in
+[0, 1) and compared to ``test_fraction`` (:func:`holdout_mask`). A record's membership is a function of that record
+and the seed alone: adding, removing or replacing one record changes no other record's side of the split, so
+neighbouring data sets' training sets differ in that one record at most (a permutation of record positions would
+have reshuffled the split). A client holds out ``test_fraction * n_k`` records in expectation (a binomial count, not
+a fixed one), and identical rows get the same coin (duplicates are held out together). The held-out records of all
+clients, pooled, are the test set (evaluation is a simulation diagnostic: nothing of the test set is released; the
+front ends' reports mark its metrics as not covered by epsilon, :mod:`privfl.apps.held_out`).
 
 An entry point ``module:function`` is called with no arguments and returns ``(model, clients)``,
 ``(model, clients, test)``, or a mapping with the keys ``"clients"`` (required), ``"model"``, ``"test"``, ``"loss"``,
@@ -45,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from privfl.data.dataset import FederatedData, count_not_numbers
+from privfl.data.dataset import FederatedData
 from privfl.data.errors import DatasetError
 from privfl.data.federated import federated_from_arrays
 from privfl.data.split import Standardizer
@@ -166,22 +169,73 @@ def _label_index(classes: Sequence) -> dict[str, int]:
     return {str(c): i for i, c in enumerate(classes)}
 
 
-def _encode(y: np.ndarray, index: dict[str, int] | None, what: str) -> np.ndarray:
-    if index is None:
+_BOOL_TEXT = {"true": 1.0, "false": 0.0}  # pandas reads True/TRUE/true (False/...) as booleans in a boolean column
+
+
+def canonical_value(v) -> float | str:
+    """One target value (a label or a regression target) as a number when it is one or a text that reads as one
+    (``1``, ``1.0``, ``"1"``, ``"1.0"``, ``True``/``"True"`` are all 1.0), else its text; decided per value, never
+    by the column's dtype. pandas types a whole column by all its values (one record's ``"unknown"`` makes a column of
+    0/1 text, one record's ``1.0`` makes it floats), so anything keyed by the column's dtype would follow one record:
+    the held-out coin (:func:`holdout_mask`) and the label set's matching key each value by this function alone."""
+    v = v.item() if isinstance(v, np.generic) else v
+    if isinstance(v, (bool, int, float)):
+        try:
+            return float(v)
+        except OverflowError:  # an integer beyond float64: its text
+            return str(v)
+    text = v.decode() if isinstance(v, bytes) else str(v)
+    try:
+        return float(text)
+    except (ValueError, OverflowError):
+        return _BOOL_TEXT.get(text.strip().lower(), text)
+
+
+def class_index(classes: Sequence, flag: str = "--classes") -> dict:
+    """The declared classes by value (:func:`canonical_value` -> position): a record's label ``1.0`` is the declared
+    class ``1``. Two declared classes of the same value are refused (the declaration is public)."""
+    index: dict = {}
+    for i, c in enumerate(classes):
+        key = canonical_value(c)
+        if key in index:
+            raise DatasetError(f"{flag}: the declared classes {classes[index[key]]!r} and {c!r} are the same value; "
+                               "declare each class once")
+        index[key] = i
+    return index
+
+
+def label_positions(y, index: dict) -> np.ndarray | None:
+    """Each label's position in the declared classes (``index`` from :func:`class_index`), matched by value; None
+    when some label is none of them (the caller refuses without counting or naming those records)."""
+    values = np.asarray(y, dtype=object)
+    if values.ndim == 2 and values.shape[1] == 1:
+        values = values[:, 0]
+    if values.ndim != 1:  # one label per record
+        return None
+    out = np.empty(len(values), dtype=np.int64)
+    for i, v in enumerate(values):
+        key = canonical_value(v)
+        if key not in index:
+            return None
+        out[i] = index[key]
+    return out
+
+
+def _encode(y: np.ndarray, classes: Sequence | None, what: str) -> np.ndarray:
+    if classes is None:
         try:
             return np.asarray(y).astype(np.float32)
         except (ValueError, TypeError):  # numpy's text would quote the first bad value: the holder's data
-            bad = count_not_numbers(y)
-            raise DatasetError(f"{what} has {bad} record{'s' if bad != 1 else ''} whose regression target is not a "
-                               "number (the values are not shown: they are the records' data); encode the target "
-                               "column as numbers, or remove those records") from None
-    labels = [str(v.item() if hasattr(v, "item") else v) for v in y]
-    outside = sum(v not in index for v in labels)
-    if outside:  # the values are the holder's data: the text says how many and what to change, never which
-        raise DatasetError(f"{what} has {outside} record{'s' if outside != 1 else ''} whose label is outside the "
-                           f"declared label set {list(index)}; declare every class with --classes (classes = in a "
-                           "TOML), or remove those records")
-    return np.array([index[v] for v in labels], dtype=np.int64)
+            raise DatasetError(f"{what} has records whose regression target is not a number (neither their count "
+                               "nor their values are shown: they are the records' data); encode the target column "
+                               "as numbers, or remove those records") from None
+    labels = label_positions(y, class_index(classes))
+    if labels is None:  # the values and their count are the holder's data: the text says what to change, never which
+        raise DatasetError(f"{what} has records whose label is outside the declared label set "
+                           f"{[str(c) for c in classes]}; declare every class with "
+                           "--classes (classes = in a TOML), or remove those records (neither their count nor their "
+                           "values are shown: they are the records' data)")
+    return labels
 
 
 def _as_table(value, target: str | None, what: str):
@@ -207,15 +261,24 @@ def _as_table(value, target: str | None, what: str):
                        f"{type(value).__name__}")
 
 
-def _label_bytes(y: np.ndarray) -> list[bytes]:
-    """One canonical byte string per record's target: numbers as float64 (so 1, 1.0 and an int32 1 agree), other
-    values as their text."""
-    y = np.asarray(y)
-    if y.dtype.kind in "biuf":
-        rows = np.ascontiguousarray(y.astype(np.float64).reshape(len(y), -1))
-        return [row.tobytes() for row in rows]
-    return [b"\x1f".join(str(v.item() if hasattr(v, "item") else v).encode() for v in np.asarray(row).reshape(-1))
-            for row in y]
+def _value_bytes(value: float | str) -> bytes:
+    return np.float64(value).tobytes() if isinstance(value, float) else value.encode("utf-8", "surrogatepass")
+
+
+def _label_bytes(y) -> list[bytes]:
+    """One canonical byte string per record's target, made from that value alone (:func:`canonical_value`), never
+    from the column's dtype: a number, or a text that reads as one, as float64 bytes (so 1, 1.0, an int32 1 and the
+    text "1" agree), another value as its text. An all-numeric column's bytes are those of the column cast to
+    float64, as before this was per value (the coins of committed runs are unchanged)."""
+    y = np.asarray(y, dtype=object)
+    out = []
+    for row in y.reshape(len(y), -1):
+        values = [canonical_value(v) for v in row]
+        if all(isinstance(v, float) for v in values):
+            out.append(b"".join(np.float64(v).tobytes() for v in values))
+        else:
+            out.append(b"\x1f".join(_value_bytes(v) for v in values))
+    return out
 
 
 def holdout_mask(x, y, test_fraction: float, seed: int) -> np.ndarray:
@@ -276,16 +339,18 @@ def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, tas
             classes = sorted({v.item() if hasattr(v, "item") else v for v in tt[tcol].to_numpy()}, key=_sort_key)
         if len(classes) < 2:
             raise DatasetError(f"a classification task needs at least 2 classes, got {list(classes)}")
+        class_index(classes)  # matched by value: two declared classes of one value are refused here
         index = _label_index(classes)
+        classes = list(classes)
     features = None
     pairs, raw = [], []
     for (table, col), client in zip(tables, names):
         features, x, y = _features_and_target(table, col, features, f"client {client!r}")
-        pairs.append((x, _encode(y, index, f"client {client!r}")))
+        pairs.append((x, _encode(y, classes if index else None, f"client {client!r}")))
         raw.append(y)
     if test_table is not None:
         _, tx, ty = _features_and_target(test_table[0], test_table[1], features, "the test data")
-        test_pair, rule = (tx, _encode(ty, index, "the test data")), "test data"
+        test_pair, rule = (tx, _encode(ty, classes if index else None, "the test data")), "test data"
     else:
         parts, held = [], []
         for (x, y), y_raw in zip(pairs, raw):
@@ -299,7 +364,7 @@ def federated_from_tables(clients: Mapping[str, Any], target: str | None, *, tas
     if public is not None:
         ptable, pcol = _as_table(public, target, "the public data")
         _, px, py = _features_and_target(ptable, pcol, features, "the public data")
-        public_pair = (px, _encode(py, index, "the public data") if task == "classification" else py)
+        public_pair = (px, _encode(py, classes, "the public data") if task == "classification" else py)
     if standardize == "public" and public_pair is None:
         raise DatasetError("--standardize public fits on public data no client holds: pass --public-data FILE (or "
                            "use --standardize none)")
@@ -405,5 +470,5 @@ def load_entry(spec: str, flag: str = "--entry") -> EntryPoint:
     return EntryPoint(settings, clients, test, module, **training)
 
 
-__all__ = ["ENTRY_KEYS", "EntryPoint", "TABLE_SUFFIXES", "client_tables", "federated_from_tables", "holdout_mask",
-           "holdout_split", "load_entry", "read_table"]
+__all__ = ["ENTRY_KEYS", "EntryPoint", "TABLE_SUFFIXES", "canonical_value", "class_index", "client_tables",
+           "federated_from_tables", "holdout_mask", "holdout_split", "label_positions", "load_entry", "read_table"]

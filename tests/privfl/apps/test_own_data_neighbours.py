@@ -36,7 +36,8 @@ def _base_frames() -> dict:
 
 def test_an_undeclared_label_is_refused_without_echoing_it(tmp_path, capsys):
     """``privfl run --data --classes 0,1`` where one of alpha's records carries a label outside the set: exit 2 with a
-    text that says how many records and what to change, the same whichever value the record carries."""
+    text that says what to change (neither how many records nor which value), the same whichever value the record
+    carries."""
     errors = []
     for world, label in (("D", "zebra"), ("D2", "31337")):
         frames = _base_frames()
@@ -49,7 +50,8 @@ def test_an_undeclared_label_is_refused_without_echoing_it(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
         assert label not in err
-        assert "1 record whose label is outside the declared label set" in err and "--classes" in err
+        assert "records whose label is outside the declared label set" in err and "--classes" in err
+        assert "1 record" not in err  # no count either: it is the client's data
         errors.append(err)
     assert errors[0] == errors[1]
 
@@ -536,7 +538,7 @@ def test_python_api_and_compare_replace_one_with_a_held_out_split_are_refused(tm
     assert not (tmp_path / "out" / "ledgers").exists()
 
 
-# -- 8. a regression target or label that is not a number: the text names counts, never the value -------------------
+# -- 8. a regression target or label that is not a number: the text names neither a count nor the value -------------
 
 def test_a_target_that_is_not_a_number_is_refused_without_echoing_it(tmp_path, capsys):
     texts = []
@@ -555,7 +557,8 @@ def test_a_target_that_is_not_a_number_is_refused_without_echoing_it(tmp_path, c
                      "--rounds", "1", "--standardize", "none", "--quiet"])
         err = capsys.readouterr().err
         assert code == 2 and "Traceback" not in err
-        assert "MRN" not in err and "1 record whose regression target is not a number" in err
+        assert "MRN" not in err and "records whose regression target is not a number" in err
+        assert "1 record" not in err  # no count either: it is the client's data
         texts.append(err)
     assert texts[0] == texts[1]
 
