@@ -98,7 +98,7 @@ class DPSGDFedAvg(FedAvg):
     def build_model(self, public):
         net = super().build_model(public)
         if self.privacy.private and self.user.model is not None:
-            check_opacus_model(net, self.name)
+            check_opacus_model(net, self.name, public.input_shape)
         weight = loss_class_weight(self.user.loss)
         if self.privacy.private and weight is not None:  # refused now, before anything is charged
             check_class_weights(weight, public.num_classes, self.privacy.adjacency, self.name)

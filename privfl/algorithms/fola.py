@@ -511,7 +511,7 @@ class RecordPosterior:
         self.shares = dict(_SHARES["example"])
 
     def check_model(self, model: nn.Module) -> None:
-        check_opacus_model(model, self.alg.name)
+        check_opacus_model(model, self.alg.name, self.alg.public.input_shape)
 
     def planned_events(self, client: int) -> dict:
         schedule = dpsgd_schedule(self.alg, client)

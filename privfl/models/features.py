@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from privfl.errors import ConfigurationError
+from privfl.models.checks import mixes_examples, module_dtype as _module_dtype
 
 #: distinguishes the feature map's stream from any other use of the same public seed
 _OMEGA_STREAM = 0x46424E52  # "FBNR"
@@ -96,14 +97,6 @@ def extractor_factory(model, what: str) -> Callable[[], nn.Module]:
     return build
 
 
-def _module_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
-    """The dtype a module computes in: its first floating parameter's or buffer's (``default`` without any)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return default
-
-
 def refuse_batch_norm(extractor: nn.Module, what: str) -> None:
     """Refuse an extractor with batch normalisation (see :func:`check_extractor`), naming its layers."""
     mixing = [f"{name or '<model>'} ({type(m).__name__})" for name, m in extractor.named_modules()
@@ -124,7 +117,8 @@ def check_extractor(extractor: nn.Module, input_shape: Sequence[int], what: str 
     FedBNR's channels are sums of per-record terms (phase 2) and its sensitivities assume a record's feature row is a
     function of that record alone. Batch normalisation breaks that (batch statistics in training, running statistics
     of data otherwise) and is refused by type; any other layer that does (e.g. ``x - x.mean(0)``) is caught by moving
-    the other rows of a batch of random inputs and checking, in float64, that the first row's output does not move.
+    the other rows of a batch of random inputs and checking, in float64, that the first row's output does not move
+    (:func:`privfl.models.checks.mixes_examples`, the probe the DP-SGD model check shares).
     The probes run on a copy in eval mode, under a forked torch random state."""
     input_shape = tuple(int(s) for s in input_shape)
     refuse_batch_norm(extractor, what)
@@ -148,13 +142,12 @@ def check_extractor(extractor: nn.Module, input_shape: Sequence[int], what: str 
         batch = torch.randn((3, *input_shape), generator=gen, dtype=torch.float64)
         moved = batch.clone()
         moved[1:] = 3.0 * torch.randn((2, *input_shape), generator=gen, dtype=torch.float64)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            first, again, alone = wide(batch)[0], wide(moved)[0], wide(batch[:1])[0]
+        # the first row's output, with the other rows moved and with them left out (privfl.models.checks)
+        mixing = mixes_examples(wide, batch, moved) or mixes_examples(wide, batch, batch[:1])
     except Exception as exc:
         raise ConfigurationError(f"{what} failed on a batch of 3 random inputs in float64: "
                                  f"{type(exc).__name__}: {exc}") from None
-    scale = 1e-9 * (1.0 + float(first.abs().max()))
-    if float((first - again).abs().max()) > scale or float((first - alone).abs().max()) > scale:
+    if mixing:
         raise ConfigurationError(f"{what} mixes the examples of a batch: one record's output changed when the other "
                                  "records of its batch did, so a record's features would not be its own and FedBNR's "
                                  "sensitivities would not hold; use layers that act on each example alone")

@@ -16,7 +16,9 @@ algorithm and the privacy wrapper (``privfl.privacy.wrapper``) use it.
   the same steps for many clients at once (``torch.func``), and :func:`privatise_gradient_sum` for steps whose
   per-example gradients are materialised (HBFL's meme); a class-weighted loss becomes class-weighted sampling
   (:func:`class_sampling_rates`), since clipping would undo a weight on the loss;
-- :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name;
+- :func:`check_opacus_model`: a model opacus cannot clip per example is refused by name, and a copy of a user's model
+  is probed on a public batch (:func:`check_per_example_model`: no in-place parameter writes, no mixing of a batch's
+  examples, opacus's per-example norms equal the true ones);
 - :class:`AdaptiveClip`, :func:`clip_bits` and :func:`clip_bit_counts`: adaptive clipping's rules (Andrew et al.'s
   step from a noisy count of centred bits; the federation's quantile from noisy counts at :data:`CLIP_RATIOS` times
   the clip) and the noise split, used inside the step (the vectorised executor: the round's clip, its counts within
@@ -44,6 +46,7 @@ from privfl.accounting.events import GaussianEvent, NoOpEvent, PoissonSampledEve
 from privfl.core.public import private_torch_generator
 from privfl.errors import ConfigurationError, UsageError
 from privfl.core.channels import PrivatizedValue
+from privfl.models.checks import mixes_examples
 from privfl.training.distill import add_flat_gradient
 from privfl.training.fisher import per_example_gradients
 from privfl.training.local import TaskLoss, UserTraining, flat_parameters, load_flat_parameters
@@ -512,26 +515,188 @@ def privatise_gradient_sum(per_example: torch.Tensor, dim: int, *, clip: float, 
                        expected_batch=expected_batch, generator=generator, secure=secure)
 
 
-def check_opacus_model(model: nn.Module, algorithm: str) -> None:
-    """Refuse a model opacus cannot train with per-example clipping, saying what to change: the problems of
-    ``opacus.validators.ModuleValidator.validate`` (BatchNorm mixes examples of a batch, so one example's gradient is
-    not its own) with its fix suggested."""
+def check_opacus_model(model: nn.Module, algorithm: str, input_shape: Sequence[int]) -> None:
+    """Refuse a model whose DP-SGD training would not clip each record's own gradient, saying what to change.
+
+    DP-SGD's sensitivity (one record moves the clipped sum by at most C) holds when each example's gradient is a
+    function of that example alone, opacus's per-example norm is that gradient's norm, and nothing but the clipped,
+    noised sum changes the parameters. Refused, on the model's structure alone:
+
+    - the problems of ``opacus.validators.ModuleValidator.validate`` (BatchNorm with parameters, ...), with its fix;
+    - a norm layer with batch statistics (every ``torch.nn`` BatchNorm, affine or not: opacus's validator sees only
+      layers with parameters): it normalises an example by the other examples of its lot;
+    - a registered buffer anywhere in the model: state a forward pass may write from the records outside the clip (as
+      running statistics are), which opacus refuses in layers with parameters only;
+    - ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``max_norm``: its forward renormalises the rows it looks up, in
+      place and outside autograd, so the trained weights record which rows the records hold, unclipped and unnoised.
+
+    Then :func:`check_per_example_model` probes a copy of the model on a public batch of ``input_shape`` (the public
+    shape of one example; nothing of any client's data): no in-place write to a parameter, no mixing of the
+    examples of a batch in train mode, and opacus's per-example gradient norms equal to the true ones (a weight used
+    outside the layer that owns it escapes opacus's hooks)."""
     from opacus.validators import ModuleValidator
 
     problems = ModuleValidator.validate(model, strict=False)
-    if not problems:
-        return
-    offending = []
-    for name, module in model.named_modules():
-        check = ModuleValidator.VALIDATORS.get(type(module))
-        if check is not None and check(module):
-            offending.append(f"{name or '<model>'} ({type(module).__name__})")
-    first = str(problems[0]).split(". ")[0].strip()
-    layers = ", ".join(offending[:8]) + (f", ... ({len(offending)} in all)" if len(offending) > 8 else "")
-    raise ConfigurationError(f"{algorithm}: opacus cannot train this model with per-example clipping: layers "
-                             f"{layers or '(see opacus ModuleValidator.validate)'}: {first}. Replace them (e.g. "
-                             "BatchNorm by GroupNorm), or let opacus do it: "
-                             "model = opacus.validators.ModuleValidator.fix(model)")
+    if problems:
+        offending = []
+        for name, module in model.named_modules():
+            check = ModuleValidator.VALIDATORS.get(type(module))
+            if check is not None and check(module):
+                offending.append(f"{name or '<model>'} ({type(module).__name__})")
+        first = str(problems[0]).split(". ")[0].strip()
+        raise ConfigurationError(f"{algorithm}: opacus cannot train this model with per-example clipping: layers "
+                                 f"{_names(offending) or '(see opacus ModuleValidator.validate)'}: {first}. Replace "
+                                 "them (e.g. BatchNorm by GroupNorm), or let opacus do it: "
+                                 "model = opacus.validators.ModuleValidator.fix(model)")
+    modules = list(model.named_modules())
+    batch_norms = [f"{name or '<model>'} ({type(m).__name__})" for name, m in modules
+                   if isinstance(m, nn.modules.batchnorm._NormBase)
+                   and not isinstance(m, nn.modules.instancenorm._InstanceNorm)]
+    if batch_norms:
+        raise ConfigurationError(f"{algorithm}: batch normalisation (layers {_names(batch_norms)}) mixes the examples "
+                                 "of a batch, affine or not: in training it normalises each example by the statistics "
+                                 "of its whole lot, so one record moves the other records' gradients and the "
+                                 "per-example clip bounds nothing. Replace it by a per-example norm (nn.GroupNorm, "
+                                 "nn.LayerNorm, nn.InstanceNorm without running statistics), or let opacus do it: "
+                                 "model = opacus.validators.ModuleValidator.fix(model)")
+    buffered = [f"{name or '<model>'} ({type(m).__name__}: {', '.join(b for b, _ in m.named_buffers(recurse=False))})"
+                for name, m in modules if any(True for _ in m.named_buffers(recurse=False))]
+    if buffered:
+        raise ConfigurationError(f"{algorithm}: layers {_names(buffered)} hold buffers: state that a forward pass may "
+                                 "write from the records (as running statistics are), outside the per-example clip "
+                                 "and the noise, which DP-SGD's accounting cannot cover. Remove them (for a layer's "
+                                 "running statistics, use it without: e.g. track_running_stats=False), or keep a "
+                                 "constant as a plain tensor attribute instead of register_buffer")
+    renormed = [f"{name or '<model>'} ({type(m).__name__}, max_norm={m.max_norm})" for name, m in modules
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    if renormed:
+        raise ConfigurationError(f"{algorithm}: layers {_names(renormed)} renormalise the rows a forward pass looks "
+                                 "up, in place and outside autograd, so the trained weights would record which "
+                                 "tokens the records hold, with no clip or noise; leave max_norm out (the "
+                                 "per-example clip already bounds each record's step)")
+    check_per_example_model(model, algorithm, input_shape)
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+
+
+#: the public probe batch of :func:`check_per_example_model`: its size, and the seed of its inputs and directions
+_PROBE_BATCH, _PROBE_SEED = 4, 0
+
+
+def _probe_batches(net: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype, algorithm: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A public probe batch the model runs on and the same batch with its first example changed: standard normal
+    inputs, or (for a model whose inputs are indices, e.g. token ids read by an nn.Embedding) inputs of 0s and 1s;
+    refuses a model that fails on both."""
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    shape = (_PROBE_BATCH, *input_shape)
+    normal = torch.randn(shape, generator=gen, dtype=torch.float64)
+    moved_normal = normal.clone()
+    moved_normal[0] = 4.0 * torch.randn(input_shape, generator=gen, dtype=torch.float64) + 1.0
+    bits = torch.randint(0, 2, shape, generator=gen).to(torch.float64)
+    moved_bits = bits.clone()
+    moved_bits[0] = 1.0 - bits[0]
+    failures = []
+    for batch, moved in ((normal, moved_normal), (bits, moved_bits)):
+        batch, moved = batch.to(dtype), moved.to(dtype)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_PROBE_SEED)
+                out = net(batch)
+        except Exception as exc:  # noqa: BLE001 - the user's forward on a public probe: said below
+            failures.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.ndim < 1 \
+                or out.shape[0] != _PROBE_BATCH:
+            raise ConfigurationError(f"{algorithm}: the model must return a floating tensor with one row per example; "
+                                     f"on a probe batch of shape {shape} it returned "
+                                     f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+        return batch, moved
+    raise ConfigurationError(f"{algorithm}: the DP-SGD model check runs the model in training mode on a public probe "
+                             f"batch of shape {shape} (standard normal values, then 0s and 1s) and it failed on both: "
+                             f"{'; '.join(failures)}")
+
+
+def check_per_example_model(model: nn.Module, algorithm: str, input_shape: Sequence[int]) -> None:
+    """The probes of :func:`check_opacus_model`, on a deep copy of ``model`` in training mode and a public probe batch
+    of ``input_shape`` (:func:`_probe_batches`; nothing of any client's data), under a forked torch random state:
+
+    1. one forward and backward pass leaves every parameter as it was (a layer writing its weights in place, outside
+       autograd, would change them by the records with no clip or noise);
+    2. changing the first example leaves the other examples' outputs as they were
+       (:func:`privfl.models.checks.mixes_examples`; FedBNR's extractor check uses the same probe);
+    3. opacus's per-example gradient norms, from the gradient sample module DP-SGD clips with
+       (``GradSampleModuleFastGradientClipping``, ghost clipping), equal the true per-example gradients' norms
+       (``torch.autograd.grad`` of each example's loss, a fixed random linear function of its output) parameter by
+       parameter: a weight used outside the layer that owns it (``F.linear(h, self.emb.weight)``) adds a gradient
+       opacus's hooks do not see, so its clip would not bound one record's influence.
+
+    Each refusal names what to change. Its cost: a few passes over the probe batch."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    input_shape = tuple(int(s) for s in input_shape)
+    net = copy.deepcopy(model).train()
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+    names = {id(p): n for n, p in net.named_parameters()}
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    with torch.random.fork_rng(devices=[]):
+        batch, moved = _probe_batches(net, input_shape, dtype, algorithm)
+        try:
+            gsm = GradSampleModuleFastGradientClipping(net, max_grad_norm=1.0, use_ghost_clipping=True,
+                                                       loss_reduction="mean")
+        except NotImplementedError as exc:
+            raise _unsupported_layer(exc, algorithm) from None
+        params = list(gsm.trainable_parameters)
+        gen = torch.Generator().manual_seed(_PROBE_SEED + 1)
+        try:
+            torch.manual_seed(_PROBE_SEED)
+            out = gsm(batch)
+            direction = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+            losses = (out * direction).reshape(len(batch), -1).sum(1)
+            with warnings.catch_warnings():  # as in dpsgd_train: the first layer's inputs need no gradient
+                warnings.filterwarnings("ignore", message=_BACKWARD_HOOK_WARNING, category=UserWarning)
+                losses.mean().backward(retain_graph=True)  # opacus's first pass: the per-example norms
+                gsm.disable_hooks()
+                true = [torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
+                        for i in range(len(batch))]
+        except NotImplementedError as exc:
+            raise _unsupported_layer(exc, algorithm) from None
+        except Exception as exc:  # noqa: BLE001 - the user's model on a public probe batch: its structure, no record
+            raise ConfigurationError(f"{algorithm}: the DP-SGD model check's forward and backward pass on a public "
+                                     f"probe batch of shape {tuple(batch.shape)} failed: {type(exc).__name__}: "
+                                     f"{exc}") from None
+        changed = [n for n, p in net.named_parameters() if not torch.equal(p.detach(), before[n])]
+        if changed:
+            raise ConfigurationError(f"{algorithm}: a forward and backward pass changed parameters "
+                                     f"{_names(changed)} in place (e.g. nn.Embedding's max_norm renormalising the "
+                                     "rows it looks up): a change made by the records themselves, outside the "
+                                     "per-example clip and the noise; remove the in-place write")
+        if mixes_examples(net, batch, moved, seed=_PROBE_SEED):
+            raise ConfigurationError(f"{algorithm}: the model mixes the examples of a batch in training mode: on a "
+                                     "public probe batch, changing one example changed the other examples' outputs "
+                                     "(e.g. x - x.mean(0), batch statistics), so one record would move the other "
+                                     "records' gradients and the per-example clip would bound nothing; use layers "
+                                     "that act on each example alone")
+        wrong = []
+        tol = 1e-6 if dtype == torch.float64 else 1e-3
+        for j, p in enumerate(params):
+            norms = getattr(p, "_norm_sample", None)
+            if norms is None and all(g[j] is None for g in true):
+                continue  # a parameter the forward pass does not use: no gradient, no norm
+            exact = torch.stack([(torch.zeros_like(p) if g[j] is None else g[j]).reshape(-1).norm()
+                                 for g in true]).double()
+            if norms is None or norms.shape != exact.shape \
+                    or float((norms.double() - exact).abs().max()) > tol * (1e-12 + float(exact.max())):
+                wrong.append(names.get(id(p), "?"))
+    if wrong:
+        raise ConfigurationError(f"{algorithm}: opacus's per-example gradient norms of parameters {_names(wrong)} "
+                                 "differ from the true per-example gradients on a public probe batch, so its clip "
+                                 "would not bound one record's influence: a parameter used outside the layer that "
+                                 "owns it (weight tying such as F.linear(h, self.emb.weight), a layer's weight read "
+                                 "in another module's forward) adds a gradient opacus's hooks do not see. Use each "
+                                 "parameter through its own layer only (give the output layer weights of its own)")
 
 
 def _unsupported_layer(exc: Exception, algorithm: str) -> ConfigurationError:
@@ -1139,6 +1304,7 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
 __all__ = ["AdaptiveClip", "CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS",
            "VectorisedDPSGD", "audit_clip_fault", "audit_noise_fault", "audit_record_rows", "calibrate_dpsgd",
            "canary_clip_off", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
+           "check_per_example_model",
            "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "clipped_gradient_sum",
            "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train", "loss_class_weight", "noised_mean",
            "other_round_events", "poisson_lot", "privatise_gradient_sum", "secure_gaussian", "step_noise"]

@@ -147,7 +147,7 @@ class PrivateAlgorithm(FedAvg):
     def build_model(self, public):
         net = super().build_model(public)
         if self.record_level and self.user.model is not None:
-            check_opacus_model(net, self.name)
+            check_opacus_model(net, self.name, public.input_shape)
         return net
 
     def setup(self, data, rng):
