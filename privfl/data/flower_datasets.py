@@ -23,15 +23,27 @@ its local cache, or on the hub where it may reach it), or one of the ``datasets`
 Nothing here is released or read by the server: a partition is the organisation's own data, as a data file is, and
 the run's public facts (input shape, classes, design size) still come from the spec, which every loaded partition is
 checked against.
+
+A record the run cannot use (a feature or target that is not a number, not finite in float32, a class label that is
+not an integer in ``[0, num_classes)``, features of another shape than the run's) is left out, one record at a time,
+with a warning in the organisation's own log that shows no value (:func:`usable_records`); it never fails the load. A
+failure that one record can cause would tell the server, which sees an error instead of a release, whether that
+record is there (a review found exactly that on the ClientApp: one record with a feature of 1e39 or a label outside
+the spec's classes turned a charged release into an uncharged error reply). Leaving records out one by one maps
+neighbouring data sets to neighbouring data sets, so the run's guarantee holds for what is left. A split with no
+record (an organisation whose data was removed) is an empty data set of the run's input shape.
 """
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import parse_qsl
 
 import numpy as np
 
 from privfl.errors import ConfigurationError
+
+LOG = logging.getLogger("privfl.data")
 
 PREFIX = "flwr-datasets:"
 _OWN = {"x", "y", "split", "partitioner", "seed"}
@@ -75,25 +87,117 @@ def _partitioner(spec: str, num_partitions: int, seed: int, y: str, path: str):
     raise ConfigurationError(f"{path!r}: partitioner must be none, iid or dirichlet:ALPHA, got {spec!r}")
 
 
-def _column(records, name: str, path: str) -> np.ndarray:
-    values = records[name]
-    first = values[0] if len(values) else None
-    if first is not None and hasattr(first, "convert") and hasattr(first, "size"):  # a PIL image
-        arrays = [np.asarray(v, dtype=np.float32) / 255.0 for v in values]
-        out = np.stack(arrays)
-        return out[:, None] if out.ndim == 3 else np.moveaxis(out, -1, 1)
+def _record_array(value) -> np.ndarray | None:
+    """One record's value as a float32 array (a PIL image scaled to [0, 1], channels first), or None when it is no
+    number, array or image. A value beyond float32's range becomes inf (left out later), never an error."""
+    if value is None:
+        return None
+    if hasattr(value, "convert") and hasattr(value, "size"):  # a PIL image
+        out = np.asarray(value, dtype=np.float32) / 255.0
+        return out[None] if out.ndim == 2 else np.moveaxis(out, -1, 0)
     try:
-        return np.asarray(values, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"{path!r}: column {name!r} holds values that are not numbers, arrays or images; "
-                                 "choose feature columns with x=") from None
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _scalars(values, dtype=np.float64) -> np.ndarray:
+    """A column of one number per record, NaN where a record holds anything else."""
+    out = np.full(len(values), np.nan, dtype=dtype)
+    for i, value in enumerate(values):
+        if value is None or hasattr(value, "convert"):
+            continue
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                a = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if a.ndim == 0:
+            out[i] = a
+    return out
+
+
+def _column(records, name: str, expected: tuple[int, ...] | None) -> np.ndarray:
+    """One column of records as a float32 array of shape ``(n, *expected)``; a record whose value is no number, array
+    or image, or has another shape than ``expected``, is a row of NaN (left out by :func:`usable_records`).
+    ``expected`` None: the first usable record's shape."""
+    arrays = [_record_array(v) for v in records[name]]
+    arrays = [None if a is None else (a.reshape(1) if a.ndim == 0 else a) for a in arrays]
+    if expected is None:
+        expected = next((a.shape for a in arrays if a is not None), (1,))
+    out = np.full((len(arrays), *expected), np.nan, dtype=np.float32)
+    for i, a in enumerate(arrays):
+        if a is not None and a.shape == tuple(expected):
+            out[i] = a
+    return out
+
+
+def _as_numbers(values: np.ndarray, dtype) -> np.ndarray:
+    """``values`` as ``dtype``, entry by entry: NaN where an entry is not a number (a string, a complex number with an
+    imaginary part), inf where it is beyond the type's range."""
+    values = np.asarray(values)
+    if values.dtype.kind in "biuf":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(dtype)
+    if values.dtype.kind == "c":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.where(values.imag == 0, values.real, np.nan).astype(dtype)
+    flat = values.reshape(-1)
+    return _scalars(list(flat), dtype).reshape(values.shape)
+
+
+def usable_records(x, y, task: str, num_classes: int, name: str = "data") -> tuple[np.ndarray, np.ndarray, int]:
+    """``(x, y, left_out)``: the records of ``x`` and ``y`` a run can use, as float32 features and int64 class labels
+    (classification) or float32 targets, and how many were left out: those with a feature that is not a number or not
+    finite in float32 (1e39 is inf there), a target not finite in float32, or a class label that is not an integer in
+    ``[0, num_classes)``. A per-record filter: it maps neighbouring data sets to neighbouring data sets (see the module
+    docstring), so nothing about one record can fail the load. What the organisation sees is a warning in its own log
+    (logger ``privfl.data``) that shows no value. The arrays' layout (``x`` at least 2-D, as many targets as records,
+    targets of one or two axes) is the file's structure, not a record's: a wrong one raises
+    :class:`privfl.data.errors.DatasetError`."""
+    from privfl.data.errors import DatasetError
+
+    x, y = np.asarray(x), np.asarray(y)
+    if x.ndim < 2:
+        raise DatasetError(f"{name}: x must have shape (n, *input_shape), got {x.shape}; reshape a 1-D feature to "
+                           "(n, 1)")
+    if len(x) != len(y):
+        raise DatasetError(f"{name}: x and y hold different numbers of records")
+    if task == "classification" and y.ndim != 1:
+        raise DatasetError(f"{name}: classification labels must have shape (n,), got {y.shape[1:]} per record")
+    if task != "classification" and y.ndim not in (1, 2):
+        raise DatasetError(f"{name}: regression targets must have shape (n,) or (n, k)")
+    n = len(x)
+    features = _as_numbers(x, np.float32)
+    keep = np.isfinite(features).all(axis=tuple(range(1, features.ndim)))
+    if task == "classification":
+        if y.dtype.kind in "biu":  # exact: no float rounding of large integers
+            keep &= (y >= 0) & (y < num_classes)
+            labels = np.where(keep, y, 0).astype(np.int64)
+        else:
+            values = _as_numbers(y, np.float64)
+            with np.errstate(invalid="ignore"):
+                keep &= np.isfinite(values) & (np.mod(values, 1) == 0) & (values >= 0) & (values < num_classes)
+            labels = np.where(keep, values, 0).astype(np.int64)
+    else:
+        labels = _as_numbers(y, np.float32)
+        keep &= np.isfinite(labels).all(axis=tuple(range(1, labels.ndim)))
+    left_out = int(n - np.count_nonzero(keep))
+    if left_out:
+        LOG.warning("%s: %d record(s) left out: a feature or target that is not a finite number in float32, or a "
+                    "class label that is not an integer in [0, %d) (the values are not shown; nothing of this "
+                    "reaches the server)", name, left_out, num_classes)
+    return np.ascontiguousarray(features[keep]), np.ascontiguousarray(labels[keep]), left_out
 
 
 def load_partition(path: str, *, partition_id: int | None, num_partitions: int, task: str,
-                   num_classes: int | None, name: str = "flower-datasets"):
+                   num_classes: int | None, name: str = "flower-datasets",
+                   input_shape: tuple[int, ...] | None = None):
     """The records a ``flwr-datasets:`` source gives this organisation, as a :class:`privfl.data.ArrayDataset`
     (module docstring); ``partition_id`` (this node's) and ``num_partitions`` (the run's clients) serve a
-    partitioner other than ``none``."""
+    partitioner other than ``none``. ``input_shape``: the run's (public) input shape, which every record's features
+    must have (a record of another shape is left out) and an empty split takes; None: the first record's."""
     from privfl.data import ArrayDataset
 
     try:
@@ -114,6 +218,7 @@ def load_partition(path: str, *, partition_id: int | None, num_partitions: int, 
             raise ConfigurationError(f"{path!r}: partitioner={mode} keeps one partition, and this load has no "
                                      "partition id (the server's test set takes partitioner=none)")
         partitioners[split] = _partitioner(mode, num_partitions, seed, y, path)
+    shape = None if input_shape is None else tuple(int(d) for d in input_shape)
     try:
         # the whole split as it is (an organisation's own data), or Flower's shuffled partitions of it
         fds = FederatedDataset(dataset=dataset, partitioners=partitioners or {split: 1}, shuffle=bool(partitioners),
@@ -122,6 +227,10 @@ def load_partition(path: str, *, partition_id: int | None, num_partitions: int, 
     except ConfigurationError:
         raise
     except Exception as exc:  # noqa: BLE001 - Flower's and the datasets library's errors are many; name the source
+        if shape is not None and isinstance(exc, ValueError) and "corresponds to no data" in str(exc):
+            # the datasets library's answer to a split without a record (a header-only CSV: the organisation's
+            # data removed), which is an empty data set, as an empty .npz is
+            return _empty(task, num_classes, shape, name)
         raise ConfigurationError(f"cannot load {path!r} through Flower Datasets ({type(exc).__name__}: {exc})"
                                  ) from None
     columns = list(records.column_names)
@@ -132,22 +241,30 @@ def load_partition(path: str, *, partition_id: int | None, num_partitions: int, 
     if missing or not x_names:
         raise ConfigurationError(f"{path!r}: feature columns {missing or x_names} are not in {columns}; set x=")
     if len(records) == 0:
-        raise ConfigurationError(f"{path!r}: the {split!r} split (partition {partition_id}) holds no record")
+        if shape is None:
+            raise ConfigurationError(f"{path!r}: the {split!r} split (partition {partition_id}) holds no record")
+        return _empty(task, num_classes, shape, name)
     table = records.to_dict()
-    if len(x_names) == 1:
-        x = _column(table, x_names[0], path)
-        x = x[:, None] if x.ndim == 1 else x  # one scalar feature: a vector of length 1 per record
-    else:
-        x = np.stack([_column(table, c, path) for c in x_names], axis=1)
-    labels = np.asarray(table[y])
+    if len(x_names) == 1:  # one column of numbers (a vector of length 1 per record), arrays or images
+        x = _column(table, x_names[0], shape)
+    else:  # one number per column and record
+        x = np.stack([_scalars(table[c], np.float32) for c in x_names], axis=1)
     if task == "classification":
-        if not np.issubdtype(labels.dtype, np.integer):
-            raise ConfigurationError(f"{path!r}: column {y!r} must hold integer class labels for a classification "
-                                     f"run, got {labels.dtype}")
-        labels = labels.astype(np.int64)
-    else:
-        labels = labels.astype(np.float32)
+        labels = _scalars(table[y])
+    else:  # a number per record, or a vector of the run's output width
+        labels = _column(table, y, (int(num_classes),) if num_classes else None)
+        labels = labels[:, 0] if labels.shape[1:] == (1,) else labels
+    if task == "classification" and not num_classes:
+        raise ConfigurationError(f"{path!r}: a classification run's source needs the run's num_classes")
+    x, labels, _ = usable_records(x, labels, task, int(num_classes or 1), name)
     return ArrayDataset(x, labels, task, num_classes, name)
 
 
-__all__ = ["PREFIX", "is_flower_dataset", "load_partition", "parse"]
+def _empty(task: str, num_classes, shape: tuple[int, ...], name: str):
+    from privfl.data import ArrayDataset
+
+    labels = np.zeros(0, dtype=np.int64 if task == "classification" else np.float32)
+    return ArrayDataset(np.zeros((0, *shape), dtype=np.float32), labels, task, num_classes, name)
+
+
+__all__ = ["PREFIX", "is_flower_dataset", "load_partition", "parse", "usable_records"]

@@ -4,7 +4,9 @@ one SuperNode per organisation. A client's own state (HBFL's local model,
 FedBNN's personalised BNN) is kept as a message in its SuperNode's ``Context.state`` between rounds and never leaves
 it; the metrics of those models (``local_metrics``) are not reported to the server. The run spec carries the
 algorithm's options (``RunSpec.options``, given to ``make_algorithm`` on both halves) and, for FedBNN, the public
-alignment set as a file every party reads (``RunSpec.alignment_path``, checked by its SHA-256; labels never read).
+alignment set's SHA-256 (``RunSpec.alignment_digest``; labels never read): the server reads the file at
+``RunSpec.alignment_path``, each SuperNode its own copy at its node config's ``alignment-path``
+(:func:`_node_alignment`).
 
 Restart and resume: every run starts by asking each SuperNode which rounds of the run id its own ledger has released
 (:func:`_identify`), and runs from the first round after all of them, so a second ``flwr run`` of a run id (after a
@@ -44,7 +46,9 @@ release headers (never a value); then share keys, masked input and unmask are ``
 client's step is the in-process runtime's (``privfl.privacy.secure.encode_for_secure_sum``, with the client's own generator
 kept in its Context.state, as are its session's secrets between stages); the server unmasks only the sum. A SuperNode
 that fails a stage is a dropout, recovered from the survivors' shares, or the round aborts revealing nothing. Its
-ledger rows are charged at training and marked released just before its masked input leaves. Against an active
+ledger rows are charged at training and marked released just before its masked input leaves, and the client state
+the round's training left is kept only then (until then it waits with the session, so a replayed round trains again
+from the state kept before it). Against an active
 server (``malicious=True``, the default of ``SecureAggregation``), each SuperNode signs with its own identity key and
 trusts only its federation file, both in its node config (``privfl.flower.identity``): the registry of the
 organisations' keys and the threat model it derives degree, threshold and floor from; the consistency round runs
@@ -143,6 +147,9 @@ PAUSE_KEY = "pause-after"
 #: run-config key: JSON list of the files (in the written app) that register the run's own algorithms
 MODULES_KEY = "algorithm-modules"
 PARTITION_KEY, DATA_KEY, LEDGER_KEY = "partition-id", "data-path", "ledger-path"
+#: node-config key: where this SuperNode reads a run's public alignment set (FedBNN's), the organisation's own copy;
+#: the run's spec carries only its SHA-256 for the node (see :func:`_node_alignment`)
+ALIGNMENT_KEY = "alignment-path"
 #: run-config paths with ``{partition-id}`` for SuperNodes whose node config has no paths (the Simulation Engine's
 #: virtual SuperNodes only know their partition-id)
 TEMPLATE_KEYS = {DATA_KEY: "data-path-template", LEDGER_KEY: "ledger-path-template"}
@@ -191,8 +198,10 @@ class RunSpec:
     #: ``make_algorithm`` on the server and on every client: a mapping of JSON values, kept as sorted (name, value)
     options: tuple = ()
     #: a public alignment set (FedBNN's AD): an ``.npz`` whose array ``x`` holds its inputs (any labels in it are
-    #: never read), at a path the server and every SuperNode can read; ``alignment_digest`` is its SHA-256, filled
-    #: in when the spec is built, so that a SuperNode holding another file refuses the run
+    #: never read). ``alignment_path`` is where the *server* reads it; ``alignment_digest`` is its SHA-256, filled in
+    #: when the spec is built. A SuperNode never reads the spec's path (the server's side writes the run config, and
+    #: a path it chose could name the organisation's own data file): it reads its own copy at its node config's
+    #: ``alignment-path`` (:data:`ALIGNMENT_KEY`) and refuses the run unless that file has this digest
     alignment_path: str | None = None
     alignment_digest: str = ""
     #: the organisations' identity public keys, (partition id, hex) pairs, for the malicious-server variant of
@@ -257,16 +266,22 @@ class RunSpec:
             raise ConfigurationError(f"{self.algorithm} needs a public alignment set on Flower: give the spec "
                                      f"alignment_path, an .npz with its inputs x that the server and every SuperNode "
                                      f"can read")
-        if self.alignment_path:
+        if self.alignment_digest:
+            # a spec read from JSON (the run config, on either side) carries the digest: no file is read here; the
+            # file a party uses is checked against it when it is loaded (load_alignment)
+            if not (isinstance(self.alignment_digest, str) and len(self.alignment_digest) == 64
+                    and all(c in "0123456789abcdef" for c in self.alignment_digest)):
+                raise ConfigurationError(f"alignment_digest must be the SHA-256 (64 lower-case hex digits) of the "
+                                         f"alignment set, got {self.alignment_digest!r}")
+            if not self.alignment_path:
+                raise ConfigurationError("the spec has an alignment_digest but no alignment_path")
+        elif self.alignment_path:  # the building side (the coordinator's own file): its digest, its shape checked
             try:
                 digest = _file_digest(self.alignment_path)
             except OSError as exc:
                 raise ConfigurationError(f"cannot read the alignment set {self.alignment_path!r}: {exc}") from None
-            if self.alignment_digest and self.alignment_digest != digest:
-                raise ConfigurationError(f"the alignment set at {self.alignment_path!r} is not the one this run was "
-                                         f"planned with (SHA-256 {digest}, the spec says {self.alignment_digest}); "
-                                         f"give every party the same file")
             object.__setattr__(self, "alignment_digest", digest)
+            load_alignment(self.alignment_path, self)
         if not isinstance(self.fed, FederationConfig) or not isinstance(self.privacy, PrivacyConfig):
             raise ConfigurationError("fed and privacy must be a FederationConfig and a PrivacyConfig")
         if self.privacy.sampling_rate < 1 and self.secure is not None:
@@ -288,7 +303,7 @@ class RunSpec:
                 raise ConfigurationError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         if self.torch_threads is not None and (type(self.torch_threads) is not int or self.torch_threads < 1):
             raise ConfigurationError(f"torch_threads must be an integer >= 1 or None, got {self.torch_threads!r}")
-        self.public_facts()  # validates the facts
+        self._facts(None)  # validates the facts
 
     @classmethod
     def of(cls, algorithm: str, data, fed: FederationConfig, privacy: PrivacyConfig, *, run_id: str | None = None,
@@ -300,7 +315,12 @@ class RunSpec:
                    run_id or f"{algorithm}-eps{privacy.epsilon:g}-seed{fed.seed}", **kwargs)
 
     def public_facts(self, test=None) -> PublicFacts:
+        """The run's public facts, with its alignment set read from ``alignment_path`` and checked against
+        ``alignment_digest`` (a ClientApp first puts its node config's own path there: :func:`_node_alignment`)."""
         alignment = load_alignment(self.alignment_path, self) if self.alignment_path else None
+        return self._facts(alignment, test)
+
+    def _facts(self, alignment, test=None) -> PublicFacts:
         return PublicFacts(self.n_clients, self.task, self.num_classes, self.input_shape, self.client_size,
                            self.client_sizes, self.record_cap, self.name, alignment, test)
 
@@ -328,6 +348,10 @@ class RunSpec:
             d["options"] = tuple((k, v) for k, v in d.get("options", ()))
             d["identities"] = tuple((p, k) for p, k in d.get("identities", ()))
             d["node_keys"] = tuple((p, k) for p, k in d.get("node_keys", ()))
+            if d.get("alignment_path") and not d.get("alignment_digest"):
+                # refused before anything reads the path: a spec built by RunSpec(...) always carries the digest
+                raise ConfigurationError(f"the run config's {SPEC_KEY!r} names an alignment set without its SHA-256 "
+                                         "(alignment_digest); refused")
             if d.get("secure") is not None:
                 from privfl.privacy.secure import SecureAggregation
 
@@ -344,7 +368,7 @@ class RunSpec:
 OVERRIDE_KEYS = ("rounds", "epsilon", "run-id")
 
 
-def import_algorithm_modules(run_config) -> None:
+def import_algorithm_modules(run_config, import_new: bool = True) -> None:
     """Import the files that register the run's own algorithms (``write_app(modules=...)``), once per process:
     the app module imports them where Flower loads it (a SuperNode of the Deployment Engine), but the Simulation
     Engine loads the ClientApp once and hands the object to its Ray workers, which then only import privfl.
@@ -352,7 +376,10 @@ def import_algorithm_modules(run_config) -> None:
     The run config comes from whoever starts the run, so it may name only what the app itself brought: a module the
     app module already imported (by its name), or a ``.py`` file in a folder that holds the app module
     (``privfl_flower_app.py``, which ``write_app`` writes beside its copies). Anything else, such as a script elsewhere
-    on a SuperNode's disk or an installed module the app never imported, is refused, not imported."""
+    on a SuperNode's disk or an installed module the app never imported, is refused, not imported. With
+    ``import_new=False`` (a SuperNode that trusts no server: :func:`_distrusts_server`) only modules the app module
+    already imported are accepted: the app privfl's worker checked (``privfl.flower.warm``) imports every module it
+    brings, and a file elsewhere on the node (an earlier app's folder) is never imported on the run config's word."""
     import importlib.util
     import sys
 
@@ -368,6 +395,9 @@ def import_algorithm_modules(run_config) -> None:
         if name in sys.modules:
             continue
         folder = os.path.dirname(os.path.abspath(path))
+        if not import_new:
+            raise ConfigurationError(f"the run's algorithm module {path!r} is not imported by the app, and this "
+                                     "SuperNode trusts no server (it holds a federation file): refusing to import it")
         if not (path.endswith(".py") and os.path.isfile(path)
                 and os.path.isfile(os.path.join(folder, f"{APP_MODULE}.py"))):
             raise ConfigurationError(f"the run's algorithm module {path!r} is neither imported by the app nor a .py "
@@ -383,11 +413,12 @@ def import_algorithm_modules(run_config) -> None:
             raise
 
 
-def read_run_spec(run_config) -> "RunSpec":
+def read_run_spec(run_config, import_new: bool = True) -> "RunSpec":
     """The run's spec from a Flower run config: the ``privfl-spec`` JSON with the overrides of :data:`OVERRIDE_KEYS`
     applied (``--run-config``), validated again. A new epsilon or round count with the same run id is refused by the
-    ledgers that already hold the run: give it a new ``run-id`` too."""
-    import_algorithm_modules(run_config)
+    ledgers that already hold the run: give it a new ``run-id`` too. ``import_new``: see
+    :func:`import_algorithm_modules`."""
+    import_algorithm_modules(run_config, import_new)
     spec = RunSpec.from_json(str(run_config[SPEC_KEY]))
     rounds, epsilon, run_id = (run_config.get(k) for k in OVERRIDE_KEYS)
     try:
@@ -531,13 +562,20 @@ def _state_key(key: str, phased: PhaseOf | None) -> str:
 def load_dataset(path: str, spec: RunSpec, partition: int | None = None):
     """An organisation's data: an ``.npz`` file holding ``x`` and ``y`` (privfl's ArrayDataset layout), or a Flower
     Datasets source (``flwr-datasets:...``, :mod:`privfl.data.flower_datasets`; ``partition``: this node's
-    partition id, for a source partitioned over the run's clients), checked against the spec's input shape."""
+    partition id, for a source partitioned over the run's clients), checked against the spec's input shape.
+
+    A record the run cannot use (a feature not finite in float32, a label outside the spec's classes, ...) is left
+    out with a warning in this node's own log (:func:`privfl.data.flower_datasets.usable_records`), never a failure:
+    a review found one such record turned the charged release into an uncharged error reply, so the server told a
+    data set from its neighbour with certainty, as often as it liked. Only the file's layout (readable, ``x`` at least
+    2-D, as many labels as records) can still fail."""
     from privfl.data import ArrayDataset
-    from privfl.data.flower_datasets import is_flower_dataset, load_partition
+    from privfl.data.flower_datasets import is_flower_dataset, load_partition, usable_records
 
     if is_flower_dataset(path):
         data = load_partition(path, partition_id=partition, num_partitions=spec.n_clients, task=spec.task,
-                              num_classes=spec.num_classes, name=f"partition-{partition}")
+                              num_classes=spec.num_classes, name=f"partition-{partition}",
+                              input_shape=spec.input_shape)
         if tuple(data.x.shape[1:]) != tuple(spec.input_shape):
             raise ConfigurationError(f"{path!r} gives inputs of shape {tuple(data.x.shape[1:])}; the run's inputs "
                                      f"have shape {tuple(spec.input_shape)} (choose the feature columns with x=)")
@@ -548,14 +586,25 @@ def load_dataset(path: str, spec: RunSpec, partition: int | None = None):
     except (OSError, KeyError, ValueError) as exc:
         raise ConfigurationError(f"cannot read the data file {path!r} ({exc}); give an .npz with arrays x and y"
                                  ) from None
-    return ArrayDataset(x, y, spec.task, spec.num_classes, os.path.basename(path))
+    name = os.path.basename(path)
+    x, y, _ = usable_records(x, y, spec.task, spec.num_classes, name)
+    return ArrayDataset(x, y, spec.task, spec.num_classes, name)
 
 
 def load_alignment(path: str, spec: RunSpec):
     """The public alignment set: the inputs ``x`` of an ``.npz`` (its labels, if any, are never read: the dataset's
-    targets are zeros), checked against the spec's input shape."""
+    targets are zeros), checked against the spec's SHA-256 (``alignment_digest``, when it has one) and input shape."""
     from privfl.data import ArrayDataset
 
+    if spec.alignment_digest:
+        try:
+            digest = _file_digest(path)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read the alignment set {path!r}: {exc}") from None
+        if digest != spec.alignment_digest:
+            raise ConfigurationError(f"the alignment set at {path!r} is not the one this run was planned with "
+                                     f"(SHA-256 {digest}, the spec says {spec.alignment_digest}); give every party "
+                                     f"the same file")
     try:
         with np.load(path, allow_pickle=False) as f:
             x = np.asarray(f["x"], dtype=np.float32)
@@ -1277,9 +1326,51 @@ def _generators(spec: RunSpec, client: int, context, phased: PhaseOf | None = No
     return train_rng, noise, secure_rng, save
 
 
+def _distrusts_server(context) -> bool:
+    """Whether this SuperNode trusts no server: it holds an identity key or a federation file
+    (``privfl.flower.identity``)."""
+    from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY
+
+    return bool(context.node_config.get(IDENTITY_KEY) or context.node_config.get(FEDERATION_KEY))
+
+
+def _node_run_spec(context) -> RunSpec:
+    """The run's spec as this SuperNode reads it: from the run config (:func:`read_run_spec`; on a node that trusts
+    no server, importing no module its app did not import) with its own alignment set (:func:`_node_alignment`)."""
+    return _node_alignment(context, read_run_spec(context.run_config, import_new=not _distrusts_server(context)))
+
+
+def _node_alignment(context, spec: RunSpec) -> RunSpec:
+    """``spec`` with the alignment set this SuperNode reads: the file at its node config's ``alignment-path``
+    (:data:`ALIGNMENT_KEY`, the organisation's own choice), checked against the spec's digest when it is loaded
+    (:func:`load_alignment`). The spec's ``alignment_path`` comes from the run config, which the server's side writes:
+    a review found that a server naming the organisation's own data file there got an uncharged oracle (a ``query``
+    answered on one data set and refused on its neighbour, by the file's digest or by an empty file's refusal) and,
+    for FedBNN, a release of shape (record count, classes). It is never read on a node that has its own
+    ``data-path``; only a node that takes its data path from the run config as well (the Simulation Engine's virtual
+    SuperNodes, which have no node config) takes the spec's path. Every refusal here depends on the node config and
+    the spec, never on the records."""
+    if not spec.alignment_path and not spec.alignment_digest:
+        return spec
+    if not spec.alignment_digest:
+        raise ConfigurationError(f"run {spec.run_id!r} names an alignment set without its SHA-256; refused")
+    if ALIGNMENT_KEY in context.node_config:
+        path = str(context.node_config[ALIGNMENT_KEY])
+    elif DATA_KEY not in context.node_config:
+        return spec  # a node whose data path is the run config's too (Simulation Engine) trusts its files
+    else:
+        raise ConfigurationError(f"run {spec.run_id!r} uses a public alignment set, and this SuperNode has no "
+                                 f"{ALIGNMENT_KEY!r} in its node config (the run config's path names a file on the "
+                                 f"server's side and is never read here): start it with --node-config \"... "
+                                 f"{ALIGNMENT_KEY}='/data/alignment.npz'\", the agreed public file (SHA-256 "
+                                 f"{spec.alignment_digest})")
+    return dataclasses.replace(spec, alignment_path=path)
+
+
 def _client_spec(context) -> tuple[RunSpec, int]:
-    """The run's spec (from the run config) and this SuperNode's partition id, torch's threads set as it says."""
-    spec = read_run_spec(context.run_config)
+    """The run's spec (from the run config, with this node's own alignment set: :func:`_node_alignment`) and this
+    SuperNode's partition id, torch's threads set as it says."""
+    spec = _node_run_spec(context)
     if spec.torch_threads is not None:
         import torch
 
@@ -1478,7 +1569,7 @@ def client_train(msg, context):
                                             on_failure=fallback_on_failure(half.algorithm, spec.privacy, pipeline,
                                                                            client, rnd, events))
         # the client's own state (HBFL's local model, FedBNN's personalised model) stays on its SuperNode
-        _keep(context, state_key, half.encode_state(client, state))
+        new_state = half.encode_state(client, state)
         try:
             # The charges (and, in the clear, the release marks) are durable before anything is sent. Under secure
             # aggregation the values leave only as the masked input, two stages later: marked then.
@@ -1487,10 +1578,19 @@ def client_train(msg, context):
             sat_out = False
         except PrivacyBudgetExceeded:
             released, sat_out = {}, True
+        # The new state is kept once the round's values are released (in the clear: now), never before: under secure
+        # aggregation a round is served again until its masked input leaves, and a review found each such replay
+        # trained on the records again from the state the last one kept (5 train messages for round 0: 5 DP-SGD
+        # trainings compounded in the kept state, epsilon 5.88 against the ledger's one row, 3.09). It waits with the
+        # round's session (client_secagg keeps it when the masked input is marked released); a replay starts again
+        # from the state kept before the round. A round that sat out keeps nothing (nothing of it was released).
+        if not secure and not sat_out:
+            _keep(context, state_key, new_state)
         reply = {"client_id": str(client), "round": rnd, "sat_out": sat_out}
         if secure and not sat_out:
             reply.update(_secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context,
-                                           phased, _composition(run_spec, phased), identity))
+                                           phased, _composition(run_spec, phased), identity,
+                                           pending=(state_key, new_state)))
         elif not secure:
             reply["releases"] = [encode_release(r) for r in released.values()]
         save()
@@ -1552,6 +1652,11 @@ def _check_seeded_resume(spec: RunSpec, released_rounds, kept: float) -> None:
 def _persist_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: int) -> None:
     """Write this run's Context state of the client (generators, algorithm state) to its client-state file, whole
     or not at all (see :func:`_recover_client_state`)."""
+    _persist_entry(context, spec.run_id, None if phased is None else phased.name, rnd)
+
+
+def _persist_entry(context, run_id: str, phase: str | None, rnd: int) -> None:
+    """:func:`_persist_client_state` of the ledger run ``run_id`` (a phase's own run id) and its ``phase`` name."""
     path = _client_state_file(context)
     saved = {}
     if os.path.exists(path):
@@ -1559,10 +1664,10 @@ def _persist_client_state(context, spec: RunSpec, phased: PhaseOf | None, rnd: i
             saved = dict(from_bytes(f.read(), CLIENT_STATE_FILE))
     entry = {"round": int(rnd)}
     for name in (CLIENT_STATE, ALGORITHM_STATE):
-        key = _state_key(name, phased)
+        key = name if phase is None else f"{name}.{phase}"
         if key in context.state:
             entry[name] = bytes(context.state[key]["envelope"])
-    saved[_client_state_entry(spec, phased)] = entry
+    saved[json.dumps([run_id, phase])] = entry
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(to_bytes(saved, CLIENT_STATE_FILE))
@@ -1683,7 +1788,7 @@ def _client_identity(context, spec: RunSpec | None, floor: int | None, malicious
 
 
 def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, context, phased=None,
-                      composition=None, identity=None) -> dict:
+                      composition=None, identity=None, pending=None) -> dict:
     """The client's first stage under secure aggregation: encode its (charged, noised) releases with its own
     generator into the public encodings it computes itself, open its protocol session under the server's public
     configuration (refused if it asks for fewer inputs than the client's noise was charged for) and advertise its
@@ -1720,6 +1825,8 @@ def _secure_advertise(spec, plan, client, rnd, broadcast, released, secure_rng, 
     advert = session.advertise_keys()
     state = {"round": rnd, "config": config.to_dict(), "session": session.to_state(), "floor": floor,
              "run_id": spec.run_id, "phase": None if phased is None else phased.name, "composition": composition}
+    if pending is not None:  # the client state this round's training left, kept when the masked input leaves
+        state["pending_state"] = {"key": pending[0], "envelope": bytes(pending[1])}
     context.state[SECAGG_STATE] = ConfigRecord({"envelope": to_bytes(state, SECAGG_STATE)})
     return {"headers": [r.header.to_dict() for r in released.values()], "advertise": advert.to_bytes()}
 
@@ -1765,6 +1872,10 @@ def client_secagg(msg, context):
             reply["audit"] = _audit(context, ledger, client, saved.get("composition"))
         finally:
             ledger.close()
+        pending = saved.pop("pending_state", None)
+        if pending is not None:  # the round is released: its training's client state is now the client's
+            _keep(context, str(pending["key"]), bytes(pending["envelope"]))
+            _persist_entry(context, saved["run_id"], saved.get("phase"), rnd)
     if session.stage != "done":
         saved["session"] = session.to_state()
         context.state[SECAGG_STATE] = ConfigRecord({"envelope": to_bytes(saved, SECAGG_STATE)})
@@ -1782,7 +1893,7 @@ def client_identify(msg, context):
     from privfl.algorithms.base import is_phased
     from privfl.runtime.phase_ledgers import phase_run_id
 
-    spec = read_run_spec(context.run_config)
+    spec = read_run_spec(context.run_config, import_new=not _distrusts_server(context))  # reads no file of the spec
     client = int(_node_value(context, PARTITION_KEY))
     path = str(_node_value(context, LEDGER_KEY))
     top = _algorithm(spec)
@@ -1812,7 +1923,7 @@ def client_charge(msg, context):
 
     from privfl.accounting.errors import PrivacyBudgetExceeded
 
-    run_spec = read_run_spec(context.run_config)
+    run_spec = _node_run_spec(context)
     client = int(_node_value(context, PARTITION_KEY))
     request = from_record(msg.content, CHARGE)
     spec, alg, phased = _party(run_spec, request.get("phase"))
@@ -1981,14 +2092,21 @@ def write_app(directory: str, spec: RunSpec, *, result_path: str = "", test_path
     with open(os.path.join(directory, "pyproject.toml"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(directory, f"{APP_MODULE}.py"), "w") as f:
-        imports = "".join(f"import {os.path.splitext(os.path.basename(p))[0]}  # registers its algorithm\n"
-                          for p in paths)
-        f.write('"""privfl\'s Flower components (see privfl.flower.app)."""\n\n' + imports +
-                "from privfl.flower import app as _privfl\n\n"
-                "server_app = _privfl.server_app  # flwr finds components by assignment (it reads this file's AST)\n"
-                "client_app = _privfl.client_app\n")
+        f.write(app_module_source([os.path.splitext(os.path.basename(p))[0] for p in paths]))
     return directory
 
 
-__all__ = ["CLIENT_ERROR_CODES", "DeploymentError", "MODULES_KEY", "algorithm_modules", "import_algorithm_modules", "OVERRIDE_KEYS", "RunSpec", "client_error_reply", "client_seed",
+def app_module_source(module_names) -> str:
+    """The text of the app module ``write_app`` writes (``privfl_flower_app.py``), importing ``module_names`` (the
+    run's own algorithm modules, in order) before privfl's components: what ``privfl.flower.warm`` compares a FAB's
+    app module with on a SuperNode that trusts no server."""
+    imports = "".join(f"import {name}  # registers its algorithm\n" for name in module_names)
+    return ('"""privfl\'s Flower components (see privfl.flower.app)."""\n\n' + imports +
+            "from privfl.flower import app as _privfl\n\n"
+            "server_app = _privfl.server_app  # flwr finds components by assignment (it reads this file's AST)\n"
+            "client_app = _privfl.client_app\n")
+
+
+__all__ = ["ALIGNMENT_KEY", "CLIENT_ERROR_CODES", "DeploymentError", "MODULES_KEY", "algorithm_modules",
+           "app_module_source", "import_algorithm_modules", "OVERRIDE_KEYS", "RunSpec", "client_error_reply", "client_seed",
            "client_train", "read_result", "read_run_spec", "runs_on_flower", "server_main", "write_app"]

@@ -35,6 +35,18 @@ SuperLink keeps its TLS); a SuperNode that serves its runtime API over TLS is re
 instead, and one started with ``--superexec-auth-secret-file`` is reached with the same file. The worker runs apps
 in its own Python environment (privfl must be installed there): it installs no app dependencies at run time.
 ``--parent-pid PID`` ends the worker when process PID (the SuperNode) ends.
+
+**The app is the coordinator's code.** The ClientApp a SuperNode runs comes from the run's FAB, which the coordinator
+builds and ships (``flwr run``): privfl's defences against an active server (the federation file's pinned terms, the
+node budget, the identity key) live in privfl's ClientApp, so a coordinator that ships another app module runs its
+own code on the organisation's machine, with its data path in reach (a review did: one appended ClientApp replied
+with the organisation's records). On a SuperNode that trusts no server (an ``identity-key`` or ``federation`` in its
+node config) this worker therefore loads a FAB only if it is privfl's own app (:func:`check_fab`): ``pyproject.toml``
+naming privfl's components, the app module exactly as ``write_app`` writes it (:func:`privfl.flower.app.
+app_module_source`), and no other file but the algorithm modules whose SHA-256 the organisation listed in its node
+config (``trusted-modules='HEX,HEX'``, after reading them); the installed copy is checked against the FAB before it is
+imported. A refused FAB gets an error reply and nothing of it runs. Flower's own executor (``--isolation subprocess``,
+``flwr-clientapp``) runs whatever the FAB holds: such a SuperNode must run this worker, or check each FAB itself.
 """
 
 from __future__ import annotations
@@ -64,19 +76,114 @@ class WorkerStopped(BaseException):
     Exception`` does not swallow it)."""
 
 
+#: node-config key: SHA-256 digests (hex, comma- or space-separated) of the algorithm modules an organisation that
+#: trusts no server has read and accepts in a run's FAB (:func:`check_fab`)
+TRUSTED_MODULES_KEY = "trusted-modules"
+#: the files of a FAB besides its modules: its manifest (Flower's), its project file and privfl's app module
+FAB_FILES = (".info/CONTENT", "pyproject.toml", "privfl_flower_app.py")
+
+
+class UntrustedApp(Exception):
+    """A FAB that is not privfl's own app, refused (nothing of it imported) on a SuperNode that trusts no server."""
+
+
+def trusts_no_server(node_config) -> bool:
+    """Whether a SuperNode's node config holds an identity key or a federation file (``privfl.flower.identity``)."""
+    from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY
+
+    return bool(node_config.get(IDENTITY_KEY) or node_config.get(FEDERATION_KEY))
+
+
+def trusted_modules(node_config) -> frozenset[str]:
+    """The SHA-256 digests of :data:`TRUSTED_MODULES_KEY` in a node config."""
+    raw = str(node_config.get(TRUSTED_MODULES_KEY, "") or "")
+    digests = frozenset(d.strip().lower() for d in raw.replace(",", " ").split() if d.strip())
+    bad = [d for d in digests if len(d) != 64 or any(c not in "0123456789abcdef" for c in d)]
+    if bad:
+        raise UntrustedApp(f"the node config's {TRUSTED_MODULES_KEY} must list SHA-256 digests (64 hex digits)")
+    return digests
+
+
+def check_fab(run, fab, allowed=frozenset()) -> dict[str, bytes]:
+    """Refuse (:class:`UntrustedApp`) a FAB that is not privfl's own app, before anything of it is installed or
+    imported: its files must be Flower's manifest, ``pyproject.toml`` and ``privfl_flower_app.py``, plus top-level
+    ``<module>.py`` files whose SHA-256 is in ``allowed``; the project file must name privfl's components, the run's
+    FAB id and version and no dependency; the app module must be exactly what ``write_app`` writes for those modules
+    (:func:`privfl.flower.app.app_module_source`). Returns the files (name -> bytes) the installed app must hold."""
+    import io
+    import tomllib
+    import zipfile
+
+    from privfl.flower.app import APP_MODULE, app_module_source
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(fab.content)) as archive:
+            files = {info.filename: archive.read(info) for info in archive.infolist()}
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise UntrustedApp(f"the FAB is not a readable archive ({exc})") from None
+    modules = sorted(name for name in files if name not in FAB_FILES)
+    for name in modules:
+        stem = name[:-3]
+        if "/" in name or not name.endswith(".py") or not stem.isidentifier():
+            raise UntrustedApp(f"the FAB holds {name!r}, which privfl's app never holds (write_app writes "
+                               f"{list(FAB_FILES[1:])} and the run's algorithm modules)")
+        if hashlib.sha256(files[name]).hexdigest() not in allowed:
+            raise UntrustedApp(f"the FAB brings the module {name!r} (SHA-256 {hashlib.sha256(files[name]).hexdigest()})"
+                               f", which this SuperNode's {TRUSTED_MODULES_KEY} does not list: read it, and add its "
+                               "digest to the node config to run it")
+    if not all(name in files for name in FAB_FILES):
+        raise UntrustedApp(f"the FAB lacks one of {list(FAB_FILES)}")
+    try:
+        project = tomllib.loads(files["pyproject.toml"].decode("utf-8"))
+        flwr_app = project["tool"]["flwr"]["app"]
+        components = dict(flwr_app["components"])
+        fab_id, version = f"{flwr_app['publisher']}/{project['project']['name']}", project["project"]["version"]
+        dependencies = project["project"].get("dependencies", [])
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise UntrustedApp(f"the FAB's pyproject.toml is not a privfl app's ({exc})") from None
+    expected = {"serverapp": f"{APP_MODULE}:server_app", "clientapp": f"{APP_MODULE}:client_app"}
+    if components != expected:
+        raise UntrustedApp(f"the FAB's components are {components}; privfl's app has {expected}")
+    if (fab_id, version) != (run.fab_id, run.fab_version):
+        raise UntrustedApp(f"the FAB is {fab_id} {version}, the run names {run.fab_id} {run.fab_version}")
+    if dependencies:
+        raise UntrustedApp(f"the FAB declares dependencies {dependencies}; privfl's app declares none")
+    source = files[f"{APP_MODULE}.py"].decode("utf-8", errors="replace")
+    imported = [line.split()[1] for line in source.splitlines()
+                if line.startswith("import ") and line.endswith("# registers its algorithm")]
+    if sorted(f"{name}.py" for name in imported) != modules or source != app_module_source(imported):
+        raise UntrustedApp(f"the FAB's {APP_MODULE}.py is not the app module privfl's write_app writes: refused, "
+                           "nothing of it imported")
+    return {name: data for name, data in files.items() if name != ".info/CONTENT"}
+
+
+def _check_installed(project_dir: Path, files: dict[str, bytes]) -> None:
+    """The installed app holds exactly ``files`` (an app folder of the same truncated hash installed earlier, or
+    altered since, is refused); Python's byte-code caches in it are removed first, so only these sources run."""
+    import shutil
+
+    for cache in [p for p in project_dir.rglob("__pycache__") if p.is_dir()]:
+        shutil.rmtree(cache)
+    found = {str(p.relative_to(project_dir)): p for p in project_dir.rglob("*") if not p.is_dir()}
+    if set(found) != set(files) or any(found[name].read_bytes() != data for name, data in files.items()):
+        LOG.error("the installed app in %s is not the FAB that was checked; remove the folder", project_dir)
+        raise UntrustedApp("the installed app folder is not the FAB that was checked (its path is in this worker's log)")
+
+
 class ClientAppCache:
     """ClientApps loaded in this process, one per FAB (by the SHA-256 of its content).
 
     Loading a FAB's app imports its modules from the FAB's project directory; a later FAB may hold modules of the
     same names (every privfl run ships ``privfl_flower_app``), so before loading another FAB the modules imported
     from earlier project directories are forgotten (the ClientApps already loaded keep working: they hold their
-    own module globals)."""
+    own module globals). On a SuperNode that trusts no server (``node_config`` with an identity key or a federation
+    file) a FAB is loaded only if :func:`check_fab` accepts it (see the module docstring)."""
 
     def __init__(self) -> None:
         self.apps: dict[str, object] = {}
         self._project_dirs: list[Path] = []
 
-    def get(self, run, fab):
+    def get(self, run, fab, node_config=None):
         from flwr.cli.install import install_from_fab
         from flwr.clientapp.utils import get_load_client_app_fn
         from flwr.common.config import get_project_dir
@@ -84,13 +191,23 @@ class ClientAppCache:
         digest = hashlib.sha256(fab.content).hexdigest()
         if digest != fab.hash_str:
             raise ValueError(f"the FAB's content has SHA-256 {digest}, but the SuperNode says {fab.hash_str}")
+        checked = None
+        if node_config is not None and trusts_no_server(node_config):
+            checked = check_fab(run, fab, trusted_modules(node_config))
         if digest not in self.apps:
             install_from_fab(fab.content, skip_prompt=True)
+            project_dir = Path(get_project_dir(run.fab_id, run.fab_version, fab.hash_str)).resolve()
+            if checked is not None:
+                _check_installed(project_dir, checked)
             self._forget_earlier_apps()
             load = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
-            self.apps[digest] = load(run.fab_id, run.fab_version, fab.hash_str)
-            self._project_dirs.append(Path(get_project_dir(run.fab_id, run.fab_version, fab.hash_str)).resolve())
-        return self.apps[digest]
+            app = load(run.fab_id, run.fab_version, fab.hash_str)
+            self._project_dirs.append(project_dir)
+            self.apps[digest] = (app, checked is not None)
+        app, was_checked = self.apps[digest]
+        if checked is not None and not was_checked:
+            raise UntrustedApp("this FAB was loaded unchecked earlier in this worker; restart the worker")
+        return app
 
     def _forget_earlier_apps(self) -> None:
         if not self._project_dirs:
@@ -200,7 +317,7 @@ class Worker:
             message, context, run, fab = _pull_task_input(client)
             kind = message.metadata.message_type
             timings["pull"] = time.perf_counter() - start
-            client_app = self.apps.get(run, fab)
+            client_app = self.apps.get(run, fab, context.node_config)
             timings["load"] = time.perf_counter() - start - timings["pull"]
             call = time.perf_counter()
             reply = client_app(message=message, context=context)
@@ -399,4 +516,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["ClientAppCache", "Worker", "WorkerStopped", "main"]
+__all__ = ["ClientAppCache", "TRUSTED_MODULES_KEY", "UntrustedApp", "Worker", "WorkerStopped", "check_fab", "main"]

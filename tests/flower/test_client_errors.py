@@ -36,15 +36,17 @@ def _spec():
     return RunSpec.of("dp_fedavg", federation, fed, privacy, run_id="errors"), digits
 
 
-@pytest.mark.parametrize("fault, kind", [("labels", "data"), ("missing", "configuration")])
+# (a label outside the public label set is no longer a failure: the record is left out, tests/flower/test_review_s26.py;
+# the data file's layout still is: fewer labels than records)
+@pytest.mark.parametrize("fault, kind", [("layout", "data"), ("missing", "configuration")])
 def test_a_failing_client_replies_a_code_and_its_partition_only(tmp_path, identity, caplog, fault, kind):
     spec, digits = _spec()
     secret_dir = tmp_path / "hospital-secret-ward"
     secret_dir.mkdir()
     data = secret_dir / "patients.npz"
     labels = digits.y[:60].copy()
-    if fault == "labels":
-        labels[3] = 12  # a label outside the public label set: the text would quote it
+    if fault == "layout":
+        labels = labels[:59]  # one label fewer than records: the file's layout
     np.savez(data, x=digits.x[:60], y=labels)
     if fault == "missing":
         data = secret_dir / "absent.npz"

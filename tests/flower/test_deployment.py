@@ -37,7 +37,9 @@ RUN_TIMEOUT = 240  # seconds for one flwr run (3 rounds)
 @pytest.fixture(scope="module")
 def deployment(federation, tmp_path_factory, write_orgs, quick_deployment):
     work = tmp_path_factory.mktemp("flower")
-    configs = write_orgs(federation, work)
+    # each organisation reads FedBNN's public alignment set from its own node config (the run config's path is the
+    # server's, never read by a SuperNode that has its own data-path); test_fedbnn_deployed_equals_in_process writes it
+    configs = [{**config, "alignment-path": str(work / "alignment.npz")} for config in write_orgs(federation, work)]
     # warm workers (privfl.flower.warm) on SuperNodes with shortened waits (conftest.QUICK)
     with quick_deployment(work, configs) as dep:
         yield dep

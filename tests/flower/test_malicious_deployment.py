@@ -14,6 +14,7 @@ file (the organisations' public keys and the agreed threat model), both in its n
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sqlite3
 
@@ -25,6 +26,7 @@ pytest.importorskip("flwr")
 from privfl.core.config import FederationConfig, PrivacyConfig  # noqa: E402
 from privfl.flower.app import RunSpec, read_result, write_app  # noqa: E402
 from privfl.flower.identity import FEDERATION_KEY, IDENTITY_KEY, make_identities  # noqa: E402
+from privfl.flower.warm import TRUSTED_MODULES_KEY  # noqa: E402
 from privfl.privacy.secure import SecureAggregation  # noqa: E402
 
 N_CLIENTS = 3
@@ -33,6 +35,10 @@ SECURE = SecureAggregation(bits=48, malicious=True, dropout=0.34)
 
 #: The adversary's ServerApp: privfl's own, with one change in its process: every key directory it forwards carries
 #: fresh X25519 keys of the server's in place of organisation 0's (protocol id 1), under organisation 0's tags.
+#: Shipped as a module of the app (write_app(modules=...)), which the SuperNodes here list as trusted by its SHA-256
+#: (node config trusted-modules): a SuperNode that holds a federation file runs only privfl's own app
+#: (privfl.flower.warm.check_fab), so a real active server alters its own privfl instead; the change is in the
+#: ServerApp's process either way, and the module patches server code only.
 ACTIVE_SERVER_APP = '''"""An active server: privfl's ServerApp substituting organisation 0's keys (a test of issue 26)."""
 
 import dataclasses
@@ -61,8 +67,6 @@ def _substituted(self):
 
 
 _server.ServerSession.key_directories = _substituted
-server_app = _privfl.server_app
-client_app = _privfl.client_app
 '''
 
 
@@ -132,10 +136,12 @@ def test_an_active_server_learns_nothing_and_weaker_runs_are_refused(federation,
     weaker = _spec(federation, public, "weaker", secure=SecureAggregation(bits=48, malicious=True, dropout=0.0))
     semi_honest = _spec(federation, public, "semi", secure=SecureAggregation(bits=48, malicious=False))
     result_path = str(tmp_path / "result.bin")
+    attack = tmp_path / "active_server.py"
+    attack.write_text(ACTIVE_SERVER_APP)
+    for config in configs:
+        config[TRUSTED_MODULES_KEY] = hashlib.sha256(attack.read_bytes()).hexdigest()
     with quick_deployment(tmp_path, configs) as dep:
-        app = write_app(str(tmp_path / "app"), spec, result_path=result_path)
-        with open(os.path.join(app, "privfl_flower_app.py"), "w") as f:
-            f.write(ACTIVE_SERVER_APP)
+        app = write_app(str(tmp_path / "app"), spec, result_path=result_path, modules=[str(attack)])
         dep.run(app, timeout=RUN_TIMEOUT)
         substitution_logs = _logs(tmp_path)
         for refused in (weaker, semi_honest):

@@ -55,9 +55,19 @@ def test_bad_options_are_refused(alignment, options, match):
 
 def test_another_alignment_file_is_refused(alignment):
     text = RunSpec("fedbnn", FED, PRIVACY, **FACTS, alignment_path=alignment).to_json()
-    np.savez(alignment, x=np.zeros((12, 8), dtype=np.float32))  # a SuperNode holding a different file
+    np.savez(alignment, x=np.zeros((12, 8), dtype=np.float32))  # a party holding a different file
+    spec = RunSpec.from_json(text)  # a spec read from the run config reads no file (its digest is checked on load)
     with pytest.raises(ConfigurationError, match="not the one this run was planned with"):
-        RunSpec.from_json(text)
+        spec.public_facts()
+
+
+def test_a_run_config_naming_an_alignment_set_without_its_digest_is_refused(alignment):
+    import json
+
+    d = json.loads(RunSpec("fedbnn", FED, PRIVACY, **FACTS, alignment_path=alignment).to_json())
+    d["alignment_digest"] = ""
+    with pytest.raises(ConfigurationError, match="without its SHA-256"):
+        RunSpec.from_json(json.dumps(d))
 
 
 def test_an_alignment_set_of_the_wrong_shape_is_refused(tmp_path):
