@@ -1286,7 +1286,12 @@ def read_result(path: str) -> dict:
 # -- the client half ----------------------------------------------------------------------------------------------
 
 def _node_value(context, key: str):
-    template = str(context.run_config.get(TEMPLATE_KEYS.get(key, ""), "") or "")
+    """The node config's ``key``; on a SuperNode that trusts the server (none of its keys), else the run config's
+    path template for it (the Simulation Engine's virtual SuperNodes have no node config). A SuperNode that trusts
+    no server never takes a path from the server's side: a template naming a fresh ledger file each run would reset
+    its ledger and its node budget (a review, session 26: four launches of one run id, epsilon 12 against a total of
+    3)."""
+    template = "" if _distrusts_server(context) else str(context.run_config.get(TEMPLATE_KEYS.get(key, ""), "") or "")
     if key not in context.node_config and template and PARTITION_KEY in context.node_config:
         return template.replace("{partition-id}", str(int(context.node_config[PARTITION_KEY])))
     if key not in context.node_config:
@@ -1473,13 +1478,24 @@ def _admit_run(context, run_spec: RunSpec, terms: dict) -> None:
         try:
             rows = conn.execute("SELECT run_id, epsilon, delta, covers FROM admitted").fetchall()
             mine = [r for r in rows if r[0] == run_spec.run_id]
+            covered = {c for r in rows for c in json.loads(r[3])}
             if mine:
                 if eps > mine[0][1] or delta > mine[0][2]:
                     raise DeploymentError(f"run {run_spec.run_id!r} was admitted on this SuperNode for epsilon "
                                           f"{mine[0][1]:g}, delta {mine[0][2]:g}; it now asks for {eps:g}, {delta:g}: "
                                           "refused (give a new run a new run_id)")
+                if sorted(covers) != sorted(json.loads(mine[0][3])):
+                    # the admitted budget is per ledger run: one run id back with other phases (a one-phase run
+                    # relaunched as two, or the reverse) would charge fresh ledger runs under one admission
+                    raise DeploymentError(f"run {run_spec.run_id!r} was admitted on this SuperNode for the ledger "
+                                          f"runs {json.loads(mine[0][3])}; it now charges {covers}: refused (give a "
+                                          "new run a new run_id)")
             else:
-                covered = {c for r in rows for c in json.loads(r[3])}
+                clash = sorted((covered | {r[0] for r in rows}) & set(covers))
+                if clash:  # a new run id whose ledger runs an admitted run charges already
+                    raise DeploymentError(f"run {run_spec.run_id!r} would charge the ledger runs {clash}, which a run "
+                                          "admitted before on this SuperNode charges: refused (give a new run a new "
+                                          "run_id)")
                 spent_eps, spent_delta = sum(r[1] for r in rows), sum(r[2] for r in rows)
                 others = []
                 for held in PrivacyLedger.run_ids(ledger_path) if os.path.exists(ledger_path) else []:
