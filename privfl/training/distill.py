@@ -180,9 +180,9 @@ def bayes_linear_stack(model: nn.Module):
             if module.reparameterization != "local" or not module.sampling or module.generator is not None:
                 return None
             layers.append(("bayes", base + name, "bias" in module.gaussian_names))
-        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
+        elif not layers and type(module) in (nn.Flatten, nn.AvgPool2d, nn.Identity):
             prefix.append(module)
-        elif layers and isinstance(module, ELEMENTWISE):
+        elif layers and type(module) in ELEMENTWISE:  # exact types, as privfl.training.stacked.linear_stack
             layers.append(("act", module, None))
         else:
             return None

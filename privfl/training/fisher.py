@@ -493,7 +493,19 @@ class FisherAccumulator:
         weights = self.admit(record_ids)
         params = [p for p in model.parameters() if p.requires_grad]
         if not unsupported_parameters(model) and params and params[0].dtype == self.total.dtype:
-            _fisher_hooks(model, x, y, self.clip, loss_fn, weights, into=self.total)
+            before = self.total.clone()
+            try:
+                _fisher_hooks(model, x, y, self.clip, loss_fn, weights, into=self.total)
+            except UsageError:
+                raise
+            except Exception:  # noqa: BLE001 - one record made the batched pass raise (a user's model failing on it)
+                if self.clip is None:  # nothing private: a clear error
+                    raise
+                # the per-example torch.func pass, where a record whose own pass raises adds the zero term
+                self.total.copy_(before)
+                batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn, weights=weights,
+                                           method="func")
+                self.total += batch.squared.to(self.total.dtype)
         else:
             batch = per_example_fisher(model, x, y, clip=self.clip, loss_fn=loss_fn, weights=weights)
             self.total += batch.squared.to(self.total.dtype)

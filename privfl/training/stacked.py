@@ -239,9 +239,11 @@ def linear_stack(model: nn.Module):
     for name, module in seq.named_children():
         if type(module) is nn.Linear:
             layers.append(("linear", base + name))
-        elif not layers and isinstance(module, (nn.Flatten, nn.AvgPool2d, nn.Identity)):
+        elif not layers and type(module) in (nn.Flatten, nn.AvgPool2d, nn.Identity):
             prefix.append(module)
-        elif layers and isinstance(module, ELEMENTWISE):
+        elif layers and type(module) in ELEMENTWISE:
+            # by exact type: a subclass has a forward of its own, which the stack would run on the whole batch at
+            # once (a user's layer that mixes examples, or raises on one record, would then decide for all of them)
             layers.append(("act", module))
         else:
             return None
@@ -460,14 +462,19 @@ class PerExampleGradients:
         return grads, losses
 
     def __call__(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor) -> PerExampleTerms:
-        if self.stack is None:
-            try:
+        try:
+            if self.stack is None:
                 per_example, losses = self._per_example(params, xb, yb)
-            except UsageError:
-                raise
-            except Exception:  # noqa: BLE001 - one record made the batched pass raise (a user's model failing on it)
-                per_example, losses = self._one_at_a_time(params, xb, yb)
+                return PerExampleTerms(self.names, losses, per_example=per_example)
+            return self._ghost(params, xb, yb, weight)
+        except UsageError:
+            raise
+        except Exception:  # noqa: BLE001 - one record made the batched pass raise (a user's model failing on it)
+            per_example, losses = self._one_at_a_time(params, xb, yb)
             return PerExampleTerms(self.names, losses, per_example=per_example)
+
+    def _ghost(self, params: dict, xb: torch.Tensor, yb: torch.Tensor, weight: torch.Tensor) -> PerExampleTerms:
+        """The linear stack's terms without materialising per-example gradients (ghost form)."""
         prefix, layers = self.stack
         c, width = weight.shape
         h = xb.reshape(c * width, *xb.shape[2:])
