@@ -36,7 +36,15 @@ before the run: for each metric, the 95 % t-interval of the paired difference (v
 *better* (the interval on the better side of 0: higher accuracy and selective accuracy, lower NLL and ECE),
 *worse* (on the other side) or *not distinguished*. Writes ``experiments/results/variational_posterior_fresh.{json,md}``.
 
-Usage: python experiments/run_variational_posterior.py [--smoke | --default-init-std | --fresh-seeds]   (``--smoke``: one seed,
+``--selective-score``: whether the posterior's spread earns a better abstention rule than its mean confidence (the
+one metric the rows above do not win). The score ``p_max - k * s``, ``p_max`` the predictive's largest class
+probability and ``s`` the standard deviation of that class's probability over q's 30 draws, with ``k`` chosen among
+``LCB_KS`` (0 is the usual rule) by mean validation selective accuracy over seeds 0-2 (the validation federations),
+then run with the committed epsilon-3 settings on ``FRESH_SEEDS`` against DP-FedSGD's largest class probability,
+paired by seed, with the verdict rule of ``--fresh-seeds`` (fixed before the run). Post-processing of q: free of
+privacy cost. Writes ``experiments/results/variational_selective_score.{json,md}``.
+
+Usage: python experiments/run_variational_posterior.py [--smoke | --default-init-std | --fresh-seeds | --selective-score]   (``--smoke``: one seed,
 epsilon 3, 20 rounds, two grid points and two initial deviations; not a measurement)
 """
 
@@ -67,6 +75,9 @@ from run_trajectory_posterior import (METRICS, OUT, chosen_settings, publish, pu
 FRESH_SEEDS = tuple(range(3, 43))
 #: the direction in which each metric is better (``--fresh-seeds``' verdicts)
 BETTER = {"accuracy": 1, "nll": -1, "ece": -1, "selective_accuracy": 1}
+
+#: the multiples of the draws' spread ``--selective-score`` chooses among (0: the predictive's largest probability)
+LCB_KS = (0.0, 0.5, 1.0, 2.0, 4.0)
 
 #: q's initial standard deviations the validation split chooses among (0.0067: BayesLinear's default, softplus(-5))
 INIT_STDS = (0.0067, 0.02, 0.05, 0.1, 0.2)
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
         return publish_choice("variational_default_init_std", default_init_std())
     if "--fresh-seeds" in argv:
         return fresh_seeds()
+    if "--selective-score" in argv:
+        return selective_score()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     baseline = chosen_settings()
     epsilons, seeds = ((3.0,), (0,)) if smoke else (EPSILONS, SEEDS)
@@ -239,6 +252,96 @@ def fresh_seeds() -> int:
            "wall_s": time.perf_counter() - start, "machine": platform.machine(),
            "python": platform.python_version()}
     return publish("variational_posterior_fresh", out, text, False)
+
+
+def _draw_probabilities(alg, split) -> np.ndarray:
+    """q's ``posterior_samples`` draws' class probabilities on ``split`` (draws, points, classes), from the stream the
+    algorithm's own prediction uses (their mean is ``alg.predict_proba``)."""
+    from privfl.algorithms.dp_fedsgd import POSTERIOR_STREAM
+    from privfl.training.local import load_flat_parameters, predict_proba
+
+    mean, var = alg.posterior_moments()
+    rng = np.random.default_rng(np.random.SeedSequence(alg.fed.seed, spawn_key=(POSTERIOR_STREAM,)))
+    x = split.tensors()[0]
+    out = []
+    for _ in range(alg.posterior_samples):
+        load_flat_parameters(alg._plain, (mean + np.sqrt(var) * rng.standard_normal(mean.shape)).astype(np.float32))
+        out.append(predict_proba(alg._plain, x))
+    return np.stack(out)
+
+
+def _selective(score: np.ndarray, correct: np.ndarray, coverage: float = 0.8) -> float:
+    keep = max(1, int(round(coverage * len(score))))
+    return float(correct[np.argsort(-score, kind="stable")[:keep]].mean())
+
+
+def _lcb_scores(alg, split) -> dict:
+    """Selective accuracy of the variational predictive under ``p_max - k s`` for every k of :data:`LCB_KS`."""
+    draws = _draw_probabilities(alg, split)
+    mean = draws.mean(0)
+    pred = mean.argmax(1)
+    spread = draws[:, np.arange(len(pred)), pred].std(0)
+    correct = pred == np.asarray(split.y)
+    return {str(k): _selective(mean.max(1) - k * spread, correct) for k in LCB_KS}
+
+
+def _score_run(job) -> dict:
+    """One seed (a worker's job): the variational run's selective accuracy per k and DP-FedSGD's, on the validation
+    federation (``validation``) or the test split."""
+    seed, hp, init_std, point_hp, validation = job
+    torch.set_num_threads(1)
+    data = federation(seed)
+    if validation:
+        data = validation_federation(data)
+    var, res_v, _, _ = train_variational(data, 3.0, seed, hp, init_std)
+    point, res_p, _, _ = train(data, 3.0, seed, point_hp, "none")
+    return {"seed": seed, "validation": validation, "variational": _lcb_scores(var, data.test),
+            "dp_fedsgd": evaluate(point, data.test)["selective_accuracy"],
+            "epsilon_spent": {"dp_fedsgd": res_p.audit["max_epsilon"], "variational": res_v.audit["max_epsilon"]}}
+
+
+def selective_score() -> int:
+    """``--selective-score`` (module docstring)."""
+    with open(os.path.join(OUT, "variational_posterior.json")) as f:
+        committed = json.load(f)
+    hp, init_std = committed["chosen"]["3.0"], float(committed["init_std"]["3.0"])
+    point_hp = chosen_settings()[3.0]
+    start = time.perf_counter()
+    with Pool(2) as pool:
+        val = pool.map(_score_run, [(seed, hp, init_std, point_hp, True) for seed in SEEDS])
+        k = max(LCB_KS, key=lambda k: (np.mean([r["variational"][str(k)] for r in val]), -k))
+        rows = pool.map(_score_run, [(seed, hp, init_std, point_hp, False) for seed in FRESH_SEEDS])
+    table = []
+    for kk in sorted({0.0, k}):
+        d = np.array([r["variational"][str(kk)] - r["dp_fedsgd"] for r in rows])
+        se = float(d.std(ddof=1) / np.sqrt(len(d)))
+        half = float(stats.t.ppf(0.975, len(d) - 1) * se)
+        low, high = float(d.mean()) - half, float(d.mean()) + half
+        table.append({"k": kk, "variational": float(np.mean([r["variational"][str(kk)] for r in rows])),
+                      "dp_fedsgd": float(np.mean([r["dp_fedsgd"] for r in rows])), "difference": float(d.mean()),
+                      "standard_error": se, "interval_95": [low, high], "better_on": int((d > 0).sum()),
+                      "verdict": "better" if low > 0 else "worse" if high < 0 else "not distinguished"})
+    validation_means = ", ".join(f"{kk:g}: {np.mean([r['variational'][str(kk)] for r in val]):.4f}" for kk in LCB_KS)
+    lines = ["# Does q's spread earn a better abstention rule? (issue 27, HBFL's selective accuracy)", "",
+             f"Score p_max - k s (s: the standard deviation over q's 30 draws of the predicted class's probability); "
+             f"k among {list(LCB_KS)} chosen by mean validation selective accuracy over seeds {list(SEEDS)} "
+             f"(validation federations): **k = {k:g}** "
+             f"({validation_means}; "
+             f"DP-FedSGD {np.mean([r['dp_fedsgd'] for r in val]):.4f}). Then the committed epsilon-3 settings on "
+             f"seeds {FRESH_SEEDS[0]}-{FRESH_SEEDS[-1]}, test split, paired against DP-FedSGD's largest class "
+             "probability; verdict rule of `variational_posterior_fresh.md`, fixed before the run. "
+             "`python experiments/run_variational_posterior.py --selective-score`.", "",
+             "| score | DP-FedSGD | variational | variational - DP-FedSGD | 95 % interval | variational better on | "
+             "verdict |", "|---|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| p_max - {t['k']:g} s | {t['dp_fedsgd']:.4f} | {t['variational']:.4f} | "
+                     f"{t['difference']:+.4f} ± {t['standard_error']:.4f} | [{t['interval_95'][0]:+.4f}, "
+                     f"{t['interval_95'][1]:+.4f}] | {t['better_on']} of {len(rows)} | {t['verdict']} |")
+    spent = max(max(r["epsilon_spent"].values()) for r in rows + val)
+    lines += ["", f"Largest epsilon spent by any client in any run: {spent:.3f} (target 3)."]
+    out = {"chosen_k": k, "validation": val, "rows": rows, "summary": table, "ks": list(LCB_KS),
+           "wall_s": time.perf_counter() - start, "machine": platform.machine(), "python": platform.python_version()}
+    return publish("variational_selective_score", out, "\n".join(lines) + "\n", False)
 
 
 def fresh_markdown(table: list[dict], rows: list[dict], hp: dict, init_std: float, refused: list[dict]) -> str:
