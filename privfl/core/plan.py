@@ -184,6 +184,12 @@ class RunPlan:
             if secure is None:
                 raise ConfigurationError("distributed noise is added by the clients under secure aggregation; turn "
                                          "secure aggregation on (--secure-agg) or choose local/central placement")
+            trained = sorted(c.name for c in channels if c.private and isinstance(c.clip, TrainedPrivately))
+            if trained:  # their noise is each client's own DP-SGD noise, drawn inside training: none to share out
+                raise ConfigurationError(f"{algorithm.name}: the channels {trained} are trained with DP-SGD, whose "
+                                         "noise each client draws inside its own training; there is no sum to noise "
+                                         "once, so placement 'distributed' does not apply: choose placement 'local' "
+                                         "(with secure aggregation if you like) or 'central' (--placement)")
             if record_sampling_rate(channels, privacy) < 1:
                 distributed = _calibrate_distributed_sampled(channels, privacy, fed.rounds, n_clients, secure)
             else:

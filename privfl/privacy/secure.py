@@ -704,9 +704,14 @@ def decode_secure_sum(total: np.ndarray, encodings: Mapping[str, ChannelEncoding
         if central > 0:
             # Each client's clipped value was rounded stochastically before the sum, unnoised: coupled on the same
             # coins, two neighbouring values round at most one step apart per coordinate, so the rounded sum's
-            # sensitivity is the channel's (times the public weight) plus step sqrt(size). The noise is raised by
-            # that ratio, so its multiplier, which is all the charged Gaussian (sampled or not) depends on, holds.
-            base = float(channel.sensitivity) * float(weights.max())
+            # sensitivity (or radius) is the channel's (times the public weight) plus step sqrt(size). The noise is
+            # raised by that ratio, so its multiplier, which is all the charged Gaussian (sampled or not) depends on,
+            # holds.
+            # a sum over Poisson-sampled records under replace-one is accounted at radius = displacement / 2 (the
+            # sampled record's term around the rest), so the rounding is measured against that radius (a review)
+            radius = float(channel.sensitivity) / (2.0 if channel.record_sampled and channel.adjacency == "replace_one"
+                                                   else 1.0)
+            base = radius * float(weights.max())
             if base > 0:
                 central *= 1.0 + enc.quantiser.step * math.sqrt(enc.size) / base
             value = value + gaussian_noise(value.shape, central, source, channel.symmetric)
