@@ -11,6 +11,8 @@ mean squared error by default and reports RMSE, MAE and R^2 in the data's own un
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Iterator, Mapping, Sequence
 
 import copy
@@ -28,6 +30,15 @@ from privfl.models import make_model
 from privfl.core.public import release_weight
 from privfl.training.local import (UserTraining, flat_parameters, load_flat_parameters, predict_outputs, predict_proba,
                              train_epochs)
+
+
+@contextlib.contextmanager
+def own_layer_randomness(rng: np.random.Generator):
+    """Within: torch's global generator seeded from a child of ``rng`` (the client's own stream), in a forked torch
+    state, for the layers' own draws (dropout) in one client's local training (see :meth:`FedAvg.local_train`)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(rng.spawn(1)[0].integers(0, 2 ** 63 - 1)))
+        yield
 
 
 class FedAvg(FederatedAlgorithm):
@@ -86,9 +97,16 @@ class FedAvg(FederatedAlgorithm):
         return [unit_channel(self.privacy, "update", (self.dim,), description="local model change")]
 
     def local_train(self, model, dataset, rng) -> None:
+        """Local training of ``model`` on ``dataset``, its shuffles from ``rng`` (the client's own stream) and its
+        layers' own randomness (dropout masks) from a child of that stream, in a forked torch state: one client's
+        records never move another client's draws (a review, session 26: every client trained on one shared torch
+        generator, so one client's record count shifted every later client's dropout masks; at client level one
+        client's data removed moved the others' clipped updates, a sum of 1.87 C against a charged C). The child
+        leaves ``rng``'s own draws as they were, so seeded results without such layers are unchanged."""
         x, y = dataset.tensors()
-        train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
-                     momentum=self.fed.momentum, rng=rng, loss=self.user.loss, optimizer=self.user.optimizer)
+        with own_layer_randomness(rng):
+            train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
+                         momentum=self.fed.momentum, rng=rng, loss=self.user.loss, optimizer=self.user.optimizer)
 
     def release_weight(self, dataset, client: int = 0) -> float:
         """A public constant (``privfl.core.public.release_weight``): n_k only when sizes are public or nothing is."""

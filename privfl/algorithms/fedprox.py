@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from privfl.algorithms.fedavg import FedAvg
+from privfl.algorithms.fedavg import FedAvg, own_layer_randomness
 from privfl.errors import ConfigurationError
 from privfl.training.local import train_epochs
 
@@ -40,6 +40,7 @@ class FedProx(FedAvg):
             return 0.5 * self.mu * sum((p - a).pow(2).sum() for p, a in zip(m.parameters(), anchor))
 
         x, y = dataset.tensors()
-        train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
-                     momentum=self.fed.momentum, rng=rng, extra_loss=proximal if self.mu > 0 else None,
-                     loss=self.user.loss, optimizer=self.user.optimizer)
+        with own_layer_randomness(rng):  # one client's records never move another's dropout draws
+            train_epochs(model, x, y, epochs=self.fed.local_epochs, batch_size=self.fed.batch_size, lr=self.fed.lr,
+                         momentum=self.fed.momentum, rng=rng, extra_loss=proximal if self.mu > 0 else None,
+                         loss=self.user.loss, optimizer=self.user.optimizer)

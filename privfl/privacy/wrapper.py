@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 
 from privfl.algorithms.base import ClientOutput
 from privfl.privacy.record_level import DPSGD, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule
@@ -36,6 +37,12 @@ from privfl.algorithms.plain import Algorithm, LocalData
 from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
 from privfl.errors import ConfigurationError, UsageError
 from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
+
+
+class ClientStepContract(RuntimeError):
+    """A registered algorithm's client step returned something its contract does not allow, on some data: in a
+    private run its round releases the charged fallback (:meth:`PrivateAlgorithm.check_client_step` refused the
+    program's own breaches up front), elsewhere it is an error."""
 
 
 class _ClientData(LocalData):
@@ -66,6 +73,7 @@ class _RecordLevelData(LocalData):
         self.noise_multiplier = owner.noise_multiplier(self.schedule)
         self.trained = False
         self.metrics: dict[str, float] = {"noise_multiplier": self.noise_multiplier}
+        self._stats: dict[str, float] = {}
 
     def train(self, params: np.ndarray) -> np.ndarray:
         owner = self._owner
@@ -77,7 +85,11 @@ class _RecordLevelData(LocalData):
                        lr=owner.fed.lr, momentum=owner.fed.momentum, secure_noise=owner.privacy.secure_noise,
                        loss=owner.user.loss, optimizer=owner.user.optimizer, algorithm=owner.name)
         [(_, trained, stats)] = engine.train(params, [self._dataset.tensors()], [self._rng], vectorised=False)
-        self.metrics.update(stats)
+        # DP-SGD's own statistics (the lot's plain mean loss) are functions of the records, not of the noised
+        # training: kept from the client step, which could fold them into its release (a review, session 26: a
+        # q-FFL-style step weighting its update by the loss told D from D' in 4 runs of 5), and added to the
+        # round's local metrics (never sent) after it returns
+        self._stats = dict(stats)
         return trained
 
     def tensors(self):
@@ -88,6 +100,18 @@ class _RecordLevelData(LocalData):
     @property
     def event(self):
         return self.schedule.round_event(self.noise_multiplier)
+
+
+class _DryRecordLevelData(_RecordLevelData):
+    """The record-level data of :meth:`PrivateAlgorithm.check_client_step`'s dry run: ``train`` returns the
+    parameters it is given (the contract is about shapes: no DP-SGD steps are run for it)."""
+
+    def train(self, params: np.ndarray) -> np.ndarray:
+        if self.trained:
+            raise UsageError(f"{self._owner.name}: at record level a client step trains once per round (its "
+                             "release is charged one round of DP-SGD); call data.train once")
+        self.trained = True
+        return np.array(params, dtype=np.float32, copy=True)
 
 
 def _message_mapping(value, what: str, name: str) -> dict:
@@ -153,6 +177,8 @@ class PrivateAlgorithm(FedAvg):
     def setup(self, data, rng):
         super().setup(data, rng)
         self._set_server(self.plain.init(self.global_params.copy()), "init")
+        if self.privacy.private:
+            self.check_client_step()
 
     def _set_server(self, state, step: str) -> None:
         state = _message_mapping(state, f"{step}() must return the server state, which", self.name)
@@ -168,6 +194,15 @@ class PrivateAlgorithm(FedAvg):
         self.global_params = params
         self.broadcast_values = _message_mapping(self.plain.broadcast(MappingProxyType(dict(state))),
                                                  "broadcast() must return what clients receive, which", self.name)
+
+    def check_broadcast(self, round) -> None:
+        """After a client half loads a broadcast: the model it evaluates is the broadcast's ``params`` when it carries
+        them (a review, session 26: the diagnostic view, read for ``class_prior`` decisions, compare's calibration and
+        the CLI's model description, evaluated the untrained initial model)."""
+        super().check_broadcast(round)
+        params = self.broadcast_values.get("params") if isinstance(self.broadcast_values, Mapping) else None
+        if params is not None and np.shape(params) == (self.dim,):
+            self.global_params = np.asarray(params, dtype=np.float32)
 
     # -- channels and what each release charges --------------------------------------------------------------------
 
@@ -206,6 +241,60 @@ class PrivateAlgorithm(FedAvg):
     def vectorisable(self) -> bool:
         return False
 
+    def _checked_output(self, out) -> tuple[dict, Any]:
+        """``client_step``'s ``(values, state)`` against its contract (a pair; a mapping of exactly the declared
+        channels, each a vector of the model's parameters), or :class:`ClientStepContract`."""
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ClientStepContract(f"{self.name}: client_step must return (values, state)")
+        values, new_state = out
+        try:
+            values = _message_mapping(values, "client_step's values", self.name)
+        except UsageError as exc:
+            raise ClientStepContract(str(exc)) from None
+        if set(values) != set(self.plain.channels):
+            raise ClientStepContract(f"{self.name}: client_step returned {sorted(values)}, its channels are "
+                                     f"{list(self.plain.channels)}")
+        vectors = {}
+        for name in self.plain.channels:
+            v = np.asarray(values[name])
+            if v.shape != (self.dim,):
+                raise ClientStepContract(f"{self.name}: client_step's {name!r} has shape {v.shape}; a channel is a "
+                                         f"vector of the model's {self.dim} parameters")
+            vectors[name] = v
+        return vectors, new_state
+
+    def check_client_step(self) -> None:
+        """The client step's contract, checked once before any record is read, on public facts alone: a dry run on a
+        client of no records, of the data's public input shape, at the initial broadcast (its own randomness from a
+        fixed public seed; nothing is released or charged). A breach there is the program's, the same on every
+        neighbouring dataset: a :class:`UsageError` up front. A breach only on some data is decided by the records:
+        in a private run the round then releases the charged fallback (:mod:`privfl.runtime.local_step`), never an
+        error the server would see uncharged (a review, session 26: a step making one pass per 100 records returned a
+        0-d mean on 99 records and released on 100). Any other exception of the dry run is not the contract's and is
+        left to the run."""
+        public = self.public
+        if public.task == "classification" or public.num_classes == 1:
+            labels = np.zeros(0, dtype=np.int64 if public.task == "classification" else np.float32)
+        else:
+            labels = np.zeros((0, int(public.num_classes)), dtype=np.float32)
+        from privfl.data import ArrayDataset
+
+        empty = ArrayDataset(np.zeros((0, *public.input_shape), dtype=np.float32), labels, public.task,
+                             public.num_classes, "dry run")
+        rng = np.random.default_rng(0)
+        data = (_DryRecordLevelData(self, 0, empty, rng) if self.record_level else _ClientData(self, empty, rng))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                out = self.plain.client_step(MappingProxyType(dict(self.broadcast_values)), data, None, rng)
+        except UsageError:
+            raise
+        except Exception:  # noqa: BLE001 - not a breach of the contract (a step may refuse a client of no records)
+            return
+        try:
+            self._checked_output(out)
+        except ClientStepContract as exc:
+            raise UsageError(str(exc)) from None
+
     def client_update(self, client, dataset, round, rng):
         if self.record_level:
             data = _RecordLevelData(self, client, dataset, rng)
@@ -214,20 +303,7 @@ class PrivateAlgorithm(FedAvg):
         state = self.client_states.get(client)
         out = self.plain.client_step(MappingProxyType(dict(self.broadcast_values)), data,
                                      None if state is None else MappingProxyType(dict(state)), rng)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise UsageError(f"{self.name}: client_step must return (values, state)")
-        values, new_state = out
-        values = _message_mapping(values, "client_step's values", self.name)
-        if set(values) != set(self.plain.channels):
-            raise UsageError(f"{self.name}: client_step returned {sorted(values)}, its channels are "
-                                     f"{list(self.plain.channels)}")
-        vectors = {}
-        for name in self.plain.channels:
-            v = np.asarray(values[name])
-            if v.shape != (self.dim,):
-                raise UsageError(f"{self.name}: client_step's {name!r} has shape {v.shape}; a channel is a "
-                                         f"vector of the model's {self.dim} parameters")
-            vectors[name] = v
+        vectors, new_state = self._checked_output(out)
         if new_state is None:
             self.client_states.pop(client, None)
         else:
@@ -238,7 +314,8 @@ class PrivateAlgorithm(FedAvg):
             if self.update_bound is not None:
                 value = np.clip(value, -self.update_bound, self.update_bound)
             vectors[name] = PrivatizedValue(value, data.event)
-        return ClientOutput(vectors, weight=self.release_weight(dataset, client), metrics=dict(data.metrics))
+        metrics = {**data.metrics, **getattr(data, "_stats", {})}
+        return ClientOutput(vectors, weight=self.release_weight(dataset, client), metrics=metrics)
 
     def checkpoint(self) -> dict[str, Any]:
         """The algorithm's server state (its broadcast and global parameters follow from it)."""

@@ -12,6 +12,8 @@ import pathlib
 import re
 import sys
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -331,3 +333,108 @@ def test_a_registered_algorithms_checkpoint_is_its_whole_server_state(fedadam_fi
     for key, value in final["server_state"].items():
         assert np.array_equal(np.asarray(fresh.server_state[key]), np.asarray(value)), key
     assert np.array_equal(fresh.global_params, alg.global_params)
+
+
+def test_record_level_step_cannot_read_dp_sgds_plain_training_loss(fedadam_file):
+    """DP-SGD's own statistics (the lot's plain mean loss, a function of the records) stay out of the step's reach
+    at record level (a review, session 26: a q-FFL-style step weighting its update by data.metrics['train_loss']
+    released one far-out record's loss, charged only DP-SGD's event); they reach the round's local metrics (never
+    sent) after the step returns."""
+    from dataclasses import dataclass
+
+    seen = []
+
+    @register_algorithm("lossweighted")
+    @dataclass(frozen=True)
+    class LossWeighted(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            change = data.train(broadcast["params"]) - broadcast["params"]
+            seen.append(dict(data.metrics))
+            return {"update": data.metrics.get("train_loss", 1.0) * change}, state
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    clients, test = _clients()
+    try:
+        privfl.federate(_model(), clients, algorithm="lossweighted", epsilon=3.0, unit="example", client_size=300,
+                        rounds=1, test=test)
+    finally:
+        unregister_algorithm("lossweighted")
+    assert seen and all(set(m) == {"noise_multiplier"} for m in seen)
+
+
+def test_diagnostics_of_a_registered_algorithm_read_the_trained_model():
+    """The post-run view (a class_prior's decisions, compare's calibration, the CLI's model) evaluated a registered
+    algorithm's initial model (a review, session 26: prior-corrected accuracy 0.104, chance, against 0.744): its
+    client half now evaluates the broadcast's params."""
+    from dataclasses import dataclass
+
+    import torch
+    from sklearn.datasets import load_digits
+
+    @register_algorithm("fedsum")
+    @dataclass(frozen=True)
+    class FedSum(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            return {"update": data.train(broadcast["params"]) - broadcast["params"]}, state
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    clients = {f"org{k}": (x[k::3][:300], y[k::3][:300]) for k in range(3)}
+    torch.manual_seed(0)
+    try:
+        result = privfl.federate(torch.nn.Sequential(torch.nn.Linear(64, 10)), clients, algorithm="fedsum",
+                                 epsilon=math.inf, rounds=3, lr=0.1, test=(x[1500:], y[1500:]), seed=1,
+                                 class_prior=[0.1] * 10)
+    finally:
+        unregister_algorithm("fedsum")
+    assert result.final["accuracy"] > 0.5
+    assert result.prior_corrected["metrics"]["accuracy"] == pytest.approx(result.final["accuracy"], abs=0.02)
+
+
+def test_a_contract_breach_decided_by_the_records_releases_the_fallback_not_an_error():
+    """A client step whose contract breach depends on its records (a review, session 26: one pass per 100 records, a
+    0-d mean when there was none) told D from D' by an uncharged error. The contract is checked up front on a dry run
+    of no records (a breach there is the program's: an error on every neighbour alike); a breach only on some data
+    releases the charged fallback in a private run (a local warning says so), and stays an error without privacy."""
+    from dataclasses import dataclass
+
+    from privfl.core.release import LocalStepFailed
+
+    @register_algorithm("oddbreach")
+    @dataclass(frozen=True)
+    class OddBreach(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            x, _ = data.tensors()
+            change = data.train(broadcast["params"]) - broadcast["params"]
+            return {"update": change[:-1] if len(x) % 2 else change}, state  # breaks on an odd record count
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    clients, test = _clients()
+    key = "org2"
+    x, y = clients[key]
+    even = {**clients, key: (x[:100], y[:100])}
+    odd = {**clients, key: (x[:101], y[:101])}
+    try:
+        runs = {}
+        for name, world in (("D", even), ("D'", odd)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = privfl.federate(_model(), world, algorithm="oddbreach", epsilon=3.0, unit="client",
+                                         rounds=2, test=test, client_size=300)
+            runs[name] = (result, [w for w in caught if issubclass(w.category, LocalStepFailed)])
+        assert not runs["D"][1] and runs["D'"][1]
+        assert len(runs["D"][0].history) == len(runs["D'"][0].history) == 2
+        assert runs["D"][0].audit[key]["epsilon"] == runs["D'"][0].audit[key]["epsilon"]
+        from privfl.privacy.wrapper import ClientStepContract
+
+        with pytest.raises(ClientStepContract, match="has shape"):
+            privfl.federate(_model(), odd, algorithm="oddbreach", epsilon=math.inf, rounds=1, test=test)
+    finally:
+        unregister_algorithm("oddbreach")
