@@ -332,7 +332,6 @@ def test_a_removed_organisation_behind_a_flower_datasets_source_releases_what_an
 
 # -- 4. a replayed secure round does not compound training in the kept state ---------------------------------------
 
-@privfl.register_algorithm("personal_review_s26")
 @dataclass(frozen=True)
 class Personal(privfl.Algorithm):
     """Each client goes on from its own model (its kept state) and uploads its change from the global model; the
@@ -351,6 +350,18 @@ class Personal(privfl.Algorithm):
         return {"params": server["params"] + means["update"]}
 
 
+@pytest.fixture
+def personal():
+    """``Personal`` registered for the test only (a registration left behind changes every later test's registry)."""
+    from privfl.privacy.wrapper import unregister_algorithm
+
+    privfl.register_algorithm("personal_review_s26")(Personal)
+    try:
+        yield
+    finally:
+        unregister_algorithm("personal_review_s26")
+
+
 def personal_spec(public, run_id="personal"):
     from privfl.privacy.secure import SecureAggregation
 
@@ -360,7 +371,7 @@ def personal_spec(public, run_id="personal"):
                    secure=SecureAggregation(malicious=True), identities=public, options={"update_bound": 0.5})
 
 
-def test_a_replayed_secure_round_keeps_no_state_until_its_masked_input_leaves(tmp_path):
+def test_a_replayed_secure_round_keeps_no_state_until_its_masked_input_leaves(tmp_path, personal):
     """s26b r5: 5 train messages for round 0 in one Flower run (one Context): the old ClientApp trained 5 times,
     each from the state the last kept (5 DP-SGD trainings in the state, real epsilon 5.88 against the ledger's one
     row, 3.09, and the file's cap 4). Now no state is kept before the masked input leaves, and each replay trains
@@ -384,7 +395,7 @@ def test_a_replayed_secure_round_keeps_no_state_until_its_masked_input_leaves(tm
     assert rows(ledger) == 1
 
 
-def test_an_honest_secure_run_keeps_each_rounds_state_when_its_masked_input_leaves(tmp_path, monkeypatch):
+def test_an_honest_secure_run_keeps_each_rounds_state_when_its_masked_input_leaves(tmp_path, monkeypatch, personal):
     """The control, through privfl's ServerApp and ClientApps in one process (experiments/loopback_grid.py), two
     rounds under secure aggregation against an active server: each round's state is kept when its masked input is
     marked released, so after two rounds every client's state carries two trainings, in its Context and in its
