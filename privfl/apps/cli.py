@@ -546,6 +546,10 @@ def cmd_run(args) -> int:
     spent = f"max epsilon spent over its {len(phase_runs)} phases" if phased else "max epsilon spent"
     print(f"{final}; {spent} {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
+    if result.history and len(aborted) >= len(result.history):  # a run that trained nothing failed: say so
+        print(f"privfl run: error: every round ({len(result.history)}) was aborted by secure aggregation: the model "
+              "is the initial one; lower --min-survivors or --dropout, or add clients", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -116,6 +116,13 @@ class SecureAggregation:
                               min_inputs=self.min_survivors)
         except ParameterError as exc:
             raise ConfigurationError(f"secure aggregation: {exc}") from exc
+        survivors = self.survivors(n_clients)
+        if self.min_survivors is not None and self.min_survivors > survivors:
+            # every round would abort after its charges (a review, session 26: 3 of 3 rounds aborted, the whole
+            # budget spent, exit 0)
+            raise ConfigurationError(f"--min-survivors {self.min_survivors} exceeds the {survivors} of {n_clients} "
+                                     f"clients a round can have (dropout {self.dropout:g}), so every round would "
+                                     f"abort; set --min-survivors to at most {survivors}")
 
     def survivors(self, n_clients: int) -> int:
         """How many of ``n_clients`` remain after the simulated dropout (the count ``secure_weighted_sums`` keeps)."""
