@@ -44,7 +44,8 @@ from privfl.algorithms.fedavg import FedAvg
 from privfl.core.channels import PrivatizedValue, TrainedPrivately
 from privfl.privacy.units import channel as unit_channel
 from privfl.privacy.record_level import (CLIP_RATIOS, DPSGD, AdaptiveClip, DPSGDSchedule, calibrate_dpsgd,
-                                         check_class_weights, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule,
+                                         check_class_weights, check_dpsgd_privacy, check_opacus_model, check_user_loss,
+                                         dpsgd_schedule,
                                          loss_class_weight)
 from privfl.training.local import TaskLoss
 from privfl.training.stacked import vectorisable
@@ -99,6 +100,8 @@ class DPSGDFedAvg(FedAvg):
         net = super().build_model(public)
         if self.privacy.private and self.user.model is not None:
             check_opacus_model(net, self.name, public.input_shape)
+        if self.privacy.private:
+            check_user_loss(net, self.user.loss, self.name, public)
         weight = loss_class_weight(self.user.loss)
         if self.privacy.private and weight is not None:  # refused now, before anything is charged
             check_class_weights(weight, public.num_classes, self.privacy.adjacency, self.name)

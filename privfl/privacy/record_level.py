@@ -585,6 +585,36 @@ def _names(items: Sequence[str]) -> str:
 _PROBE_BATCH, _PROBE_SEED = 4, 0
 
 
+def check_user_loss(model: nn.Module, loss, algorithm: str, public) -> None:
+    """Refuse, before anything is charged, a user's loss that fails on a public probe batch of the data's input shape
+    (:func:`_probe_batches`) with labels of the run's task (class 0, or zero targets). Under DP-SGD a record whose
+    loss raises adds the zero term, decided on that record alone; a loss that raises on every example would leave
+    DP-SGD training on noise alone, silently (a review, session 26: a shape mistake in a user's MSE loss trained a
+    whole private run on noise, exit 0). The loss is the program's: a failure on public data is the same on every
+    neighbour."""
+    if loss is None:
+        return
+    net = copy.deepcopy(model).train()
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        batch, _ = _probe_batches(net, tuple(int(s) for s in public.input_shape), dtype, algorithm)
+        n = len(batch)
+        if public.task == "classification":
+            y = torch.zeros(n, dtype=torch.long)
+        else:
+            width = int(public.num_classes or 1)
+            y = torch.zeros(n, dtype=dtype) if width == 1 else torch.zeros(n, width, dtype=dtype)
+        try:
+            TaskLoss(loss)(net(batch), y)
+        except UsageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the program's loss on public data
+            raise UsageError(f"{algorithm}: your loss fails on a public probe batch of the data's shape (outputs "
+                             f"{tuple(net(batch).shape)}, targets {tuple(y.shape)} {y.dtype}): {type(exc).__name__}: "
+                             f"{exc}. Fix the loss (under DP-SGD a record whose loss fails adds nothing, so a loss "
+                             f"that always fails would train on noise alone)") from None
+
+
 def _probe_batches(net: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype, algorithm: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A public probe batch the model runs on and the same batch with its first example changed: standard normal
@@ -1303,7 +1333,7 @@ def dpsgd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, clip:
 
 __all__ = ["AdaptiveClip", "CLIP_RATIOS", "DPSGD", "DPSGDLoop", "DPSGDLots", "DPSGDSchedule", "SAMPLED_ACCOUNTANTS",
            "VectorisedDPSGD", "audit_clip_fault", "audit_noise_fault", "audit_record_rows", "calibrate_dpsgd",
-           "canary_clip_off", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model",
+           "canary_clip_off", "check_class_weights", "check_dpsgd_privacy", "check_opacus_model", "check_user_loss",
            "check_per_example_model",
            "class_sampling_rates", "clip_bit_counts", "clip_bits", "clip_factor", "clipped_gradient_sum",
            "dpsgd_gradients", "dpsgd_schedule", "dpsgd_train", "loss_class_weight", "noised_mean",

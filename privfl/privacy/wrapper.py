@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from privfl.algorithms.base import ClientOutput
-from privfl.privacy.record_level import DPSGD, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model, dpsgd_schedule
+from privfl.privacy.record_level import (DPSGD, calibrate_dpsgd, check_dpsgd_privacy, check_opacus_model,
+                                         check_user_loss, dpsgd_schedule)
 from privfl.algorithms.fedavg import FedAvg
 from privfl.algorithms.plain import Algorithm, LocalData
 from privfl.core.channels import Channel, NormClip, PrivatizedValue, TrainedPrivately, Unclipped
@@ -172,6 +173,8 @@ class PrivateAlgorithm(FedAvg):
         net = super().build_model(public)
         if self.record_level and self.user.model is not None:
             check_opacus_model(net, self.name, public.input_shape)
+        if self.record_level:
+            check_user_loss(net, self.user.loss, self.name, public)
         return net
 
     def setup(self, data, rng):

@@ -325,3 +325,31 @@ def test_the_batch_mixing_probe_is_one_function():
     assert not mixes_examples(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)).double().train(), batch, moved)
     assert mixes_examples(nn.BatchNorm1d(3, affine=False).double().train(), batch, moved)
     assert not mixes_examples(nn.Linear(3, 2).double(), batch, batch[:1])
+
+
+def test_a_loss_that_fails_on_every_example_is_refused_before_any_charge(tmp_path):
+    """Under DP-SGD a record whose loss fails adds the zero term (decided on that record alone), so a loss that fails
+    on every example trained a whole private run on noise alone, exit 0 (a review, session 26: MSELoss on a
+    classifier's 2 outputs and integer labels). The loss is probed on a public batch first: refused, nothing
+    charged; a loss that works is untouched."""
+    import sqlite3
+
+    import privfl
+    from privfl.errors import ConfigurationError
+
+    rng = np.random.default_rng(0)
+
+    def part(n):
+        x = rng.normal(size=(n, 4)).astype(np.float32)
+        return x, (x[:, 0] > 0).astype(np.int64)
+
+    clients = {"a": part(40), "b": part(40)}
+    ledger = str(tmp_path / "l.sqlite")
+    with pytest.raises(ConfigurationError, match="your loss fails on a public probe batch"):
+        privfl.federate(nn.Linear(4, 2), clients, algorithm="dpsgd_fedavg", epsilon=3.0, rounds=1, test=part(20),
+                        client_size=40, classes=[0, 1], loss=nn.MSELoss(), ledger=ledger)
+    with sqlite3.connect(ledger) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert "charges" not in tables or conn.execute("SELECT COUNT(*) FROM charges").fetchone()[0] == 0
+    privfl.federate(nn.Linear(4, 2), clients, algorithm="dpsgd_fedavg", epsilon=3.0, rounds=1, test=part(20),
+                    client_size=40, classes=[0, 1], loss=nn.CrossEntropyLoss())
