@@ -202,6 +202,12 @@ def _describe(event: PrivacyEvent) -> tuple[str, float | None, float | None, flo
     return event.mechanism, None, None, q
 
 
+def _same_terms(row, delta: float, epsilon_budget: float, accountant: str) -> bool:
+    """Whether a stored run row ``(delta, epsilon_budget, accountant)`` has these terms."""
+    return (math.isclose(row[0], delta) and (row[1] == epsilon_budget or math.isclose(row[1], epsilon_budget))
+            and row[2] == accountant)
+
+
 class PrivacyLedger:
     """A persistent ledger for one run; reopening the same path and run id continues the run.
 
@@ -247,13 +253,21 @@ class PrivacyLedger:
             conn.executescript(_SCHEMA)
             select = "SELECT delta, epsilon_budget, accountant FROM runs WHERE run_id=?"
             found = conn.execute(select, (run_id,)).fetchone()
-            if found is not None:
+            if found is not None and _same_terms(found, delta, epsilon_budget, accountant):
                 return found
             with self._write():  # another process may be creating the same run: one of them inserts it
                 found = conn.execute(select, (run_id,)).fetchone()
                 if found is None:
                     conn.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
                                  (run_id, delta, epsilon_budget, accountant, time.time(), meta_json))
+                elif not _same_terms(found, delta, epsilon_budget, accountant) and conn.execute(
+                        "SELECT 1 FROM charges WHERE run_id=? LIMIT 1", (run_id,)).fetchone() is None:
+                    # a run that never charged anything (an entry point refused after opening it, an interruption
+                    # before its first charge) binds nothing: opened again with other terms, it takes them (a review,
+                    # session 26: a refused run blocked its corrected rerun)
+                    conn.execute("UPDATE runs SET delta=?, epsilon_budget=?, accountant=?, created_at=?, meta=? "
+                                 "WHERE run_id=?", (delta, epsilon_budget, accountant, time.time(), meta_json, run_id))
+                    found = None
             return found
 
         try:
@@ -339,6 +353,10 @@ class PrivacyLedger:
                 meta = json.loads(row[0]) if row else {}
             except (TypeError, ValueError):
                 raise LedgerError(f"run {self.run_id!r} in {self.path} has corrupt metadata: {row[0]!r}") from None
+            if key in meta and meta[key] != value and conn.execute(
+                    "SELECT 1 FROM charges WHERE run_id=? LIMIT 1", (self.run_id,)).fetchone() is None:
+                meta[key] = value  # nothing was charged under the stored value: it binds nothing
+                conn.execute("UPDATE runs SET meta=? WHERE run_id=?", (json.dumps(meta), self.run_id))
             if key in meta and meta[key] != value:
                 raise LedgerError(f"run {self.run_id!r} in {self.path} was charged under {key} {meta[key]!r}, not "
                                   f"{value!r}; resume it with the same settings or use a new run_id")
@@ -362,6 +380,20 @@ class PrivacyLedger:
             if not batched and conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    @staticmethod
+    def charged_run_ids(path: str | os.PathLike) -> list[str]:
+        """The ids of the runs of a ledger file that hold at least one charge (a run opened and then refused, or
+        interrupted before its first charge, binds nothing and is not among them). Read only, as :meth:`run_ids`."""
+        if not PrivacyLedger.run_ids(path):
+            return []
+        uri = pathlib.Path(path).resolve().as_uri() + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=DEFAULT_LOCK_TIMEOUT)
+        try:
+            return [r[0] for r in conn.execute("SELECT run_id FROM runs WHERE EXISTS (SELECT 1 FROM charges WHERE "
+                                               "charges.run_id = runs.run_id) ORDER BY created_at")]
+        finally:
+            conn.close()
 
     @staticmethod
     def run_ids(path: str | os.PathLike) -> list[str]:

@@ -314,7 +314,10 @@ def _flower_sim_paths(args, n_clients: int) -> tuple[str, str]:
                                  "(client k's own ledger is client<k>.sqlite in it)")
     _check_folder(os.path.abspath(ledger_dir), "--ledger", ledger_dir)
     for path in ledger_paths(ledger_dir, n_clients):
-        if args.run_id in _check_ledger_file(path, "--ledger"):
+        _check_ledger_file(path, "--ledger")
+        from privfl.accounting.ledger import PrivacyLedger
+
+        if args.run_id in PrivacyLedger.charged_run_ids(path):
             raise ConfigurationError(f"--ledger {ledger_dir}: {path} already holds run {args.run_id!r} (the default "
                                      "run id encodes every setting, so this is the same run again): pass a new "
                                      f"--run-id (or another --ledger) to start a new run; privfl audit {ledger_dir} "
@@ -418,7 +421,10 @@ def cmd_run(args) -> int:
         flower_dir, ledger_dir = _flower_sim_paths(args, len(data.train_parts))
     elif args.ledger and args.ledger != ":memory:":
         _check_folder(os.path.dirname(os.path.abspath(args.ledger)), "--ledger", args.ledger)
-        held = _check_ledger_file(args.ledger, "--ledger")
+        _check_ledger_file(args.ledger, "--ledger")
+        from privfl.accounting.ledger import PrivacyLedger
+
+        held = PrivacyLedger.charged_run_ids(args.ledger)  # a run refused before its first charge binds nothing
         ids = [f"{args.run_id}-{name}" for name, _ in algorithm.phase_plan] if phased else [args.run_id]
         taken = [i for i in ids if i in held]
         if taken:
