@@ -139,11 +139,15 @@ def test_the_ledger_records_the_trust_assumption_and_audit_shows_it(tmp_path, ca
 def test_a_run_resumed_under_another_trust_assumption_is_refused(tmp_path):
     from privfl.accounting.errors import LedgerError
 
+    from privfl.accounting.events import GaussianEvent
+
     ledger = PrivacyLedger(tmp_path / "l.sqlite", "run")
     ledger.record_meta("trust", "local: a")
     ledger.record_meta("trust", "local: a")  # the same: fine
-    with pytest.raises(LedgerError, match="charged under trust"):
-        ledger.record_meta("trust", "central: b")
+    ledger.record_meta("trust", "central: b")  # nothing charged yet: the stored value binds nothing (session 26)
+    ledger.charge("0", 0, "update", GaussianEvent(1.0, 5.0))
+    with pytest.raises(LedgerError, match="charged under trust"):  # resumed under another assumption
+        ledger.record_meta("trust", "local: a")
 
 
 def test_federate_samples_clients_from_the_csprng_and_stays_within_budget():
