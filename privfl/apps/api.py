@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -313,6 +314,9 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
             raise ConfigurationError(f"{algorithm} is private: pass epsilon= (e.g. epsilon=3.0; math.inf for a "
                                      "non-private run)")
         epsilon = math.inf
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
+        raise ConfigurationError(f"epsilon must be a number (e.g. epsilon=3.0; math.inf for a non-private run), got "
+                                 f"{epsilon!r} ({type(epsilon).__name__})")
     if task is not None and task not in ("classification", "regression"):
         raise ConfigurationError(f"task must be 'classification' or 'regression', got {task!r}")
 
@@ -342,6 +346,10 @@ def federate(model, clients: Mapping[str, Any], *, algorithm: str = "dpsgd_fedav
     user = UserTraining.of(algorithm, first, loss, optimizer, metrics)
     input_shape = tuple(test_pair[0].shape[1:])
     if task == "classification":
+        if classes is None and user.model is None:
+            raise ConfigurationError("model is None: privfl.federate trains your model, whose output width gives the "
+                                     "number of classes; pass model= a torch.nn.Module (or a zero-argument factory of "
+                                     "one), or classes=[...]")
         width = len(classes) if classes is not None else _output_width(user.model, input_shape)
         if classes is None and math.isfinite(epsilon):
             # private: the classes come from the declaration or the user's test set, never the clients' labels

@@ -93,6 +93,8 @@ ALGORITHM_FLAGS = (("--kernel-rounds", "kernel_rounds", 0), ("--kernel-aggregati
 
 #: ``privfl run --runtime``: the in-process simulation (the default) or Flower's Simulation Engine
 RUNTIMES = ("inprocess", "flower-sim")
+#: ``privfl audit-run --canaries``: the most it takes (a canary needs a block of the model's coordinates of its own)
+MAX_CANARIES = 10 ** 7
 _FLOWER_INSTALL = "pip install 'privfl[flower]'"
 
 
@@ -107,10 +109,14 @@ def version() -> str:
         return str(getattr(sys.modules.get("privfl"), "__version__", "unknown"))
 
 
-def _dump(obj, path: str | None) -> None:
+def _json_text(obj) -> str:
     from privfl.metrics.report import strict_json
 
-    text = json.dumps(strict_json(obj), indent=2, default=_json_default, allow_nan=False)
+    return json.dumps(strict_json(obj), indent=2, default=_json_default, allow_nan=False)
+
+
+def _dump(obj, path: str | None) -> None:
+    text = _json_text(obj)
     if path in (None, "-"):
         print(text)
     else:
@@ -121,7 +127,8 @@ def _dump(obj, path: str | None) -> None:
 
 
 def _check_out_path(path: str, flag: str, *, create_folder: bool = True) -> None:
-    """Refuse an output path that is a directory, or (``create_folder=False``) whose folder does not exist."""
+    """Refuse an output path that is a directory, (``create_folder=False``) whose folder does not exist, or that this
+    process cannot write (:func:`_check_writable`): checked before a run charges anything."""
     from privfl.errors import ConfigurationError
 
     if os.path.isdir(path):
@@ -131,6 +138,50 @@ def _check_out_path(path: str, flag: str, *, create_folder: bool = True) -> None
     if not create_folder and not os.path.isdir(folder):
         raise ConfigurationError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another "
                                  "path")
+    _check_writable(path, flag)
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Refuse an output path this process cannot write: an existing file is opened for appending (nothing is
+    written), else a temporary file is created and removed in its folder, or in the nearest folder that exists (where
+    the missing ones will be created). The real calls, not ``os.access``, which says yes to root for a read-only
+    mount or an immutable (chattr +i) folder."""
+    import tempfile
+
+    from privfl.errors import ConfigurationError
+
+    try:
+        if os.path.exists(path):
+            if os.path.isfile(path):
+                with open(path, "ab"):
+                    pass
+            return  # a device (/dev/null...): written as it is
+        folder = os.path.dirname(os.path.abspath(path))
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        fd, probe = tempfile.mkstemp(prefix=".privfl-write-check-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigurationError(f"{flag} {path}: this process cannot write there ({exc.strerror or exc}); choose a "
+                                 "writable path") from None
+
+
+def _dump_late(obj, path: str, flag: str = "--json") -> str | None:
+    """:func:`_dump` to ``path`` once a run has finished (and been charged): when the file cannot be written after
+    all (a disk full, a folder made read-only meanwhile), the JSON goes to stderr instead of being lost, and the error
+    to report is returned (the command then exits 2); None when written."""
+    from privfl.errors import ConfigurationError
+
+    try:
+        _dump(obj, path)
+        return None
+    except OSError as exc:
+        problem = f"{flag} {path} could not be written ({exc.strerror or exc})"
+    except ConfigurationError as exc:
+        problem = str(exc)
+    print(_json_text(obj), file=sys.stderr)
+    return f"{problem}; the results are printed above on stderr instead (the run's charges stand in its ledger)"
 
 
 def _check_folder(folder: str, flag: str, given: str) -> None:
@@ -251,6 +302,12 @@ def _text_options(args) -> dict:
                                      f"--{name.replace('_', '-')}")
         raise ConfigurationError(f"--option {name}: {args.algorithm} has no option {name!r}; its options are "
                                  f"{', '.join(valid) or 'none'}")
+    weights = given.get("class_weights")
+    if weights is not None and (isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__iter__") or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)):
+        raise ConfigurationError(f"--option class_weights: class weights must be numbers, one per class, e.g. "
+                                 f"class_weights=[1,5] (a public choice), got {weights!r}; weights such as 'balanced' "
+                                 "would be computed from the clients' private label counts")
     return given
 
 
@@ -513,8 +570,8 @@ def cmd_run(args) -> int:
         out["run_id"] = [p.result.run_id for p in runs]
         out["noise_applied"] = {p.name: applied_noise(p.ledger.charges()) for p in runs}
         out.update({f"{p.name}_final": p.result.final for p in runs[:-1]})
-    if args.save_model:
-        out["model_path"] = save_model(diagnostic(), args.save_model)
+    if args.save_model:  # saved once the JSON is written (below): a model that cannot be saved loses no results
+        out["model_path"] = args.save_model
     if rule is not None and len(data.test):  # the declared prior's decisions on the test set (post-processing)
         from privfl.metrics.report import prior_corrected
 
@@ -527,8 +584,18 @@ def cmd_run(args) -> int:
 
         out.update(MARK)
     aborted = _aborted_rounds(out, secure, result.history)
+    late = []  # outputs that could not be written after the run was charged: reported, and the command exits 2
     if args.json:
-        _dump(out, args.json)
+        late.append(_dump_late(out, args.json))
+    if args.save_model:
+        try:
+            save_model(diagnostic(), args.save_model)
+        except (OSError, RuntimeError) as exc:  # torch.save reports an unwritable path as a RuntimeError
+            late.append(f"--save-model {args.save_model}: the trained model could not be saved ({exc}); the run's "
+                        "charges stand in its ledger")
+            out["model_path"] = None
+            if args.json and late[0] is None:  # the JSON written above named the model's path: corrected
+                late[0] = _dump_late(out, args.json)
     if "warning" in result.audit:
         print(f"warning: {result.audit['warning']}", file=sys.stderr)
     if held_out and privacy.private:
@@ -552,6 +619,10 @@ def cmd_run(args) -> int:
     spent = f"max epsilon spent over its {len(phase_runs)} phases" if phased else "max epsilon spent"
     print(f"{final}; {spent} {out['epsilon_spent_max']:.4g} (target {args.epsilon:g}, delta {args.delta:g})",
           file=sys.stderr if args.json == "-" else sys.stdout)
+    for problem in filter(None, late):
+        print(f"privfl run: error: {problem}", file=sys.stderr)
+    if any(late):
+        return 2
     if result.history and len(aborted) >= len(result.history):  # a run that trained nothing failed: say so
         print(f"privfl run: error: every round ({len(result.history)}) was aborted by secure aggregation: the model "
               "is the initial one; lower --min-survivors or --dropout, or add clients", file=sys.stderr)
@@ -970,6 +1041,9 @@ def cmd_audit_run(args) -> int:
         raise ConfigurationError(f"audit-run audits runs without secure aggregation (its canaries are read from the "
                                  f"sums in the clear): drop {', '.join(secure_flags)}, or audit the run with central "
                                  "placement (--placement central)")
+    if args.canaries > MAX_CANARIES:  # each canary has a coordinate of the model's own: far fewer fit any model
+        raise ConfigurationError(f"--canaries {args.canaries} is above {MAX_CANARIES}: each canary takes a block of "
+                                 "the model's coordinates of its own; lower --canaries (the default is 200)")
     if args.json and args.json != "-":
         _check_out_path(args.json, "--json")
     data, fed, privacy, algorithm, _, phased, _ = _build_run(args)
@@ -978,8 +1052,10 @@ def cmd_audit_run(args) -> int:
     result = audit_run(algorithm, data, fed, privacy, canaries=args.canaries, fault=args.fault,
                        significance=args.significance, ledger_path=args.ledger or ":memory:", run_id=args.run_id)
     out = result.to_dict()
-    if args.json:
-        _dump(out, None if args.json == "-" else args.json)
+    late = _dump_late(out, None if args.json == "-" else args.json) if args.json else None
+    if late is not None:  # the results went to stderr instead
+        print(f"privfl audit-run: error: {late}", file=sys.stderr)
+        return 2
     if args.json != "-":
         verdict = ("ABOVE the ledger's: the run leaked more than it charged" if result.violated
                    else "below the ledger's, as it must be")
@@ -1257,14 +1333,33 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except OSError as exc:  # a file the command was given could not be read or written
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"privfl {args.command}: error:{where}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"privfl {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except sqlite3.DatabaseError as exc:
         print(f"privfl {args.command}: error: a ledger could not be read (SQLite: {exc})", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
+            raise
+        print(f"privfl {args.command}: error: out of memory: the sizes given need more memory than this machine "
+              f"has; lower {_MEMORY_FLAGS.get(args.command, 'them')}", file=sys.stderr)
+        return 2
     finally:
         warnings.formatwarning = format_warning
+
+
+#: what to lower when a command runs out of memory (the sizes a user gives that its memory grows with)
+_MEMORY_FLAGS = {"run": "the model's size (--hidden, --model) or --batch-size, --clients, --client-size",
+                 "audit-run": "--canaries, the model's size (--hidden, --model) or --batch-size, --clients",
+                 "audit-mechanism": "--trials",
+                 "compare": "the TOML's sizes (hidden, clients, batch_size)"}
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is torch's allocator failing (a RuntimeError, not a MemoryError, on CPU)."""
+    text = str(exc).lower()
+    return "can't allocate memory" in text or "out of memory" in text
 
 
 def _name_the_flag(message: str, parser: argparse.ArgumentParser, command: str, options: dict | None = None) -> str:

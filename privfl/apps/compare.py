@@ -207,6 +207,9 @@ class CompareConfig:
     def __post_init__(self):
         self._check_types()
         object.__setattr__(self, "epsilons", tuple(float(e) for e in self.epsilons))
+        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad_seeds:
+            raise ConfigurationError(f"seeds must be integers >= 0, e.g. seeds = [0, 1, 2]; got {bad_seeds[0]!r}")
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
         object.__setattr__(self, "algorithms", tuple(self.algorithms))
         self._check_variants()
@@ -314,12 +317,22 @@ class CompareConfig:
 REFERENCES = ("centralised", "local_only")
 
 
+#: settings an algorithm's table may not set: the grid's own (its axes, and its delta), with the top-level key for each
+_GRID_KEYS = {"epsilon": "epsilons", "seed": "seeds", "delta": "delta"}
+
+
 def _check_settings(table: str, algorithm: str, settings: dict) -> None:
     """A TOML table of one algorithm's settings ([overrides.<algorithm>] or [variants.<label>]): its rounds, and no
     key that is neither a federation or privacy setting nor one of the algorithm's options."""
     rounds = settings.get("rounds", 1)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigurationError(f"{table} rounds must be an integer >= 1, got {rounds!r}")
+    grid = [key for key in _GRID_KEYS if key in settings]
+    if grid:  # each row's epsilon and seed are its place in the grid, and delta is every row's
+        key = grid[0]
+        raise ConfigurationError(f"{table} sets {key}, which the grid sets for every algorithm: give it as "
+                                 f"{_GRID_KEYS[key]} = ... at the top level of the TOML (or compare that algorithm in "
+                                 "a grid of its own)")
     bad = set(settings) - _FED_FIELDS - _PRIV_FIELDS - set(algorithm_options(algorithm))
     if bad:
         raise ConfigurationError(f"{table} has unknown keys {sorted(bad)}; it takes federation and privacy settings "

@@ -25,6 +25,11 @@ from privfl.mechanisms import GaussianMechanism, clip_per_example
 from privfl.secure_agg import Quantiser
 
 MUTATIONS = ("none", "half_noise", "no_clip")
+#: the most trials one audit draws (about 250 bytes each: 10^7 trials take some 2.5 GB and a minute)
+MAX_TRIALS = 10 ** 7
+#: the largest noise multiplier audited: beyond it the claimed epsilon is below 1e-5 (a release of pure noise), and
+#: far beyond it the noise's scale overflows
+MAX_NOISE_MULTIPLIER = 1e6
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,15 @@ def audit_gaussian_release(noise_multiplier: float, *, delta: float = 1e-5, tria
     """
     if mutation not in MUTATIONS:
         raise ValueError(f"mutation must be one of {MUTATIONS}, got {mutation!r}")
-    if trials < 1000:
-        raise ValueError("use at least 1000 trials")
+    if isinstance(trials, bool) or not isinstance(trials, int) or not 1000 <= trials <= MAX_TRIALS:
+        raise ValueError(f"trials must be an integer between 1000 and {MAX_TRIALS} (memory grows with them), got "
+                         f"{trials!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if (isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float))
+            or not 0 < noise_multiplier <= MAX_NOISE_MULTIPLIER):
+        raise ValueError(f"noise_multiplier must be a number in (0, {MAX_NOISE_MULTIPLIER:g}] (beyond it the release "
+                         f"is pure noise, its claimed epsilon below 1e-5), got {noise_multiplier!r}")
     rng = np.random.default_rng(seed)
     direction = np.ones(dimension) / math.sqrt(dimension)
     # The adversary's contribution: norm exactly C, or 4C when it hopes the clip is missing.

@@ -11,6 +11,11 @@ from privfl.core.channels import UNITS
 from privfl.errors import ConfigurationError
 
 
+#: the largest clip bound (:class:`PrivacyConfig`): the noise's scale, the clip times a noise multiplier (below 1e13 for
+#: any supported target), and its square stay finite
+MAX_CLIP = 1e100
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
@@ -69,7 +74,9 @@ class PrivacyConfig:
             raise ConfigurationError(f"unit must be one of {UNITS}, got {self.unit!r}")
         if self.adjacency not in ADJACENCIES:
             raise ConfigurationError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
-        _positive_float("clip", self.clip)
+        if _positive_float("clip", self.clip) > MAX_CLIP:
+            raise ConfigurationError(f"clip must be at most {MAX_CLIP:g}, got {self.clip!r}: it bounds the norm of what "
+                                     "is clipped (e.g. 0.1 to 10), and the noise, a multiple of it, would overflow")
         if self.clip_quantile is not None:
             q = self.clip_quantile
             if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:

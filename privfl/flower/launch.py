@@ -9,6 +9,8 @@ arguments pass through), echoes the stream, and exits with
 - ``flwr``'s own status when it fails itself;
 - 1 when ``--expect-result PATH`` is given and the ServerApp wrote no result there, or ``--result PATH`` is given
   and the stream carried no whole result;
+- 2 when the arguments are wrong, e.g. ``--result PATH`` is a folder or in a folder that is missing or cannot be
+  written (checked before ``flwr run`` starts);
 - 0 otherwise.
 
 **The result through Flower.** The ServerApp writes its result (the run's final global state, history, the
@@ -88,10 +90,35 @@ class ResultReader:
         if self.data is None:
             return False
         tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self.data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self.data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isfile(tmp):
+                os.remove(tmp)
+            raise
         return True
+
+
+def check_result_path(path: str) -> str | None:
+    """Why ``--result PATH`` cannot be written (checked before the run starts), or None: a folder, a folder that
+    does not exist, or one this process cannot write into (a temporary file is created and removed there: the real
+    call, not ``os.access``, which says yes to root for a read-only mount)."""
+    import tempfile
+
+    if os.path.isdir(path):
+        return f"--result {path} is a folder; give a file name inside it"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--result {path}: the folder {folder} does not exist; create it or choose another path"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".privfl-write-check-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        return f"--result {path}: this process cannot write in {folder} ({exc.strerror or exc}); choose another path"
+    return None
 
 
 def _option(argv: list[str], name: str) -> tuple[str | None, str | None]:
@@ -116,8 +143,16 @@ def _flwr() -> str | None:
 
 
 def _deliver(reader: ResultReader, path: str, out, missing: str) -> int:
-    """Write the result ``reader`` collected to ``path``: 0, or 1 (saying ``missing``) when it holds none."""
-    if not reader.write(path):
+    """Write the result ``reader`` collected to ``path``: 0, 1 (saying ``missing``) when it holds none, or 2 when
+    ``path`` could not be written after all."""
+    try:
+        written = reader.write(path)
+    except OSError as exc:
+        print(f"privfl-flower-run: error: --result {path} could not be written ({exc.strerror or exc}); the run's "
+              "stored log still holds the result: privfl-flower-run --from-log RUN_ID [CONNECTION] --result PATH",
+              file=sys.stderr)
+        return 2
+    if not written:
         print(f"privfl-flower-run: {missing}", file=sys.stderr)
         return 1
     print(f"privfl-flower-run: the run's result is at {path}", file=out)
@@ -151,6 +186,8 @@ def run(argv: list[str], out=None) -> int:
     expect, error = _option(argv, "--expect-result")
     result, error = (None, error) if error else _option(argv, "--result")
     run_id, error = (None, error) if error else _option(argv, "--from-log")
+    if not error and result is not None:
+        error = check_result_path(result)  # before the run: a result that cannot be written is lost after it
     if error:
         print(f"privfl-flower-run: error: {error}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -450,6 +451,37 @@ def _push_task_output(client, context, sub_status: str, details: str) -> None:
 
 # -- the command ---------------------------------------------------------------------------------------------------
 
+#: ``--log-level``'s choices (logging's level names)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _poll_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.01 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0.01 and 60, got {text!r}")
+    return value
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a process id (an integer >= 1), got {text!r}")
+    return value
+
+
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text):
+        what = "is a folder" if os.path.isdir(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}; give the PEM file")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="privfl-flower-worker", description=(
         "Serve the ClientApp tasks of a flower-supernode started with --isolation process, in this one "
@@ -457,15 +489,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's runtime API, HOST:PORT (its --port)")
     tls = ap.add_mutually_exclusive_group(required=True)
     tls.add_argument("--insecure", action="store_true", help="plain HTTP to the SuperNode's runtime API (loopback)")
-    tls.add_argument("--root-certificates", help="CA certificate (PEM file) of the runtime API's TLS certificate")
-    ap.add_argument("--superexec-auth-secret-file", default=None,
+    tls.add_argument("--root-certificates", type=_readable_file,
+                     help="CA certificate (PEM file) of the runtime API's TLS certificate")
+    ap.add_argument("--superexec-auth-secret-file", default=None, type=_readable_file,
                     help="the file given to flower-supernode --superexec-auth-secret-file, if any")
-    ap.add_argument("--parent-pid", type=int, default=None, help="stop when this process (the SuperNode) ends")
-    ap.add_argument("--poll-interval", type=float, default=0.2, help="seconds between claims while idle (0.2)")
+    ap.add_argument("--parent-pid", type=_pid, default=None, help="stop when this process (the SuperNode) ends")
+    ap.add_argument("--poll-interval", type=_poll_interval, default=0.2,
+                    help="seconds between claims while idle, 0.01 to 60 (0.2)")
     ap.add_argument("--preload", default=",".join(PRELOAD),
                     help="comma-separated modules to import before serving (default: privfl's ClientApp, its "
                          "algorithms and torch; '' for none)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     return ap
 
 
