@@ -289,6 +289,7 @@ class PrivacyLedger:
         self.delta = delta
         self.epsilon_budget = epsilon_budget
         self.accountant = accountant
+        self._recorded: dict = {}  # the metadata this object recorded (its charges hold under them)
         self._reset_cache()
 
     # -- reading -------------------------------------------------------------------------------------------------
@@ -363,6 +364,24 @@ class PrivacyLedger:
             if key not in meta:
                 meta[key] = value
                 conn.execute("UPDATE runs SET meta=? WHERE run_id=?", (json.dumps(meta), self.run_id))
+        self.__dict__.setdefault("_recorded", {})[key] = value
+
+    def _check_terms(self, conn: sqlite3.Connection) -> None:
+        """Inside the write lock, before a new charge: the run's stored terms (budget, delta, accountant) and the
+        metadata this object recorded are still its own. A run without charges takes new terms when opened again (a
+        refused run binds nothing), so another process may have reopened it between this object's opening and its
+        first charge (a review, session 26: the file then said budget 8 and local trust over a charge made under
+        budget 1 and central trust); that charge is refused."""
+        row = conn.execute("SELECT delta, epsilon_budget, accountant, meta FROM runs WHERE run_id=?",
+                           (self.run_id,)).fetchone()
+        try:
+            meta = json.loads(row[3]) if row and row[3] else {}
+        except (TypeError, ValueError):
+            meta = None
+        if (row is None or not _same_terms(row, self.delta, self.epsilon_budget, self.accountant) or meta is None
+                or any(meta.get(k) != v for k, v in getattr(self, "_recorded", {}).items())):
+            raise LedgerError(f"run {self.run_id!r} in {self.path} was opened again by another process with other "
+                              "terms before its first charge; nothing was charged: use one run id per run")
 
     @contextlib.contextmanager
     def _write(self):
@@ -523,6 +542,7 @@ class PrivacyLedger:
             inserted: list[tuple[int, str, int, str, PrivacyEvent, str]] = []
             now = time.time()
             if new:
+                self._check_terms(conn)
                 # "Would this exceed?": the node the round's new channels lead to, the cached state unchanged (a
                 # round after every other: one step down the tree; anything else: on a copy of the state).
                 channels = {r.channel: (r.event, r.unit) for r in new}

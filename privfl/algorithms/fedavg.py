@@ -12,6 +12,7 @@ mean squared error by default and reports RMSE, MAE and R^2 in the data's own un
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 from typing import Iterator, Mapping, Sequence
 
@@ -36,8 +37,12 @@ from privfl.training.local import (UserTraining, flat_parameters, load_flat_para
 def own_layer_randomness(rng: np.random.Generator):
     """Within: torch's global generator seeded from a child of ``rng`` (the client's own stream), in a forked torch
     state, for the layers' own draws (dropout) in one client's local training (see :meth:`FedAvg.local_train`)."""
+    # the seed is a hash of the stream's state as this training starts: it leaves the stream's draws as they were, and
+    # a runtime that restores the stream's state (Flower's ClientApp, message by message) gets the same seeds as one
+    # that keeps the generator (a spawn counter is not part of that state: every round drew the same masks there)
+    state = repr(rng.bit_generator.state).encode()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(rng.spawn(1)[0].integers(0, 2 ** 63 - 1)))
+        torch.manual_seed(int.from_bytes(hashlib.sha256(b"privfl layers" + state).digest()[:8], "big") >> 1)
         yield
 
 

@@ -103,16 +103,36 @@ class _RecordLevelData(LocalData):
         return self.schedule.round_event(self.noise_multiplier)
 
 
-class _DryRecordLevelData(_RecordLevelData):
-    """The record-level data of :meth:`PrivateAlgorithm.check_client_step`'s dry run: ``train`` returns the
-    parameters it is given (the contract is about shapes: no DP-SGD steps are run for it)."""
+#: the public probe records of :meth:`PrivateAlgorithm.check_client_step`'s dry run
+_DRY_RECORDS = 4
+
+
+class _DryData(LocalData):
+    """The data of :meth:`PrivateAlgorithm.check_client_step`'s dry run: a few public probe records (standard normal
+    features, zero targets; no client's), and a ``train`` that moves the parameters by a small fixed public vector
+    (a step that divides by its change's norm must not fail on a change of zero: the contract is about shapes, so no
+    training is run). At record level the records are not readable and ``train`` runs once, as in a real round."""
+
+    def __init__(self, owner: "PrivateAlgorithm", records, rng: np.random.Generator, *, record_level: bool):
+        self._owner, self._records, self._record_level = owner, records, record_level
+        self._shift = 1e-3 * rng.standard_normal(owner.dim).astype(np.float32)
+        self.trained = False
+        self.metrics: dict[str, float] = (
+            {"noise_multiplier": owner.noise_multiplier(dpsgd_schedule(owner, 0))} if record_level else {})
 
     def train(self, params: np.ndarray) -> np.ndarray:
-        if self.trained:
+        if self._record_level and self.trained:
             raise UsageError(f"{self._owner.name}: at record level a client step trains once per round (its "
                              "release is charged one round of DP-SGD); call data.train once")
         self.trained = True
-        return np.array(params, dtype=np.float32, copy=True)
+        return np.asarray(params, dtype=np.float32) + self._shift
+
+    def tensors(self):
+        if self._record_level:
+            raise UsageError(f"{self._owner.name}: at record level a client step reads its data only through "
+                             "data.train (DP-SGD); anything else it computed from the records would leave "
+                             "unprotected")
+        return self._records.tensors()
 
 
 def _message_mapping(value, what: str, name: str) -> dict:
@@ -264,6 +284,11 @@ class PrivateAlgorithm(FedAvg):
                 raise ClientStepContract(f"{self.name}: client_step's {name!r} has shape {v.shape}; a channel is a "
                                          f"vector of the model's {self.dim} parameters")
             vectors[name] = v
+        if new_state is not None:
+            try:
+                new_state = _message_mapping(new_state, "client_step's state", self.name)
+            except UsageError as exc:
+                raise ClientStepContract(str(exc)) from None
         return vectors, new_state
 
     def check_client_step(self) -> None:
@@ -276,22 +301,25 @@ class PrivateAlgorithm(FedAvg):
         0-d mean on 99 records and released on 100). Any other exception of the dry run is not the contract's and is
         left to the run."""
         public = self.public
-        if public.task == "classification" or public.num_classes == 1:
-            labels = np.zeros(0, dtype=np.int64 if public.task == "classification" else np.float32)
+        probe = np.random.default_rng(0)
+        n = _DRY_RECORDS
+        if public.task == "classification":
+            labels = np.zeros(n, dtype=np.int64)
+        elif public.num_classes == 1:
+            labels = np.zeros(n, dtype=np.float32)
         else:
-            labels = np.zeros((0, int(public.num_classes)), dtype=np.float32)
+            labels = np.zeros((n, int(public.num_classes)), dtype=np.float32)
         from privfl.data import ArrayDataset
 
-        empty = ArrayDataset(np.zeros((0, *public.input_shape), dtype=np.float32), labels, public.task,
-                             public.num_classes, "dry run")
-        rng = np.random.default_rng(0)
-        data = (_DryRecordLevelData(self, 0, empty, rng) if self.record_level else _ClientData(self, empty, rng))
+        records = ArrayDataset(probe.standard_normal((n, *public.input_shape)).astype(np.float32), labels, public.task,
+                               public.num_classes, "dry run")
+        data = _DryData(self, records, probe, record_level=self.record_level)
         try:
             with torch.random.fork_rng(devices=[]):
-                out = self.plain.client_step(MappingProxyType(dict(self.broadcast_values)), data, None, rng)
+                out = self.plain.client_step(MappingProxyType(dict(self.broadcast_values)), data, None, probe)
         except UsageError:
             raise
-        except Exception:  # noqa: BLE001 - not a breach of the contract (a step may refuse a client of no records)
+        except Exception:  # noqa: BLE001 - not a breach of the contract (a step may refuse public probe records)
             return
         try:
             self._checked_output(out)
@@ -310,7 +338,7 @@ class PrivateAlgorithm(FedAvg):
         if new_state is None:
             self.client_states.pop(client, None)
         else:
-            self.client_states[client] = _message_mapping(new_state, "client_step's state", self.name)
+            self.client_states[client] = new_state
         if self.record_level:
             name = self.plain.channels[0]
             value = vectors[name]

@@ -57,3 +57,27 @@ def test_one_clients_data_does_not_move_another_clients_dropout(monkeypatch, alg
     assert len(full) == len(other)
     for a, b in zip(full[1:], other[1:]):  # orgs 1.. hold the same data in D and D'
         np.testing.assert_array_equal(a, b)
+
+
+def test_layer_seeds_follow_the_streams_state_so_a_restored_stream_draws_what_a_kept_one_does():
+    """Flower's ClientApp rebuilds a client's stream each message and restores its state; a spawn counter is not part
+    of that state, so a spawned child repeated itself every round there (a review, session 26). The seed is a hash
+    of the state as training starts: the same in both runtimes, and new every round the stream has moved."""
+    from privfl.algorithms.fedavg import own_layer_randomness
+
+    def seed(rng):
+        with own_layer_randomness(rng):
+            return torch.initial_seed()
+
+    kept = np.random.default_rng(np.random.SeedSequence(7))
+    saved, kept_seeds, restored_seeds = None, [], []
+    for _ in range(3):
+        kept_seeds.append(seed(kept))
+        kept.integers(0, 10, size=50)  # the round's shuffles
+        fresh = np.random.default_rng(np.random.SeedSequence(7))
+        if saved is not None:
+            fresh.bit_generator.state = saved
+        restored_seeds.append(seed(fresh))
+        fresh.integers(0, 10, size=50)
+        saved = fresh.bit_generator.state
+    assert kept_seeds == restored_seeds and len(set(kept_seeds)) == 3

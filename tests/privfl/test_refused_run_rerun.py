@@ -59,3 +59,23 @@ def test_a_run_without_charges_takes_new_terms_and_one_with_charges_keeps_its_ow
     with pytest.raises(LedgerError, match="was charged under trust"):
         kept.record_meta("trust", "central")
     kept.close()
+
+
+def test_a_run_reopened_with_other_terms_before_its_first_charge_refuses_that_charge(tmp_path):
+    """Two processes, one run id: A opens it (budget 1, central trust); before A's first charge B reopens it with
+    other terms (budget 8, local trust), which a run without charges allows. A's charge would then sit under B's
+    terms: refused, nothing written (a review, session 26)."""
+    from privfl.accounting.events import GaussianEvent
+
+    path = str(tmp_path / "l.sqlite")
+    a = PrivacyLedger(path, "R", epsilon_budget=1.0)
+    a.record_meta("trust", "central")
+    b = PrivacyLedger(path, "R", epsilon_budget=8.0)
+    b.record_meta("trust", "local")
+    with pytest.raises(LedgerError, match="opened again by another process"):
+        a.charge("0", 0, "update", GaussianEvent(1.0, 5.0))
+    assert PrivacyLedger.charged_run_ids(path) == []
+    b.charge("0", 0, "update", GaussianEvent(1.0, 5.0))  # B's terms are the run's now
+    assert PrivacyLedger.charged_run_ids(path) == ["R"]
+    a.close()
+    b.close()

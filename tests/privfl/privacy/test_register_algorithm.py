@@ -438,3 +438,54 @@ def test_a_contract_breach_decided_by_the_records_releases_the_fallback_not_an_e
             privfl.federate(_model(), odd, algorithm="oddbreach", epsilon=math.inf, rounds=1, test=test)
     finally:
         unregister_algorithm("oddbreach")
+
+
+def test_a_state_breach_decided_by_the_records_releases_the_fallback_and_a_program_breach_is_refused():
+    """The contract covers the state too (a review, session 26: a state that is not a mapping on an odd record count
+    was an uncharged error on D' only). And the dry run moves the parameters by a small public vector on public probe
+    records, so a step that normalises its change (zero on a dry run of no records) still has its shape checked up
+    front: a step that always breaks its contract is refused before anything is charged, not run on fallbacks."""
+    from dataclasses import dataclass
+
+    from privfl.core.release import LocalStepFailed
+
+    @register_algorithm("oddstate")
+    @dataclass(frozen=True)
+    class OddState(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            x, _ = data.tensors()
+            change = data.train(broadcast["params"]) - broadcast["params"]
+            return {"update": change}, ([1, 2] if len(x) % 2 else None)
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    @register_algorithm("alwaysbad")
+    @dataclass(frozen=True)
+    class AlwaysBad(privfl.Algorithm):
+        def client_step(self, broadcast, data, state, rng):
+            change = data.train(broadcast["params"]) - broadcast["params"]
+            return {"update": (change * (0.1 / float(np.linalg.norm(change))))[:-1]}, state
+
+        def server_step(self, server, means):
+            return {"params": server["params"] + means["update"]}
+
+    clients, test = _clients()
+    x, y = clients["org2"]
+    try:
+        audits = []
+        for n in (100, 101):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = privfl.federate(_model(), {**clients, "org2": (x[:n], y[:n])}, algorithm="oddstate",
+                                         epsilon=3.0, unit="client", rounds=2, test=test, client_size=300)
+            audits.append((result.audit["org2"]["epsilon"],
+                           bool([w for w in caught if issubclass(w.category, LocalStepFailed)])))
+        assert audits[0][0] == audits[1][0] and audits == [(audits[0][0], False), (audits[0][0], True)]
+        for unit in ("client", "example"):
+            with pytest.raises(ConfigurationError, match=r"has shape \(649,\)"):
+                privfl.federate(_model(), clients, algorithm="alwaysbad", epsilon=3.0, unit=unit, rounds=1,
+                                test=test, client_size=300)
+    finally:
+        unregister_algorithm("oddstate")
+        unregister_algorithm("alwaysbad")
