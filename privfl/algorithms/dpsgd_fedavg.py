@@ -100,11 +100,11 @@ class DPSGDFedAvg(FedAvg):
         net = super().build_model(public)
         if self.privacy.private and self.user.model is not None:
             check_opacus_model(net, self.name, public.input_shape)
-        if self.privacy.private:
-            check_user_loss(net, self.user.loss, self.name, public)
         weight = loss_class_weight(self.user.loss)
         if self.privacy.private and weight is not None:  # refused now, before anything is charged
             check_class_weights(weight, public.num_classes, self.privacy.adjacency, self.name)
+        if self.privacy.private:
+            check_user_loss(net, self.user.loss, self.name, public)
         return net
 
     def channels(self):

@@ -81,7 +81,9 @@ def test_a_ledger_file_or_a_folder_holding_the_run_is_refused(capsys, engine_ins
     assert code == 2 and "is a file" in err and "client<k>.sqlite" in err
     folder = tmp_path / "ledgers"
     folder.mkdir()
-    PrivacyLedger(str(folder / "client1.sqlite"), "mine").close()
+    held = PrivacyLedger(str(folder / "client1.sqlite"), "mine")  # a run that charged something (one that charged
+    held.charge("1", 0, "update", GaussianEvent(1.0, 5.0), "client")  # nothing binds nothing: session 26)
+    held.close()
     code, _, err = run_cli(capsys, "run", *SMALL, "--runtime", "flower-sim", "--ledger", str(folder),
                            "--run-id", "mine")
     assert code == 2 and "already holds run 'mine'" in err and "privfl audit" in err
