@@ -40,6 +40,13 @@ from privfl.errors import ConfigurationError, UsageError
 from privfl.training.local import TaskLoss, flat_parameters, load_flat_parameters
 
 
+#: the record-level refusals of a client step, the same from a real round's data and the dry run's
+TRAINS_ONCE = ("{name}: at record level a client step trains once per round (its release is charged one round of "
+               "DP-SGD); call data.train once")
+READS_THROUGH_TRAIN = ("{name}: at record level a client step reads its data only through data.train (DP-SGD); "
+                       "anything else it computed from the records would leave unprotected")
+
+
 class ClientStepContract(RuntimeError):
     """A registered algorithm's client step returned something its contract does not allow, on some data: in a
     private run its round releases the charged fallback (:meth:`PrivateAlgorithm.check_client_step` refused the
@@ -79,8 +86,7 @@ class _RecordLevelData(LocalData):
     def train(self, params: np.ndarray) -> np.ndarray:
         owner = self._owner
         if self.trained:
-            raise UsageError(f"{owner.name}: at record level a client step trains once per round (its "
-                                     "release is charged one round of DP-SGD); call data.train once")
+            raise UsageError(TRAINS_ONCE.format(name=owner.name))
         self.trained = True
         engine = DPSGD(owner.model, self.schedule, noise_multiplier=self.noise_multiplier, clip=owner.privacy.clip,
                        lr=owner.fed.lr, momentum=owner.fed.momentum, secure_noise=owner.privacy.secure_noise,
@@ -94,9 +100,7 @@ class _RecordLevelData(LocalData):
         return trained
 
     def tensors(self):
-        raise UsageError(f"{self._owner.name}: at record level a client step reads its data only through "
-                                 "data.train (DP-SGD); anything else it computed from the records would leave "
-                                 "unprotected")
+        raise UsageError(READS_THROUGH_TRAIN.format(name=self._owner.name))
 
     @property
     def event(self):
@@ -122,16 +126,13 @@ class _DryData(LocalData):
 
     def train(self, params: np.ndarray) -> np.ndarray:
         if self._record_level and self.trained:
-            raise UsageError(f"{self._owner.name}: at record level a client step trains once per round (its "
-                             "release is charged one round of DP-SGD); call data.train once")
+            raise UsageError(TRAINS_ONCE.format(name=self._owner.name))
         self.trained = True
         return np.asarray(params, dtype=np.float32) + self._shift
 
     def tensors(self):
         if self._record_level:
-            raise UsageError(f"{self._owner.name}: at record level a client step reads its data only through "
-                             "data.train (DP-SGD); anything else it computed from the records would leave "
-                             "unprotected")
+            raise UsageError(READS_THROUGH_TRAIN.format(name=self._owner.name))
         return self._records.tensors()
 
 
